@@ -1,0 +1,23 @@
+"""Pagoda's engine: scheduler, block manager, step contract, LLMEngine and the offline LLM API.
+
+Names are resolved lazily so that `import engine` stays light (no torch, no transformers until used).
+"""
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "LLMEngine": "engine.llm_engine",
+    "AsyncLLMEngine": "engine.async_engine",
+    "RequestOutput": "engine.request_output",
+    "CompletionOutput": "engine.request_output",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

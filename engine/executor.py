@@ -1,0 +1,43 @@
+"""The executor interface: what the engine needs from whatever runs the model (in-process or a Ray actor group)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """The executor failed a step. `is_fatal` when it can run no more steps (a worker died)."""
+
+    def __init__(self, message: str, is_fatal: bool = False):
+        super().__init__(message)
+        self.is_fatal = is_fatal
+
+
+class Executor(ABC):
+    """Runs steps on every rank. After construction the model is loaded and the KV pool allocated."""
+
+    num_kv_blocks: int
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step on every rank and returns rank 0's output. Raises ExecutorError on failure."""
+
+    def check_health(self) -> None:
+        """Raises ExecutorError when a worker is dead."""
+
+    def shutdown(self) -> None:
+        """Releases workers and memory. Idempotent."""
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray)."""
+    if config.parallel.tensor_parallel_size == 1 and not config.parallel.use_ray:
+        from workers.worker import InProcessExecutor
+
+        return InProcessExecutor(config)
+    from cluster.actor_group import RayExecutor
+
+    return RayExecutor(config)

@@ -1,0 +1,75 @@
+"""The step contract between the driver's scheduler and the workers: plain, picklable dataclasses, no tensors.
+
+A request crosses the boundary once, as `NewRequestData` (its token ids, sampling params and block ids); after that a
+step carries only diffs (`CachedRequestData`: new block ids and where computation stands). Workers keep a persistent
+state per request and append the tokens they sample themselves, so the driver never sends sampled tokens back.
+
+    driver                                    every worker rank
+    schedule() ──── SchedulerOutput ────────► execute_model()
+    update_from_output() ◄── ModelRunnerOutput (rank 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when a preempted request resumes
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit or shared blocks)
+    sample_seed: int | None = None  # seed of this sequence's generator (a child of n > 1 gets seed + index)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the block table...
+    num_computed_tokens: int  # before this step's tokens
+    replaces_block_ids: bool = False  # ...or, after a copy-on-write, the whole new table
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens to compute this step
+    finished_req_ids: list[str] = field(default_factory=list)  # drop from the persistent batch (finished, aborted)
+    preempted_req_ids: list[str] = field(default_factory=list)  # drop too; they come back as new requests
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of one sampled token and the top-k alternatives (from the raw logits)."""
+
+    sampled_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced: one sampled token for each request whose scheduled tokens reached its end."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] = field(default_factory=list)  # parallel to req_ids

@@ -1,0 +1,101 @@
+"""A request's state on the driver: one number line of prompt + output tokens, `num_computed_tokens` of them in the
+KV cache.
+
+    prompt tokens                 output tokens
+    |=========================|==========|
+    |<-- num_computed_tokens -->|           chunked prefill, prefix-cache hits and recompute after preemption
+                                            all move this one number forward
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status at or above FINISHED_STOPPED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A user request with n > 1 becomes n of these: index 0 leads, the others wait for the leader's
+    prompt to be in the cache and then share its blocks (see `Scheduler._try_fork`)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never past max_model_len
+    parent_id: str = ""  # the user's request id; equals req_id when n == 1
+    index: int = 0  # which of the n completions
+    leader: Request | None = None  # for n > 1: the sequence whose prompt blocks this one shares
+    sample_seed: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprobs | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        if not self.parent_id:
+            self.parent_id = self.req_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)

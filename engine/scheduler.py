@@ -1,0 +1,190 @@
+"""Iteration-level scheduler: each step fills one token budget with running requests first (decodes and the rest of
+chunked prefills), then new or preempted requests, under `max_num_seqs`.
+
+When blocks run out the newest running request is preempted: its blocks are freed and it goes back to the front of
+the waiting queue, to be recomputed later (prefix-cache hits make that cheap). Never an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_since_last_step: list[str] = []  # the workers must drop these
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.req_id not in self.requests, f"duplicate request id {req.req_id}"
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stop string, abort, error): frees its blocks. Idempotent."""
+        assert status.is_finished, status
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.finished_since_last_step.append(req_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)  # waiting requests hold no state on the workers
+        req.status = status
+        self.block_manager.free(req)
+        return req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- schedule ------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_since_last_step)
+        self.finished_since_last_step = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        out.block_copies = self.block_manager.take_copies()
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req itself was preempted: nothing after it is left either
+            is_copy = self.block_manager.needs_copy(req)  # writing into a block shared with an n > 1 sibling
+            new_block_ids = self.block_manager.allocate(req, num_new)
+            if is_copy:
+                new_block_ids = list(self.block_manager.block_ids(req.req_id))
+            out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens, is_copy))
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if not self._try_fork(req):
+                skipped.append(req)  # its leader's prompt is not in the cache yet
+                continue
+            if req.num_computed_tokens == 0 and not self.block_manager.block_ids(req.req_id):
+                hits = self.block_manager.find_cached_prefix(req)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = len(hits) * self.block_manager.block_size
+                num_new = min(req.num_tokens - len(hits) * self.block_manager.block_size, budget)
+                if self.block_manager.num_free_blocks < self._blocks_for_new(req, hits, num_new):
+                    self.waiting.appendleft(req)
+                    break
+                self.block_manager.allocate_cached(req, hits)
+                req.num_computed_tokens = len(hits) * self.block_manager.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(req, num_new):
+                self.block_manager.free(req)
+                req.num_computed_tokens = 0
+                self.waiting.appendleft(req)
+                break
+            self.block_manager.allocate(req, num_new)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_reqs.append(NewRequestData(
+                req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                list(self.block_manager.block_ids(req.req_id)), req.num_computed_tokens, req.sample_seed))
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _blocks_for_new(self, req: Request, hits: list[int], num_new: int) -> int:
+        """Free blocks a new request takes: its uncached blocks, plus the hits that now sit in the free queue."""
+        size = self.block_manager.block_size
+        total = -(-(len(hits) * size + num_new) // size)
+        revived = sum(1 for b in hits if self.block_manager.blocks[b].ref_count == 0)
+        return total - len(hits) + revived
+
+    def _try_fork(self, req: Request) -> bool:
+        """For n > 1: share the leader's prompt blocks once its prompt is computed. False: wait for the leader."""
+        leader = req.leader
+        if leader is None:
+            return True
+        if leader.status == RequestStatus.RUNNING and not leader.output_token_ids:
+            return False  # the leader's prompt is still being computed
+        req.leader = None
+        if leader.status == RequestStatus.RUNNING:
+            num_shared = req.num_prompt_tokens - 1
+            self.block_manager.fork(leader, req, num_shared)
+            req.num_computed_tokens = num_shared
+            req.num_cached_tokens = num_shared
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.append(req.req_id)
+
+    # ---- results -------------------------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Appends sampled tokens, ends requests at eos / stop ids / length, publishes full blocks to the prefix
+        cache. Returns the requests that got a token (finished ones included)."""
+        for req_id in sched.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.block_manager.commit(req)
+        updated = []
+        for req_id, token_id, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since the step was scheduled
+            req.append_output(token_id, logprobs)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.finish_request(req_id, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
+            req.stop_reason = token_id if token_id in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,26 @@
+"""Tokenizer loading and chat templates (transformers' fast tokenizers; imported lazily)."""
+
+from __future__ import annotations
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        chat_template: str | None = None, **kwargs) -> str:
+    """Renders a conversation to prompt text with the tokenizer's template. Raises ValueError on bad messages."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError("each message needs a 'role'")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **kwargs)
+    except Exception as e:  # jinja errors: the template rejected the conversation
+        raise ValueError(f"chat template failed: {e}") from e

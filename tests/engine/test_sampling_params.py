@@ -1,0 +1,32 @@
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("max_tokens", 0),
+    ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("logit_bias", {5: 200.0}), ("logit_bias", {-1: 1.0}),
+])
+def test_invalid_field_is_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_normalisation():
+    p = SamplingParams(stop="x", top_k=-1, logit_bias={"3": 1})
+    assert p.stop == ["x"] and p.top_k == 0 and p.logit_bias == {3: 1.0}
+    assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
+
+
+def test_vocab_checks():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={100: 1.0}).validate_for_model(vocab_size=100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[100]).validate_for_model(vocab_size=100)
