@@ -1,0 +1,27 @@
+# Quick start: `make serve` (or `make generate`) and `make test`. Each sets up .venv on first use.
+VENV ?= .venv
+PYTHON ?= python3
+# The CPU build of torch 2.13.0 is what CI and the 2-core dev machines use; on a GPU machine pass
+# TORCH_SPEC="torch" (or a CUDA build) to get a CUDA torch.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup generate serve test test-gpu
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+generate: setup
+	$(BIN)/pagoda generate
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -ra -m gpu

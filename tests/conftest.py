@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny checkpoints built once per session, one torch thread (the CI machine has 2 cores)."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("PAGODA_TORCH_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The built-in tiny Llama checkpoint (built into a session cache unless PAGODA_CACHE has it)."""
+    from workers.tiny_model import default_tiny_model_path
+
+    return default_tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Tiny Llama, Mistral-style and Qwen2 checkpoints written by transformers' save_pretrained."""
+    from workers.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_tiny_model(str(root / arch), arch=arch, seed=i) for i, arch in
+            enumerate(["llama", "mistral", "qwen2"])}
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (logical CPUs: the machine has only 2 cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()

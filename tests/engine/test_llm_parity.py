@@ -1,0 +1,100 @@
+"""End to end: greedy tokens of LLM.generate equal transformers' generate, token for token, under every
+scheduling regime (block sizes, preemption, chunked prefill, prefix caching), for Llama, Mistral and Qwen2."""
+
+import functools
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+MAX_NEW = 12
+PREFIX = "Tensor parallelism splits each weight matrix across several devices; an all-reduce sums the results. "
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. A language model reads a prompt",
+    "def fibonacci(n: int) -> list[int]:",
+    "Once upon a time there was a small model that wanted to learn. It read books about the sea, the stars and",
+    PREFIX + "What is the capital of France?",
+    PREFIX + "Write a short poem about the ocean.",
+    "1 2 3",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(model_dir: str):
+    """transformers' greedy generate: token ids and log-softmax of the raw logits at each step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)])
+        out = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        new = out.sequences[0, ids.shape[1]:].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+        results.append((ids[0].tolist(), new, logprobs))
+    return results
+
+
+def run_pagoda(model_dir, params=None, **kwargs):
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", **kwargs)
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    return llm, outs
+
+
+def assert_same_tokens(model_dir, outs):
+    for (prompt_ids, ref_tokens, _), out in zip(hf_reference(model_dir), outs):
+        assert out.prompt_token_ids == prompt_ids
+        assert out.outputs[0].token_ids == ref_tokens, f"prompt {out.prompt!r}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_greedy_parity_and_logprobs(tiny_checkpoints, arch):
+    model_dir = tiny_checkpoints[arch]
+    _, outs = run_pagoda(model_dir)
+    assert_same_tokens(model_dir, outs)
+    for (_, ref_tokens, ref_logprobs), out in zip(hf_reference(model_dir), outs):
+        completion = out.outputs[0]
+        for step, (token_id, entry) in enumerate(zip(ref_tokens, completion.logprobs)):
+            assert abs(entry[token_id] - ref_logprobs[step][token_id].item()) < 1e-4
+            top2 = torch.topk(ref_logprobs[step], 2).indices.tolist()
+            assert set(top2) <= set(entry)
+            for tid in top2:
+                assert abs(entry[tid] - ref_logprobs[step][tid].item()) < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_parity_across_block_sizes(tiny_checkpoints, block_size):
+    model_dir = tiny_checkpoints["llama"]
+    _, outs = run_pagoda(model_dir, block_size=block_size)
+    assert_same_tokens(model_dir, outs)
+
+
+def test_parity_with_preemption(tiny_checkpoints):
+    model_dir = tiny_checkpoints["llama"]
+    llm, outs = run_pagoda(model_dir, block_size=4, num_kv_blocks=24)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_same_tokens(model_dir, outs)
+
+
+def test_parity_with_chunked_prefill(tiny_checkpoints):
+    model_dir = tiny_checkpoints["qwen2"]
+    llm, outs = run_pagoda(model_dir, block_size=4, max_num_batched_tokens=7)
+    assert_same_tokens(model_dir, outs)
+
+
+def test_parity_with_prefix_caching_hits(tiny_checkpoints):
+    model_dir = tiny_checkpoints["mistral"]
+    llm, outs = run_pagoda(model_dir, block_size=4, max_num_seqs=1)  # one at a time: later prompts hit
+    assert llm.engine.block_manager.prefix_hits_tokens > 0
+    assert outs[5].metrics.num_cached_tokens >= 16
+    assert_same_tokens(model_dir, outs)
+    llm2, outs2 = run_pagoda(model_dir, block_size=4, enable_prefix_caching=False)
+    assert llm2.engine.block_manager.prefix_hits_tokens == 0
+    assert_same_tokens(model_dir, outs2)

@@ -1,0 +1,156 @@
+"""`ModelRunner`: SchedulerOutput -> input tensors -> forward over the paged KV pool -> sampled tokens.
+
+It keeps a persistent state per request (token ids, block table, where computation stands), updated from the
+step's diffs, and appends the tokens it samples itself, so the driver never sends them back.
+
+A step's batch is flat: the scheduled tokens of every request packed one after another.
+
+    request  a: 5 prompt tokens (prefill)   b: 1 decode token   c: a 3-token chunk of a long prompt
+    tokens   [a a a a a | b | c c c]        query_start_loc [0, 5, 6, 9]
+    logits for: a (prompt done), b; not c (more chunks to come)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from workers.kv_pool import KVCaches, copy_blocks
+from workers.layers.attention import AttentionMetadata
+from workers.sampler import SamplingRow, sample
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    seed: int | None
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
+                 is_driver: bool = True):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.is_driver = is_driver  # TP rank 0: samples and returns the output
+        self.requests: dict[str, RequestState] = {}
+
+    # ---- persistent batch ----------------------------------------------------------------------------------------
+    def update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids + sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_reqs:
+            self.requests[new.req_id] = self._new_state(new)
+        for cached in sched.cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.replaces_block_ids:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        copy_blocks(self.kv_caches, sched.block_copies)
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        generator = None
+        if new.sample_seed is not None:
+            generator = torch.Generator(device=self.device)
+        return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
+                            len(new.prompt_token_ids), new.sampling_params, list(new.block_ids),
+                            new.num_computed_tokens, new.sample_seed, generator)
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput() if self.is_driver else None
+        states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
+        counts = list(sched.num_scheduled_tokens.values())
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(states, counts)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling_states = [states[i] for i in sample_rows]
+        logits = None
+        if sampling_states:
+            logits = self.model.compute_logits(hidden[self._sample_indices(meta, sample_rows)])
+        for state, count in zip(states, counts):
+            state.num_computed_tokens += count
+        token_ids = self._sample(logits, sampling_states)
+        if not self.is_driver:
+            return None
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> ModelRunnerOutput | None:
+        """Rank 0 samples; the other ranks learn the tokens by broadcast so their states stay in step."""
+        from workers import parallel
+
+        num = len(states)
+        if num == 0:
+            return ModelRunnerOutput()
+        token_ids, logprobs = [], []
+        if self.is_driver:
+            rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
+                                self._seeded_generator(s)) for s in states]
+            token_ids, logprobs = sample(logits, rows)
+        if parallel.get_tp_size() > 1:
+            ids = torch.tensor(token_ids if self.is_driver else [0] * num, dtype=torch.long, device=self.device)
+            token_ids = parallel.broadcast_from_rank0(ids).tolist()
+        for state, token_id in zip(states, token_ids):
+            state.token_ids.append(token_id)
+        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs if self.is_driver else [])
+
+    def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
+        """A seeded request's noise depends only on its seed and how many tokens it has: the same tokens whatever
+        else is in the batch, and after preemption too."""
+        if state.generator is None:
+            return None
+        num_outputs = len(state.token_ids) - state.num_prompt_tokens
+        state.generator.manual_seed((state.seed * _SEED_STRIDE + num_outputs) % (1 << 63))
+        return state.generator
+
+    def _prepare_inputs(self, states: list[RequestState], counts: list[int]):
+        input_ids, positions, slots, query_start, seq_lens, sample_rows = [], [], [], [0], [], []
+        bs = self.block_size
+        for i, (state, count) in enumerate(zip(states, counts)):
+            start, end = state.num_computed_tokens, state.num_computed_tokens + count
+            assert end <= len(state.token_ids), f"{state.req_id}: scheduled past its known tokens"
+            assert end <= len(state.block_ids) * bs, f"{state.req_id}: {end} tokens, {len(state.block_ids)} blocks"
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + count)
+            seq_lens.append(end)
+            if end == len(state.token_ids):
+                sample_rows.append(i)
+        max_blocks = max(len(s.block_ids) for s in states)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(counts), is_decode_only=max(counts) == 1)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, sample_rows
+
+    def _sample_indices(self, meta: AttentionMetadata, sample_rows: list[int]) -> torch.Tensor:
+        """The last token of each sampling request: query_start_loc[b + 1] - 1."""
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return meta.query_start_loc.long()[rows + 1] - 1

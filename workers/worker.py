@@ -1,0 +1,135 @@
+"""`Worker`: one tensor-parallel rank. Owns the device, the model shard and its part of the paged KV pool.
+
+Lifecycle (the same in-process and inside a Ray actor):
+    init_device() -> load_model() -> determine_num_blocks() -> init_kv_cache(n) -> execute_model(...) * N
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.executor import Executor, ExecutorError
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from workers import parallel
+from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
+from workers.model_runner import ModelRunner
+from workers.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 dist_init_method: str | None = None, device_index: int | None = None):
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.dist_init_method = dist_init_method
+        self.device_index = device_index
+        self.device_kind = resolve_device(config.parallel.device)
+        self.dtype = _DTYPES[resolve_dtype(config.model.dtype, self.device_kind, config.model.hf_config)]
+        self.model = None
+        self.runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.device_kind == "cuda":
+            index = self.device_index if self.device_index is not None else 0
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        parallel.init_parallel(self.rank, self.world_size, backend, self.dist_init_method)
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> None:
+        model_config = self.config.model
+        self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
+                                model_config.load_format, model_config.seed, model_config.max_model_len)
+
+    @property
+    def block_bytes(self) -> int:
+        return bytes_per_block(self.model.num_layers, self.config.cache.block_size, self.model.num_kv_heads_per_rank,
+                               self.model.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit on this rank (the executor takes the minimum over ranks)."""
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device_kind == "cpu":
+            return num_blocks_cpu(cache.cpu_kv_cache_bytes, self.block_bytes)
+        self._profile_run()
+        return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward at the largest step the scheduler can send (and its logits), to measure peak activations."""
+        from engine.outputs import NewRequestData
+        from engine.sampling_params import SamplingParams
+
+        sched_config, block_size = self.config.scheduler, self.config.cache.block_size
+        num_tokens = min(sched_config.max_num_batched_tokens, sched_config.max_model_len)
+        num_seqs = max(min(sched_config.max_num_seqs, num_tokens), 1)
+        per_seq = num_tokens // num_seqs
+        blocks_per_seq = -(-per_seq // block_size)
+        caches = allocate_kv_caches(self.model.num_layers, num_seqs * blocks_per_seq, block_size,
+                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
+        runner = ModelRunner(self.model, caches, block_size, self.device, is_driver=self.rank == 0)
+        sched = SchedulerOutput()
+        for i in range(num_seqs):
+            block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            sched.new_reqs.append(NewRequestData(f"profile-{i}", [1] * per_seq, [], SamplingParams(), block_ids, 0))
+            sched.num_scheduled_tokens[f"profile-{i}"] = per_seq
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute_model(sched)
+        del runner, caches
+        torch.cuda.synchronize(self.device)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
+                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
+                                  is_driver=self.rank == 0)
+        logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB)", self.rank, num_blocks,
+                    self.config.cache.block_size, num_blocks * self.block_bytes / 2**30)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.model = None
+        parallel.destroy_parallel()
+
+
+class InProcessExecutor(Executor):
+    """A single rank in the engine's own process: no actor call per step."""
+
+    def __init__(self, config: EngineConfig):
+        if resolve_device(config.parallel.device) == "cpu" and "PAGODA_TORCH_THREADS" in os.environ:
+            torch.set_num_threads(int(os.environ["PAGODA_TORCH_THREADS"]))
+        self.worker = Worker(config)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.num_kv_blocks = self.worker.determine_num_blocks()
+        self.worker.init_kv_cache(self.num_kv_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.worker.execute_model(scheduler_output)
+        except Exception as e:
+            logger.exception("step failed")
+            raise ExecutorError(f"{type(e).__name__}: {e}") from e
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
