@@ -1,0 +1,150 @@
+"""The batched sampler against its specification, on fixed logits vectors."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from workers.sampler import SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p, sample
+
+# probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04 (ids 0..5)
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+LOGITS = PROBS.log()
+
+
+def _row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+
+
+def _draw(num: int, logits: torch.Tensor = LOGITS, seed: int = 0, **params) -> Counter:
+    """Samples `num` rows of the same logits in one batch; counts the tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, _ = sample(logits.repeat(num, 1), [_row(**params) for _ in range(num)], default_generator=generator)
+    return Counter(tokens)
+
+
+def test_empty_batch():
+    assert sample(torch.empty(0, 6), []) == ([], [])
+
+
+def test_unrestricted_sampling_follows_the_distribution():
+    counts = _draw(20000)
+    for token, p in enumerate(PROBS.tolist()):
+        assert abs(counts[token] / 20000 - p) < 0.015, (token, counts)
+
+
+def test_temperature_zero_is_greedy_and_low_temperature_tends_to_it():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, 0.0, 4.9]])
+    assert sample(logits, [_row(temperature=0.0), _row(temperature=0.0)])[0] == [1, 0]
+    assert set(_draw(200, logits[1], temperature=1e-3)) == {0}
+    assert set(_draw(2000, logits[1], temperature=1.0)) == {0, 1, 2}
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    kept = apply_top_k_top_p(LOGITS[None], torch.tensor([3]), torch.tensor([1.0]))
+    assert torch.isfinite(kept).nonzero()[:, 1].tolist() == [0, 1, 2]
+    assert set(_draw(3000, top_k=3)) == {0, 1, 2}
+    assert set(_draw(100, top_k=1)) == {0}
+
+
+def test_top_p_keeps_the_minimal_nucleus():
+    def kept(p):
+        out = apply_top_k_top_p(LOGITS[None], torch.tensor([0]), torch.tensor([p]))
+        return torch.isfinite(out).nonzero()[:, 1].tolist()
+
+    assert kept(0.3) == [0]
+    assert kept(0.6) == [0, 1]  # 0.4 < 0.6 <= 0.65
+    assert kept(0.7) == [0, 1, 2]
+    assert kept(0.99) == [0, 1, 2, 3, 4, 5]
+    counts = _draw(5000, top_p=0.6)
+    assert set(counts) == {0, 1} and abs(counts[0] / 5000 - 0.4 / 0.65) < 0.03
+
+
+def test_top_k_then_top_p_on_the_renormalized_distribution():
+    # after top_k=2 the distribution is (0.615, 0.385): top_p=0.6 keeps only token 0
+    out = apply_top_k_top_p(LOGITS[None], torch.tensor([2]), torch.tensor([0.6]))
+    assert torch.isfinite(out).nonzero()[:, 1].tolist() == [0]
+
+
+def test_min_p_threshold():
+    out = apply_min_p(LOGITS[None], torch.tensor([0.3]))  # threshold 0.3 * 0.4 = 0.12
+    assert torch.isfinite(out).nonzero()[:, 1].tolist() == [0, 1, 2]
+    assert set(_draw(3000, min_p=0.3)) == {0, 1, 2}
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    x = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    out = apply_penalties(x.clone(), [_row(prompt=[0], output=[1], repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_frequency_and_presence_penalties_use_output_counts():
+    x = torch.zeros(1, 4)
+    row = _row(prompt=[3, 3], output=[0, 0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)
+    assert apply_penalties(x, [row]).tolist() == [[-1.75, -0.75, 0.0, 0.0]]
+
+
+def test_penalties_shift_the_distribution():
+    base = _draw(4000, output=[0] * 3)
+    penalized = _draw(4000, output=[0] * 3, frequency_penalty=1.0)
+    assert penalized[0] < base[0] * 0.2  # logit - 3 => p(0) falls from 0.4 to ~0.03
+    expected = 0.4 * math.exp(-3) / (0.4 * math.exp(-3) + 0.6)
+    assert abs(penalized[0] / 4000 - expected) < 0.015
+
+
+def test_logit_bias_forces_a_token():
+    assert set(_draw(200, logit_bias={5: 100.0})) == {5}
+    assert sample(LOGITS[None], [_row(temperature=0.0, logit_bias={4: 20.0})])[0] == [4]
+
+
+def test_min_tokens_blocks_stop_tokens():
+    params = dict(temperature=0.0, min_tokens=2, all_stop_token_ids=(0, 1))
+    assert sample(LOGITS[None], [_row(output=[3], **params)])[0] == [2]
+    assert sample(LOGITS[None], [_row(output=[3, 3], **params)])[0] == [0]
+    assert 0 not in _draw(500, output=[], min_tokens=1, all_stop_token_ids=(0,))
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+
+    def seeded_tokens(rows_before: int, steps: int = 20) -> list[int]:
+        gen = torch.Generator().manual_seed(1234)
+        tokens = []
+        for _ in range(steps):
+            rows = [_row(temperature=0.8) for _ in range(rows_before)]
+            rows.append(_row(temperature=0.8, top_p=0.9, generator=gen))
+            rows.append(_row(temperature=0.0))
+            batch = torch.cat([logits[:rows_before], logits[4:5], logits[:1]])
+            tokens.append(sample(batch, rows)[0][rows_before])
+        return tokens
+
+    alone = seeded_tokens(0)
+    assert alone == seeded_tokens(3) == seeded_tokens(1)
+    assert len(set(alone)) > 1  # really random
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])
+    rows = [_row(temperature=0.0), _row(temperature=1.0, top_k=1), _row(temperature=0.0)]
+    assert sample(logits, rows)[0] == [1, 2, 0]
+
+
+def test_logprobs_come_from_the_raw_logits():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    rows = [_row(temperature=0.0, logprobs=3, repetition_penalty=1.5, prompt=[0, 1, 2]),
+            _row(logprobs=0, temperature=0.5, top_k=2),
+            _row()]
+    tokens, logprobs = sample(logits, rows)
+    expected = torch.log_softmax(logits, dim=-1)
+    first = logprobs[0]
+    assert first.sampled_logprob == pytest.approx(expected[0, tokens[0]].item(), abs=1e-6)
+    top = expected[0].topk(3)
+    assert first.top_token_ids == top.indices.tolist()
+    assert first.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert logprobs[1].top_token_ids == [] and logprobs[1].top_logprobs == []
+    assert logprobs[1].sampled_logprob == pytest.approx(expected[1, tokens[1]].item(), abs=1e-6)
+    assert logprobs[2] is None

@@ -1,0 +1,50 @@
+"""Paged attention over the KV pool, for a flat batch of variable-length sequences.
+
+Tokens of all sequences are packed into one dimension T. Sequence b owns tokens
+`query_start_loc[b]:query_start_loc[b+1]` of this step; its KV history (including this step's tokens) is
+`seq_lens[b]` tokens long, stored in the blocks `block_tables[b]`:
+
+    k_cache: [num_blocks, block_size, num_kv_heads, head_dim]   token i of seq b lives in
+             block block_tables[b, i // block_size] at offset i % block_size
+
+This step's keys and values are first written at `slot_mapping` (slot = block_id * block_size + offset; -1 = skip),
+then every query attends causally to its sequence's history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.kv_cache import write_kv_cache
+from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B], KV length including this step's tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    max_query_len: int
+    is_decode_only: bool  # every query length is 1
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, H_kv, D]; caches: [num_blocks, block_size, H_kv, D] -> out [T, H * D]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            out = paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+        else:
+            out = paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                          meta.seq_lens, self.scale, meta.max_query_len)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,170 @@
+"""Tensor-parallel linear layers (Megatron style) with per-parameter weight loaders.
+
+Weights keep the Hugging Face layout `[out_features, in_features]`.
+
+    ColumnParallelLinear   W split by rows (output features): each rank computes its slice of the output.
+    RowParallelLinear      W split by columns (input features): each rank takes its slice of the input and the
+                           partial outputs are summed with an all-reduce; the bias is added once, after the sum.
+
+Each parameter carries `weight_loader(param, loaded, shard_id=None)`. `loaded` is a safetensors slice
+(`safe_open(...).get_slice(name)`) or a tensor; a loader indexes only this rank's part of it (`loaded[a:b]`,
+`loaded[:, a:b]`), so a rank never reads the whole checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.parallel import all_reduce, get_tp_rank, get_tp_size
+
+
+def loaded_shape(loaded) -> tuple[int, ...]:
+    """Shape of a safetensors slice or a tensor."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def copy_loaded(dst: torch.Tensor, src) -> None:
+    """Copies an already-indexed slice (tensor) into `dst`, checking the shape."""
+    src = src if isinstance(src, torch.Tensor) else src[:]
+    assert tuple(dst.shape) == tuple(src.shape), (
+        f"shape mismatch: parameter {tuple(dst.shape)}, loaded {tuple(src.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """Replicated parameter (norm weights, row-parallel bias): copies the whole tensor."""
+    assert shard_id is None, f"unexpected shard_id {shard_id!r} for a replicated parameter"
+    assert loaded_shape(loaded) == tuple(param.shape), (
+        f"shape mismatch: parameter {tuple(param.shape)}, loaded {loaded_shape(loaded)}")
+    copy_loaded(param.data, loaded)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    assert n % d == 0, f"{what} ({n}) is not divisible by tensor_parallel_size ({d})"
+    return n // d
+
+
+def _param(shape: tuple[int, ...], dtype, device, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, rank's slice] = x @ W[rank's rows].T (+ b[rank's slice]). The output stays split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.in_features = in_features
+        self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
+        self.weight = _param((self.out_features_per_rank, in_features), dtype, device, self.weight_loader)
+        self.bias = _param((self.out_features_per_rank,), dtype, device, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        assert shard_id is None, f"ColumnParallelLinear takes no shard_id, got {shard_id!r}"
+        n = self.out_features_per_rank
+        copy_loaded(param.data, loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out / tp]
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate_proj and up_proj: `output_sizes=[I, I]`).
+
+    Each rank's weight is [gate rows of this rank ; up rows of this rank]; `shard_id` is the index in output_sizes.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32,
+                 device=None):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, device)
+        self.sizes_per_rank = [_divide(s, self.tp_size, "output size") for s in self.output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), f"bad shard_id {shard_id!r}"
+        assert loaded_shape(loaded)[0] == self.output_sizes[shard_id], (
+            f"shard {shard_id}: expected {self.output_sizes[shard_id]} rows, loaded {loaded_shape(loaded)}")
+        offset, n = sum(self.sizes_per_rank[:shard_id]), self.sizes_per_rank[shard_id]
+        copy_loaded(param.data[offset:offset + n], loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; attention heads split across ranks.
+
+    Each rank's weight is [its q heads ; its k heads ; its v heads] (rows of head_dim each). When there are fewer
+    KV heads than ranks, KV heads are replicated: rank r holds KV head `r * num_kv_heads // tp_size`, the one its
+    query heads use.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 dtype=torch.float32, device=None):
+        tp_size = get_tp_size()
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.num_heads_per_rank = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads_per_rank = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+        else:
+            assert tp_size % num_kv_heads == 0, (
+                f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+            self.num_kv_heads_per_rank = 1
+        out = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, dtype, device)
+
+    @property
+    def q_size(self) -> int:  # per rank
+        return self.num_heads_per_rank * self.head_dim
+
+    @property
+    def kv_size(self) -> int:  # per rank
+        return self.num_kv_heads_per_rank * self.head_dim
+
+    def _kv_head_start(self) -> int:
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * self.num_kv_heads_per_rank
+        return self.tp_rank * self.num_kv_heads // self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            offset, rows = 0, self.q_size
+            start_head, total_heads = self.tp_rank * self.num_heads_per_rank, self.num_heads
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            rows, start_head, total_heads = self.kv_size, self._kv_head_start(), self.num_kv_heads
+        else:
+            raise AssertionError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        assert loaded_shape(loaded)[0] == total_heads * d, (
+            f"{shard_id}: expected {total_heads * d} rows, loaded {loaded_shape(loaded)}")
+        copy_loaded(param.data[offset:offset + rows], loaded[start_head * d:start_head * d + rows])
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv: [T, q_size + 2 * kv_size] -> q [T, q_size], k [T, kv_size], v [T, kv_size]
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's columns].T) + b. The input arrives already split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
+        self.out_features = out_features
+        self.weight = _param((out_features, self.in_features_per_rank), dtype, device, self.weight_loader)
+        self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        assert shard_id is None, f"RowParallelLinear takes no shard_id, got {shard_id!r}"
+        n = self.in_features_per_rank
+        copy_loaded(param.data, loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in / tp] -> [T, out]
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

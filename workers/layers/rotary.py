@@ -1,0 +1,28 @@
+"""Rotary position embedding (neox style: the two halves of each head are rotated as pairs)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin cache for positions [0, max_position) and rotates q and k in place.
+
+    The cache is computed in float32 and stored in the model dtype, as Hugging Face casts cos and sin to the
+    activations' dtype before applying them.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.head_dim = head_dim
+        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling)  # [max_position, head_dim]
+        self.register_buffer("cos_sin_cache", cache.to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, H, D]; k: [T, H_kv, D]; rotated in place and returned
+        rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return q, k

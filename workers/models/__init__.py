@@ -1,0 +1,25 @@
+"""Model registry: Hugging Face `architectures` name -> model class (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: dict) -> type:
+    """The class for a config.json dict, from its first supported entry in `architectures`."""
+    architectures = hf_config.get("architectures") or []
+    for arch in architectures:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"unsupported model architectures {architectures}; supported: {supported_architectures()}")

@@ -1,0 +1,222 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) over packed variable-length tokens and a paged KV cache.
+
+Tokens of every sequence in the step are flattened into one dimension T (no batch dimension, no padding); the
+attention metadata says where each sequence starts and where its KV history lives. Parameters are this rank's
+tensor-parallel shard; q/k/v and gate/up are fused into one matmul each.
+
+The order of operations follows Hugging Face transformers (residual adds in the model dtype, RMSNorm in float32
+then cast, cos/sin in the model dtype), so float32 outputs match it to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   default_weight_loader)
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+
+# (fused parameter, checkpoint name, shard id)
+_STACKED_PARAMS = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json of either transformers 4 (`rope_theta`, `rope_scaling`)
+    or transformers 5 (`rope_parameters`). rope_scaling is None for plain RoPE, else a dict with `rope_type`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or params)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    return theta, scaling
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, dtype, device)
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
+        self.num_heads = self.qkv_proj.num_heads_per_rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
+        self.head_dim = head_dim
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale=head_dim ** -0.5)
+
+    def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # h: [T, hidden] -> [T, hidden]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(h))  # [T, H*D], [T, H_kv*D], [T, H_kv*D]
+        num_tokens = h.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, H*D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict, bias: bool, dtype, device):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [T, hidden] -> [T, 2I / tp] -> [T, I / tp] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(h)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttentionBlock(cfg, qkv_bias, o_bias, dtype, device, rotary_emb)
+        self.mlp = LlamaMLP(cfg, bool(cfg.get("mlp_bias", False)), dtype, device)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
+
+    def forward(self, positions, h, residual, k_cache, v_cache, meta):
+        # h: [T, hidden]; residual: [T, hidden] | None (the residual stream before this layer's add)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
+        theta, scaling = rope_settings(cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], theta, scaling, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, device, rotary_emb)
+                                    for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), dtype, device)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h, residual = layer(positions, h, residual, k_cache, v_cache, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 from a Hugging Face config.json dict; this rank's shard of the weights."""
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, device=None,
+                 max_model_len: int | None = None):
+        super().__init__()
+        self.hf_config = hf_config
+        max_model_len = max_model_len or hf_config.get("max_position_embeddings", 2048)
+        _check_sliding_window(hf_config, max_model_len)
+        # The rotary cache must cover every position the engine may ask for.
+        max_position = max(hf_config.get("max_position_embeddings", 2048), max_model_len)
+        cfg = {**hf_config, "max_position_embeddings": max_position}
+        is_qwen2 = cfg.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in cfg.get("architectures", [])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias, o_bias = (True, False) if is_qwen2 else (attention_bias, attention_bias)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, device)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden [T, hidden] (after the final norm)
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, hidden] -> float32 logits [N, vocab] on TP rank 0; None on the other ranks
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Loads (Hugging Face name, safetensors slice or tensor) pairs; every parameter must be covered.
+
+        Returns the names of the parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded_shards: set[tuple[str, object]] = set()
+        for name, loaded in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for fused, original, shard_id in _STACKED_PARAMS:
+                if f".{original}." in name:
+                    name = name.replace(f".{original}.", f".{fused}.")
+                    break
+            else:
+                shard_id = None
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, loaded, shard_id)
+            loaded_shards.add((name, shard_id))
+        expected = {(name, shard_id) for name in params for shard_id in _shard_ids(name)}
+        missing = sorted(f"{name}[{shard}]" if shard is not None else name
+                         for name, shard in expected - loaded_shards)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        return {name for name, _ in loaded_shards}
+
+
+def _shard_ids(param_name: str) -> list:
+    """The shard ids a parameter is loaded from: [None] for a plain one, e.g. ["q", "k", "v"] for qkv_proj."""
+    fused_ids = [shard_id for fused, _, shard_id in _STACKED_PARAMS if f".{fused}." in param_name]
+    return fused_ids or [None]
+
+
+def _check_sliding_window(cfg: dict, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented: allow it only when the window covers max_model_len."""
+    window = cfg.get("sliding_window")
+    uses_window = window is not None and cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2")
+    if uses_window and window < max_model_len:
+        raise NotImplementedError(
+            f"sliding_window={window} is smaller than max_model_len={max_model_len}; sliding-window attention is not "
+            f"supported, set max_model_len <= {window}")

@@ -1,0 +1,178 @@
+"""Batched sampling on the device: one `sample` call picks the next token of every row of a logits batch.
+
+Each row has its own `SamplingParams`; the per-row knobs become tensors so every step is one batched op:
+
+    raw logits ──► logprobs (log_softmax of the raw logits, when asked)
+        │
+        ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties
+        ├─ greedy rows: argmax
+        └─ random rows: temperature ─ top-k ─ top-p ─ min-p ─ softmax ─ exponential race (argmax probs / Exp(1))
+
+The exponential race draws its noise from the row's own `generator` when it has one, so a seeded request samples
+the same tokens whatever else is in the batch; unseeded rows share `default_generator` (torch's global one if None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # on the logits' device; set for seeded requests
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
+           ) -> tuple[list[int], list[Logprobs | None]]:
+    """logits: [N, V], one row per SamplingRow. Returns the N sampled token ids and their logprobs."""
+    assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
+    if not rows:
+        return [], []
+    raw = logits.float()
+    x = apply_logit_bias(raw.clone(), rows)  # [N, V]
+    x = apply_min_tokens(x, rows)
+    x = apply_penalties(x, rows)
+    tokens = x.argmax(dim=-1)  # [N]: the greedy rows' answer
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=x.device)
+        tokens[index] = _sample_random(x[index], [rows[i] for i in random_rows], default_generator)
+    return tokens.tolist(), compute_logprobs(raw, tokens, rows)
+
+
+def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) -> torch.Tensor:
+    # x: [R, V] processed logits of the random rows -> [R] token ids
+    temperature = _row_values(rows, lambda p: p.temperature, x)
+    x = x / temperature[:, None]
+    x = apply_top_k_top_p(x, _row_values(rows, lambda p: p.top_k, x, torch.long),
+                          _row_values(rows, lambda p: p.top_p, x))
+    x = apply_min_p(x, _row_values(rows, lambda p: p.min_p, x))
+    probs = x.softmax(dim=-1)
+    return exponential_race(probs, [row.generator for row in rows], default_generator)
+
+
+def _row_values(rows: list[SamplingRow], get, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor([get(row.params) for row in rows], dtype=dtype, device=like.device)
+
+
+def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs over all rows, as two int64 tensors."""
+    row_idx, token_idx = [], []
+    for i, row in enumerate(rows):
+        ids = get_ids(row)
+        row_idx.extend([i] * len(ids))
+        token_idx.extend(ids)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return as_tensor(row_idx), as_tensor(token_idx)
+
+
+def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """x[i, t] += params.logit_bias[t]."""
+    if not any(row.params.logit_bias for row in rows):
+        return x
+    row_idx, token_idx = _scatter_index(rows, lambda r: list((r.params.logit_bias or {}).keys()), x.device)
+    bias = [b for row in rows for b in (row.params.logit_bias or {}).values()]
+    x.index_put_((row_idx, token_idx), torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
+    return x
+
+
+def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Stop tokens get -inf while a row has produced fewer than min_tokens tokens."""
+    blocked = lambda r: (list(r.params.all_stop_token_ids)  # noqa: E731
+                         if len(r.output_token_ids) < r.params.min_tokens else [])
+    if not any(blocked(row) for row in rows):
+        return x
+    row_idx, token_idx = _scatter_index(rows, blocked, x.device)
+    x[row_idx, token_idx] = float("-inf")
+    return x
+
+
+def _token_counts(rows: list[SamplingRow], get_ids, x: torch.Tensor) -> torch.Tensor:
+    """[N, V] occurrence counts of each row's token ids."""
+    row_idx, token_idx = _scatter_index(rows, get_ids, x.device)
+    counts = torch.zeros_like(x)
+    counts.index_put_((row_idx, token_idx), torch.ones_like(row_idx, dtype=x.dtype), accumulate=True)
+    return counts
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty (Hugging Face: over prompt and output tokens, positive logits divided by it, negative
+    multiplied), then frequency and presence penalties (OpenAI: over output tokens,
+    x -= frequency * count + presence * (count > 0))."""
+    if any(row.params.repetition_penalty != 1.0 for row in rows):
+        seen = _token_counts(rows, lambda r: r.prompt_token_ids + r.output_token_ids, x) > 0
+        penalty = _row_values(rows, lambda p: p.repetition_penalty, x)[:, None].expand_as(x)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(row.params.frequency_penalty or row.params.presence_penalty for row in rows):
+        counts = _token_counts(rows, lambda r: r.output_token_ids, x)
+        frequency = _row_values(rows, lambda p: p.frequency_penalty, x)[:, None]
+        presence = _row_values(rows, lambda p: p.presence_penalty, x)[:, None]
+        x = x - frequency * counts - presence * (counts > 0).to(x.dtype)
+    return x
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the k largest logits (k = 0: all), then the smallest set of those whose probability reaches top_p.
+
+    x: [R, V]; top_k: int64 [R]; top_p: [R]. Dropped logits become -inf."""
+    vocab = x.shape[-1]
+    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1.0).any())
+    if not (use_k or use_p):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
+    if use_p:
+        probs = sorted_x.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False  # the most likely token always stays
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the top token's: p_t / p_max = exp(x_t - x_max)."""
+    if not bool((min_p > 0).any()):
+        return x
+    threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # -inf where min_p == 0
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                     default_generator: torch.Generator | None = None) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token t with probability probs[t].
+
+    probs: [R, V] -> [R]. Rows with a generator draw their own noise; the others share one batched draw."""
+    noise = torch.empty_like(probs).exponential_(generator=default_generator)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def compute_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[Logprobs | None]:
+    """Logprobs from the raw logits: the sampled token's, and the top `params.logprobs` alternatives."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return [None] * len(rows)
+    index = torch.tensor(wanted, device=raw.device)
+    logprobs = torch.log_softmax(raw[index], dim=-1)  # [W, V]
+    sampled = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1).tolist()
+    max_k = max(rows[i].params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[Logprobs | None] = [None] * len(rows)
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs
+        out[i] = Logprobs(sampled_logprob=sampled[j], top_token_ids=top_ids[j][:k], top_logprobs=top_values[j][:k])
+    return out

@@ -1,0 +1,210 @@
+"""A tiny, deterministic Hugging Face checkpoint for first runs and tests: random weights, a real tokenizer.
+
+`make_tiny_model(path, arch)` writes `config.json`, `model.safetensors`, `generation_config.json`,
+`tokenizer.json` and `tokenizer_config.json` (with a ChatML-style chat template). The weights come from a fixed
+seed and the byte-level BPE tokenizer is trained on the short corpus below, which ships inside this file so the
+checkpoint is the same on every machine and Python version. `default_tiny_model_path()` builds the Llama one once
+into a cache directory and returns its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+TINY_MODEL_NAME = "tiny-llama-v1"
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+BOS, EOS, IM_START, IM_END, PAD = SPECIAL_TOKENS
+TARGET_VOCAB_SIZE = 1000
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A language model reads a prompt and writes one token at a time.
+Each new token depends on every token before it, so the model keeps the keys and values of past tokens in a cache.
+The cache is split into blocks of a fixed size; a block table maps the positions of a sequence to its blocks.
+When memory runs out, the newest request is preempted, its blocks are freed, and it is computed again later.
+A scheduler fills every step with decode tokens first and then with chunks of waiting prompts.
+Tensor parallelism splits each weight matrix across several devices; an all-reduce sums the partial results.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is the capital.
+Once upon a time there was a small model that wanted to learn. It read books about the sea, the stars and the
+mountains. It counted numbers: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve.
+The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.
+The months are January, February, March, April, May, June, July, August, September, October, November, December.
+Colors: red, orange, yellow, green, blue, indigo, violet, black, white, gray, brown and pink.
+Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Complex is better than complicated. Flat is better than nested. Sparse is better than dense.
+Readability counts. Special cases are not special enough to break the rules. Although practicality beats purity.
+Errors should never pass silently, unless explicitly silenced. In the face of ambiguity, refuse the temptation
+to guess. There should be one, and preferably only one, obvious way to do it. Now is better than never.
+If the implementation is hard to explain, it is a bad idea. If it is easy to explain, it may be a good idea.
+Namespaces are one honking great idea, let us do more of those!
+The user asked a question and the assistant answered it politely, clearly and with care.
+Please summarize the following text in one sentence. Translate this sentence into French.
+Write a short poem about the ocean. The waves rise and fall under the silver light of the moon.
+Water boils at one hundred degrees Celsius at sea level. The earth goes around the sun once a year.
+Music, science, history, mathematics, physics, chemistry, biology, geography, literature and art.
+
+def fibonacci(n: int) -> list[int]:
+    \"\"\"Return the first n Fibonacci numbers.\"\"\"
+    numbers = [0, 1]
+    while len(numbers) < n:
+        numbers.append(numbers[-1] + numbers[-2])
+    return numbers[:n]
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str, max_tokens: int = 16):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.output_tokens = []
+
+    def is_finished(self) -> bool:
+        return len(self.output_tokens) >= self.max_tokens
+
+
+for index, value in enumerate(range(10)):
+    if value % 2 == 0:
+        print(f"{index}: {value} is even")
+    else:
+        print(f"{index}: {value} is odd")
+
+import json, os, sys
+with open(os.path.join("data", "config.json")) as file:
+    config = json.load(file)
+{"model": "tiny", "temperature": 0.7, "top_p": 0.9, "max_tokens": 128, "stream": true, "messages": []}
+0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159 2.71828 -1 +1 = == != <= >= ( ) [ ] { } < > ; : , . ! ?
+"""
+
+
+def train_tokenizer():
+    """A byte-level BPE trained on `_CORPUS`: deterministic (same corpus and settings, same merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TARGET_VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    return tokenizer
+
+
+def _tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], overrides: dict):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=2048, vocab_size=vocab_size,
+                  initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=special_ids[BOS],
+                  eos_token_id=[special_ids[EOS], special_ids[IM_END]], pad_token_id=special_ids[PAD],
+                  dtype="float32")
+    if arch == "llama":
+        return LlamaConfig(**{**common, "architectures": ["LlamaForCausalLM"], **overrides})
+    if arch == "mistral":
+        return MistralConfig(**{**common, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
+                                **overrides})
+    if arch == "qwen2":
+        return Qwen2Config(**{**common, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True,
+                              **overrides})
+    raise ValueError(f"arch must be 'llama', 'mistral' or 'qwen2', got {arch!r}")
+
+
+@torch.no_grad()
+def _fill_random(model, std: float, seed: int) -> None:
+    """Every tensor from one seeded generator, in sorted-name order (independent of transformers' own init)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * noise)  # near 1, but not 1: a wrongly loaded norm would show
+        else:
+            param.copy_(std * noise)
+
+
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, config_overrides: dict | None = None,
+                    max_shard_size: str | None = None) -> str:
+    """Writes a tiny checkpoint of `arch` (hidden 64, 2 layers, 4 heads, 2 KV heads) into `path`; returns it.
+
+    `config_overrides` change config fields (e.g. `rope_parameters`); `max_shard_size` (e.g. "20KB") writes a
+    sharded checkpoint with an index."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = train_tokenizer()
+    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = _hf_config(arch, tokenizer.get_vocab_size(), special_ids, dict(config_overrides or {}))
+    torch_state = torch.random.get_rng_state()
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(torch_state)  # transformers' init draws from the global generator
+    _fill_random(model, config.initializer_range, seed)
+    _save_quietly(model, path, max_shard_size)
+
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(_tokenizer_config(), f, indent=2, sort_keys=True)
+    # Loading check: a real PreTrainedTokenizerFast must accept what was written.
+    PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def _save_quietly(model, path: str, max_shard_size: str | None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    had_progress_bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    finally:
+        if had_progress_bar:
+            hf_logging.enable_progress_bar()
+
+
+def default_tiny_model_path() -> str:
+    """Builds the tiny Llama checkpoint once into `$PAGODA_CACHE/tiny-llama-v1` (default `~/.cache/pagoda`).
+
+    Safe when several processes race: each builds into its own temporary directory and renames it into place;
+    the first rename wins and the others discard their copy."""
+    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    final = os.path.join(root, TINY_MODEL_NAME)
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}.", dir=root)
+    try:
+        make_tiny_model(tmp, arch="llama", seed=0)
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isfile(os.path.join(final, "config.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,79 @@
+"""Loading a model shard: from a Hugging Face safetensors checkpoint, or random weights for benchmarks.
+
+Each rank opens the checkpoint files itself and reads only its slice of each tensor: `iterate_weights` yields lazy
+safetensors slices, and the parameters' weight loaders index them (`slice[a:b]`), so a rank never materializes a
+full tensor it does not need.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from workers.models import get_model_class
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's *.safetensors files: those named by the index when there is one, else all of them."""
+    index_path = os.path.join(model_dir, _INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, name) for name in names]
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    return files
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
+    """Yields (tensor name, safetensors slice) for every tensor of the checkpoint.
+
+    A slice is valid only until the next item is requested (its file is closed when the iteration leaves it)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, device, load_format: str = "auto",
+               seed: int = 0, max_model_len: int | None = None) -> nn.Module:
+    """Builds this rank's shard of the model on `device` and fills its weights.
+
+    load_format: "auto" / "safetensors" read `model_dir`; "random" draws every weight from
+    N(0, initializer_range) with `seed` (norm weights 1, biases 0) without reading any checkpoint.
+    """
+    model_class = get_model_class(hf_config)
+    model = model_class(hf_config, dtype=dtype, device=device, max_model_len=max_model_len)
+    if load_format == "random":
+        init_random_weights(model, std=float(hf_config.get("initializer_range", 0.02)), seed=seed)
+    elif load_format in ("auto", "safetensors"):
+        assert model_dir is not None, "a checkpoint directory is needed unless load_format='random'"
+        model.load_weights(iterate_weights(model_dir))
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}")
+    return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, std: float, seed: int) -> None:
+    """Random weights drawn on the parameters' own device, deterministic from `seed`."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=generators[param.device])
