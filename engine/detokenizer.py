@@ -15,9 +15,24 @@ from __future__ import annotations
 _WINDOW_TOKENS = 6  # tokens of left context re-decoded with each step
 
 
+def _make_stream(tokenizer, prompt_tail: list[int], skip_special_tokens: bool):
+    """The `tokenizers` library's own incremental decoder (Rust, ~1 us a token), seeded with the prompt's tail so
+    that context-dependent tokens print right; None when unavailable (then the window method below is used)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return backend, DecodeStream(ids=list(prompt_tail), skip_special_tokens=skip_special_tokens)
+    except (ImportError, TypeError):
+        return None
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 use_stream: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
@@ -31,6 +46,7 @@ class IncrementalDetokenizer:
         self.num_streamed_chars = 0
         self.num_checked_chars = 0
         self.stop_reason: str | None = None
+        self.stream = _make_stream(tokenizer, self.prompt_tail, skip_special_tokens) if use_stream else None
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string if one now ends the text (the text is then truncated)."""
@@ -44,6 +60,12 @@ class IncrementalDetokenizer:
         return None
 
     def _decode_next(self) -> None:
+        if self.stream is not None:
+            backend, stream = self.stream
+            chunk = stream.step(backend, self.token_ids[-1])
+            if chunk:
+                self.text += chunk
+            return
         ids = self.prompt_tail + self.token_ids
         prefix = self._decode(ids[self.prefix_offset:self.read_offset])
         full = self._decode(ids[self.prefix_offset:])

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.config import SchedulerConfig
 from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from workers.cuda_graphs import CudaGraphRunner
+from workers.inputs import InputBuffers
 from workers.kv_pool import KVCaches, copy_blocks
-from workers.layers.attention import AttentionMetadata
 from workers.sampler import SamplingRow, sample
 
 _SEED_STRIDE = 1_000_003
@@ -43,13 +46,20 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
-                 is_driver: bool = True):
+                 scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
         self.requests: dict[str, RequestState] = {}
+        max_blocks = -(-scheduler_config.max_model_len // block_size)
+        self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
+                                    scheduler_config.max_num_seqs, max_blocks, block_size, device)
+        self.graphs = None
+        if use_cuda_graphs and device.type == "cuda":
+            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs)
+            self.graphs.capture()
 
     # ---- persistent batch ----------------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
@@ -82,12 +92,11 @@ class ModelRunner:
             return ModelRunnerOutput() if self.is_driver else None
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
-        input_ids, positions, meta, sample_rows = self._prepare_inputs(states, counts)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, sample_rows = self._forward(states, counts)
         sampling_states = [states[i] for i in sample_rows]
         logits = None
         if sampling_states:
-            logits = self.model.compute_logits(hidden[self._sample_indices(meta, sample_rows)])
+            logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         token_ids = self._sample(logits, sampling_states)
@@ -123,34 +132,25 @@ class ModelRunner:
         state.generator.manual_seed((state.seed * _SEED_STRIDE + num_outputs) % (1 << 63))
         return state.generator
 
-    def _prepare_inputs(self, states: list[RequestState], counts: list[int]):
-        input_ids, positions, slots, query_start, seq_lens, sample_rows = [], [], [], [0], [], []
-        bs = self.block_size
-        for i, (state, count) in enumerate(zip(states, counts)):
-            start, end = state.num_computed_tokens, state.num_computed_tokens + count
-            assert end <= len(state.token_ids), f"{state.req_id}: scheduled past its known tokens"
-            assert end <= len(state.block_ids) * bs, f"{state.req_id}: {end} tokens, {len(state.block_ids)} blocks"
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + count)
-            seq_lens.append(end)
-            if end == len(state.token_ids):
-                sample_rows.append(i)
-        max_blocks = max(len(s.block_ids) for s in states)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(counts), is_decode_only=max(counts) == 1)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, sample_rows
+    def _forward(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Builds the step's inputs and runs the model: a CUDA graph for decode batches, eager otherwise.
+        Returns the hidden states [T, hidden] and the indices of the requests that sample."""
+        starts = [s.num_computed_tokens for s in states]
+        for state, start, count in zip(states, starts, counts):
+            assert start + count <= len(state.token_ids), f"{state.req_id}: scheduled past its known tokens"
+            assert start + count <= len(state.block_ids) * self.block_size, f"{state.req_id}: too few blocks"
+        num_tokens, num_block_cols = self.buffers.fill([s.token_ids for s in states], starts, counts,
+                                                       [s.block_ids for s in states])
+        sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
+                       if start + count == len(s.token_ids)]
+        max_query_len = max(counts)
+        if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
+            return self.graphs.replay(len(states)), sample_rows
+        self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
+        ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols)
+        return self.model(ids, positions, self.kv_caches, meta), sample_rows
 
-    def _sample_indices(self, meta: AttentionMetadata, sample_rows: list[int]) -> torch.Tensor:
-        """The last token of each sampling request: query_start_loc[b + 1] - 1."""
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return meta.query_start_loc.long()[rows + 1] - 1
+    def _sample_indices(self, counts: list[int], sample_rows: list[int]) -> torch.Tensor:
+        """The last token of each sampling request, in the flat batch."""
+        ends = np.cumsum(counts) - 1
+        return torch.from_numpy(ends[sample_rows]).to(self.device, non_blocking=True)

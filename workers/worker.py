@@ -82,7 +82,7 @@ class Worker:
         blocks_per_seq = -(-per_seq // block_size)
         caches = allocate_kv_caches(self.model.num_layers, num_seqs * blocks_per_seq, block_size,
                                     self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
-        runner = ModelRunner(self.model, caches, block_size, self.device, is_driver=self.rank == 0)
+        runner = ModelRunner(self.model, caches, block_size, self.device, sched_config, is_driver=self.rank == 0)
         sched = SchedulerOutput()
         for i in range(num_seqs):
             block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
@@ -97,7 +97,8 @@ class Worker:
         caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
                                     self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
-                                  is_driver=self.rank == 0)
+                                  self.config.scheduler, is_driver=self.rank == 0,
+                                  use_cuda_graphs=not self.config.parallel.enforce_eager)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30)
 

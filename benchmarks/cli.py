@@ -1,0 +1,37 @@
+"""`pagoda bench {latency,throughput,serve}` (also `python -m benchmarks ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "latency": "decode time per token at several batch sizes and prompt lengths",
+    "throughput": "offline LLM.generate over synthetic requests (--compare hf: transformers side by side)",
+    "serve": "an async HTTP client against a running OpenAI-compatible server",
+    "kernels": "Triton kernels against torch and the H200's ceilings",
+}
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, help_text in BENCHMARKS.items():
+        if name == "kernels":
+            continue  # its own script: python -m benchmarks.kernels
+        parser = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(f"benchmarks.{name}").add_args(parser)
+        parser.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    importlib.import_module(f"benchmarks.{args.benchmark}").main(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    args = parser.parse_args(["bench", *(argv or [])] if argv is not None else None)
+    return args.func(args)

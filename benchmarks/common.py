@@ -1,0 +1,50 @@
+"""What the benchmarks share: synthetic requests, percentiles, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import numpy as np
+
+
+def synthetic_prompts(num: int, input_len_range: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids (skipping the first 1000 ids, where special tokens usually live), uniform lengths."""
+    rng = np.random.default_rng(seed)
+    low, high = input_len_range
+    lengths = rng.integers(low, high + 1, size=num)
+    first = 1000 if vocab_size > 2000 else 5
+    return [rng.integers(first, vocab_size, size=int(n)).tolist() for n in lengths]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
+            "p99": float(np.percentile(arr, 99))}
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)

@@ -1,0 +1,299 @@
+"""Benchmarks of the Triton kernels against torch, with achieved bandwidth / FLOP rate against the H200's ceilings.
+
+    python -m benchmarks.kernels --output-json kernels.json            # on a GPU (about 2-3 minutes on an H200)
+    python -m benchmarks.kernels --check                               # verify each kernel against its ref first
+    python -m benchmarks.kernels --smoke                               # CPU, tiny sizes, torch references only
+
+Decode attention is memory-bound: it is scored by the K/V bytes it must read over its time, against the
+4.3 TB/s copy ceiling. Prefill attention is scored in causal FLOPs (2 * 2 * T * T / 2 * heads * head_dim)
+against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written. Torch's
+scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
+baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
+recorded, and the run goes on.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python benchmarks/kernels.py`: this file must not shadow `kernels`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    decode_num_splits,
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+    paged_attention_prefill_ref,
+    paged_attention_prefill_triton,
+)
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+
+COPY_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+MAX_DECODE_TOKENS = 2**21  # batch * context: 8 GB of bf16 K/V for Llama-3-8B's 8 x 128 KV heads
+
+GPU = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, hidden=4096,
+           inter=14336, decode_batches=[1, 8, 64, 256], decode_contexts=[512, 2048, 8192, 32768],
+           prefill_tokens=[512, 1024, 2048, 4096, 8192], elementwise_tokens=[1, 256, 4096, 16384])
+SMOKE = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, hidden=256,
+             inter=512, decode_batches=[1, 4], decode_contexts=[64, 256], prefill_tokens=[64, 128],
+             elementwise_tokens=[1, 16])
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds per call: triton's do_bench (L2 flushed before every call) on a GPU, a clock on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def max_error(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    """The largest |out - ref|; raises if any element is off by more than tol * (1 + |ref|) or is NaN."""
+    out, ref = out.float(), ref.float()
+    err = (out - ref).abs()
+    if out.isnan().any() or (err > tol * (1 + ref.abs())).any():
+        raise AssertionError(f"mismatch: max error {err.nan_to_num(float('inf')).max().item():.3g} (tol {tol})")
+    return err.max().item()
+
+
+class Runner:
+    """Runs cases, prints a row per measurement as it comes, keeps results and failures for the JSON."""
+
+    def __init__(self, device: torch.device, check: bool, use_triton: bool):
+        self.device, self.check, self.use_triton = device, check, use_triton
+        self.results, self.failures = [], []
+        print(f"{'kernel':<16} {'case':<24} {'impl':<15} {'time':>10} {'achieved':>15} {'of ceiling':>10}")
+
+    def case(self, kernel: str, case: str, build):
+        """build() -> (impls {name: fn}, work {"bytes" or "flops": n}, check fn or None). Never raises."""
+        try:
+            impls, work, check = build()
+            if self.check and check is not None:
+                print(f"{kernel:<16} {case:<24} check: max error {check():.3g}")
+            torch_time = None
+            for impl, fn in impls.items():
+                ms = time_ms(fn, self.device)
+                self._record(kernel, case, impl, ms, work, torch_time)
+                torch_time = ms if impl.startswith("torch") else torch_time
+        except Exception as exc:  # noqa: BLE001 - one failing case must not end the run
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            print(f"{kernel:<16} {case:<24} FAILED {message}")
+            if not isinstance(exc, (AssertionError, torch.cuda.OutOfMemoryError)):
+                traceback.print_exc(limit=3)
+            self.failures.append(dict(kernel=kernel, case=case, error=message))
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _record(self, kernel, case, impl, ms, work, torch_ms):
+        if "flops" in work:
+            rate, ceiling, unit = work["flops"] / (ms * 1e-3), BF16_FLOPS_PER_S, "TFLOP/s"
+        else:
+            rate, ceiling, unit = work["bytes"] / (ms * 1e-3), COPY_BYTES_PER_S, "GB/s"
+        scaled = rate / (1e12 if unit == "TFLOP/s" else 1e9)
+        row = dict(kernel=kernel, case=case, impl=impl, ms=ms, unit=unit, achieved=scaled,
+                   fraction_of_ceiling=rate / ceiling, **work)
+        self.results.append(row)
+        print(f"{kernel:<16} {case:<24} {impl:<15} {ms * 1e3:>8.1f}us {scaled:>9.1f} {unit:<7}"
+              f"{100 * rate / ceiling:>8.1f}%" + (f"  ({torch_ms / ms:.2f}x torch)" if torch_ms else ""))
+
+
+def paged_kv(num_tokens_per_seq: int, num_seqs: int, cfg: dict, device: torch.device):
+    """Random K/V for num_seqs sequences in shuffled blocks; also the contiguous [B, Hkv, L, D] copies."""
+    block_size, kv_heads, dim = cfg["block_size"], cfg["num_kv_heads"], cfg["head_dim"]
+    blocks_per_seq = -(-num_tokens_per_seq // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, dtype=cfg["dtype"], device=device)
+    v_cache = torch.randn(shape, dtype=cfg["dtype"], device=device)
+    tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).int()
+
+    def dense(cache):
+        return cache[tables.long()].flatten(1, 2)[:, :num_tokens_per_seq].transpose(1, 2).contiguous()
+
+    return k_cache, v_cache, tables, dense(k_cache), dense(v_cache)
+
+
+def bench_decode(runner: Runner, cfg: dict):
+    device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
+    scale = 1 / math.sqrt(dim)
+    for batch in cfg["decode_batches"]:
+        for ctx in cfg["decode_contexts"]:
+            if batch * ctx > MAX_DECODE_TOKENS:
+                continue
+
+            def build(batch=batch, ctx=ctx):
+                k_cache, v_cache, tables, k_dense, v_dense = paged_kv(ctx, batch, cfg, device)
+                q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+                args = (q, k_cache, v_cache, tables, lens, scale)
+                impls = {"torch sdpa": lambda: F.scaled_dot_product_attention(
+                    q[:, :, None], k_dense, v_dense, scale=scale, enable_gqa=True)}
+                if runner.use_triton:
+                    impls["triton"] = lambda: paged_attention_decode_triton(*args)
+                    splits = decode_num_splits(batch, cfg["num_kv_heads"], tables.shape[1] * cfg["block_size"], device)
+                    if splits > 1:
+                        impls["triton split=1"] = lambda: paged_attention_decode_triton(*args, num_splits=1)
+                else:
+                    impls["torch ref"] = lambda: paged_attention_decode_ref(*args)
+                kv_bytes = 2 * k_cache.element_size() * batch * ctx * cfg["num_kv_heads"] * dim
+                work = dict(bytes=kv_bytes + 2 * q.numel() * q.element_size())
+
+                def check():
+                    ref = paged_attention_decode_ref(*args)
+                    out = paged_attention_decode_triton(*args) if runner.use_triton else impls["torch sdpa"]()[:, :, 0]
+                    return max_error(out, ref, 2e-2)
+
+                return impls, work, check
+
+            runner.case("decode attn", f"batch {batch} ctx {ctx}", build)
+
+
+def bench_prefill(runner: Runner, cfg: dict):
+    device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
+    scale = 1 / math.sqrt(dim)
+    for tokens in cfg["prefill_tokens"]:
+
+        def build(tokens=tokens):
+            k_cache, v_cache, tables, k_dense, v_dense = paged_kv(tokens, 1, cfg, device)
+            q = torch.randn(tokens, heads, dim, dtype=cfg["dtype"], device=device)
+            starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+            lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+            args = (q, k_cache, v_cache, tables, starts, lens, scale)
+            q_dense = q.transpose(0, 1)[None]  # [1, H, T, D]
+            group = heads // cfg["num_kv_heads"]  # repeat K/V outside the timing: sdpa then runs flash attention
+            k_rep, v_rep = k_dense.repeat_interleave(group, 1), v_dense.repeat_interleave(group, 1)
+            impls = {"torch sdpa": lambda: F.scaled_dot_product_attention(q_dense, k_rep, v_rep, is_causal=True,
+                                                                          scale=scale)}
+            if runner.use_triton:
+                impls["triton"] = lambda: paged_attention_prefill_triton(*args, max_query_len=tokens)
+            else:
+                impls["torch ref"] = lambda: paged_attention_prefill_ref(*args)
+
+            def check():
+                ref = paged_attention_prefill_ref(*args)
+                out = (paged_attention_prefill_triton(*args, max_query_len=tokens) if runner.use_triton
+                       else impls["torch sdpa"]()[0].transpose(0, 1))
+                return max_error(out, ref, 2e-2)
+
+            return impls, dict(flops=2 * tokens * tokens * heads * dim), check
+
+        runner.case("prefill attn", f"{tokens} tokens", build)
+
+
+def elementwise_case(runner: Runner, kernel: str, case: str, triton_fn, ref_fn, make_args, num_bytes: int):
+    """One elementwise case. make_args() makes fresh inputs: in-place kernels (rotary, KV write) get their own."""
+
+    def build():
+        args = make_args()
+        impls = {"torch ref": lambda: ref_fn(*args)}
+        if runner.use_triton:
+            impls["triton"] = lambda: triton_fn(*args)
+
+        def check():
+            a, b = make_args(), make_args()
+            out, ref = triton_fn(*a), ref_fn(*b)
+            if out is None:  # in place: compare the tensors it wrote
+                out, ref = a, b
+            out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+            return max(max_error(x, y, 2e-2) for x, y in zip(out, ref) if x.is_floating_point())
+
+        return impls, dict(bytes=num_bytes), check if runner.use_triton else None
+
+    runner.case(kernel, case, build)
+
+
+def bench_elementwise(runner: Runner, cfg: dict):
+    device, dtype, hidden, inter = runner.device, cfg["dtype"], cfg["hidden"], cfg["inter"]
+    heads, kv_heads, dim, block_size = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["block_size"]
+    size = torch.tensor([], dtype=dtype).element_size()
+
+    def randn(*shape):
+        return torch.randn(shape, dtype=dtype, device=device)
+
+    cos_sin = compute_cos_sin_cache(dim, 32768, 500000.0).to(device)
+    for tokens in cfg["elementwise_tokens"]:
+        norm_inputs = (randn(tokens, hidden), randn(hidden), 1e-5, randn(tokens, hidden))
+        elementwise_case(runner, "rms_norm+resid", f"T {tokens} x {hidden}", rms_norm_triton, rms_norm_ref,
+                         lambda a=norm_inputs: a, 4 * tokens * hidden * size + hidden * size)
+
+        positions = torch.randint(0, cos_sin.shape[0], (tokens,), device=device)
+        q, k = randn(tokens, heads * dim), randn(tokens, kv_heads * dim)
+        elementwise_case(runner, "rotary", f"T {tokens} q {heads}x{dim}", rotary_embedding_triton,
+                         rotary_embedding_ref, lambda p=positions, q=q, k=k: (p, q.clone(), k.clone(), cos_sin, dim),
+                         2 * tokens * (heads + kv_heads) * dim * size + tokens * (dim * 4 + 8))
+
+        gate_up = randn(tokens, 2 * inter)
+        elementwise_case(runner, "silu_and_mul", f"T {tokens} x {inter}", silu_and_mul_triton, silu_and_mul_ref,
+                         lambda x=gate_up: (x,), 3 * tokens * inter * size)
+
+        new_k, new_v = randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
+        num_blocks = -(-2 * tokens // block_size)
+        slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+
+        def kv_args(k=new_k, v=new_v, slots=slots, num_blocks=num_blocks):
+            caches = [torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype, device=device) for _ in "kv"]
+            return k, v, *caches, slots
+
+        elementwise_case(runner, "write_kv_cache", f"T {tokens} kv {kv_heads}x{dim}", write_kv_cache_triton,
+                         write_kv_cache_ref, kv_args, 4 * tokens * kv_heads * dim * size + tokens * 8)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
+    parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise"], action="append",
+                        help="run only these groups (repeatable)")
+    args = parser.parse_args(argv)
+
+    if args.smoke:
+        device, cfg = torch.device("cpu"), SMOKE
+    elif torch.cuda.is_available():
+        device, cfg = torch.device("cuda"), GPU
+    else:
+        parser.error("no CUDA GPU: use --smoke for the CPU smoke test")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; ceilings: copy {COPY_BYTES_PER_S / 1e12:.1f} TB/s, "
+          f"bf16 {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s")
+    torch.manual_seed(0)
+    runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
+    groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise}
+    start = time.perf_counter()
+    for group, bench in groups.items():
+        if not args.only or group in args.only:
+            bench(runner, cfg)
+    elapsed = time.perf_counter() - start
+    print(f"{len(runner.results)} measurements, {len(runner.failures)} failures in {elapsed:.0f} s")
+    for failure in runner.failures:
+        print(f"FAILED {failure['kernel']} / {failure['case']}: {failure['error']}")
+    if args.output_json:
+        args.output_json.write_text(json.dumps(dict(
+            device=name, smoke=args.smoke, checked=args.check, elapsed_s=elapsed,
+            ceilings=dict(copy_bytes_per_s=COPY_BYTES_PER_S, bf16_flops_per_s=BF16_FLOPS_PER_S),
+            results=runner.results, failures=runner.failures), indent=1))
+    return 1 if runner.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

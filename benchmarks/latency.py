@@ -1,0 +1,71 @@
+"""Decode latency: the time of one decode step (= ms per output token of each request) at a given batch size and
+prompt length, measured on the engine's own step loop after every request has finished its prefill.
+
+    pagoda bench latency --preset llama-3-8b --batch-sizes 1 8 64 256 --prompt-lens 128 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
+from benchmarks.presets import resolve_model
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 2048])
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--output-json", default=None)
+
+
+def measure(engine, prompts: list[list[int]], decode_steps: int) -> dict:
+    import torch
+
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    while any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
+        engine.step()  # prefill (possibly chunked)
+    prefill_s = time.perf_counter() - start
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(decode_steps):
+        engine.step()
+    decode_s = time.perf_counter() - start
+    engine.abort_request(list(engine.groups))
+    engine.step()
+    return {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps}
+
+
+def main(args: argparse.Namespace) -> dict:
+    from deploy.cli import engine_kwargs
+    from engine.llm_engine import LLMEngine
+
+    model_dir, load_format = resolve_model(args.model, args.preset)
+    kwargs = {**engine_kwargs(args), "model": model_dir, "load_format": load_format, "enable_prefix_caching": False}
+    engine = LLMEngine.from_args(**kwargs)
+    rows = []
+    for prompt_len in args.prompt_lens:
+        for batch in args.batch_sizes:
+            prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
+            measure(engine, prompts[:1], 4)  # warm-up of this shape family
+            row = {"batch": batch, "prompt_len": prompt_len, **measure(engine, prompts, args.decode_steps)}
+            row["tokens_per_s"] = batch * 1000 / row["decode_ms_per_token"]
+            rows.append(row)
+    engine.check_integrity()
+    engine.shutdown()
+    print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s"])
+    result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "tiny",
+              "results": rows}
+    write_json(args.output_json, result)
+    return result

@@ -1,0 +1,56 @@
+"""Real-sized model shapes with random weights (`--load-format random`): a config.json and the tiny model's
+tokenizer in a cached directory. Nothing is downloaded; the weights are drawn on the device at load time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+PRESETS = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "llama-3-70b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+}
+
+
+def preset_dir(name: str) -> str:
+    """A checkpoint directory for a preset (config.json + the tiny tokenizer), created once in the cache."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    from workers.tiny_model import default_tiny_model_path
+
+    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    path = os.path.join(root, "presets", name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(PRESETS[name], f, indent=2)
+    tiny = default_tiny_model_path()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny, file), os.path.join(path, file))
+    return path
+
+
+def resolve_model(model: str | None, preset: str | None) -> tuple[str | None, str]:
+    """(model dir, load_format): a preset means random weights."""
+    if preset:
+        return preset_dir(preset), "random"
+    return model, "auto"

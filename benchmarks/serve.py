@@ -1,0 +1,111 @@
+"""Online serving benchmark: replays synthetic requests against an OpenAI-compatible `/v1/completions` endpoint at
+a Poisson rate (or all at once) with streaming, and reports what `vllm bench serve` reports: TTFT, TPOT,
+inter-token latency and end-to-end latency (mean, p50, p90, p99), request and token throughput.
+
+    pagoda bench serve --url http://127.0.0.1:8000 --num-requests 256 --request-rate inf
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+
+from benchmarks.common import percentiles, print_table, synthetic_prompts, write_json
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024])
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
+    parser.add_argument("--vocab-size", type=int, default=None, help="for token-id prompts (default: from the server)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--output-json", default=None)
+
+
+async def _one(session, url: str, headers: dict, body: dict, delay_s: float) -> dict:
+    await asyncio.sleep(delay_s)
+    start = time.perf_counter()
+    token_times: list[float] = []
+    usage = None
+    error = None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                return {"ok": False, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    token_times.append(time.perf_counter())
+    except Exception as e:  # a failed request is counted, not fatal
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if error or not token_times:
+        return {"ok": False, "error": error or "no tokens"}
+    output_tokens = usage["completion_tokens"] if usage else len(token_times)
+    ttft = token_times[0] - start
+    return {"ok": True, "ttft": ttft, "e2e": end - start, "output_tokens": output_tokens,
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+            "tpot": (end - start - ttft) / max(output_tokens - 1, 1), "itl": list(np.diff(token_times))}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.get(f"{args.url}/v1/models", headers=headers) as resp:
+            models = (await resp.json())["data"]
+        model = args.model or models[0]["id"]
+        vocab = args.vocab_size or 1000
+        prompts = synthetic_prompts(args.num_requests, tuple(args.input_len_range), vocab, args.seed)
+        rng = np.random.default_rng(args.seed)
+        gaps = (np.zeros(len(prompts)) if args.request_rate == float("inf")
+                else rng.exponential(1.0 / args.request_rate, size=len(prompts)))
+        delays = np.cumsum(gaps) - gaps[0]
+        start = time.perf_counter()
+        tasks = [_one(session, f"{args.url}/v1/completions", headers,
+                      {"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, float(d))
+                 for p, d in zip(prompts, delays)]
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    to_ms = lambda d: {k: 1000 * v for k, v in d.items()}  # noqa: E731
+    return {
+        "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts),
+        "request_rate": args.request_rate, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": [r["error"] for r in results if not r["ok"]][:5], "elapsed_s": elapsed,
+        "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "ttft_ms": to_ms(percentiles([r["ttft"] for r in ok])), "tpot_ms": to_ms(percentiles([r["tpot"] for r in ok])),
+        "itl_ms": to_ms(percentiles([x for r in ok for x in r["itl"]])),
+        "e2e_ms": to_ms(percentiles([r["e2e"] for r in ok])),
+    }
+
+
+def main(args: argparse.Namespace) -> dict:
+    result = asyncio.run(run(args))
+    rows = [{"metric": name, **result[name]} for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
+    print(f"completed {result['completed']}/{result['num_requests']} in {result['elapsed_s']:.1f} s: "
+          f"{result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.0f} output tok/s, "
+          f"{result['total_tokens_per_s']:.0f} total tok/s")
+    print_table(rows, ["metric", "mean", "p50", "p90", "p99"])
+    write_json(args.output_json, result)
+    return result

@@ -1,0 +1,94 @@
+"""Step inputs, built on the host in preallocated (pinned) numpy buffers and copied to persistent device tensors
+with one asynchronous copy each. The device tensors are also the static inputs of the decode CUDA graphs, so a
+graph replay needs no copies beyond these.
+
+    host (pinned)                      device (persistent, max sizes)
+    input_ids   [max_tokens]   ──►     input_ids   [max_tokens]        a step uses the first T entries
+    positions   [max_tokens]   ──►     positions
+    slot_mapping[max_tokens]   ──►     slot_mapping                    -1 pads: no KV write
+    seq_lens    [max_seqs]     ──►     seq_lens                        the first B entries
+    query_start [max_seqs + 1] ──►     query_start_loc
+    block_table [max_seqs, max_blocks] ──► block_tables
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.layers.attention import AttentionMetadata
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks_per_seq = max_blocks_per_seq
+        pin = device.type == "cuda"
+
+        def host(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.host = {
+            "input_ids": host(max_tokens, torch.int64), "positions": host(max_tokens, torch.int64),
+            "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs, torch.int32),
+            "query_start_loc": host(max_seqs + 1, torch.int32),
+            "block_tables": host((max_seqs, max_blocks_per_seq), torch.int32),
+        }
+        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.dev = {name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
+
+    def fill(self, token_ids: list[list[int]], starts: list[int], counts: list[int],
+             block_ids: list[list[int]]) -> tuple[int, int]:
+        """Writes one step's inputs into the host buffers; returns (num_tokens, max_blocks in the batch)."""
+        n = self.np
+        bs = self.block_size
+        offset, max_blocks = 0, 1
+        n["query_start_loc"][0] = 0
+        for i, (tokens, start, count, blocks) in enumerate(zip(token_ids, starts, counts, block_ids)):
+            end = start + count
+            if count == 1:  # decode: skip numpy's per-call overhead
+                n["input_ids"][offset] = tokens[start]
+                n["positions"][offset] = start
+                n["slot_mapping"][offset] = blocks[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end)
+                n["input_ids"][offset:offset + count] = tokens[start:end]
+                n["positions"][offset:offset + count] = pos
+                n["slot_mapping"][offset:offset + count] = np.asarray(blocks)[pos // bs] * bs + pos % bs
+            offset += count
+            n["query_start_loc"][i + 1] = offset
+            n["seq_lens"][i] = end
+            n["block_tables"][i, :len(blocks)] = blocks
+            max_blocks = max(max_blocks, len(blocks))
+        return offset, max_blocks
+
+    def pad_decode(self, num_seqs: int, padded: int) -> None:
+        """Rows num_seqs..padded of a padded decode batch: no KV write, a one-token context in block 0."""
+        n = self.np
+        n["input_ids"][num_seqs:padded] = 0
+        n["positions"][num_seqs:padded] = 0
+        n["slot_mapping"][num_seqs:padded] = -1
+        n["seq_lens"][num_seqs:padded] = 1
+        n["block_tables"][num_seqs:padded, 0] = 0
+        n["query_start_loc"][num_seqs + 1:padded + 1] = np.arange(num_seqs + 1, padded + 1)
+
+    def copy_to_device(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
+        h, d = self.host, self.dev
+        for name in ("input_ids", "positions", "slot_mapping"):
+            d[name][:num_tokens].copy_(h[name][:num_tokens], non_blocking=True)
+        d["seq_lens"][:num_seqs].copy_(h["seq_lens"][:num_seqs], non_blocking=True)
+        d["query_start_loc"][:num_seqs + 1].copy_(h["query_start_loc"][:num_seqs + 1], non_blocking=True)
+        d["block_tables"][:num_seqs, :num_block_cols].copy_(h["block_tables"][:num_seqs, :num_block_cols],
+                                                            non_blocking=True)
+
+    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, num_block_cols: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device views for a step of num_tokens tokens over num_seqs sequences."""
+        d = self.dev
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:num_tokens], query_start_loc=d["query_start_loc"][:num_seqs + 1],
+            seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs, :num_block_cols],
+            max_query_len=max_query_len, is_decode_only=max_query_len == 1)
+        return d["input_ids"][:num_tokens], d["positions"][:num_tokens], meta
