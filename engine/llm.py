@@ -28,6 +28,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size, seed=seed,
             load_format=load_format, **kwargs)
         self.engine = LLMEngine(config)
+        self.engine.stream_outputs = False  # generate() returns whole outputs: skip the per-step ones
 
     def get_tokenizer(self):
         return self.engine.tokenizer

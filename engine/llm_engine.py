@@ -101,6 +101,7 @@ class LLMEngine:
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
         self._ids = itertools.count()
 
     @classmethod
@@ -199,7 +200,7 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_STOPPED)
                 seq.stop_reason = stop
             touched[group.request_id] = group
-        return [self._emit(group) for group in touched.values()]
+        return [self._emit(group) for group in touched.values() if self.stream_outputs or group.is_finished]
 
     def _emit(self, group: RequestGroup, error: str | None = None) -> RequestOutput:
         out = group.make_output(error)

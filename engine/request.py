@@ -37,6 +37,8 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -92,7 +94,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED  # hot: plain int comparison
 
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         if self.first_token_time is None:

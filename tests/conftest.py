@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be chosen before triton is first imported
+# (any test module importing workers/ imports kernels/ and so triton); it changes nothing else on a CPU machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(1)
 os.environ.setdefault("PAGODA_TORCH_THREADS", "1")
 

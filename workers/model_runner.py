@@ -32,16 +32,17 @@ _SEED_STRIDE = 1_000_003
 class RequestState:
     req_id: str
     token_ids: list[int]  # prompt + outputs
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # kept beside token_ids so that sampling needs no copies
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     seed: int | None
     generator: torch.Generator | None
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
 
 class ModelRunner:
@@ -81,7 +82,7 @@ class ModelRunner:
         if new.sample_seed is not None:
             generator = torch.Generator(device=self.device)
         return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
-                            len(new.prompt_token_ids), new.sampling_params, list(new.block_ids),
+                            new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, list(new.block_ids),
                             new.num_computed_tokens, new.sample_seed, generator)
 
     # ---- one step ------------------------------------------------------------------------------------------------
@@ -113,14 +114,14 @@ class ModelRunner:
             return ModelRunnerOutput()
         token_ids, logprobs = [], []
         if self.is_driver:
-            rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
                                 self._seeded_generator(s)) for s in states]
             token_ids, logprobs = sample(logits, rows)
         if parallel.get_tp_size() > 1:
             ids = torch.tensor(token_ids if self.is_driver else [0] * num, dtype=torch.long, device=self.device)
             token_ids = parallel.broadcast_from_rank0(ids).tolist()
         for state, token_id in zip(states, token_ids):
-            state.token_ids.append(token_id)
+            state.append(token_id)
         return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs if self.is_driver else [])
 
     def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
@@ -128,7 +129,7 @@ class ModelRunner:
         else is in the batch, and after preemption too."""
         if state.generator is None:
             return None
-        num_outputs = len(state.token_ids) - state.num_prompt_tokens
+        num_outputs = len(state.output_token_ids)
         state.generator.manual_seed((state.seed * _SEED_STRIDE + num_outputs) % (1 << 63))
         return state.generator
 

@@ -37,6 +37,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     if not rows:
         return [], []
     raw = logits.float()
+    if all(row.params.is_greedy and _is_plain(row.params, row.output_token_ids) for row in rows):
+        tokens = raw.argmax(dim=-1)  # the common fast path: nothing to process, nothing to copy
+        return tokens.tolist(), compute_logprobs(raw, tokens, rows)
     x = apply_logit_bias(raw.clone(), rows)  # [N, V]
     x = apply_min_tokens(x, rows)
     x = apply_penalties(x, rows)
@@ -46,6 +49,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         index = torch.tensor(random_rows, device=x.device)
         tokens[index] = _sample_random(x[index], [rows[i] for i in random_rows], default_generator)
     return tokens.tolist(), compute_logprobs(raw, tokens, rows)
+
+
+def _is_plain(params: SamplingParams, output_token_ids: list[int]) -> bool:
+    """No logit processing applies to this row at this step."""
+    return (not params.logit_bias and params.repetition_penalty == 1.0 and not params.frequency_penalty
+            and not params.presence_penalty and len(output_token_ids) >= params.min_tokens)
 
 
 def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) -> torch.Tensor:
