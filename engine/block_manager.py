@@ -111,7 +111,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(req.req_id, [])
-        num_full = min(req.num_computed_tokens // self.block_size, len(table))
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(table))
         start = self.num_committed.get(req.req_id, 0)
         if num_full <= start:
             return

@@ -90,6 +90,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (when the executor can)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -20,16 +20,34 @@ class Executor(ABC):
     """Runs steps on every rank. After construction the model is loaded and the KV pool allocated."""
 
     num_kv_blocks: int
+    supports_overlap: bool = False  # execute_model_async returns before the step's tokens are on the host
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step on every rank and returns rank 0's output. Raises ExecutorError on failure."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "StepHandle":
+        """Launches a step; `.result()` waits for it. Executors that cannot overlap run it right away."""
+        return StepHandle(self.execute_model(scheduler_output))
 
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""
 
     def shutdown(self) -> None:
         """Releases workers and memory. Idempotent."""
+
+
+class StepHandle:
+    """A step in flight. `result()` returns its ModelRunnerOutput or raises ExecutorError."""
+
+    def __init__(self, output: ModelRunnerOutput | None = None, wait=None):
+        self._output = output
+        self._wait = wait
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._wait()
+        return self._output
 
 
 def create_executor(config: EngineConfig) -> Executor:

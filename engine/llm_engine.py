@@ -101,6 +101,7 @@ class LLMEngine:
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
         self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
         self._ids = itertools.count()
 
@@ -176,19 +177,60 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self._pending is not None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. With overlap, step N+1 is scheduled and launched before step N's tokens are read
+        back, so the host's work hides behind the device's; the outputs returned are then step N's."""
+        if not self._can_overlap():
+            if self._pending is not None:
+                return self._finish_pending()  # leaving overlap: drain the step in flight first
+            sched = self.scheduler.schedule()
+            if self._is_idle(sched):
+                return []
+            try:
+                result = self.executor.execute_model(sched)
+            except ExecutorError as e:
+                return self._fail_step(sched, e)
+            return self._process(sched, result)
         sched = self.scheduler.schedule()
-        if sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids):
-            return []
+        if self._is_idle(sched):
+            return self._finish_pending()
         try:
-            result = self.executor.execute_model(sched)
+            handle = self.executor.execute_model_async(sched)
         except ExecutorError as e:
-            logger.error("step failed, failing %d requests: %s", len(sched.num_scheduled_tokens), e)
-            reqs = (self.scheduler.requests.get(seq_id) for seq_id in sched.num_scheduled_tokens)
-            return self._fail_requests([r.parent_id for r in reqs if r is not None], str(e))
+            return self._finish_pending() + self._fail_step(sched, e)
+        outputs = self._finish_pending()
+        self._pending = (sched, handle)
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
+            return False
+        return not any(req.needs_exact_history for req in self.scheduler.running)
+
+    @staticmethod
+    def _is_idle(sched) -> bool:
+        return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
+
+    def _finish_pending(self) -> list[RequestOutput]:
+        if self._pending is None:
+            return []
+        sched, handle = self._pending
+        self._pending = None
+        try:
+            result = handle.result()
+        except ExecutorError as e:
+            return self._fail_step(sched, e)
+        return self._process(sched, result)
+
+    def _fail_step(self, sched, error: ExecutorError) -> list[RequestOutput]:
+        logger.error("step failed, failing %d requests: %s", len(sched.num_scheduled_tokens), error)
+        reqs = (self.scheduler.requests.get(seq_id) for seq_id in sched.num_scheduled_tokens)
+        return self._fail_requests([r.parent_id for r in reqs if r is not None], str(error))
+
+    def _process(self, sched, result) -> list[RequestOutput]:
         touched: dict[str, RequestGroup] = {}
         for seq in self.scheduler.update_from_output(sched, result):
             group = self.groups.get(seq.parent_id)
@@ -237,6 +279,7 @@ class LLMEngine:
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "blocks leaked"
 
     def shutdown(self) -> None:
+        self._pending = None
         self.executor.shutdown()
 
 

@@ -64,6 +64,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by a launched step, not yet known here (overlapped scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -91,6 +92,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_exact_history(self) -> bool:
+        """Penalties read every output token: such a request cannot run a step ahead of its last token."""
+        p = self.sampling_params
+        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
     @property
     def is_finished(self) -> bool:

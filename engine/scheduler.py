@@ -67,15 +67,18 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.block_copies = self.block_manager.take_copies()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            req = self.requests[req_id]
+            if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # this step samples its next token
+            req.num_computed_tokens += num_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1
                 continue
             while not self.block_manager.can_allocate(req, num_new):
@@ -155,6 +158,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_pending_tokens = 0  # a token in flight for it is dropped; recompute samples it again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -173,6 +177,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since the step was scheduled
+            req.num_pending_tokens -= 1
             req.append_output(token_id, logprobs)
             status = self._check_stop(req, token_id)
             if status is not None:

@@ -65,11 +65,14 @@ class CudaGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.graphs), self.max_batch,
                     time.perf_counter() - start)
 
-    def replay(self, num_seqs: int) -> torch.Tensor:
-        """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows."""
+    def replay(self, num_seqs: int, feed=None) -> torch.Tensor:
+        """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows; `feed` then
+        writes device-resident input tokens (overlapped steps) before the replay."""
         padded = self.padded_size(num_seqs)
         self.buffers.pad_decode(num_seqs, padded)
         self.buffers.copy_to_device(padded, padded, self.buffers.max_blocks_per_seq)
+        if feed is not None:
+            feed()
         graph, hidden = self.graphs[padded]
         graph.replay()
         return hidden[:num_seqs]

@@ -49,12 +49,13 @@ class InputBuffers:
         for i, (tokens, start, count, blocks) in enumerate(zip(token_ids, starts, counts, block_ids)):
             end = start + count
             if count == 1:  # decode: skip numpy's per-call overhead
-                n["input_ids"][offset] = tokens[start]
+                n["input_ids"][offset] = tokens[start] if start < len(tokens) else 0  # 0: fed on the device
                 n["positions"][offset] = start
                 n["slot_mapping"][offset] = blocks[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, end)
-                n["input_ids"][offset:offset + count] = tokens[start:end]
+                chunk = tokens[start:end]
+                n["input_ids"][offset:offset + count] = chunk + [0] * (count - len(chunk))
                 n["positions"][offset:offset + count] = pos
                 n["slot_mapping"][offset:offset + count] = np.asarray(blocks)[pos // bs] * bs + pos % bs
             offset += count

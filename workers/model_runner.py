@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers
 from workers.kv_pool import KVCaches, copy_blocks
-from workers.sampler import SamplingRow, sample
+from workers.sampler import SampledBatch, SamplingRow, finish, sample_async
 
 _SEED_STRIDE = 1_000_003
 
@@ -40,9 +40,12 @@ class RequestState:
     seed: int | None
     generator: torch.Generator | None
 
+    num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
+
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        self.num_pending -= 1
 
 
 class ModelRunner:
@@ -54,6 +57,8 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
         self.requests: dict[str, RequestState] = {}
+        self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
+        self.prev_rows: dict[str, int] = {}  # req_id -> row of prev_tokens
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device)
@@ -86,72 +91,119 @@ class ModelRunner:
                             new.num_computed_tokens, new.sample_seed, generator)
 
     # ---- one step ------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.execute_model_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
+        """Launches the step and returns before its sampled tokens reach the host. A request whose previous token
+        is still on the device (sampled by the step launched just before) reads it from there."""
         self.update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput() if self.is_driver else None
+            return PendingStep(self, [], None, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
         hidden, sample_rows = self._forward(states, counts)
         sampling_states = [states[i] for i in sample_rows]
-        logits = None
-        if sampling_states:
-            logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
-        token_ids = self._sample(logits, sampling_states)
-        if not self.is_driver:
-            return None
-        return token_ids
-
-    def _sample(self, logits: torch.Tensor | None, states: list[RequestState]) -> ModelRunnerOutput | None:
-        """Rank 0 samples; the other ranks learn the tokens by broadcast so their states stay in step."""
+        if not sampling_states:
+            return PendingStep(self, [], None, [])
+        logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
+        rows = []
+        if self.is_driver:
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._seeded_generator(s),
+                                s.num_pending) for s in sampling_states]
+            batch = sample_async(logits, rows)
+            tokens = batch.tokens
+        else:
+            batch, tokens = None, torch.zeros(len(sampling_states), dtype=torch.long, device=self.device)
         from workers import parallel
 
-        num = len(states)
-        if num == 0:
-            return ModelRunnerOutput()
-        token_ids, logprobs = [], []
-        if self.is_driver:
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
-                                self._seeded_generator(s)) for s in states]
-            token_ids, logprobs = sample(logits, rows)
-        if parallel.get_tp_size() > 1:
-            ids = torch.tensor(token_ids if self.is_driver else [0] * num, dtype=torch.long, device=self.device)
-            token_ids = parallel.broadcast_from_rank0(ids).tolist()
-        for state, token_id in zip(states, token_ids):
-            state.append(token_id)
-        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs if self.is_driver else [])
+        if parallel.get_tp_size() > 1:  # the other ranks learn the tokens so their states stay in step
+            tokens = parallel.broadcast_from_rank0(tokens)
+        for i, state in enumerate(sampling_states):
+            state.num_pending += 1
+        self.prev_tokens = tokens
+        self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
+        return PendingStep(self, sampling_states, batch if batch is not None else tokens, rows)
 
     def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
-        """A seeded request's noise depends only on its seed and how many tokens it has: the same tokens whatever
-        else is in the batch, and after preemption too."""
+        """A seeded request's noise depends only on its seed and the position of the token it samples: the same
+        tokens whatever else is in the batch, after preemption, and with overlapped steps."""
         if state.generator is None:
             return None
-        num_outputs = len(state.output_token_ids)
-        state.generator.manual_seed((state.seed * _SEED_STRIDE + num_outputs) % (1 << 63))
+        state.generator.manual_seed((state.seed * _SEED_STRIDE + state.num_computed_tokens) % (1 << 63))
         return state.generator
 
     def _forward(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches, eager otherwise.
         Returns the hidden states [T, hidden] and the indices of the requests that sample."""
         starts = [s.num_computed_tokens for s in states]
+        feed_positions, feed_rows = [], []  # tokens still on the device: flat position <- previous step's row
+        offset = 0
         for state, start, count in zip(states, starts, counts):
-            assert start + count <= len(state.token_ids), f"{state.req_id}: scheduled past its known tokens"
+            known = len(state.token_ids) + state.num_pending
+            assert start + count <= known, f"{state.req_id}: scheduled past its known tokens"
             assert start + count <= len(state.block_ids) * self.block_size, f"{state.req_id}: too few blocks"
+            if start + count > len(state.token_ids):  # its last input token is the one sampled just before
+                assert start + count == known and state.req_id in self.prev_rows, f"{state.req_id}: lost token"
+                feed_positions.append(offset + count - 1)
+                feed_rows.append(self.prev_rows[state.req_id])
+            offset += count
         num_tokens, num_block_cols = self.buffers.fill([s.token_ids for s in states], starts, counts,
                                                        [s.block_ids for s in states])
         sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
-                       if start + count == len(s.token_ids)]
+                       if start + count == len(s.token_ids) + s.num_pending]
+        feed = self._feed(feed_positions, feed_rows)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
-            return self.graphs.replay(len(states)), sample_rows
+            return self.graphs.replay(len(states), feed), sample_rows
         self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
+        feed()
         ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols)
         return self.model(ids, positions, self.kv_caches, meta), sample_rows
+
+    def _feed(self, positions: list[int], rows: list[int]):
+        """A function that writes the previous step's sampled tokens into this step's device input ids."""
+        if not positions:
+            return lambda: None
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        src = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        prev = self.prev_tokens
+        return lambda: self.buffers.dev["input_ids"].index_copy_(0, pos, prev.index_select(0, src))
 
     def _sample_indices(self, counts: list[int], sample_rows: list[int]) -> torch.Tensor:
         """The last token of each sampling request, in the flat batch."""
         ends = np.cumsum(counts) - 1
         return torch.from_numpy(ends[sample_rows]).to(self.device, non_blocking=True)
+
+
+class PendingStep:
+    """A launched step; `result()` waits for its tokens, appends them to the request states and returns the
+    ModelRunnerOutput (None on ranks other than 0)."""
+
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampled, rows: list[SamplingRow]):
+        self.runner = runner
+        self.states = states
+        self.sampled = sampled  # SampledBatch on rank 0, a token tensor on the others
+        self.rows = rows
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput | None:
+        if self._output is not None:
+            return self._output
+        if not self.states:
+            self._output = ModelRunnerOutput()
+        elif isinstance(self.sampled, SampledBatch):
+            token_ids, logprobs = finish(self.sampled, self.rows)
+            self._append(token_ids)
+            self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids, logprobs)
+        else:
+            self._append(self.sampled.tolist())
+            self._output = ModelRunnerOutput()
+        return self._output if self.runner.is_driver else None
+
+    def _append(self, token_ids: list[int]) -> None:
+        for state, token_id in zip(self.states, token_ids):
+            state.append(token_id)

@@ -28,18 +28,40 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # on the logits' device; set for seeded requests
+    num_pending: int = 0  # outputs sampled but not yet in output_token_ids (overlapped steps)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+
+@dataclass
+class SampledBatch:
+    """A step's samples still on the device: `finish` copies them to the host (the step's one sync)."""
+
+    tokens: torch.Tensor  # [N]
+    logprob_rows: list[int]  # rows that asked for logprobs
+    sampled_logprobs: torch.Tensor | None = None  # [W]
+    top_logprobs: torch.Tensor | None = None  # [W, k]
+    top_ids: torch.Tensor | None = None  # [W, k]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
            ) -> tuple[list[int], list[Logprobs | None]]:
     """logits: [N, V], one row per SamplingRow. Returns the N sampled token ids and their logprobs."""
+    return finish(sample_async(logits, rows, default_generator), rows)
+
+
+def sample_async(logits: torch.Tensor, rows: list[SamplingRow],
+                 default_generator: torch.Generator | None = None) -> SampledBatch:
+    """Samples on the device without waiting for the result."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if not rows:
-        return [], []
+        return SampledBatch(torch.empty(0, dtype=torch.long, device=logits.device), [])
     raw = logits.float()
-    if all(row.params.is_greedy and _is_plain(row.params, row.output_token_ids) for row in rows):
+    if all(row.params.is_greedy and _is_plain(row) for row in rows):
         tokens = raw.argmax(dim=-1)  # the common fast path: nothing to process, nothing to copy
-        return tokens.tolist(), compute_logprobs(raw, tokens, rows)
+        return logprobs_on_device(raw, tokens, rows)
     x = apply_logit_bias(raw.clone(), rows)  # [N, V]
     x = apply_min_tokens(x, rows)
     x = apply_penalties(x, rows)
@@ -48,13 +70,28 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     if random_rows:
         index = torch.tensor(random_rows, device=x.device)
         tokens[index] = _sample_random(x[index], [rows[i] for i in random_rows], default_generator)
-    return tokens.tolist(), compute_logprobs(raw, tokens, rows)
+    return logprobs_on_device(raw, tokens, rows)
 
 
-def _is_plain(params: SamplingParams, output_token_ids: list[int]) -> bool:
+def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], list[Logprobs | None]]:
+    """Copies the samples to the host: token ids and, for rows that asked, their logprobs."""
+    tokens = batch.tokens.tolist()
+    out: list[Logprobs | None] = [None] * len(rows)
+    if not batch.logprob_rows:
+        return tokens, out
+    sampled = batch.sampled_logprobs.tolist()
+    top_values, top_ids = batch.top_logprobs.tolist(), batch.top_ids.tolist()
+    for j, i in enumerate(batch.logprob_rows):
+        k = rows[i].params.logprobs
+        out[i] = Logprobs(sampled_logprob=sampled[j], top_token_ids=top_ids[j][:k], top_logprobs=top_values[j][:k])
+    return tokens, out
+
+
+def _is_plain(row: SamplingRow) -> bool:
     """No logit processing applies to this row at this step."""
+    params = row.params
     return (not params.logit_bias and params.repetition_penalty == 1.0 and not params.frequency_penalty
-            and not params.presence_penalty and len(output_token_ids) >= params.min_tokens)
+            and not params.presence_penalty and row.num_outputs >= params.min_tokens)
 
 
 def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) -> torch.Tensor:
@@ -96,7 +133,7 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Stop tokens get -inf while a row has produced fewer than min_tokens tokens."""
     blocked = lambda r: (list(r.params.all_stop_token_ids)  # noqa: E731
-                         if len(r.output_token_ids) < r.params.min_tokens else [])
+                         if r.num_outputs < r.params.min_tokens else [])
     if not any(blocked(row) for row in rows):
         return x
     row_idx, token_idx = _scatter_index(rows, blocked, x.device)
@@ -169,19 +206,18 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
 
 
-def compute_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[Logprobs | None]:
+def logprobs_on_device(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
     """Logprobs from the raw logits: the sampled token's, and the top `params.logprobs` alternatives."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return [None] * len(rows)
+        return SampledBatch(tokens, [])
     index = torch.tensor(wanted, device=raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)  # [W, V]
-    sampled = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1).tolist()
+    sampled = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1)
     max_k = max(rows[i].params.logprobs for i in wanted)
     top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    out: list[Logprobs | None] = [None] * len(rows)
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs
-        out[i] = Logprobs(sampled_logprob=sampled[j], top_token_ids=top_ids[j][:k], top_logprobs=top_values[j][:k])
-    return out
+    return SampledBatch(tokens, wanted, sampled, top_values, top_ids)
+
+
+def compute_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[Logprobs | None]:
+    return finish(logprobs_on_device(raw, tokens, rows), rows)[1]

@@ -12,7 +12,7 @@ import os
 import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_dtype
-from engine.executor import Executor, ExecutorError
+from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import parallel
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
@@ -114,6 +114,8 @@ class Worker:
 class InProcessExecutor(Executor):
     """A single rank in the engine's own process: no actor call per step."""
 
+    supports_overlap = True
+
     def __init__(self, config: EngineConfig):
         if resolve_device(config.parallel.device) == "cpu" and "PAGODA_TORCH_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["PAGODA_TORCH_THREADS"]))
@@ -129,6 +131,22 @@ class InProcessExecutor(Executor):
         except Exception as e:
             logger.exception("step failed")
             raise ExecutorError(f"{type(e).__name__}: {e}") from e
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        try:
+            pending = self.worker.runner.execute_model_async(scheduler_output)
+        except Exception as e:
+            logger.exception("step failed")
+            raise ExecutorError(f"{type(e).__name__}: {e}") from e
+
+        def wait() -> ModelRunnerOutput:
+            try:
+                return pending.result()
+            except Exception as e:
+                logger.exception("step failed")
+                raise ExecutorError(f"{type(e).__name__}: {e}") from e
+
+        return StepHandle(wait=wait)
 
     def shutdown(self) -> None:
         if self.worker is not None:
