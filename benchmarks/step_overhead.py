@@ -3,17 +3,17 @@
 Two ways to hand a step's `SchedulerOutput` to the ranks, both through `cluster.actor_group.StepBroadcast` (the code
 the RayExecutor runs):
 
-    calls   one plain actor call per rank (the step put in the object store once)
+    calls   one plain actor call per rank (the step passed by value: inlined in each call)
     graph   a Ray Compiled Graph: one serialization, shared-memory channels (the RayExecutor's default)
 
 Probe actors stand in for the workers: `execute_model` notes the time the step reached it and returns a
 ModelRunnerOutput of the step's size (rank 0) or None, so this measures the broadcast and the way back, not a
 model. `dispatch` is the time until the LAST rank has the step (its forward's first all-reduce waits for that
 rank); `round trip` adds the way back to the driver. The clocks are `time.perf_counter` (CLOCK_MONOTONIC: one clock
-for every process of the machine). Scenarios: 256 running requests in decode (the common step), and 8 new
-1024-token prompts (a large first message).
+for every process of the machine). Scenarios: 256 running requests in decode (the common step under load), one
+(the channel's own latency), and 8 new 1024-token prompts (a large first message).
 
-    .venv/bin/python benchmarks/step_overhead.py [--tp 1 2] [--steps 300] [--output-json overhead.json]
+    .venv/bin/python benchmarks/step_overhead.py [--tp 1 2] [--steps 300] [--rounds 3] [--output-json overhead.json]
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def prefill_step(num_reqs: int = 8, prompt_len: int = 1024, block_size: int = 16
     return SchedulerOutput(new_reqs=new, num_scheduled_tokens=scheduled)
 
 
-def measure(broadcast: StepBroadcast, sched: SchedulerOutput, steps: int, warmup: int) -> dict:
+def measure(broadcast: StepBroadcast, sched: SchedulerOutput, steps: int, warmup: int) -> tuple[list, list]:
+    """(dispatch, round trip) in seconds, one pair per measured step."""
     dispatch, round_trip = [], []
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -77,6 +78,10 @@ def measure(broadcast: StepBroadcast, sched: SchedulerOutput, steps: int, warmup
         if i >= warmup:
             dispatch.append(max(arrived for arrived, _ in results) - start)
             round_trip.append(end - start)
+    return dispatch, round_trip
+
+
+def summarize(dispatch: list[float], round_trip: list[float]) -> dict:
     return {"dispatch_p50_ms": _ms(statistics.median(dispatch)), "dispatch_p90_ms": _ms(_p90(dispatch)),
             "round_trip_p50_ms": _ms(statistics.median(round_trip)), "round_trip_p90_ms": _ms(_p90(round_trip))}
 
@@ -89,21 +94,27 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
 
-def run(tp_sizes: list[int], steps: int, warmup: int) -> list[dict]:
-    scenarios = {"decode-256": decode_step(), "prefill-8x1024": prefill_step()}
+def run(tp_sizes: list[int], steps: int, warmup: int, rounds: int) -> list[dict]:
+    """Modes alternate over `rounds` rounds (steps split among them), so that a busy machine's drift hits both."""
+    scenarios = {"decode-1": decode_step(1), "decode-256": decode_step(), "prefill-8x1024": prefill_step()}
     rows = []
     for tp in tp_sizes:
         probe = ray.remote(num_cpus=0)(ProbeWorker)
         actors = [probe.remote(rank) for rank in range(tp)]
         ray.get([a.execute_model.remote(SchedulerOutput()) for a in actors])  # started
-        for mode, use_graph in (("calls", False), ("graph", True)):
-            broadcast = StepBroadcast(actors, use_compiled_graph=use_graph)
-            assert broadcast.is_compiled == use_graph, "the compiled graph did not compile"
-            for name, sched in scenarios.items():
-                row = {"tp": tp, "mode": mode, "scenario": name, "payload_bytes": len(pickle.dumps(sched))}
-                row.update(measure(broadcast, sched, steps, warmup))
-                rows.append(row)
-            broadcast.teardown()
+        samples = {(mode, name): ([], []) for mode in ("calls", "graph") for name in scenarios}
+        for _ in range(rounds):
+            for mode in ("calls", "graph"):
+                broadcast = StepBroadcast(actors, use_compiled_graph=mode == "graph")
+                assert broadcast.is_compiled == (mode == "graph"), "the compiled graph did not compile"
+                for name, sched in scenarios.items():
+                    dispatch, round_trip = measure(broadcast, sched, -(-steps // rounds), warmup)
+                    samples[mode, name][0].extend(dispatch)
+                    samples[mode, name][1].extend(round_trip)
+                broadcast.teardown()
+        for (mode, name), (dispatch, round_trip) in samples.items():
+            rows.append({"tp": tp, "mode": mode, "scenario": name,
+                         "payload_bytes": len(pickle.dumps(scenarios[name])), **summarize(dispatch, round_trip)})
         for actor in actors:
             ray.kill(actor)
     return rows
@@ -124,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (ranks)")
     parser.add_argument("--steps", type=int, default=300, help="measured steps per mode and scenario")
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=20, help="unmeasured steps at the start of each round")
+    parser.add_argument("--rounds", type=int, default=3, help="times each mode is set up and measured, alternating")
     parser.add_argument("--address", default=None, help="a Ray cluster to join (default: a local one)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -133,7 +145,7 @@ def main() -> None:
     else:
         ray.init(num_cpus=max(args.tp) + 1, include_dashboard=False, log_to_driver=False)
     try:
-        rows = run(args.tp, args.steps, args.warmup)
+        rows = run(args.tp, args.steps, args.warmup, args.rounds)
     finally:
         ray.shutdown()
     print_table(rows)

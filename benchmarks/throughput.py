@@ -59,7 +59,8 @@ def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> 
     if load_format == "random":
         config = AutoConfig.from_pretrained(model_dir)
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: seconds
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         weights_dir = tempfile.mkdtemp(prefix="pagoda-bench-")
         model.save_pretrained(weights_dir)
         for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 _DEFAULT_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import os\nimport sys\n"]
@@ -56,6 +57,62 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_app_args(args: argparse.Namespace) -> dict:
+    """`pagoda serve` flags → the args of cluster.app:build_app (the same shape as deploy/serve.yaml's)."""
+    model = engine_kwargs(args) | {"served_model_name": args.served_model_name}
+    if args.replica_num_cpus is not None:
+        model["replica_num_cpus"] = args.replica_num_cpus
+    scaling = {k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas),
+                                 ("target_ongoing_requests", args.target_ongoing_requests)) if v is not None}
+    if scaling and args.num_replicas is not None:
+        raise ValueError("give --num-replicas or --min-replicas/--max-replicas/--target-ongoing-requests, not both")
+    if scaling:
+        scaling.setdefault("max_replicas", max(scaling.get("min_replicas", 1), 1))
+        model["autoscaling_config"] = scaling
+    else:
+        model["num_replicas"] = args.num_replicas or 1
+    return {"models": [model], "api_key": args.api_key or os.environ.get("PAGODA_API_KEY"),
+            "ingress_replicas": args.ingress_replicas}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Starts (or joins) Ray, deploys the app on host:port, serves until Ctrl-C or SIGTERM, then cleans up."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app, parse_args
+
+    app_args = serve_app_args(args)
+    names = ", ".join(m.served_model_name for m in parse_args(app_args).models)  # bad flags fail before Ray starts
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=args.address or "local", num_cpus=None if args.address else args.num_cpus,
+                 include_dashboard=False, logging_level="WARNING")
+    stop = threading.Event()
+    try:
+        app = build_app(app_args)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="pagoda", route_prefix="/")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"pagoda: serving {names} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C while starting up
+        pass
+    finally:
+        print("pagoda: shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (default: the built-in tiny model)")
+    add_engine_args(srv)
+    srv.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: dir name)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster it starts")
+    srv.add_argument("--num-replicas", type=int, default=None)
+    srv.add_argument("--min-replicas", type=int, default=None, help="autoscaling: at least this many replicas")
+    srv.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
+    srv.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling: per replica")
+    srv.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
+    srv.add_argument("--ingress-replicas", type=int, default=1)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
+    srv.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint (random weights) to DIR")
     tiny.add_argument("dir")

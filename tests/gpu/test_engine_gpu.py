@@ -48,7 +48,7 @@ def test_gpu_greedy_parity_with_transformers(tiny_checkpoints, hf_tokens, enforc
 
 def test_gpu_chunked_prefill_preemption_and_prefix_cache(tiny_checkpoints, hf_tokens):
     llm = LLM(model=tiny_checkpoints["llama"], dtype="float32", device="cuda", block_size=16,
-              num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=4)
+              num_kv_blocks=7, max_num_batched_tokens=32, max_num_seqs=4)
     outs = greedy(llm)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     assert llm.engine.scheduler.num_preemptions > 0

@@ -1,0 +1,410 @@
+"""`RayExecutor`: the tensor-parallel ranks as Ray actors in one placement group, one broadcast per step.
+
+    driver (engine, scheduler)                placement group: one bundle per rank (STRICT_PACK: one node)
+    RayExecutor.execute_model(sched) ──► compiled graph ──► WorkerActor rank 0 ─┐ torch.distributed
+                                                      ├──► WorkerActor rank 1 ─┤ (NCCL on GPUs,
+                                                      └──► ...                 ─┘  gloo on CPU)
+                                     ◄── rank 0's ModelRunnerOutput (other ranks return None)
+
+Start-up: join or start Ray, take the caller's placement group (a Serve replica deployed with
+`placement_group_bundles=placement_bundles(...)`) or create one, start one actor per bundle, rendezvous at
+rank 0's `tcp://ip:port`, load the shards, profile memory on every rank and allocate the smallest pool any rank
+can hold. Each step's `SchedulerOutput` goes to all ranks through a Ray Compiled Graph (shared-memory channels: a
+fraction of a millisecond, where a plain actor call per rank costs about a millisecond each); plain calls are
+the fallback when the graph cannot be compiled.
+
+Failures: a step that raised on every rank (the same bad input) is an `ExecutorError` and the engine goes on; a dead
+actor, a channel error, a step past its timeout or ranks that disagree is `ExecutorError(is_fatal=True)`, and
+`check_health()` keeps raising it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, replace
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
+                                      remove_placement_group)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig, ParallelConfig
+from engine.executor import Executor, ExecutorError
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGY = "STRICT_PACK"  # every rank of a replica on one node (NVLink)
+# Always off on the H200 machines: NVLink multicast (NVLS / multimem) must not be used there (ARCHITECTURE.md).
+WORKER_ENV_VARS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Passed on to the actors when the driver has them.
+FORWARDED_ENV_VARS = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "PAGODA_TORCH_THREADS")
+
+PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGODA_PLACEMENT_TIMEOUT_S", 300))  # an autoscaler may add a node
+INIT_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_INIT_TIMEOUT_S", 1200))  # load + profile a large shard
+STEP_TIMEOUT_S = float(os.environ.get("PAGODA_STEP_TIMEOUT_S", 300))  # first steps may JIT-compile kernels
+PING_TIMEOUT_S = 10.0
+HEALTH_CHECK_INTERVAL_S = 1.0  # check_health pings only when no step has answered for this long
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def placement_bundles(parallel_config: ParallelConfig, device: str) -> list[dict]:
+    """The placement group of one model copy: one bundle per rank. Bundle 0 also holds the driver (the replica).
+
+    GPU: `[{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)`.  CPU: `[{"CPU": 1}] * tp` (a core per rank). Worker
+    actors ask only for the bundle's GPU (nothing on CPU), so the replica's own CPU fits beside rank 0.
+    """
+    tp = parallel_config.tensor_parallel_size
+    if resolve_cluster_device(device) == "cuda":
+        return [{"CPU": 1, "GPU": 1}] + [{"GPU": 1} for _ in range(tp - 1)]
+    return [{"CPU": 1} for _ in range(tp)]
+
+
+def resolve_cluster_device(device: str, pg: PlacementGroup | None = None) -> str:
+    """'auto' is 'cuda' when the placement group (or, without one, the cluster) has GPUs; the driver's own
+    devices do not count: a replica may hold no GPU while its workers do."""
+    if device != "auto":
+        return device
+    if pg is not None:
+        return "cuda" if any(b.get("GPU", 0) > 0 for b in pg.bundle_specs) else "cpu"
+    if ray.is_initialized():
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    from engine.config import resolve_device
+
+    return resolve_device(device)
+
+
+def ensure_ray_initialized(num_cpus_needed: int = 1) -> None:
+    """Joins the running cluster (RAY_ADDRESS, or the one `ray start` made) or starts a local one; never re-inits.
+
+    Not plain `address="auto"` when there is no such cluster: its legacy fallback attaches to any Ray process it
+    finds on the machine (another program's private cluster)."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS") or _bootstrap_address():
+        try:
+            ray.init(address="auto")
+            return
+        except ConnectionError as e:
+            logger.warning("no Ray cluster at the recorded address (%s); starting a local one", e)
+    # Ray's CPUs are logical: a small machine still gets a bundle for every rank.
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed))
+
+
+def _bootstrap_address() -> str | None:
+    try:
+        return ray._private.utils.read_ray_address()
+    except Exception:  # private API: treat any failure as "no cluster started with `ray start`"
+        return None
+
+
+# ---- the worker actor ------------------------------------------------------------------------------------------
+@dataclass
+class StepFailure:
+    """What a rank returns instead of raising: the engine turns it into an ExecutorError."""
+
+    rank: int
+    error: str
+    traceback: str
+
+
+class WorkerActor:
+    """One tensor-parallel rank in its own Ray actor: a `workers.worker.Worker` plus device and rendezvous set-up."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.is_cuda = config.parallel.device == "cuda"
+        if not self.is_cuda:
+            import torch
+
+            torch.set_num_threads(int(os.environ.get("PAGODA_TORCH_THREADS", "1")))
+        self.worker = None
+        self.device_index: int | None = None
+
+    def get_init_method(self) -> str:
+        """Rank 0: a free port on this node, as torch.distributed's `tcp://ip:port` rendezvous."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+    def init_worker(self, init_method: str) -> int:
+        """Joins the group, loads this rank's shard; returns how many KV blocks fit here."""
+        from workers.worker import Worker
+
+        self.device_index = local_gpu_index() if self.is_cuda else None
+        self.worker = Worker(self.config, self.rank, self.world_size, init_method, self.device_index)
+        self.worker.init_device()
+        self.worker.load_model()
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | StepFailure | None:
+        try:
+            if self.is_cuda:
+                self._ensure_current_device()
+            return self.worker.execute_model(sched)
+        except Exception as e:  # an error value, not an exception: the graph and the actor stay usable
+            return StepFailure(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+
+    def _ensure_current_device(self) -> None:
+        """The compiled graph runs steps on its own thread; CUDA's current device is per thread (Triton uses it)."""
+        import torch
+
+        if torch.cuda.current_device() != self.device_index:
+            torch.cuda.set_device(self.device_index)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()  # destroys the process group
+            self.worker = None
+
+
+def local_gpu_index(gpu_ids: list | None = None, visible: str | None = None) -> int:
+    """The torch device index of this actor's GPU.
+
+    Ray's default sets CUDA_VISIBLE_DEVICES to the actor's GPU, which is then index 0. With
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 every rank sees all of the node's GPUs (torch symmetric memory
+    needs that) and the index is Ray's GPU id, or its position when the node itself restricts the visible set."""
+    gpu_ids = ray.get_gpu_ids() if gpu_ids is None else gpu_ids
+    assert gpu_ids, "a GPU worker actor was given no GPU (is its bundle missing 'GPU'?)"
+    gpu_id = str(gpu_ids[0])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [v.strip() for v in visible.split(",")] if visible else []
+    return ids.index(gpu_id) if gpu_id in ids else int(gpu_id)
+
+
+# ---- the per-step broadcast ------------------------------------------------------------------------------------
+class StepBroadcast:
+    """Sends one SchedulerOutput to every rank's `execute_model` and gathers the results, in rank order.
+
+    Through a compiled graph when it compiles (one serialization, shared-memory channels, no task submission per
+    rank), else one plain actor call per rank."""
+
+    def __init__(self, actors: list, use_compiled_graph: bool = True):
+        self.actors = actors
+        self.compiled = None
+        if use_compiled_graph:
+            try:
+                from ray.dag import InputNode, MultiOutputNode
+
+                with InputNode() as inp:
+                    dag = MultiOutputNode([a.execute_model.bind(inp) for a in actors])
+                self.compiled = dag.experimental_compile()
+            except Exception:
+                logger.exception("could not compile the step graph; using one actor call per rank")
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None
+
+    def launch(self, sched) -> list:
+        """Sends the step without waiting for it (steps queue up in order on every rank)."""
+        if self.compiled is not None:
+            return self.compiled.execute(sched)
+        return [a.execute_model.remote(sched) for a in self.actors]  # by value: inlined, faster than a put
+
+    def collect(self, pending: list, timeout_s: float) -> list:
+        return ray.get(pending, timeout=timeout_s)
+
+    def run(self, sched, timeout_s: float) -> list:
+        return self.collect(self.launch(sched), timeout_s)
+
+    def teardown(self) -> None:
+        compiled, self.compiled = self.compiled, None
+        if compiled is not None:
+            try:
+                compiled.teardown()
+            except Exception:
+                logger.exception("tearing down the step graph failed")
+
+
+# ---- the executor ----------------------------------------------------------------------------------------------
+class RayExecutor(Executor):
+    """`tensor_parallel_size` WorkerActors in one placement group; rank 0's output is the step's output."""
+
+    def __init__(self, config: EngineConfig, use_compiled_graph: bool | None = None):
+        if use_compiled_graph is None:
+            use_compiled_graph = os.environ.get("PAGODA_DISABLE_COMPILED_GRAPH", "0") != "1"
+        self.world_size = config.parallel.tensor_parallel_size
+        self.actors: list = []
+        self.placement_group: PlacementGroup | None = None
+        self._owns_placement_group = False
+        self._broadcast: StepBroadcast | None = None
+        self._dead_error: str | None = None
+        self._is_shut_down = False
+        self._last_contact = time.monotonic()
+        ensure_ray_initialized(num_cpus_needed=self.world_size + 1)
+        try:
+            caller_pg = get_current_placement_group()
+            device = resolve_cluster_device(config.parallel.device, caller_pg)
+            self.config = replace(config, parallel=replace(config.parallel, device=device))
+            self.placement_group = self._acquire_placement_group(caller_pg, device)
+            self.actors = self._start_actors(device)
+            self.num_kv_blocks = self._init_workers()
+            self._broadcast = StepBroadcast(self.actors, use_compiled_graph)
+        except BaseException:
+            self._dead_error = "start-up failed"  # no orderly shutdown: ranks may be stuck in the rendezvous
+            self.shutdown()
+            raise
+        logger.info("%d ranks on %s, %d KV blocks, step broadcast through %s", self.world_size, device,
+                    self.num_kv_blocks, "a compiled graph" if self.is_compiled_graph else "actor calls")
+
+    @property
+    def is_compiled_graph(self) -> bool:
+        return self._broadcast is not None and self._broadcast.is_compiled
+
+    # ---- start-up --------------------------------------------------------------------------------------------
+    def _acquire_placement_group(self, caller_pg: PlacementGroup | None, device: str) -> PlacementGroup:
+        """The caller's group when it runs in one (never a nested group), else a new one that we remove later."""
+        if caller_pg is not None:
+            bundles = caller_pg.bundle_specs
+            if len(bundles) < self.world_size:
+                raise ValueError(f"the caller's placement group has {len(bundles)} bundles; tensor_parallel_size="
+                                 f"{self.world_size} needs one per rank: deploy with placement_group_bundles="
+                                 f"placement_bundles(...)")
+            if device == "cuda" and any(b.get("GPU", 0) < 1 for b in bundles[:self.world_size]):
+                raise ValueError(f"the caller's placement group bundles {bundles} do not each hold a GPU")
+            return caller_pg
+        bundles = placement_bundles(self.config.parallel, device)
+        pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
+        self._owns_placement_group = True
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            self._owns_placement_group = False
+            raise RuntimeError(f"could not place {bundles} ({PLACEMENT_STRATEGY}) within {PLACEMENT_TIMEOUT_S:.0f} s;"
+                               f" the cluster has {ray.available_resources()} available") from None
+        return pg
+
+    def _start_actors(self, device: str) -> list:
+        env_vars = dict(WORKER_ENV_VARS)
+        env_vars.update({k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ})
+        remote_class = ray.remote(WorkerActor)
+        actors = []
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                        placement_group_bundle_index=rank)
+            actors.append(remote_class.options(
+                num_cpus=0, num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
+                runtime_env={"env_vars": env_vars}).remote(self.config, rank, self.world_size))
+        return actors
+
+    def _init_workers(self) -> int:
+        """Rendezvous, load every shard, then the smallest KV pool any rank can hold, on every rank."""
+        init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=INIT_TIMEOUT_S)
+        per_rank = _get_all([a.init_worker.remote(init_method) for a in self.actors], INIT_TIMEOUT_S)
+        num_blocks = min(per_rank)
+        if len(set(per_rank)) > 1:
+            logger.info("KV blocks per rank %s: using %d on every rank", per_rank, num_blocks)
+        _get_all([a.init_kv_cache.remote(num_blocks) for a in self.actors], INIT_TIMEOUT_S)
+        return num_blocks
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._collect(self._launch(scheduler_output))
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
+        """Launches the step and returns at once: the driver can schedule the next step while the ranks run this
+        one (the next step waits in the graph's channel). Results must be collected in launch order."""
+        from engine.executor import StepHandle
+
+        pending = self._launch(scheduler_output)
+        return StepHandle(wait=lambda: self._collect(pending))
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> list:
+        if self._dead_error is not None:
+            raise ExecutorError(self._dead_error, is_fatal=True)
+        if self._is_shut_down:
+            raise ExecutorError("the executor is shut down", is_fatal=True)
+        try:
+            return self._broadcast.launch(scheduler_output)
+        except Exception as e:  # the graph was torn down (a rank died) or its channel is full
+            raise self._mark_dead(f"worker group failed: {_one_line(e)}") from e
+
+    def _collect(self, pending: list) -> ModelRunnerOutput:
+        try:
+            results = self._broadcast.collect(pending, STEP_TIMEOUT_S)
+        except RayTaskError as e:  # raised in a rank outside the step's own try (e.g. deserializing the step)
+            raise ExecutorError(f"step failed on a worker: {_one_line(e)}") from e
+        except Exception as e:  # a dead actor, a closed channel, a step past its timeout
+            raise self._mark_dead(f"worker group failed: {_one_line(e)}") from e
+        self._last_contact = time.monotonic()
+        failures = [r for r in results if isinstance(r, StepFailure)]
+        if failures:
+            message = f"step failed on rank {failures[0].rank}: {failures[0].error}"
+            logger.error("%s\n%s", message, failures[0].traceback)
+            if len(failures) < len(results):  # the ranks' persistent batches no longer agree
+                raise self._mark_dead(f"{message} (and not on every rank)")
+            raise ExecutorError(message)
+        return results[0]
+
+    def _mark_dead(self, message: str) -> ExecutorError:
+        self._dead_error = message
+        logger.error(message)
+        return ExecutorError(message, is_fatal=True)
+
+    def check_health(self) -> None:
+        """Raises ExecutorError(is_fatal=True) once a rank is known dead. Cheap while steps run: it pings the
+        actors only when no step has answered for HEALTH_CHECK_INTERVAL_S."""
+        if self._dead_error is not None:
+            raise ExecutorError(self._dead_error, is_fatal=True)
+        if self._is_shut_down or time.monotonic() - self._last_contact < HEALTH_CHECK_INTERVAL_S:
+            return
+        try:
+            ray.get([a.ping.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as e:
+            raise self._mark_dead(f"worker actor is dead or unresponsive: {_one_line(e)}") from e
+        self._last_contact = time.monotonic()
+
+    # ---- shutdown --------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Tears down the graph, leaves the process groups, kills the actors, removes our placement group."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if not ray.is_initialized():  # the cluster is gone, and everything with it
+            return
+        if self._broadcast is not None:
+            self._broadcast.teardown()
+        if self.actors and self._dead_error is None:
+            refs = [a.shutdown.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_TIMEOUT_S)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._owns_placement_group and self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+        self.placement_group = None
+
+
+def _one_line(e: BaseException) -> str:
+    """Ray's errors run over many lines; a request's error message gets the first (of the cause, if any)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, RayTaskError) and isinstance(cause, BaseException):
+        e = cause
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _get_all(refs: list, timeout_s: float) -> list:
+    """ray.get that fails fast: the first rank to raise stops the wait (the others may block in a rendezvous)."""
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            raise TimeoutError(f"{len(pending)} of {len(refs)} workers did not answer within {timeout_s:.0f} s")
+        ray.get(ready)
+    return ray.get(refs)

@@ -1,0 +1,173 @@
+"""Replica metrics, named like vLLM's with a `pagoda:` prefix, recorded two ways from one place.
+
+    LLMServer replica ── ReplicaMetrics ──┬─► ray.util.metrics (Counter/Gauge/Histogram) ─► Ray's metrics agent
+                                          │     names: ':' → '_' (Ray 2.60 deprecates ':'); Ray adds its own prefix
+                                          └─► prometheus_client registry (one per replica) ─► snapshot()
+    Ingress GET /metrics ── handle.broadcast("collect_metrics") to every replica ─► merge_families() ─► text
+
+Every series carries the labels model_name and replica; `pagoda:request_success` also finished_reason. Engine
+counters (prompt tokens, prefix-cache queries, ...) are cumulative in `EngineStats`; `sync_engine_stats` adds the
+difference since the last sync, so both paths see monotonic counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)
+_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0)
+
+LABELS = ("model_name", "replica")
+
+# name -> (kind, help, extra label names, histogram buckets)
+METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
+    "pagoda:num_requests_running": ("gauge", "Requests in the running batch.", (), None),
+    "pagoda:num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", (), None),
+    "pagoda:kv_cache_usage_perc": ("gauge", "KV-cache usage (1 = full).", (), None),
+    "pagoda:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache.", (), None),
+    "pagoda:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache.", (), None),
+    "pagoda:num_preemptions": ("counter", "Preemptions (a request's blocks freed, recomputed later).", (), None),
+    "pagoda:prompt_tokens": ("counter", "Prompt tokens received.", (), None),
+    "pagoda:generation_tokens": ("counter", "Tokens generated.", (), None),
+    "pagoda:request_success": ("counter", "Finished requests by finish reason.", ("finished_reason",), None),
+    "pagoda:time_to_first_token_seconds": ("histogram", "Time to first token.", (), _TTFT_BUCKETS_S),
+    "pagoda:inter_token_latency_seconds": ("histogram", "Time between output tokens.", (), _ITL_BUCKETS_S),
+    "pagoda:e2e_request_latency_seconds": ("histogram", "Request latency, arrival to finish.", (), _E2E_BUCKETS_S),
+}
+
+# EngineStats field -> counter fed by its growth.
+_ENGINE_COUNTERS = {name: f"pagoda:{name}" for name in
+                    ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                     "generation_tokens")}
+_ENGINE_GAUGES = {"num_running": "pagoda:num_requests_running", "num_waiting": "pagoda:num_requests_waiting",
+                  "kv_cache_usage": "pagoda:kv_cache_usage_perc"}
+
+
+def ray_metric_name(name: str) -> str:
+    """The name under which `ray.util.metrics` records a metric (Ray 2.60 warns on ':' and will reject it)."""
+    return name.replace(":", "_")
+
+
+@dataclass
+class MetricFamily:
+    """A picklable copy of one prometheus family: samples are (sample name, labels, value)."""
+
+    name: str
+    kind: str
+    documentation: str
+    samples: list[tuple[str, dict[str, str], float]]
+
+
+class ReplicaMetrics:
+    """One replica's metrics (thread-safe: the replica syncs engine stats from a timer thread and on collection)."""
+
+    def __init__(self, model_name: str, replica: str, use_ray: bool = True):
+        import prometheus_client
+
+        prometheus_client.disable_created_metrics()
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        self._labels = {"model_name": model_name, "replica": replica}
+        self._prom = {}
+        self._ray = {}
+        kinds = {"gauge": prometheus_client.Gauge, "counter": prometheus_client.Counter,
+                 "histogram": prometheus_client.Histogram}
+        for name, (kind, doc, extra, buckets) in METRICS.items():
+            kwargs = {"buckets": buckets} if buckets else {}
+            self._prom[name] = kinds[kind](name, doc, LABELS + extra, registry=self.registry, **kwargs)
+            if not extra:  # every replica exports every series, at 0 until something happens
+                self._prom[name].labels(**self._labels)
+            if use_ray:
+                self._ray[name] = _make_ray_metric(name, kind, doc, extra, buckets, self._labels)
+        self._last_counts: dict[str, float] = {}
+        self._sync_lock = threading.Lock()
+
+    def sync_engine_stats(self, stats) -> None:
+        """Gauges take the latest value; counters grow by what the engine counted since the last sync."""
+        with self._sync_lock:
+            self._sync_locked(stats)
+
+    def _sync_locked(self, stats) -> None:
+        for field_name, metric in _ENGINE_GAUGES.items():
+            self._set(metric, float(getattr(stats, field_name)))
+        for field_name, metric in _ENGINE_COUNTERS.items():
+            total = float(getattr(stats, field_name))
+            delta = total - self._last_counts.get(field_name, 0.0)
+            self._last_counts[field_name] = total
+            if delta > 0:
+                self._inc(metric, delta)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self._observe("pagoda:time_to_first_token_seconds", ttft_s)
+
+    def observe_inter_token(self, itl_s: float) -> None:
+        self._observe("pagoda:inter_token_latency_seconds", itl_s)
+
+    def observe_finished(self, finished_reason: str, e2e_s: float | None) -> None:
+        self._inc("pagoda:request_success", 1.0, finished_reason=finished_reason)
+        if e2e_s is not None:
+            self._observe("pagoda:e2e_request_latency_seconds", e2e_s)
+
+    def snapshot(self) -> list[MetricFamily]:
+        return [MetricFamily(f.name, f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples])
+                for f in self.registry.collect()]
+
+    # ---- both paths ----------------------------------------------------------------------------------------------
+    def _set(self, name: str, value: float) -> None:
+        self._prom[name].labels(**self._labels).set(value)
+        if name in self._ray:
+            self._ray[name].set(value)
+
+    def _inc(self, name: str, value: float, **extra: str) -> None:
+        self._prom[name].labels(**self._labels, **extra).inc(value)
+        if name in self._ray:
+            self._ray[name].inc(value, tags=extra or None)
+
+    def _observe(self, name: str, value: float) -> None:
+        self._prom[name].labels(**self._labels).observe(value)
+        if name in self._ray:
+            self._ray[name].observe(value)
+
+
+def _make_ray_metric(name, kind, doc, extra, buckets, default_tags):
+    from ray.util import metrics
+
+    tag_keys = LABELS + extra
+    if kind == "gauge":
+        metric = metrics.Gauge(ray_metric_name(name), doc, tag_keys=tag_keys)
+    elif kind == "counter":
+        metric = metrics.Counter(ray_metric_name(name), doc, tag_keys=tag_keys)
+    else:
+        metric = metrics.Histogram(ray_metric_name(name), doc, boundaries=list(buckets), tag_keys=tag_keys)
+    return metric.set_default_tags(dict(default_tags))
+
+
+def merge_families(snapshots: list[list[MetricFamily]]) -> bytes:
+    """Every replica's families, merged by name, in Prometheus text format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import Metric
+
+    merged: dict[str, MetricFamily] = {}
+    for families in snapshots:
+        for family in families:
+            into = merged.setdefault(family.name, MetricFamily(family.name, family.kind, family.documentation, []))
+            into.samples.extend(family.samples)
+
+    class _Collector:
+        def collect(self):
+            for family in merged.values():
+                metric = Metric(family.name, family.documentation, family.kind)
+                for sample_name, labels, value in family.samples:
+                    metric.add_sample(sample_name, labels, value)
+                yield metric
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry)

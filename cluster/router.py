@@ -1,0 +1,148 @@
+"""Prefix-cache affinity routing: a Ray Serve `RequestRouter` for the LLMServer deployment.
+
+A replica's prefix cache holds the KV blocks of prompts it has seen, so a request whose prompt starts like an
+earlier one should go where that one went. The router hashes a request's prompt text in fixed chunks, the way
+the engine hashes KV blocks (each chunk's hash covers everything before it):
+
+    "You are a helpful assistant. Answer briefly. | What is the capital of | France?"
+     └──────────── chunk 0 ──────────────────────┘ └──── chunk 1 ─────────┘ (partial: not hashed)
+     h0 = H(chunk0)                                 h1 = H(h0, chunk1)
+
+and remembers, per chunk hash, the replica it last routed that prefix to (an LRU table, bounded). Routing:
+
+1. longest known prefix → its replica, if that replica is not much busier than the least-loaded candidate
+   (`queue_len <= min_queue_len + imbalance_threshold`);
+2. otherwise (no known prefix, or loads unbalanced) power of two choices: two random replicas, Serve picks the one
+   with the shorter queue.
+
+`PrefixAffinity` is the policy without Ray (tested directly); `PrefixAffinityRouter` plugs it into Serve's
+request-router API (`RequestRouterConfig(request_router_class=...)` in the deployment options). Each handle
+(each ingress replica) has its own table: with several ingress replicas a prefix may be cached on as many replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_CHARS = 64  # about one 16-token KV block of English text
+DEFAULT_IMBALANCE_THRESHOLD = 8  # ongoing requests
+DEFAULT_MAX_ENTRIES = 200_000
+
+
+class PrefixAffinity:
+    """Chunk hashes of routed prompts → the replica that got them; and the routing decision."""
+
+    def __init__(self, chunk_chars: int = DEFAULT_CHUNK_CHARS, imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
+                 max_entries: int = DEFAULT_MAX_ENTRIES, rng: random.Random | None = None):
+        assert chunk_chars >= 1, chunk_chars
+        self.chunk_chars = chunk_chars
+        self.imbalance_threshold = imbalance_threshold
+        self.max_entries = max_entries
+        self._owner: OrderedDict[bytes, Hashable] = OrderedDict()  # chunk hash -> replica id, LRU order
+        self._rng = rng or random.Random()
+
+    def chunk_hashes(self, text: str) -> list[bytes]:
+        hashes, parent = [], b""
+        for start in range(0, len(text) - self.chunk_chars + 1, self.chunk_chars):
+            parent = hashlib.blake2b(parent + text[start:start + self.chunk_chars].encode(), digest_size=16).digest()
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, hashes: Sequence[bytes], alive: set) -> tuple[Hashable | None, int]:
+        """The live replica that holds the longest prefix, and how many chunks of it."""
+        for i in range(len(hashes) - 1, -1, -1):
+            owner = self._owner.get(hashes[i])
+            if owner is not None and owner in alive:
+                self._owner.move_to_end(hashes[i])
+                return owner, i + 1
+        return None, 0
+
+    def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
+        for h in hashes:
+            self._owner[h] = replica
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.max_entries:
+            self._owner.popitem(last=False)
+
+    def forget(self, replica: Hashable) -> None:
+        for h in [h for h, owner in self._owner.items() if owner == replica]:
+            del self._owner[h]
+
+    def choose(self, text: str, replicas: Sequence[Hashable],
+               queue_lens: dict[Hashable, int | None]) -> list[list[Hashable]]:
+        """Ranks of replicas, most preferred first (Serve tries each rank, picking its shortest queue)."""
+        fallback = [self.two_choices(replicas)]
+        owner, _ = self.lookup(self.chunk_hashes(text), set(replicas)) if text else (None, 0)
+        if owner is None:
+            return fallback
+        known = [q for q in queue_lens.values() if q is not None]
+        owner_len = queue_lens.get(owner)
+        if owner_len is not None and known and owner_len > min(known) + self.imbalance_threshold:
+            return fallback
+        return [[owner]] + fallback
+
+    def two_choices(self, replicas: Sequence[Hashable]) -> list[Hashable]:
+        """Two random replicas, in random order (Serve takes the first of equal queues)."""
+        return self._rng.sample(list(replicas), min(2, len(replicas)))
+
+
+def routing_key(pending_request: PendingRequest | None) -> str:
+    """The prompt text of a `GenerateRequest` call; "" for other methods (tokenize, ...)."""
+    if pending_request is None:
+        return ""
+    for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
+        key = getattr(arg, "routing_key", None)
+        if isinstance(key, str):
+            return key
+    return ""
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Serve's request-router plug-in around `PrefixAffinity`."""
+
+    def initialize_state(self, chunk_chars: int = DEFAULT_CHUNK_CHARS,
+                         imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
+                         max_entries: int = DEFAULT_MAX_ENTRIES, **_):
+        self.affinity = PrefixAffinity(chunk_chars, imbalance_threshold, max_entries)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        key = routing_key(pending_request)
+        queue_lens = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id} if key else {}
+        ranks = self.affinity.choose(key, list(by_id), queue_lens)
+        return [[by_id[rid] for rid in rank] for rank in ranks if rank]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        key = routing_key(pending_request)
+        if key:
+            self.affinity.record(self.affinity.chunk_hashes(key), replica_id)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Gives the replica to the very request it was chosen for.
+
+        Serve's base router finds that request by `internal_request_id`, but every handle call made while one
+        HTTP request is served shares its parent's id (a batch of prompts is several concurrent calls): the base
+        lookup then misses the second call, whose routing task spins without end. The default router hides this
+        by fulfilling in FIFO order, which would give a replica chosen for one prompt's prefix to another prompt.
+        """
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                self._remove_pending_request_from_indices(pending)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.affinity.forget(replica_id)

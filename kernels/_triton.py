@@ -1,0 +1,123 @@
+"""What every kernel file shares: the Triton import (optional), dispatch, and small launch helpers.
+
+Triton is a Linux-only dependency. Without it (a macOS laptop) the kernel files still import: `@triton.jit`
+becomes a stub that raises when launched, and every public function takes its torch reference.
+"""
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised by a subprocess test that hides triton
+    HAS_TRITON = False
+
+    class _MissingKernel:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            raise RuntimeError(f"{self.fn.__name__}: triton is not installed; use the torch reference")
+
+    class _TritonStub:
+        """Just enough of `triton` / `triton.language` for the kernel modules to define their kernels."""
+
+        constexpr = object()  # only ever used as an annotation
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return _MissingKernel(fn) if fn is not None else _MissingKernel
+
+    triton = tl = _TritonStub()
+
+# torch dtype -> dtypes the kernels take.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (tests on a machine without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """The public functions' choice: the Triton launcher for CUDA tensors, else the torch reference.
+
+    `PAGODA_KERNELS=ref` forces the references everywhere (debugging, bisecting a numerical difference).
+    """
+    return HAS_TRITON and tensor.is_cuda and os.environ.get("PAGODA_KERNELS", "").lower() != "ref"
+
+
+def check_launchable(*tensors: torch.Tensor) -> None:
+    """A Triton launcher runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: call the public function, which falls back to torch")
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+    if device.type != "cuda" and not is_interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {device}); CPU tensors run only under TRITON_INTERPRET=1, "
+            "which must be set before the kernel modules are imported"
+        )
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in allowed]}, got {t.dtype}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _properties(device: torch.device):
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; under the interpreter, an H200's 132 (the heuristics stay testable)."""
+    return _properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def shared_memory_per_sm(device: torch.device) -> int:
+    """Shared memory of one SM in bytes (228 KiB on Hopper, 164 KiB on A100, ~100 KiB on Ada); H200's on CPU."""
+    return _properties(device).shared_memory_per_multiprocessor if device.type == "cuda" else 228 * 1024
+
+
+def upcast_dot_operands(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a kernel must feed tl.dot float32 operands instead of `dtype`.
+
+    Triton 3.9's interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 bit patterns (it stores
+    bf16 as uint16 and hands them to np.matmul). On CPU tensors we therefore upcast bf16 to float32 before each dot;
+    on a GPU the dots stay bf16 with float32 accumulation.
+    """
+    return dtype == torch.bfloat16 and device.type != "cuda"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact IEEE for float32 tensors (tf32 would lose ~3 digits), irrelevant for 16-bit."""
+    return "ieee" if dtype == torch.float32 else "tf32"

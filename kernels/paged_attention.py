@@ -1,0 +1,451 @@
+"""Attention over a paged KV cache: decode (one query per sequence) and prefill (packed variable-length chunks).
+
+K and V of one layer live in blocks, `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's block table
+lists its blocks in order, so its token j sits at block `block_tables[s, j // block_size]`, offset
+`j % block_size`. Each key tile of BLOCK_N tokens looks up its BLOCK_N block ids in one vector load (any
+block_size works; several KV blocks per tile when block_size < BLOCK_N).
+
+GQA: the QUERIES_PER_KV query heads that share a KV head are rows of one tile, so K/V are loaded once per group:
+
+    decode   rows = the group's query heads (padded to 16 for tl.dot)        grid (seqs, kv_heads, splits)
+    prefill  rows = BLOCK_Q queries x QUERIES_PER_KV heads, row r -> query r // QUERIES_PER_KV,
+                    head r % QUERIES_PER_KV                grid (query blocks x kv_heads), heaviest first
+
+Softmax is online (FlashAttention), in base 2: scores are scaled by scale * log2(e) and exponentiated with
+exp2. Prefill skips key tiles past a query block's last position and masks only the tiles on its diagonal.
+Decode splits long contexts into NUM_SPLITS partitions computed in parallel (flash-decoding), then a small
+kernel merges the partial outputs by their log-sum-exp.
+"""
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    is_power_of_2,
+    next_power_of_2,
+    num_sms,
+    shared_memory_per_sm,
+    tl,
+    triton,
+    upcast_dot_operands,
+    use_triton,
+)
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 512  # decode: fewer tokens per split would cost more in the merge than it gains
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none, 1 tokens < kv_end, 2 causal (q_pos)."""
+    tokens = n0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    in_range = tokens < kv_end
+    blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    offsets = tokens % BLOCK_SIZE
+    k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SCORE_MASK == 1:
+        qk = tl.where(in_range[None, :], qk, float("-inf"))
+    elif SCORE_MASK == 2:
+        qk = tl.where(tokens[None, :] <= q_pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_heads,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bts, stride_os, stride_oh,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Split this sequence's own length evenly (no host sync on seq_lens): BLOCK_N-aligned partitions.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * QUERIES_PER_KV + rows
+    row_mask = rows < QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        # part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] float32, part_lse [num_seqs, num_heads, NUM_SPLITS]
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+        lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))  # log2 domain; -inf (m_i) when the split is empty
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # empty splits weigh 0
+    total = tl.sum(weights, 0)
+    # Empty splits (a short sequence in a batch sized for long ones) are not read at all.
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=(weights > 0.0)[:, None],
+                    other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    qk_scale, num_seqs, num_q_blocks, num_kv_heads,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bts, stride_ot, stride_oh,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
+    # a block side by side: longest-first scheduling keeps the causal grid's tail short.
+    pid = tl.program_id(0)
+    q_block = num_q_blocks - 1 - pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    # Sequence s owns query blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): binary search for it.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys already in the cache before this chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block_local * BLOCK_Q + rows // QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_mask = (rows // QUERIES_PER_KV < BLOCK_Q) & (q_local < q_len)
+    q_pos = context_len + q_local
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+
+    first_pos = context_len + q_block_local * BLOCK_Q
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # keys past the block's last query are never loaded
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of the block sees entirely: no mask
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION)
+
+    out = acc / l_i[:, None]  # every valid row saw at least key 0
+    o_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] of one shape, "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    check_dtype("q", q, FLOAT_DTYPES)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
+    check_dtype("block_tables", block_tables, (torch.int32,))
+    check_dtype("seq_lens", seq_lens, (torch.int32,))
+
+
+def _check_triton_layout(q, k_cache, v_cache, block_tables) -> None:
+    head_dim = q.shape[2]
+    if not (is_power_of_2(head_dim) and head_dim >= 16):
+        raise ValueError(f"the Triton kernels take head_dim a power of two >= 16, got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """How many partitions each sequence's context is split into, decided on the host without a sync.
+
+    Enough (sequence, kv head, split) programs for about four per SM (several resident programs per SM keep
+    enough loads in flight), but no split shorter than MIN_SPLIT_TOKENS of the longest possible context
+    (`max_context`, from the block table's width). A power of two, so few variants compile.
+    """
+    programs = num_seqs * num_kv_heads
+    wanted = cdiv(4 * num_sms(device), max(programs, 1))
+    splits = min(wanted, cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS)
+    return 1 << (max(splits, 1).bit_length() - 1)  # rounded down to a power of two
+
+
+# float32 tensors take IEEE float32 dots (FMA loops, no tensor cores): smaller tiles, or registers spill. The
+# choices below were checked by compiling for sm_90 (registers, spills, shared memory), not yet timed on a GPU.
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile)."""
+    if dtype == torch.float32:
+        return dict(block_n=32, num_warps=8, num_stages=2)
+    return dict(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)  # 3: block-table loads pipelined
+
+
+def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
+                   smem_bytes: int = 228 * 1024) -> dict:
+    """Tile sizes and launch options of the prefill kernel: BLOCK_M rows = BLOCK_Q queries x the GQA group.
+
+    The K/V loads depend on block-table loads, so Triton's pipeliner spends two stages on that chain: only with
+    5 stages are K/V tiles fetched two iterations ahead (3 buffers; 132 KiB of shared memory at 128 x 64 x 128,
+    which Hopper has). With less shared memory, 3 stages: fetched one tile ahead.
+    """
+    largest = 32 if dtype == torch.float32 else 128 if head_dim <= 128 and smem_bytes >= 140 * 1024 else 64
+    block_m = min(next_power_of_2(max(max_query_len * queries_per_kv, 16)), largest)
+    block_m = max(block_m, next_power_of_2(queries_per_kv))
+    if dtype == torch.float32:
+        return dict(block_m=block_m, block_n=16, num_warps=4, num_stages=2)
+    deep = block_m >= 64 and head_dim <= 128 and smem_bytes >= 200 * 1024
+    return dict(block_m=block_m, block_n=64 if head_dim <= 128 else 32,
+                num_warps=8 if block_m >= 128 or head_dim > 128 else 4,
+                num_stages=5 if deep else 3 if block_m >= 64 else 2)
+
+
+def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None):
+    """Triton launcher of `paged_attention_decode`.
+
+    num_splits=None picks it with `decode_num_splits`; config overrides keys of `decode_config` (tuning).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
+    _check_triton_layout(q, k_cache, v_cache, block_tables)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    cfg = decode_config(head_dim, q.dtype) | (config or {})
+    queries_per_kv = num_heads // num_kv_heads
+    part_out = part_lse = out  # placeholders, unused with one split
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, num_heads,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_H=max(16, next_power_of_2(queries_per_kv)), BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits,
+        UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            num_warps=4 if head_dim * num_splits <= 4096 else 8,
+        )
+    return out
+
+
+def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                   max_query_len=None, config=None):
+    """Triton launcher of `paged_attention_prefill`.
+
+    max_query_len (optional, no host sync needed) only sizes the query tiles: absent or wrong, results are the
+    same. config overrides keys of `prefill_config` (tuning).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [num_seqs], got shape {tuple(seq_lens.shape)}")
+    num_seqs = seq_lens.shape[0]
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    check_dtype("query_start_loc", query_start_loc, (torch.int32,))
+    check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    _check_triton_layout(q, k_cache, v_cache, block_tables)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    queries_per_kv = num_heads // num_kv_heads
+    cfg = prefill_config(max_query_len or num_tokens, queries_per_kv, head_dim, q.dtype,
+                         shared_memory_per_sm(q.device)) | (config or {})
+    block_q = cfg["block_m"] // queries_per_kv
+    if block_q < 1:
+        raise ValueError(f"block_m {cfg['block_m']} must hold the {queries_per_kv} query heads of a KV head")
+    num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound; the spare programs return at once
+    _prefill_kernel[(num_q_blocks * num_kv_heads,)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
+        UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first seq_len tokens of a paged cache, contiguous: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def _attend_ref(q, k, v, q_pos, scale) -> torch.Tensor:
+    """q [Lq, H, D] at positions q_pos [Lq]; k, v [Lk, Hkv, D]; causal by position; float32 softmax."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    qf = q.float().unflatten(1, (num_kv_heads, group))  # [Lq, Hkv, G, D]
+    scores = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.flatten(1, 2).to(q.dtype)
+
+
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Torch reference of `paged_attention_decode` (and its CPU implementation); seq_len 0 gives zeros."""
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    out = torch.zeros_like(q)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[s], seq_len)
+        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        q_pos = torch.tensor([seq_len - 1], device=q.device)
+        out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale)[0]
+    return out
+
+
+def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                max_query_len=None):
+    """Torch reference of `paged_attention_prefill` (and its CPU implementation)."""
+    num_seqs = seq_lens.shape[0]
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    starts = query_start_loc.tolist()
+    if len(starts) != num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"query_start_loc must run from 0 to T={q.shape[0]} over {num_seqs} sequences: {starts}")
+    out = torch.empty_like(q)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        assert 0 < q_len <= seq_len, f"sequence {s}: query length {q_len} exceeds its KV length {seq_len}"
+        k = _gather_kv(k_cache, block_tables[s], seq_len)
+        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale)
+    return out
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Attention of one new query per sequence over its paged context.
+
+    q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs], tokens in the cache including the
+    current one (already written). Returns [num_seqs, num_heads, head_dim] in q's dtype; a seq_len of 0 (a
+    padding row) gives zeros.
+    """
+    if use_triton(q):
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                            max_query_len=None):
+    """Causal attention of packed variable-length query chunks over their paged KV.
+
+    q [T, num_heads, head_dim] holds sequence b's queries at rows query_start_loc[b] : query_start_loc[b+1]
+    (int32 [B+1], from 0 to T). seq_lens int32 [B] is each sequence's KV length including this chunk, whose
+    K/V are already in the cache; query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees
+    keys 0..that position. Chunked prefill, prefix-cache hits and decode rows (q_len 1) mix in one batch.
+    """
+    if use_triton(q):
+        return paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              max_query_len)
+    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -1,0 +1,99 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in a Llama decoder layer.
+
+Hugging Face's LlamaRMSNorm, reproduced rounding step by rounding step:
+
+    hidden = residual + hidden                          # input dtype (the fused add)
+    normed = (hidden.float() * rsqrt(mean(hidden.float() ** 2) + eps)).to(hidden.dtype)
+    out    = weight * normed                            # rounded to the input dtype
+
+The output has x's dtype; with weight in x's dtype (how models load) this is HF's result exactly.
+"""
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    next_power_of_2,
+    tl,
+    triton,
+    use_triton,
+)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+    stride_x, stride_r, stride_o, stride_nr, hidden_size, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds to the input dtype, as in HF
+        tl.store(new_residual_ptr + row * stride_nr + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(x, weight, residual) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight must be [hidden={x.shape[1]}], got {tuple(weight.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """Triton launcher of `rms_norm`: one program per row (rows may be strided)."""
+    _check_inputs(x, weight, residual)
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    check_launchable(*tensors)
+    for name, t in zip(("x", "weight", "residual"), tensors):
+        check_last_dim_contiguous(name, t)
+    num_tokens, hidden_size = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
+    if num_tokens > 0:
+        block = next_power_of_2(hidden_size)
+        _rms_norm_kernel[(num_tokens,)](
+            x, residual if residual is not None else x, weight, out, new_residual,
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), new_residual.stride(0),
+            hidden_size, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+        )
+    return out if residual is None else (out, new_residual)
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    """Torch reference of `rms_norm` (and its CPU implementation): Hugging Face's LlamaRMSNorm."""
+    _check_inputs(x, weight, residual)
+    if residual is not None:
+        x = residual + x
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight * normed).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm of x [T, H] with weight [H]: x * rsqrt(mean(x^2) + eps) * weight, in float32, out in x's dtype.
+
+    With residual [T, H]: returns (rms_norm(x + residual), x + residual), the sum rounded to x's dtype, which
+    is HF Llama's `hidden = residual + hidden; hidden = norm(hidden)`. Inputs are never modified.
+    """
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)

@@ -1,0 +1,165 @@
+"""Rotary position embedding (RoPE), neox style, applied in place to q and k.
+
+The cache holds, for every position p, `[cos(p * inv_freq) | sin(p * inv_freq)]` (head_dim values: head_dim / 2
+cosines, then head_dim / 2 sines). Each head is rotated half against half, as Hugging Face's `rotate_half`:
+
+    x = [x1 | x2]   ->   [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
+
+Numerics follow transformers exactly: inv_freq in float32, freqs = position * inv_freq in float32, cos/sin cast
+to q's dtype, and `q * cos + rotate_half(q) * sin` with each product and the sum rounded to q's dtype.
+"""
+
+import math
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    next_power_of_2,
+    tl,
+    triton,
+    use_triton,
+)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """transformers' `_compute_llama3_parameters`, line for line (Llama 3.1+ long-context scaling)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies; rope_scaling as in a HF config (None, default, linear, llama3)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]  # transformers scales inv_freq: same as positions / factor
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=torch.float32) -> torch.Tensor:
+    """[max_position, head_dim]: cos(p * inv_freq) in the first half of each row, sin in the second half."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+    freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin,
+                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HALF)
+    ptr1 = x_ptr + token * stride_t + heads * stride_h + dims
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # Each product and the sum rounded to x's dtype, as torch computes q * cos + rotate_half(q) * sin.
+    o1 = (a1 * cos).to(dtype).to(tl.float32) - (a2 * sin).to(dtype).to(tl.float32)
+    o2 = (a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)
+    tl.store(ptr1, o1.to(dtype), mask=mask)
+    tl.store(ptr1 + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    cs_ptr = cos_sin_ptr + pos * stride_cs + dims
+    # cos/sin rounded to q's dtype first, as transformers casts them.
+    cos = tl.load(cs_ptr, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+    sin = tl.load(cs_ptr + HALF, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads(k_ptr, token, stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
+
+
+def _as_heads(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
+    """[T, H * head_dim] or [T, H, head_dim] -> a [T, H, head_dim] view of the same memory."""
+    if x.dim() == 2 and x.shape[1] % head_dim == 0:
+        x = x.unflatten(1, (x.shape[1] // head_dim, head_dim))
+    if x.dim() != 3 or x.shape[0] != num_tokens or x.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [T={num_tokens}, heads * {head_dim}] or [T, heads, {head_dim}], "
+                         f"got {tuple(x.shape)}")
+    return x
+
+
+def _check_inputs(positions, q, k, cos_sin_cache, head_dim):
+    if positions.dim() != 1:
+        raise ValueError(f"positions must be [T], got {tuple(positions.shape)}")
+    check_dtype("positions", positions, (torch.int64, torch.int32))
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or head_dim % 2:
+        raise ValueError(f"cos_sin_cache must be [max_position, head_dim={head_dim}] (even), "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    check_dtype("q", q, FLOAT_DTYPES)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} != q dtype {q.dtype}")
+    num_tokens = positions.shape[0]
+    return _as_heads("q", q, num_tokens, head_dim), _as_heads("k", k, num_tokens, head_dim)
+
+
+def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim) -> None:
+    """Triton launcher of `rotary_embedding`: one program per token, all its q and k heads."""
+    q3, k3 = _check_inputs(positions, q, k, cos_sin_cache, head_dim)
+    check_launchable(positions, q, k, cos_sin_cache)
+    for name, t in (("q", q3), ("k", k3), ("cos_sin_cache", cos_sin_cache)):
+        check_last_dim_contiguous(name, t)
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, q3, k3, cos_sin_cache, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=k3.shape[1], Q_HEADS_PAD=next_power_of_2(q3.shape[1]),
+        KV_HEADS_PAD=next_power_of_2(k3.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
+        num_warps=4 if q3.shape[1] * head_dim <= 4096 else 8,
+    )
+
+
+def rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim) -> None:
+    """Torch reference of `rotary_embedding` (and its CPU implementation): transformers' apply_rotary_pos_emb."""
+    q3, k3 = _check_inputs(positions, q, k, cos_sin_cache, head_dim)
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, head_dim / 2] each
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(q.dtype)  # [T, 1, head_dim]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(q.dtype)
+    for x in (q3, k3):
+        x1, x2 = x.chunk(2, dim=-1)
+        x.copy_(x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, head_dim) -> None:
+    """Rotate q [T, num_heads * head_dim] (or [T, num_heads, head_dim]) and k likewise, in place.
+
+    positions int64 [T] index rows of cos_sin_cache [max_position, head_dim] (from `compute_cos_sin_cache`);
+    every position must be < max_position.
+    """
+    if use_triton(q):
+        rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim)
+    else:
+        rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)

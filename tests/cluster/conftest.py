@@ -1,0 +1,58 @@
+"""The Serve app for the serve tests: deployed once per session on the session's Ray cluster, on a free port.
+
+    model "tiny"       2 replicas (router and metrics tests), max_model_len 512
+    model "tiny-solo"  1 replica, health checked every second (the dead-engine test kills and restarts it)
+"""
+
+import socket
+
+import pytest
+
+API_KEY = "test-key"
+MAX_BODY_BYTES = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster):
+    from ray import serve
+
+    from cluster.app import build_app
+
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    port = _get_global_client().http_config.port  # another test module may have started Serve first
+    small = {"num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
+    app = build_app({
+        "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, **small},
+                   {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small}],
+        "api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES, "accept_timeout_s": 20, "debug": True})
+    serve.run(app, name="pagoda", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("pagoda")
+
+
+@pytest.fixture(scope="session")
+def auth():
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def client(serve_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(serve_url, auth):
+    import httpx
+
+    with httpx.Client(base_url=serve_url, headers=auth, timeout=60) as c:
+        yield c

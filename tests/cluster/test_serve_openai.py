@@ -1,0 +1,165 @@
+"""The OpenAI API of the running Serve app, through the official `openai` client (real Ray cluster, real HTTP)."""
+
+import pytest
+
+from engine.tokenizer import apply_chat_template
+
+PROMPT = "The quick brown fox jumps over"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+NO_EOS = {"ignore_eos": True}
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert {m.id for m in models.data} == {"tiny", "tiny-solo"}
+    assert all(m.object == "model" and m.owned_by == "pagoda" for m in models.data)
+
+
+def test_completion_usage_equals_tokenizer_counts(client, tiny_tokenizer):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, temperature=0, extra_body=NO_EOS)
+    assert out.object == "text_completion" and out.model == "tiny" and out.id.startswith("cmpl-")
+    assert out.usage.prompt_tokens == len(tiny_tokenizer.encode(PROMPT))
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_EOS)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_usage_counts_the_chat_template(client, tiny_tokenizer):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                         extra_body=NO_EOS)
+    prompt = apply_chat_template(tiny_tokenizer, MESSAGES)
+    assert out.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt, add_special_tokens=False))
+    assert out.usage.completion_tokens == 6
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                                   stream=True, extra_body=NO_EOS))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_batched_prompts_index_choices(client):
+    out = client.completions.create(model="tiny", prompt=["one", "two"], n=2, max_tokens=3, temperature=1.0,
+                                    seed=5, extra_body=NO_EOS)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 12
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=4, extra_body=NO_EOS)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3,
+                                            stream=True, extra_body=NO_EOS))
+    assert {c.choices[0].index for c in chunks} == {0, 1, 2, 3}
+
+
+def test_completion_logprobs_legacy_shape(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body=NO_EOS)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the sampled token is the best
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+    streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True, extra_body=NO_EOS))
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body=NO_EOS).choices[0].text
+    candidates = (full[i:i + 3] for i in range(4, len(full) - 3))  # a plain 3-character piece from the middle
+    stop = next(c for c in candidates if c.strip() and c.isprintable() and "\ufffd" not in c)
+    cut = full[:full.index(stop)]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body=NO_EOS)
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                              stream=True, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
+                                         extra_body=NO_EOS).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(1234), sample(1), sample(2)}) > 1
+
+
+def test_echo_and_token_prompts(client, tiny_tokenizer):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                    extra_body=NO_EOS)
+    assert out.choices[0].text.startswith(PROMPT)
+    ids = tiny_tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, extra_body=NO_EOS)
+    assert PROMPT + by_ids.choices[0].text == out.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_http_matches_offline_llm_greedy_tokens(client, ray_cluster, serve_url):
+    from engine import LLM, SamplingParams
+
+    prompts = ["Hello, my name is", "def fibonacci(n):"]
+    llm = LLM(num_kv_blocks=256, max_model_len=512, max_num_seqs=32)
+    try:
+        offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+    finally:
+        llm.shutdown()
+    for prompt, expected in zip(prompts, offline):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
+                                        extra_body=NO_EOS)
+        choice = out.choices[0]
+        assert choice.text == expected.outputs[0].text
+        expected_tokens = [tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(t)])
+                           for t in expected.outputs[0].token_ids]
+        assert choice.logprobs.tokens == expected_tokens
+
+
+def test_tokenize_and_detokenize(http, tiny_tokenizer):
+    r = http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tiny_tokenizer.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 512
+    chat = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES}).json()
+    assert chat["count"] == len(tiny_tokenizer.encode(apply_chat_template(tiny_tokenizer, MESSAGES),
+                                                      add_special_tokens=False))
+    back = http.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()
+    assert back["prompt"].endswith(PROMPT)
+
+
+def test_health_and_metrics_text(http, client):
+    assert http.get("/health").json() == {"status": "ok"}
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body=NO_EOS)
+    text = http.get("/metrics").text
+    for name in ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
+                 "pagoda:prefix_cache_queries_total", "pagoda:prefix_cache_hits_total", "pagoda:num_preemptions_total",
+                 "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total",
+                 "pagoda:time_to_first_token_seconds_bucket", "pagoda:inter_token_latency_seconds_bucket",
+                 "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_success_total"):
+        assert name in text, name
+    assert 'model_name="tiny-solo"' in text

@@ -1,0 +1,133 @@
+"""Tensor parallelism end to end on CPU: real Ray worker actors, gloo all-reduces, the tiny checkpoints.
+
+tensor_parallel_size 2 and 4 must give the same tokens as the in-process single rank (tp=4 replicates the tiny
+models' 2 KV heads), under preemption, chunked prefill and prefix-cache hits; a worker that dies mid-generation
+fails the in-flight requests and then the engine.
+"""
+
+import asyncio
+import functools
+import time
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.llm_engine import LLMEngine
+
+MAX_NEW = 12
+PREFIX = "Tensor parallelism splits each weight matrix across several devices; an all-reduce sums the results. "
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. A language model reads a prompt",
+    "def fibonacci(n: int) -> list[int]:",
+    "Once upon a time there was a small model that wanted to learn. It read books about the sea, the stars and",
+    PREFIX + "What is the capital of France?",
+    PREFIX + "Write a short poem about the ocean.",
+    "1 2 3",
+]
+# A pool of 24 blocks of 4 tokens cannot hold every request at once (preemption), and 8 tokens a step cut every
+# longer prompt into chunks.
+STRESS = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+
+def generate(llm: LLM):
+    params = [GREEDY] * len(PROMPTS) + [SEEDED]
+    outs = llm.generate(PROMPTS + [PROMPTS[1]], params, use_tqdm=False)
+    llm.engine.check_integrity()
+    return outs
+
+
+@functools.lru_cache(maxsize=None)
+def single_rank_reference(model_dir: str):
+    """The in-process single rank: the reference every tensor-parallel run must match."""
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", **STRESS)
+    outs = generate(llm)
+    assert llm.engine.scheduler.num_preemptions > 0, "the stress config no longer preempts"
+    llm.shutdown()
+    return outs
+
+
+def assert_same_outputs(ref_outs, outs):
+    for ref, out in zip(ref_outs, outs):
+        ref_c, c = ref.outputs[0], out.outputs[0]
+        assert c.token_ids == ref_c.token_ids, f"prompt {ref.prompt!r}"
+        assert c.finish_reason == ref_c.finish_reason == "length"
+        for ref_entry, entry in zip(ref_c.logprobs or [], c.logprobs or []):
+            assert set(entry) == set(ref_entry)
+            for token_id, logprob in ref_entry.items():
+                assert abs(entry[token_id] - logprob) < 1e-4
+
+
+def placement_group_state(pg_id: str) -> str:
+    return ray.util.placement_group_table()[pg_id]["state"]
+
+
+def assert_dead(actors) -> None:
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ping.remote(), timeout=30)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
+    model_dir = tiny_checkpoints[arch]
+    ref_outs = single_rank_reference(model_dir)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=tp, **STRESS)
+    executor = llm.engine.executor
+    assert type(executor).__name__ == "RayExecutor" and len(executor.actors) == tp
+    assert executor.is_compiled_graph
+    assert executor.num_kv_blocks == STRESS["num_kv_blocks"]
+    outs = generate(llm)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_hits_tokens > 0
+    assert_same_outputs(ref_outs, outs)
+    assert_same_outputs(ref_outs[:1], generate(llm)[:1])  # the persistent batches stay in step after a run
+
+    actors, pg_id = list(executor.actors), executor.placement_group.id.hex()
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert placement_group_state(pg_id) == "REMOVED"
+    assert_dead(actors)
+
+
+def test_dead_worker_fails_requests_then_engine(ray_cluster, tiny_checkpoints):
+    engine = LLMEngine.from_args(model=tiny_checkpoints["llama"], dtype="float32", device="cpu",
+                                 tensor_parallel_size=2, num_kv_blocks=64)
+    actors = list(engine.executor.actors)
+    async_engine = AsyncLLMEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def consume(prompt: str, kill_after: int | None):
+        last = None
+        async for out in async_engine.generate(prompt, params):
+            last = out
+            if kill_after is not None and len(out.outputs[0].token_ids) == kill_after:
+                ray.kill(actors[1])  # rank 1 dies mid-generation
+        return last
+
+    async def main():
+        finals = await asyncio.gather(*(consume(p, 4 if i == 0 else None) for i, p in enumerate(PROMPTS[:3])))
+        deadline = time.monotonic() + 30  # the step thread marks the engine dead right after failing the step
+        while async_engine.dead_error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineDeadError):
+            async_engine.check_health()
+        with pytest.raises(EngineDeadError):
+            async for _ in async_engine.generate("Hello", params):
+                pass
+        return finals
+
+    pg_id = engine.executor.placement_group.id.hex()
+    finals = asyncio.run(main())
+    for out in finals:
+        assert out.finished and out.error
+        assert out.outputs[0].finish_reason == "error"
+        assert len(out.outputs[0].token_ids) < 400
+    async_engine.shutdown()
+    assert placement_group_state(pg_id) == "REMOVED"
+    assert_dead(actors)

@@ -1,0 +1,105 @@
+"""Shared by tests/deploy: the repository's paths, KubeRay's CRD schemas, and Pagoda's metric names.
+
+Pagoda's engine metrics are defined with vLLM-like names (`pagoda:prompt_tokens`) and recorded through
+`ray.util.metrics`. Ray 2.60 exports them (test_deploy_metrics_export.py proves it) as:
+
+    pagoda:prompt_tokens (counter)   recorded as pagoda_prompt_tokens  ->  ray_pagoda_prompt_tokens_total
+    pagoda:kv_cache_usage_perc       (gauge)                           ->  ray_pagoda_kv_cache_usage_perc
+    pagoda:..._seconds (histogram)                                     ->  ray_pagoda_..._seconds_bucket/_sum/_count
+
+A name that still holds ':' is dropped by Ray's exporter without an error, hence the '_'.
+"""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENGINE_METRICS = {
+    "pagoda:num_requests_running": "gauge",
+    "pagoda:num_requests_waiting": "gauge",
+    "pagoda:kv_cache_usage_perc": "gauge",
+    "pagoda:prefix_cache_queries": "counter",
+    "pagoda:prefix_cache_hits": "counter",
+    "pagoda:num_preemptions": "counter",
+    "pagoda:prompt_tokens": "counter",
+    "pagoda:generation_tokens": "counter",
+    "pagoda:request_success": "counter",
+    "pagoda:time_to_first_token_seconds": "histogram",
+    "pagoda:inter_token_latency_seconds": "histogram",
+    "pagoda:e2e_request_latency_seconds": "histogram",
+}
+
+# Ray Serve's own metrics that the dashboard reads, each seen in a scrape of Ray 2.60.
+SERVE_METRICS = {
+    "ray_serve_num_http_requests_total",
+    "ray_serve_num_http_error_requests_total",
+    "ray_serve_deployment_error_counter_total",
+    "ray_serve_deployment_replica_healthy",
+    "ray_serve_autoscaling_target_replicas",
+    "ray_serve_deployment_status",
+}
+
+
+def exported_names(name: str, kind: str) -> list[str]:
+    """The sample names Prometheus scrapes for a metric that Pagoda defines as `name`."""
+    base = "ray_" + name.replace(":", "_")
+    if kind == "counter":
+        return [base if base.endswith("_total") else base + "_total"]
+    if kind == "histogram":
+        return [base + "_bucket", base + "_sum", base + "_count"]
+    return [base]
+
+
+def known_metric_names() -> set[str]:
+    names = set(SERVE_METRICS)
+    for name, kind in ENGINE_METRICS.items():
+        names.update(exported_names(name, kind))
+    return names
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def kuberay_schemas() -> dict[str, dict]:
+    """The `v1` openAPIV3Schema of each KubeRay CRD, by kind: {"RayService": {...}, "RayCluster": {...}}.
+
+    They live in shared/, beside the repository: ../shared/schemas/kuberay/ from its root (so in CI too,
+    where the repository is cloned elsewhere with a copy of shared/ next to it).
+    """
+    folder = REPO.parent / "shared" / "schemas" / "kuberay"
+    if not folder.is_dir():
+        pytest.fail(f"KubeRay CRD schemas not found at {folder}: the manifests in k8s/ are validated "
+                    "against them; put a copy of shared/ beside the repository")
+    schemas = {}
+    for path in sorted(folder.glob("ray.io_*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        schemas[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    missing = {"RayService", "RayCluster"} - schemas.keys()
+    if missing:
+        pytest.fail(f"no CRD schema for {sorted(missing)} in {folder}")
+    return schemas
+
+
+@pytest.fixture(scope="session")
+def engine_metrics() -> dict[str, str]:
+    """Pagoda's engine metrics as defined (name -> kind)."""
+    return dict(ENGINE_METRICS)
+
+
+@pytest.fixture(scope="session")
+def known_metrics() -> set[str]:
+    """Every sample name the dashboard may read: the engine metrics as Ray exports them, and SERVE_METRICS."""
+    return known_metric_names()
+
+
+@pytest.fixture(scope="session")
+def to_exported():
+    """`exported_names` as a fixture: (name, kind) -> the sample names Prometheus scrapes."""
+    return exported_names

@@ -1,0 +1,50 @@
+"""deploy/serve*.yaml: valid Ray Serve config files (Ray's own schema) holding the args of cluster.app:build_app."""
+
+import copy
+
+import pydantic
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+SERVE_FILES = ["deploy/serve.yaml", "deploy/serve-70b.yaml"]
+
+
+def _load(repo, name):
+    return yaml.safe_load((repo / name).read_text())
+
+
+@pytest.mark.parametrize("name", SERVE_FILES)
+def test_serve_config_passes_rays_schema(repo, name):
+    config = ServeDeploySchema.model_validate(_load(repo, name))
+    assert config.http_options.host == "0.0.0.0" and config.http_options.port == 8000
+    (app,) = config.applications
+    assert app.import_path == "cluster.app:build_app"
+    assert app.route_prefix == "/"
+
+
+@pytest.mark.parametrize("name", SERVE_FILES)
+def test_serve_config_args_are_build_app_args(repo, name):
+    """build_app's own validation (pydantic, unknown keys refused) accepts the args; no cluster is touched."""
+    app = pytest.importorskip("cluster.app")
+    args = app.parse_args(_load(repo, name)["applications"][0]["args"])
+    for model in args.models:
+        assert model.model.startswith("/models/") and model.served_model_name
+        assert model.device == "cuda", "device 'auto' would resolve to cpu if no GPU pod has joined at build time"
+        assert (model.num_replicas is None) != (model.autoscaling_config is None)
+
+
+def test_build_app_args_check_can_fail(repo):
+    app = pytest.importorskip("cluster.app")
+    args = copy.deepcopy(_load(repo, "deploy/serve.yaml")["applications"][0]["args"])
+    args["models"][0]["tensor_paralel_size"] = 2
+    with pytest.raises(ValueError, match="tensor_paralel_size"):
+        app.parse_args(args)
+
+
+def test_serve_schema_check_can_fail(repo):
+    """Ray's schema really rejects a broken config (here: an import path with no module separator)."""
+    config = copy.deepcopy(_load(repo, "deploy/serve.yaml"))
+    config["applications"][0]["import_path"] = "build_app"
+    with pytest.raises(pydantic.ValidationError, match="import path"):
+        ServeDeploySchema.model_validate(config)

@@ -1,0 +1,160 @@
+"""Compile every kernel with the real Triton compiler for an H100/H200 (sm_90), on a machine without a GPU.
+
+Run by test_kernel_compile.py in a subprocess without TRITON_INTERPRET. A stand-in driver reports an sm_90
+target; each launcher runs on empty CPU tensors with its launch turned into a compile-only warmup. Prints one
+JSON line per compiled kernel: name, case, registers, spilled bytes, shared memory. Exits 3 when this Triton's
+internals do not fit the stand-in (the caller skips), 1 when a kernel fails to compile.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without the interpreter"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime.jit import JITFunction
+
+    class Sm90Driver(DriverBase):
+        """The least of a driver the JIT needs to compile (never to launch)."""
+
+        def __init__(self):
+            pass
+
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def get_benchmarker(self):
+            return None
+
+        def get_empty_cache_for_benchmark(self):
+            return None
+
+        def clear_cache(self, cache):
+            pass
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+    triton.runtime.driver.set_active(Sm90Driver())
+    CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+except Exception as exc:  # noqa: BLE001
+    print(f"stand-in driver unavailable: {exc!r}")
+    sys.exit(3)
+
+import kernels.activation as activation  # noqa: E402
+import kernels.kv_cache as kv_cache  # noqa: E402
+import kernels.paged_attention as paged_attention  # noqa: E402
+import kernels.rms_norm as rms_norm  # noqa: E402
+import kernels.rotary as rotary  # noqa: E402
+
+for module in (activation, kv_cache, paged_attention, rms_norm, rotary):
+    module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
+paged_attention.upcast_dot_operands = lambda *args: False  # as on a GPU
+
+CASE = ["?"]
+
+
+def resources(compiled) -> dict:
+    """Registers and spills from the cubin (cuobjdump), shared memory from Triton's metadata."""
+    usage = {"shared_bytes": compiled.metadata.shared}
+    if CUOBJDUMP.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
+                                  text=True).stdout
+        match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+        if match:
+            usage |= {"registers": int(match[1]), "spill_bytes": int(match[2]) + int(match[3])}
+    return usage
+
+
+def compile_only(self, *args, grid, warmup, **kwargs):
+    compiled = ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    print(json.dumps({"kernel": self.fn.__name__, "case": CASE[0], "num_warps": compiled.metadata.num_warps,
+                      **resources(compiled)}), flush=True)
+    return compiled
+
+
+ORIGINAL_RUN = JITFunction.run
+JITFunction.run = compile_only
+
+
+def empty(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype)
+
+
+def int32(*shape):
+    return torch.zeros(shape, dtype=torch.int32)
+
+
+def decode(name, seqs, heads, kv_heads, dim, dtype, splits):
+    CASE[0] = name
+    q, cache = empty(seqs, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
+    paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
+                                                  num_splits=splits)
+
+
+def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None):
+    CASE[0] = name
+    q, cache = empty(tokens, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
+    paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(2, 512), int32(3), int32(2), 0.1,
+                                                   max_query_len)
+
+
+def main() -> int:
+    try:
+        decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
+        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # + the merge kernel
+        decode("decode mha fp16 d64", 4, 8, 8, 64, torch.float16, 1)
+        decode("decode fp32", 4, 8, 2, 128, torch.float32, 1)
+        prefill("prefill llama3-8b bf16", 4096, 32, 8, 128, torch.bfloat16)
+        prefill("prefill decode rows bf16", 8, 32, 8, 128, torch.bfloat16, max_query_len=1)
+        prefill("prefill d256 bf16", 4096, 16, 8, 256, torch.bfloat16)
+        prefill("prefill fp32", 512, 8, 2, 128, torch.float32)
+        CASE[0] = "rms_norm+residual 4096"
+        x = empty(4, 4096)
+        rms_norm.rms_norm_triton(x, empty(4096), 1e-5, x)
+        CASE[0] = "rotary 32/8 x 128"
+        rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 1024),
+                                       empty(64, 128, dtype=torch.float32), 128)
+        CASE[0] = "silu_and_mul 14336"
+        activation.silu_and_mul_triton(empty(4, 2 * 14336))
+        CASE[0] = "write_kv_cache 8 x 128"
+        kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
+                                       empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
+    except Exception as exc:  # noqa: BLE001
+        print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

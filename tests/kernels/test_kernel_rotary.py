@@ -1,0 +1,122 @@
+"""Rotary embedding: the cache and the reference against transformers' Llama rotary, Triton against the ref."""
+
+import pytest
+import torch
+
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding, rotary_embedding_ref, rotary_embedding_triton
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}
+SCALINGS = {"none": None, "linear": {"type": "linear", "factor": 2.0}, "llama3": LLAMA3_SCALING}
+
+
+def hf_rotary(head_dim, max_position, base, scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "default"} if scaling is None else {**scaling, "rope_type": scaling.get("rope_type",
+                                                                                                scaling.get("type"))}
+    rope.pop("type", None)
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=max_position, rope_parameters={**rope, "rope_theta": base})
+    return LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_cache_is_transformers_cos_sin(scaling):
+    head_dim, max_position, base = 64, 4096, 500000.0
+    cache = compute_cos_sin_cache(head_dim, max_position, base, SCALINGS[scaling])
+    positions = torch.tensor([[0, 1, 2, 255, 256, 1000, 4095]])
+    cos, sin = hf_rotary(head_dim, max_position, base, SCALINGS[scaling])(torch.zeros(1, dtype=torch.float32),
+                                                                          positions)
+    half = head_dim // 2
+    ours = cache[positions[0]]
+    assert torch.equal(ours[:, :half], cos[0, :, :half]) and torch.equal(ours[:, :half], cos[0, :, half:])
+    assert torch.equal(ours[:, half:], sin[0, :, :half]) and torch.equal(ours[:, half:], sin[0, :, half:])
+
+
+def test_unknown_scaling_raises():
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+        compute_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_ref_is_transformers_apply_rotary_pos_emb(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim, num_tokens = 64, 9
+    rotary = hf_rotary(head_dim, 512, 10000.0, None)
+    cache = compute_cos_sin_cache(head_dim, 512, 10000.0)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen)
+    q = torch.randn(num_tokens, 4, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    cos, sin = rotary(q, positions[None])  # cast to q's dtype by transformers
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_flat = q.flatten(1).clone()  # the model's layout: [T, heads * head_dim]
+    rotary_embedding_ref(positions, q_flat, k, cache, head_dim)
+    assert torch.equal(q_flat.unflatten(1, (4, head_dim)), q_hf[0].transpose(0, 1))
+    assert torch.equal(k, k_hf[0].transpose(0, 1))
+
+
+# fp16: the interpreter's casts round like torch's, so one ulp at most; bf16: it truncates (see rms_norm's test).
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (3e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 32), (6, 3, 80)])
+@pytest.mark.parametrize("scaling", ["none", "llama3"])
+def test_triton_matches_ref(dtype, num_heads, num_kv_heads, head_dim, scaling, device):
+    cache = compute_cos_sin_cache(head_dim, 1024, 10000.0, SCALINGS[scaling]).to(device)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 1024, (11,), generator=gen).to(device)
+    q = torch.randn(11, num_heads * head_dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(11, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_triton(positions, q, k, cache, head_dim)
+    rotary_embedding_ref(positions, q_ref, k_ref, cache, head_dim)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k, k_ref, atol=atol, rtol=rtol)
+
+
+def test_triton_in_place_on_fused_qkv_views(device):
+    """q and k as strided views into one qkv output; v (between them in memory) must stay untouched."""
+    head_dim = 32
+    cache = compute_cos_sin_cache(head_dim, 64, 10000.0).to(device)
+    qkv = torch.randn(5, (4 + 2 + 2) * head_dim, device=device)
+    before = qkv.clone()
+    positions = torch.tensor([0, 3, 63, 7, 7], device=device)
+    q, k = qkv[:, : 4 * head_dim], qkv[:, 4 * head_dim : 6 * head_dim]
+    rotary_embedding_triton(positions, q, k, cache, head_dim)
+    ref = before.clone()
+    rotary_embedding_ref(positions, ref[:, : 4 * head_dim], ref[:, 4 * head_dim : 6 * head_dim], cache, head_dim)
+    torch.testing.assert_close(qkv, ref)
+    assert torch.equal(qkv[:, 6 * head_dim :], before[:, 6 * head_dim :])
+    assert torch.equal(qkv[0], before[0])  # position 0: the identity
+    with pytest.raises(ValueError, match="k must be"):
+        rotary_embedding_triton(positions, q, k[:, :40], cache, head_dim)
+
+
+def test_public_function_on_cpu_is_the_reference():
+    cache = compute_cos_sin_cache(16, 32, 10000.0)
+    positions = torch.arange(4)
+    q, k = torch.randn(4, 32), torch.randn(4, 16)
+    q2, k2 = q.clone(), k.clone()
+    rotary_embedding(positions, q, k, cache, 16)
+    rotary_embedding_ref(positions, q2, k2, cache, 16)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
+@pytest.mark.gpu
+def test_gpu_llama3_8b_sizes(cuda):
+    cache = compute_cos_sin_cache(128, 131072, 500000.0, {**LLAMA3_SCALING, "original_max_position_embeddings": 8192})
+    cache = cache.to(cuda)
+    positions = torch.randint(0, 131072, (4096,), device=cuda)
+    q = torch.randn(4096, 32 * 128, device=cuda, dtype=torch.bfloat16)
+    k = torch.randn(4096, 8 * 128, device=cuda, dtype=torch.bfloat16)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding(positions, q, k, cache, 128)
+    rotary_embedding_ref(positions, q_ref, k_ref, cache, 128)
+    assert (q != q_ref).float().mean() < 1e-3 and (k != k_ref).float().mean() < 1e-3
+    torch.testing.assert_close(q, q_ref, atol=1e-2, rtol=1e-2)
