@@ -51,11 +51,17 @@ SMOKE = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torc
              elementwise_tokens=[1, 16])
 
 
+USE_CUDA_GRAPH = False  # --cuda-graph: time replays of a captured graph (no host launch cost, as in the engine)
+
+
 def time_ms(fn, device: torch.device) -> float:
-    """Median milliseconds per call: triton's do_bench (L2 flushed before every call) on a GPU, a clock on CPU."""
+    """Median milliseconds per call: triton's do_bench (L2 flushed before every call) on a GPU, a clock on CPU.
+    Small launches are host-bound under do_bench; --cuda-graph times them as the engine runs them."""
     if device.type == "cuda":
         import triton.testing
 
+        if USE_CUDA_GRAPH:
+            return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
     fn()
     times = []
@@ -353,7 +359,11 @@ def main(argv=None) -> int:
                         help="run only these groups (repeatable)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, ~3 min)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
+    global USE_CUDA_GRAPH
+    USE_CUDA_GRAPH = args.cuda_graph
 
     if args.smoke:
         device, cfg = torch.device("cpu"), SMOKE

@@ -17,7 +17,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from deploy.cli import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--preset", default=None)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--decode-steps", type=int, default=64)

@@ -48,8 +48,8 @@ async def _one(session, url: str, headers: dict, body: dict, delay_s: float) -> 
                 chunk = json.loads(line[5:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    token_times.append(time.perf_counter())
+                if chunk.get("choices"):  # one chunk per engine step that moved, text or not (random weights
+                    token_times.append(time.perf_counter())  # often sample ids the tokenizer prints as nothing)
     except Exception as e:  # a failed request is counted, not fatal
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()

@@ -19,7 +19,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from deploy.cli import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--preset", default=None, help="a real-sized shape with random weights, e.g. llama-3-8b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024])
     parser.add_argument("--output-len", type=int, default=256)

@@ -24,15 +24,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
+    parser.add_argument("--preset", default=None,
+                        help="a real-sized shape with random weights instead of --model (e.g. llama-3-8b)")
     parser.add_argument("--enforce-eager", action="store_true")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    model, load_format = args.model, args.load_format
+    if getattr(args, "preset", None):
+        from benchmarks.presets import preset_dir
+
+        model, load_format = preset_dir(args.preset), "random"
+    return dict(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=load_format,
                 enforce_eager=args.enforce_eager)
 
 
@@ -147,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny_model)
+
+    from benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
+    from deploy.grafana_push import add_grafana_args, run_grafana_push
+
+    grafana = sub.add_parser("grafana", help="Grafana: push the dashboard")
+    grafana_sub = grafana.add_subparsers(dest="grafana_command", required=True)
+    push = grafana_sub.add_parser("push", help="create or update the Pagoda dashboard through Grafana's HTTP API")
+    add_grafana_args(push)
+    push.set_defaults(func=run_grafana_push)
     return parser
 
 

@@ -12,8 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-from grafana_client import GrafanaApi
-from grafana_client.client import GrafanaException
 
 DASHBOARD_PATH = Path(__file__).parent / "grafana" / "pagoda.json"
 
@@ -29,6 +27,8 @@ def load_dashboard(dashboard_path: str | Path | None = None) -> dict:
 def _connect(url: str, token: str) -> GrafanaApi:
     # grafana-client appends "api" to the URL's path as is: "http://h/grafana" would become
     # "http://h/grafanaapi". A trailing slash makes it "http://h/grafana/api".
+    from grafana_client import GrafanaApi  # imported on use: `pagoda` itself runs without grafana-client
+
     return GrafanaApi.from_url(url.rstrip("/") + "/", credential=token)
 
 
@@ -71,8 +71,14 @@ def run_grafana_push(args: argparse.Namespace) -> int:
     """Run `pagoda grafana push`; the process exit code."""
     try:
         result = push_dashboard(args.url, args.token, folder=args.folder, dashboard_path=args.dashboard)
-    except (GrafanaException, OSError) as e:  # an HTTP error answer, or no connection at all
+    except (_grafana_exception(), OSError) as e:  # an HTTP error answer, or no connection at all
         print(f"grafana push failed: {e}", file=sys.stderr)
         return 1
     print(f"dashboard {result.get('uid')} {result.get('status')}: {args.url.rstrip('/')}{result.get('url', '')}")
     return 0
+
+
+def _grafana_exception() -> type:
+    from grafana_client.client import GrafanaException
+
+    return GrafanaException

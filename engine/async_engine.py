@@ -77,6 +77,8 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = queue.get_nowait()  # outputs are cumulative: a slow consumer skips to the newest
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -114,7 +114,8 @@ def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
         seen = []
         async for out in engine.generate("Hello", SamplingParams(max_tokens=6, ignore_eos=True), "r1"):
             seen.append(len(out.outputs[0].token_ids))
-        assert seen == list(range(1, 7)) and out.finished
+        # cumulative outputs, one per step; a consumer that falls behind skips straight to the newest
+        assert seen == sorted(set(seen)) and seen[-1] == 6 and out.finished
 
         with pytest.raises(ValueError, match="temperature"):
             async for _ in engine.generate("Hello", SamplingParams(temperature=-1), "bad"):

@@ -118,5 +118,7 @@ def test_gpu_llama3_8b_sizes(cuda):
     q_ref, k_ref = q.clone(), k.clone()
     rotary_embedding(positions, q, k, cache, 128)
     rotary_embedding_ref(positions, q_ref, k_ref, cache, 128)
-    assert (q != q_ref).float().mean() < 1e-3 and (k != k_ref).float().mean() < 1e-3
+    # The kernel rotates in float32 and rounds once; the reference rounds after each bf16 op as transformers
+    # does, so about a fifth of the elements differ in the last bit: compare with bf16's tolerance.
     torch.testing.assert_close(q, q_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(k, k_ref, atol=1e-2, rtol=1e-2)
