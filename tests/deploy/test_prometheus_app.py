@@ -1,0 +1,156 @@
+"""The running Pagoda app, scraped by a real Prometheus.
+
+The Serve app of cluster.app (tiny model, CPU) serves real OpenAI requests; a real Prometheus (Debian's
+`prometheus` package, installed by .ci/run) scrapes the Ray node's metrics export port, as the KubeRay PodMonitor
+does; then Prometheus' HTTP API is asked for every metric the Grafana dashboard uses: each must have samples with
+the labels the dashboard groups by, and every PromQL expression of the dashboard must return data.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+APP = "pagoda-prometheus"
+MODEL = "prom-tiny"
+# Serve creates this series at the first exception raised inside a replica; Pagoda's replicas return errors as
+# values (the proxy's error counter and pagoda:request_success{finished_reason="error"} count them), so a
+# healthy app has no samples of it. The dashboard keeps the panel for crashes.
+ONLY_ON_CRASH = {"ray_serve_deployment_error_counter_total"}
+
+if shutil.which("prometheus") is None:
+    if os.environ.get("CI"):
+        pytest.fail("CI must install Debian's prometheus package (.ci/run does)", pytrace=False)
+    pytest.skip("no prometheus binary: `apt-get install prometheus` (CI installs it)", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _request(url: str, body: dict | None = None, timeout_s: float = 60) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def running_app(ray_cluster):
+    """(base URL of the app, Ray node metrics URL): the real app deployed on the session's Ray cluster."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from cluster.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    http_port = _get_global_client().http_config.port  # another test may have started Serve first
+    # A small KV pool (12 blocks of 16 tokens) so that concurrent requests preempt each other.
+    app = build_app({"models": [{"model": None, "served_model_name": MODEL, "device": "cpu", "num_kv_blocks": 12,
+                                 "block_size": 16, "max_num_seqs": 8, "replica_num_cpus": 0.5}]})
+    serve.run(app, name=APP, route_prefix=f"/{APP}")
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    yield f"http://127.0.0.1:{http_port}/{APP}", f"127.0.0.1:{node['MetricsExportPort']}"
+    serve.delete(APP)
+
+
+def _send_traffic(base: str) -> None:
+    """Completions and chats, streamed and not, concurrent ones that preempt each other, and one invalid request
+    (an error for the error panels)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # a shared prefix: prefix-cache hits
+    long = {"model": MODEL, "max_tokens": 60, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda i: _request(f"{base}/v1/completions", {**long, "prompt": f"{i} {prompt}"})[0],
+                              range(4)))
+    assert codes == [200] * 4
+    assert _request(f"{base}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6})[0] == 200
+    assert _request(f"{base}/v1/completions", {"model": MODEL, "prompt": prompt + "Hi", "max_tokens": 6,
+                                               "stream": True})[0] == 200
+    assert _request(f"{base}/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "hi"}]})[0] == 200
+    assert _request(f"{base}/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 7})[0] == 400
+
+
+def _query(prometheus: str, expr: str) -> dict:
+    return json.loads(_request(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))[1])
+
+
+def _series_labels(prometheus: str, name: str) -> list[set[str]]:
+    answer = json.loads(_request(f"{prometheus}/api/v1/series?" + urllib.parse.urlencode({"match[]": name}))[1])
+    return [set(series) for series in answer.get("data", [])]
+
+
+def _dashboard_queries(repo) -> list[str]:
+    dashboard = json.loads((repo / "deploy" / "grafana" / "pagoda.json").read_text())
+    return [t["expr"].replace("$model_name", MODEL) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+@pytest.fixture(scope="module")
+def prometheus(running_app, tmp_path_factory):
+    """A real Prometheus on loopback scraping the Ray node every second; its HTTP API's base URL."""
+    _, target = running_app
+    root = tmp_path_factory.mktemp("prometheus")
+    (root / "prometheus.yml").write_text(
+        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n"
+        f"  static_configs: [{{targets: ['{target}']}}]\n")
+    port = _free_port()
+    process = subprocess.Popen(
+        ["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_app, prometheus, known_metrics,
+                                                                          repo):
+    base, _ = running_app
+    deadline = time.monotonic() + 120
+    wanted = set(known_metrics) - ONLY_ON_CRASH
+    missing = wanted
+    while missing and time.monotonic() < deadline:  # Ray exports every few seconds; rate() needs two scrapes
+        _send_traffic(base)
+        time.sleep(3)
+        try:
+            missing = {name for name in wanted if not _query(prometheus, name)["data"]["result"]}
+        except OSError:
+            continue  # Prometheus still starting
+    assert not missing, f"Prometheus has no samples of: {sorted(missing)}"
+
+    engine_labels = {"model_name", "replica"}
+    for name in known_metrics:
+        if name.startswith("ray_pagoda_"):
+            labels = _series_labels(prometheus, name)
+            assert any(engine_labels <= s for s in labels), f"{name}: labels {labels}"
+    for series in _query(prometheus, "ray_pagoda_prompt_tokens_total")["data"]["result"]:
+        assert series["metric"]["model_name"] == MODEL
+    success = _series_labels(prometheus, "ray_pagoda_request_success_total")
+    assert any("finished_reason" in s for s in success)
+    errors = _query(prometheus, 'ray_serve_num_http_requests_total{status_code="400"}')["data"]["result"]
+    assert errors, "the invalid request is not counted as a 400"
+
+    for _ in range(3):
+        _send_traffic(base)
+        time.sleep(2)
+    empty = []
+    for expr in _dashboard_queries(repo):
+        answer = _query(prometheus, expr)
+        assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
+        if not answer["data"]["result"] and not any(name in expr for name in ONLY_ON_CRASH):
+            empty.append(expr)
+    assert not empty, "dashboard queries with no data:\n" + "\n".join(empty)
