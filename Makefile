@@ -20,6 +20,9 @@ setup: $(BIN)/.installed
 generate: setup
 	$(BIN)/pagoda generate
 
+serve: setup
+	$(BIN)/pagoda serve
+
 test: setup
 	$(BIN)/python -m pytest -q -ra
 
