@@ -234,6 +234,10 @@ class StepBroadcast:
 class RayExecutor(Executor):
     """`tensor_parallel_size` WorkerActors in one placement group; rank 0's output is the step's output."""
 
+    # The driver launches step N+1 before reading step N; each rank runs its steps in order, so by the time it
+    # runs N+1 it has appended N's token itself.
+    supports_overlap = True
+
     def __init__(self, config: EngineConfig, use_compiled_graph: bool | None = None):
         if use_compiled_graph is None:
             use_compiled_graph = os.environ.get("PAGODA_DISABLE_COMPILED_GRAPH", "0") != "1"
