@@ -74,6 +74,9 @@ class ModelArgs(BaseModel):
     replica_num_cpus: float = Field(1.0, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    # A stream sends what accumulated at most this often (the first token and the end at once): fewer, larger
+    # messages through Serve when many requests stream, as Ray Serve LLM's stream batching does. 0: every step.
+    stream_interval_s: float = Field(0.05, ge=0)
     router: RouterArgs = RouterArgs()
 
     @model_validator(mode="after")
@@ -127,7 +130,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         device = resolve_cluster_device(m.device)
         server = LLMServer.options(name=f"LLMServer_{_slug(m.served_model_name)}", **_server_options(m, device))
         handles[m.served_model_name] = server.bind(m.engine_kwargs(device), m.served_model_name,
-                                                   m.graceful_shutdown_timeout_s, app_args.debug)
+                                                   m.graceful_shutdown_timeout_s, app_args.debug, m.stream_interval_s)
         cards[m.served_model_name] = {"root": m.model or "pagoda-tiny"}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug}

@@ -54,8 +54,9 @@ def replica_options(tensor_parallel_size: int, device: str, num_cpus: float) -> 
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, engine_kwargs: dict, served_model_name: str, drain_timeout_s: float = 30.0,
-                 debug: bool = False):
+                 debug: bool = False, stream_interval_s: float = 0.0):
         self.model_name = served_model_name
+        self.stream_interval_s = stream_interval_s
         self.replica_id = _replica_tag()
         self.drain_timeout_s = drain_timeout_s
         self.debug = debug
@@ -103,7 +104,12 @@ class LLMServer:
             prompt = {"prompt": text, "add_special_tokens": False}
         if prompt is None:
             raise ValueError("prompt is missing")
-        return self.engine.engine.process_prompt(prompt, request.params)
+        text, token_ids = self.engine.engine.process_prompt(prompt, request.params)
+        max_tokens, limit = request.params.max_tokens, self.engine.max_model_len
+        if max_tokens is not None and len(token_ids) + max_tokens > limit:  # as OpenAI and vLLM's server answer
+            raise ValueError(f"max_tokens is too large: this model's maximum context length is {limit} tokens, "
+                             f"and the prompt takes {len(token_ids)} of them plus {max_tokens} requested")
+        return text, token_ids
 
     async def _stream(self, request: GenerateRequest, text: str | None,
                       token_ids: list[int]) -> AsyncIterator[StepDelta]:
@@ -115,9 +121,13 @@ class LLMServer:
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
             async with contextlib.aclosing(self.engine.generate(prompt, params, request.request_id)) as outputs:
+                last_sent = 0.0
                 async for out in outputs:
                     last_token_time = self._observe_step(out, last_token_time)
                     finished = out.finished
+                    now = time.monotonic()
+                    if request.stream and not finished and now - last_sent < self.stream_interval_s:
+                        continue  # outputs are cumulative: the next one carries this one's tokens too
                     if out.error is not None:
                         yield StepDelta(self.replica_id, finished=True, error=_engine_error(self.engine, out.error))
                         return
@@ -126,6 +136,7 @@ class LLMServer:
                                                            for s, o in zip(streams, out.outputs)) if c is not None])
                     if request.stream:
                         if delta.choices or delta.finished:
+                            last_sent = now
                             yield delta
                     else:
                         for choice in delta.choices:

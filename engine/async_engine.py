@@ -142,21 +142,25 @@ class AsyncLLMEngine:
                 self._apply_ops()
                 if not self.engine.has_unfinished_requests():
                     self._stats = self.engine.get_stats()
-                    self._wakeup.wait(timeout=1.0)
+                    if not self._wakeup.wait(timeout=1.0):
+                        self._check_executor()  # idle: a worker that died now is noticed within a second
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
                 self._stats = self.engine.get_stats()
                 self._deliver(outputs)
-                try:
-                    self.engine.executor.check_health()
-                except Exception as e:
-                    raise EngineDeadError(f"worker failed: {e}") from e
+                self._check_executor()
         except BaseException as e:  # the loop is the replica's heart: report, fail everyone, stop
             logger.exception("engine loop died")
             self.dead_error = f"{type(e).__name__}: {e}"
             self._deliver(self.engine.fail_all(self.dead_error))
             self._fail_queues(EngineDeadError(self.dead_error))
+
+    def _check_executor(self) -> None:
+        try:
+            self.engine.executor.check_health()
+        except Exception as e:
+            raise EngineDeadError(f"worker failed: {e}") from e
 
     def _apply_ops(self) -> None:
         with self._lock:

@@ -47,6 +47,7 @@ def test_oversized_body_is_413_before_parsing(http):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": "many"}, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [5000]}, "stop_token_ids"),
