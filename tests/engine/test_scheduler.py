@@ -167,3 +167,37 @@ def test_min_tokens_defers_stop():
     s.add_request(req)
     run_all(s)
     assert len(req.output_token_ids) == 3
+
+
+def overlapped_run(s: Scheduler, max_steps=500):
+    """Schedules step N+1 before step N's tokens come back, as the engine does with overlap."""
+    pending = None
+    for _ in range(max_steps):
+        if not s.has_unfinished and pending is None:
+            return
+        out = s.schedule()
+        samplers = []
+        for req_id in out.num_scheduled_tokens:
+            req = s.requests[req_id]
+            assert req.num_output_tokens + req.num_pending_tokens <= req.max_tokens, "scheduled past max_tokens"
+            if req.num_computed_tokens == req.num_tokens + req.num_pending_tokens - 1:  # reached its end: samples
+                samplers.append(req_id)
+        if pending is not None:
+            prev, prev_samplers = pending
+            n = len(prev_samplers)
+            s.update_from_output(prev, ModelRunnerOutput(prev_samplers, [1] * n, [None] * n))
+            s.block_manager.check_integrity()
+        pending = (out, samplers) if not out.is_empty else None
+    raise AssertionError("did not finish")
+
+
+def test_overlapped_steps_respect_max_tokens_and_preemption():
+    s = make_scheduler(num_blocks=7, block_size=4, max_tokens_per_step=16)
+    reqs = [make_req(f"r{i}", 6, max_tokens=9) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    overlapped_run(s)
+    assert all(len(r.output_token_ids) == 9 for r in reqs)
+    assert all(r.num_pending_tokens == 0 for r in reqs)
+    assert s.num_preemptions > 0
+    assert s.block_manager.num_free_blocks == 7
