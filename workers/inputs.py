@@ -30,18 +30,35 @@ class InputBuffers:
         def host(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-        self.host = {
-            "input_ids": host(max_tokens, torch.int64), "positions": host(max_tokens, torch.int64),
-            "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs, torch.int32),
-            "query_start_loc": host(max_seqs + 1, torch.int32),
-            "block_tables": host((max_seqs, max_blocks_per_seq), torch.int32),
-        }
+        def host_set():
+            return {
+                "input_ids": host(max_tokens, torch.int64), "positions": host(max_tokens, torch.int64),
+                "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs, torch.int32),
+                "query_start_loc": host(max_seqs + 1, torch.int32),
+                "block_tables": host((max_seqs, max_blocks_per_seq), torch.int32),
+            }
+
+        # Two host sets, used in turn: with overlapped steps the host writes step N+1's inputs while step N's
+        # asynchronous copies may still be queued behind step N-1 on the device.
+        self.host_sets = [host_set(), host_set()]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # recorded after each set's copies
+        self.current = 0
+        self.host = self.host_sets[0]
         self.np = {name: t.numpy() for name, t in self.host.items()}
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
+
+    def next_step(self) -> None:
+        """Switches to the other host set, once the device has copied what it held."""
+        self.current ^= 1
+        if self.copied[self.current] is not None:
+            self.copied[self.current].synchronize()
+        self.host = self.host_sets[self.current]
+        self.np = {name: t.numpy() for name, t in self.host.items()}
 
     def fill(self, token_ids: list[list[int]], starts: list[int], counts: list[int],
              block_ids: list[list[int]]) -> tuple[int, int]:
         """Writes one step's inputs into the host buffers; returns (num_tokens, max_blocks in the batch)."""
+        self.next_step()
         n = self.np
         bs = self.block_size
         offset, max_blocks = 0, 1
@@ -83,6 +100,10 @@ class InputBuffers:
         d["query_start_loc"][:num_seqs + 1].copy_(h["query_start_loc"][:num_seqs + 1], non_blocking=True)
         d["block_tables"][:num_seqs, :num_block_cols].copy_(h["block_tables"][:num_seqs, :num_block_cols],
                                                             non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[self.current] = event
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, num_block_cols: int,
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -96,11 +96,17 @@ def _is_plain(row: SamplingRow) -> bool:
 
 def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) -> torch.Tensor:
     # x: [R, V] processed logits of the random rows -> [R] token ids
+    # Which filters apply is decided here from the params, on the host: a device-side test would wait for the
+    # device, and so for the step launched before this one (no overlap).
     temperature = _row_values(rows, lambda p: p.temperature, x)
     x = x / temperature[:, None]
-    x = apply_top_k_top_p(x, _row_values(rows, lambda p: p.top_k, x, torch.long),
-                          _row_values(rows, lambda p: p.top_p, x))
-    x = apply_min_p(x, _row_values(rows, lambda p: p.min_p, x))
+    use_k = any(row.params.top_k > 0 for row in rows)
+    use_p = any(row.params.top_p < 1.0 for row in rows)
+    if use_k or use_p:
+        x = apply_top_k_top_p(x, _row_values(rows, lambda p: p.top_k, x, torch.long),
+                              _row_values(rows, lambda p: p.top_p, x), use_k, use_p)
+    if any(row.params.min_p > 0 for row in rows):
+        x = apply_min_p(x, _row_values(rows, lambda p: p.min_p, x), check=False)
     probs = x.softmax(dim=-1)
     return exponential_race(probs, [row.generator for row in rows], default_generator)
 
@@ -165,12 +171,15 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return x
 
 
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool | None = None,
+                      use_p: bool | None = None) -> torch.Tensor:
     """Keeps the k largest logits (k = 0: all), then the smallest set of those whose probability reaches top_p.
 
-    x: [R, V]; top_k: int64 [R]; top_p: [R]. Dropped logits become -inf."""
+    x: [R, V]; top_k: int64 [R]; top_p: [R]. Dropped logits become -inf. use_k / use_p: whether any row uses
+    them, when the caller knows (else read from the tensors, which waits for the device)."""
     vocab = x.shape[-1]
-    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1.0).any())
+    use_k = bool((top_k > 0).any()) if use_k is None else use_k
+    use_p = bool((top_p < 1.0).any()) if use_p is None else use_p
     if not (use_k or use_p):
         return x
     sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
@@ -186,9 +195,9 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor, check: bool = True) -> torch.Tensor:
     """Drops tokens whose probability is below min_p times the top token's: p_t / p_max = exp(x_t - x_max)."""
-    if not bool((min_p > 0).any()):
+    if check and not bool((min_p > 0).any()):
         return x
     threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # -inf where min_p == 0
     return x.masked_fill(x < threshold, float("-inf"))
