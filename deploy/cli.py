@@ -69,6 +69,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
     model = engine_kwargs(args) | {"served_model_name": args.served_model_name}
     if args.replica_num_cpus is not None:
         model["replica_num_cpus"] = args.replica_num_cpus
+    if args.stream_interval_s is not None:
+        model["stream_interval_s"] = args.stream_interval_s
     scaling = {k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas),
                                  ("target_ongoing_requests", args.target_ongoing_requests)) if v is not None}
     if scaling and args.num_replicas is not None:
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling: per replica")
     srv.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
     srv.add_argument("--ingress-replicas", type=int, default=1)
+    srv.add_argument("--stream-interval-s", type=float, default=None,
+                     help="stream what accumulated at most this often (default 0.05; 0: every step)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
     srv.set_defaults(func=cmd_serve)
 
