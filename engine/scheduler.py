@@ -139,12 +139,13 @@ class Scheduler:
         return total - len(hits) + revived
 
     def _try_fork(self, req: Request) -> bool:
-        """For n > 1: share the leader's prompt blocks once its prompt is computed. False: wait for the leader."""
+        """For n > 1: share the leader's prompt blocks once an earlier step computed them (steps run in order, so
+        this step reads them after they are written). False: wait for the leader."""
         leader = req.leader
         if leader is None:
             return True
-        if leader.status == RequestStatus.RUNNING and not leader.output_token_ids:
-            return False  # the leader's prompt is still being computed
+        if leader.status == RequestStatus.RUNNING and leader.num_computed_tokens < req.num_prompt_tokens - 1:
+            return False  # the leader's prompt is still being computed (maybe again, after a preemption)
         req.leader = None
         if leader.status == RequestStatus.RUNNING:
             num_shared = req.num_prompt_tokens - 1

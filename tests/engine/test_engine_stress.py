@@ -1,0 +1,79 @@
+"""A randomized workload: shared prefixes, n > 1, stop strings, aborts, a pool small enough to preempt and token
+budgets small enough to chunk, with overlapped steps. Block-manager invariants hold after every step, nothing
+leaks, and every greedy completion equals the one the same prompt gets alone in a roomy engine."""
+
+import random
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+WORDS = "the quick brown fox jumps over a lazy dog while models read prompts and write tokens".split()
+
+
+def make_workload(seed: int, num: int = 40):
+    rng = random.Random(seed)
+    prefix = " ".join(rng.choices(WORDS, k=12))
+    work = []
+    for i in range(num):
+        body = " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))
+        prompt = f"{prefix} {body}" if rng.random() < 0.5 else body
+        n = rng.choice([1, 1, 1, 2, 3])
+        greedy = rng.random() < 0.6  # n > 1 greedy: every completion must be the one greedy answer
+        params = SamplingParams(n=n, temperature=0.0 if greedy else 1.0, seed=rng.randint(0, 99),
+                                max_tokens=rng.randint(1, 24), ignore_eos=True,
+                                stop=[rng.choice(WORDS)] if rng.random() < 0.2 else None)
+        work.append((f"req{i}", prompt, params, rng.random() < 0.15))  # the last: abort it mid-way
+    return work
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed, overlap):
+    work = make_workload(seed)
+    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
+                                 max_num_batched_tokens=24, max_num_seqs=6)
+    engine.executor.supports_overlap = overlap
+    rng = random.Random(seed + 100)
+    pending = list(work)
+    finished, aborted = {}, set()
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):  # requests arrive while others run
+            if pending:
+                req_id, prompt, params, _ = pending.pop(0)
+                engine.add_request(req_id, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        for req_id, _, _, abort in work:
+            if abort and req_id in engine.groups and rng.random() < 0.3:
+                engine.abort_request(req_id)
+                aborted.add(req_id)
+        engine.block_manager.check_integrity()
+        steps += 1
+        assert steps < 2000, "the workload did not finish"
+    engine.step()  # the workers drop what finished last
+    engine.check_integrity()
+    assert not engine.executor.worker.runner.requests
+    assert engine.scheduler.num_preemptions > 0  # the pool was small enough to matter
+    assert set(finished) | aborted == {w[0] for w in work}
+
+    roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
+    for req_id, prompt, params, _ in work:
+        if req_id in aborted or not params.is_greedy:
+            continue
+        roomy.add_request(req_id, prompt, SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                                         ignore_eos=True, stop=params.stop))
+        alone = None
+        while roomy.has_unfinished_requests():
+            for out in roomy.step():
+                alone = out
+        for completion in finished[req_id].outputs:
+            assert completion.token_ids == alone.outputs[0].token_ids, req_id
+            assert completion.text == alone.outputs[0].text
+    for out in finished.values():
+        assert len(out.outputs) == work[int(out.request_id[3:])][2].n
+    engine.shutdown()
+    roomy.shutdown()
