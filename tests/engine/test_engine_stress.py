@@ -1,6 +1,7 @@
 """A randomized workload: shared prefixes, n > 1, stop strings, aborts, a pool small enough to preempt and token
-budgets small enough to chunk, with overlapped steps. Block-manager invariants hold after every step, nothing
-leaks, and every greedy completion equals the one the same prompt gets alone in a roomy engine."""
+budgets small enough to chunk, with and without overlapped steps. Block-manager invariants hold after every step,
+nothing leaks, and every completion (greedy, or sampled with a seed) equals the one the same request gets alone in
+a roomy engine."""
 
 import random
 
@@ -62,17 +63,21 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
 
     roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
     for req_id, prompt, params, _ in work:
-        if req_id in aborted or not params.is_greedy:
+        if req_id in aborted:
             continue
-        roomy.add_request(req_id, prompt, SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+        # Greedy and seeded sampling alike: a request's tokens depend on nothing else in the batch.
+        roomy.add_request(req_id, prompt, SamplingParams(n=params.n, temperature=params.temperature,
+                                                         seed=params.seed, max_tokens=params.max_tokens,
                                                          ignore_eos=True, stop=params.stop))
         alone = None
         while roomy.has_unfinished_requests():
             for out in roomy.step():
                 alone = out
-        for completion in finished[req_id].outputs:
-            assert completion.token_ids == alone.outputs[0].token_ids, req_id
-            assert completion.text == alone.outputs[0].text
+        for completion, reference in zip(finished[req_id].outputs, alone.outputs):
+            assert completion.token_ids == reference.token_ids, (req_id, completion.index)
+            assert completion.text == reference.text
+            if params.is_greedy:  # n > 1 greedy: every completion is the one greedy answer
+                assert completion.token_ids == alone.outputs[0].token_ids
     for out in finished.values():
         assert len(out.outputs) == work[int(out.request_id[3:])][2].n
     engine.shutdown()
