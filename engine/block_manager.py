@@ -93,13 +93,14 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_queries_tokens += req.num_tokens
-        self.prefix_hits_tokens += len(hits) * self.block_size
         return hits
 
     def allocate_cached(self, req: Request, block_ids: list[int]) -> None:
         """Starts a request's table with cached blocks (hits revive free blocks)."""
         assert req.req_id not in self.tables, f"{req.req_id} already has blocks"
+        if self.enable_prefix_caching:  # counted once the request is scheduled, not at each attempt
+            self.prefix_queries_tokens += req.num_tokens
+            self.prefix_hits_tokens += len(block_ids) * self.block_size
         for block_id in block_ids:
             self._take(block_id)
         self.tables[req.req_id] = list(block_ids)
