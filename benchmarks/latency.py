@@ -10,11 +10,11 @@ import argparse
 import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
-from benchmarks.presets import resolve_model
+from workers.presets import resolve_model
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from deploy.cli import add_engine_args
+    from engine.arg_utils import add_engine_args
 
     add_engine_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -47,7 +47,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from deploy.cli import engine_kwargs
+    from engine.arg_utils import engine_kwargs
     from engine.llm_engine import LLMEngine
 
     model_dir, load_format = resolve_model(args.model, args.preset)

@@ -12,11 +12,11 @@ import tempfile
 import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
-from benchmarks.presets import resolve_model
+from workers.presets import resolve_model
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from deploy.cli import add_engine_args
+    from engine.arg_utils import add_engine_args
 
     add_engine_args(parser)
     parser.add_argument("--num-requests", type=int, default=256)
@@ -28,7 +28,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> dict:
-    from deploy.cli import engine_kwargs
+    from engine.arg_utils import engine_kwargs
     from engine import LLM, SamplingParams
 
     kwargs = {**engine_kwargs(args), "model": model_dir, "load_format": load_format}

@@ -1,0 +1,55 @@
+"""The package boundaries of ARCHITECTURE.md, checked on the source: who may import whom."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "workers", "kernels", "cluster", "deploy", "benchmarks")
+ALLOWED = {  # package -> project packages it may import (at any level: lazy imports count too)
+    "engine": {"engine", "workers", "cluster"},  # the last two only lazily, to pick an executor / the tiny model
+    "kernels": {"kernels"},
+    "workers": {"workers", "engine", "kernels"},
+    "cluster": {"cluster", "engine", "workers", "kernels"},
+    "benchmarks": {"benchmarks", "engine", "workers", "kernels", "cluster"},
+    "deploy": {"deploy", "cluster", "engine", "workers", "benchmarks"},
+}
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level package, imported at module level) for every import in a file."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(name.split(".")[0], id(node) in top_level) for name in names]
+    return found
+
+
+def test_packages_import_only_what_the_design_allows():
+    bad = []
+    for package, allowed in ALLOWED.items():
+        for path in (REPO / package).rglob("*.py"):
+            for name, at_module_level in _imports(path):
+                if name in PACKAGES and name not in allowed:
+                    bad.append(f"{path.relative_to(REPO)} imports {name}")
+                if package == "engine" and name in ("workers", "cluster", "ray", "fastapi") and at_module_level:
+                    bad.append(f"{path.relative_to(REPO)} imports {name} at module level")
+    assert not bad, "\n".join(bad)
+
+
+def test_engine_imports_without_ray_fastapi_or_cuda():
+    code = ("import engine, engine.llm, engine.llm_engine, engine.async_engine, engine.scheduler, sys; "
+            "from engine import LLM, SamplingParams; "
+            "bad = [m for m in ('ray', 'fastapi', 'workers', 'cluster') if m in sys.modules]; "
+            "import torch; assert not torch.cuda.is_initialized(); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
