@@ -15,18 +15,10 @@ import ray
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.llm_engine import LLMEngine
+from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 12
-PREFIX = "Tensor parallelism splits each weight matrix across several devices; an all-reduce sums the results. "
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog. A language model reads a prompt",
-    "def fibonacci(n: int) -> list[int]:",
-    "Once upon a time there was a small model that wanted to learn. It read books about the sea, the stars and",
-    PREFIX + "What is the capital of France?",
-    PREFIX + "Write a short poem about the ocean.",
-    "1 2 3",
-]
+PROMPTS = PARITY_PROMPTS
 # A pool of 24 blocks of 4 tokens cannot hold every request at once (preemption), and 8 tokens a step cut every
 # longer prompt into chunks.
 STRESS = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
