@@ -41,10 +41,10 @@ class InputBuffers:
         # Two host sets, used in turn: with overlapped steps the host writes step N+1's inputs while step N's
         # asynchronous copies may still be queued behind step N-1 on the device.
         self.host_sets = [host_set(), host_set()]
+        self.np_sets = [{name: t.numpy() for name, t in hs.items()} for hs in self.host_sets]  # views, same memory
         self.copied: list[torch.cuda.Event | None] = [None, None]  # recorded after each set's copies
         self.current = 0
-        self.host = self.host_sets[0]
-        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.host, self.np = self.host_sets[0], self.np_sets[0]
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
 
     def next_step(self) -> None:
@@ -52,8 +52,7 @@ class InputBuffers:
         self.current ^= 1
         if self.copied[self.current] is not None:
             self.copied[self.current].synchronize()
-        self.host = self.host_sets[self.current]
-        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.host, self.np = self.host_sets[self.current], self.np_sets[self.current]
 
     def fill(self, token_ids: list[list[int]], starts: list[int], counts: list[int],
              block_ids: list[list[int]]) -> tuple[int, int]:
