@@ -114,8 +114,7 @@ class LLMServer:
     async def _stream(self, request: GenerateRequest, text: str | None,
                       token_ids: list[int]) -> AsyncIterator[StepDelta]:
         params = request.params
-        holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        streams = [_ChoiceStream(i, holdback, params.logprobs) for i in range(params.n)]
+        streams = [_ChoiceStream(i, params.logprobs) for i in range(params.n)]
         final = StepDelta(self.replica_id, choices=[ChoiceDelta(i, logprobs=None) for i in range(params.n)])
         last_token_time, finished = None, False
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
@@ -251,12 +250,11 @@ class LLMServer:
 
 
 class _ChoiceStream:
-    """Turns one completion's cumulative output into deltas. While unfinished it holds back the last
-    `holdback` characters, which a stop string completed by a later token could still cut away."""
+    """Turns one completion's cumulative output into deltas. The engine already holds back, while a request runs,
+    the text that a stop string could still cut (CompletionOutput.text only grows)."""
 
-    def __init__(self, index: int, holdback: int, num_logprobs: int | None):
+    def __init__(self, index: int, num_logprobs: int | None):
         self.index = index
-        self.holdback = holdback
         self.num_logprobs = num_logprobs
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
@@ -266,9 +264,8 @@ class _ChoiceStream:
         if self.is_done:
             return None
         finished = out.finish_reason is not None
-        end = len(out.text) if finished else max(len(out.text) - self.holdback, self.num_sent_chars)
-        text = out.text[self.num_sent_chars:end]
-        self.num_sent_chars = max(end, self.num_sent_chars)
+        text = out.text[self.num_sent_chars:]
+        self.num_sent_chars = max(len(out.text), self.num_sent_chars)
         new_ids = out.token_ids[self.num_sent_tokens:]
         logprobs = None
         if self.num_logprobs is not None and out.logprobs is not None:

@@ -97,12 +97,18 @@ class IncrementalDetokenizer:
         self.text = self.text[:index + len(stop)] if self.include_stop_str_in_output else self.text[:index]
         return stop
 
+    def stable_text(self, is_finished: bool) -> str:
+        """The text that can be shown: while unfinished, without the tail that a stop string completed by a later
+        token could still cut away. It only grows (a stop string never starts inside what was shown)."""
+        if is_finished or not self.stop:
+            return self.text
+        return self.text[:max(len(self.text) - self.stop_buffer_chars, 0)]
+
     def flush(self, is_finished: bool) -> str:
-        """New text to stream. Unfinished streams hold back what could still become a stop string."""
-        end = len(self.text) if is_finished or not self.stop else max(len(self.text) - self.stop_buffer_chars, 0)
-        end = max(end, self.num_streamed_chars)
-        delta = self.text[self.num_streamed_chars:end]
-        self.num_streamed_chars = end
+        """New stable text since the last call."""
+        text = self.stable_text(is_finished)
+        delta = text[self.num_streamed_chars:]
+        self.num_streamed_chars = max(len(text), self.num_streamed_chars)
         return delta
 
     @property

@@ -77,7 +77,7 @@ class RequestGroup:
                 entry[token_id] = lp.sampled_logprob if lp else float("nan")
                 logprobs.append(entry)
         cumulative = sum(lp.sampled_logprob for lp in seq.output_logprobs if lp) if logprobs is not None else None
-        return CompletionOutput(seq.index, det.output_text, list(seq.output_token_ids), logprobs,
+        return CompletionOutput(seq.index, det.stable_text(seq.is_finished), list(seq.output_token_ids), logprobs,
                                 seq.status.finish_reason, seq.stop_reason, cumulative)
 
 

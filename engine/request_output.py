@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # cumulative; while unfinished, without a tail that a stop string could still cut away
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per token: sampled id and the top-k ids -> log-probability
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running

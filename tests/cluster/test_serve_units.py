@@ -145,9 +145,18 @@ def test_legacy_logprobs_shape():
 
 # ---- deltas ----------------------------------------------------------------------------------------------------
 def test_choice_stream_holds_back_what_a_stop_string_may_cut():
-    stream = _ChoiceStream(0, holdback=2, num_logprobs=None)  # stop="END" → hold back 2 chars
-    outs = [CompletionOutput(0, "Hello E", [1, 2], None), CompletionOutput(0, "Hello EN", [1, 2, 3], None),
-            CompletionOutput(0, "Hello ", [1, 2, 3, 4], None, "stop", "END")]
+    from engine.detokenizer import IncrementalDetokenizer
+
+    # The engine's stable text with stop="END": the last 2 characters wait while the request runs.
+    det = IncrementalDetokenizer(None, [], stop=["END"], use_stream=False)
+    shown = []
+    for text, finished in (("Hello E", False), ("Hello EN", False), ("Hello ", True)):
+        det.text = text
+        shown.append(det.stable_text(finished))
+    assert shown == ["Hello", "Hello ", "Hello "]
+    stream = _ChoiceStream(0, num_logprobs=None)
+    outs = [CompletionOutput(0, shown[0], [1, 2], None), CompletionOutput(0, shown[1], [1, 2, 3], None),
+            CompletionOutput(0, shown[2], [1, 2, 3, 4], None, "stop", "END")]
     deltas = [stream.advance(o, str) for o in outs]
     assert deltas[0].text == "Hello" and deltas[0].num_tokens == 2
     assert deltas[1].text == " " and deltas[1].num_tokens == 1
