@@ -126,29 +126,22 @@ class InProcessExecutor(Executor):
         self.worker.init_kv_cache(self.num_kv_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return self.worker.execute_model(scheduler_output)
-        except Exception as e:
-            logger.exception("step failed")
-            raise ExecutorError(f"{type(e).__name__}: {e}") from e
+        return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        try:
-            pending = self.worker.runner.execute_model_async(scheduler_output)
-        except Exception as e:
-            logger.exception("step failed")
-            raise ExecutorError(f"{type(e).__name__}: {e}") from e
-
-        def wait() -> ModelRunnerOutput:
-            try:
-                return pending.result()
-            except Exception as e:
-                logger.exception("step failed")
-                raise ExecutorError(f"{type(e).__name__}: {e}") from e
-
-        return StepHandle(wait=wait)
+        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output)
+        return StepHandle(wait=lambda: _as_executor_error(pending.result))
 
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
+
+
+def _as_executor_error(fn, *args):
+    """Runs a step's launch or wait; a failure becomes an ExecutorError that fails the step's requests."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        logger.exception("step failed")
+        raise ExecutorError(f"{type(e).__name__}: {e}") from e
