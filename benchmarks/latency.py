@@ -20,15 +20,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="on a GPU, also profile this many decode steps of each case (benchmarks/step_profile.py)")
     parser.add_argument("--output-json", default=None)
 
 
-def measure(engine, prompts: list[list[int]], decode_steps: int) -> dict:
+def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0) -> dict:
     import torch
 
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + profile_steps + 8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
     start = time.perf_counter()
@@ -41,9 +43,15 @@ def measure(engine, prompts: list[list[int]], decode_steps: int) -> dict:
     for _ in range(decode_steps):
         engine.step()
     decode_s = time.perf_counter() - start
+    row = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps}
+    if profile_steps and torch.cuda.is_available():
+        from benchmarks.step_profile import print_profile, profile_steps as run_profile
+
+        row["profile"] = run_profile(engine, profile_steps)
+        print_profile(f"batch {len(prompts)}", row["profile"])
     engine.abort_request(list(engine.groups))
     engine.step()
-    return {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps}
+    return row
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -58,7 +66,7 @@ def main(args: argparse.Namespace) -> dict:
         for batch in args.batch_sizes:
             prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
             measure(engine, prompts[:1], 4)  # warm-up of this shape family
-            row = {"batch": batch, "prompt_len": prompt_len, **measure(engine, prompts, args.decode_steps)}
+            row = {"batch": batch, "prompt_len": prompt_len, **measure(engine, prompts, args.decode_steps, args.profile_steps)}
             row["tokens_per_s"] = batch * 1000 / row["decode_ms_per_token"]
             rows.append(row)
     engine.check_integrity()

@@ -48,27 +48,37 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none, 1 tokens < kv_end, 2 causal (q_pos)."""
+    """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none (every token of the tile is in range: loads
+    unmasked), 1 tokens < kv_end, 2 causal (q_pos)."""
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
-    blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    if SCORE_MASK == 0:
+        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE).to(tl.int64)
+    else:
+        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     offsets = tokens % BLOCK_SIZE
     k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
-    k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    if SCORE_MASK == 0:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :])
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if SCORE_MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
     elif SCORE_MASK == 2:
         qk = tl.where(tokens[None, :] <= q_pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: max commutes with the scale
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
-    v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    if SCORE_MASK == 0:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :])
+    else:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
     if UPCAST:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

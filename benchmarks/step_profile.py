@@ -1,0 +1,75 @@
+"""Where a step's time goes: kernels by kind, GPU idle gaps, and the host's own time, from torch.profiler.
+
+    pagoda bench latency --preset llama-3-8b --batch-sizes 1 --prompt-lens 128 --profile-steps 16
+
+The profile covers `engine.step()` calls in a steady decode (CUDA-graph replays included: CUPTI reports the
+kernels inside graphs). Per step it reports the wall time, the GPU busy time (the union of kernel intervals),
+the idle gaps between kernels, and each kind of kernel's time and count.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+KINDS = [  # (kind, regex on the kernel name), first match wins
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitKreduce"),
+    ("attention", r"_decode_kernel|_decode_merge|_prefill_kernel|flash|attention"),
+    ("rms_norm", r"rms_norm"),
+    ("rotary+kv", r"rotary|kv_cache|write_kv"),
+    ("silu_and_mul", r"silu"),
+    ("all_reduce", r"nccl|all_reduce|allreduce|one_shot|two_shot"),
+    ("sampling", r"argmax|topk|sort|softmax|exponential|multinomial|cumsum|scatter|gather|max_|reduce"),
+    ("copy", r"memcpy|memset|copy|cat"),
+]
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, lowered):
+            return kind
+    return "other"
+
+
+def profile_steps(engine, num_steps: int) -> dict:
+    """Runs `num_steps` engine steps under torch.profiler; returns per-step figures (milliseconds)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    by_kind: dict[str, list[float]] = {}
+    busy_us, cursor = 0.0, float("-inf")
+    for start_us, end_us, name in kernels:
+        entry = by_kind.setdefault(kind_of(name), [0.0, 0])
+        entry[0] += end_us - start_us
+        entry[1] += 1
+        busy_us += max(0.0, end_us - max(start_us, cursor))  # union of intervals (streams may overlap)
+        cursor = max(cursor, end_us)
+    span_us = kernels[-1][1] - kernels[0][0] if kernels else 0.0
+    per_step = {
+        "wall_ms": wall_ms / num_steps,
+        "gpu_span_ms": span_us / 1e3 / num_steps,
+        "gpu_busy_ms": busy_us / 1e3 / num_steps,
+        "gpu_idle_ms": (span_us - busy_us) / 1e3 / num_steps,
+        "kernels": len(kernels) / num_steps,
+        "by_kind": {kind: {"ms": us / 1e3 / num_steps, "count": count / num_steps}
+                    for kind, (us, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])},
+    }
+    return per_step
+
+
+def print_profile(label: str, p: dict) -> None:
+    print(f"profile {label}: wall {p['wall_ms']:.3f} ms/step, GPU busy {p['gpu_busy_ms']:.3f}, "
+          f"idle gaps {p['gpu_idle_ms']:.3f}, {p['kernels']:.0f} kernels/step")
+    for kind, v in p["by_kind"].items():
+        print(f"    {kind:<14} {v['ms']:8.3f} ms  {v['count']:6.0f} kernels  {1e3 * v['ms'] / max(v['count'], 1):7.1f} us each")
