@@ -282,12 +282,11 @@ def bench_elementwise(runner: Runner, cfg: dict):
 DECODE_TUNE_CASES = [(1, 8192), (1, 32768), (8, 8192), (256, 2048)]
 DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8)
                        for st in (2, 3)]
-PREFILL_TUNE_CASES = [4096, 8192]
+PREFILL_TUNE_CASES = [2048, 4096, 8192]
 PREFILL_TUNE_CONFIGS = [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
-    for m, n, w, st in [(128, 64, 8, 5), (128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 4),
-                        (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 5), (64, 64, 4, 3),
-                        (64, 128, 4, 3), (64, 64, 8, 3), (128, 64, 4, 5), (256, 64, 16, 3), (256, 32, 16, 3)]
+    for m, n, w, st in [(128, 64, 8, 5), (128, 64, 8, 3), (256, 64, 16, 2), (256, 64, 16, 4), (256, 128, 16, 2),
+                        (256, 32, 16, 3), (256, 64, 8, 3), (512, 64, 16, 2)]
 ]
 
 

@@ -119,10 +119,11 @@ class LLMServer:
         last_token_time, finished = None, False
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
-            async with contextlib.aclosing(self.engine.generate(prompt, params, request.request_id)) as outputs:
+            generator = self.engine.generate(prompt, params, request.request_id, final_only=not request.stream)
+            async with contextlib.aclosing(generator) as outputs:
                 last_sent = 0.0
                 async for out in outputs:
-                    last_token_time = self._observe_step(out, last_token_time)
+                    last_token_time = self._observe_step(out, last_token_time, streams)
                     finished = out.finished
                     now = time.monotonic()
                     if request.stream and not finished and now - last_sent < self.stream_interval_s:
@@ -137,6 +138,11 @@ class LLMServer:
                         if delta.choices or delta.finished:
                             last_sent = now
                             yield delta
+                            if not finished and self.stream_interval_s > 0:
+                                # Let tokens gather: the engine's outputs are cumulative and its queue keeps
+                                # only the newest, so this request's coroutine wakes once per interval, not
+                                # once per engine step.
+                                await asyncio.sleep(self.stream_interval_s)
                     else:
                         for choice in delta.choices:
                             final.choices[choice.index].merge(choice)
@@ -149,14 +155,18 @@ class LLMServer:
             if not finished:
                 self.metrics.observe_finished("abort", None)
 
-    def _observe_step(self, out: RequestOutput, last_token_time: float | None) -> float | None:
+    def _observe_step(self, out: RequestOutput, last_token_time: float | None,
+                      streams: list[_ChoiceStream]) -> float | None:
         now = time.monotonic()
         m = out.metrics
         if last_token_time is None and m is not None and m.first_token_time is not None:
             self.metrics.observe_first_token(m.first_token_time - m.arrival_time)
             last_token_time = now
         elif last_token_time is not None:
-            self.metrics.observe_inter_token(now - last_token_time)
+            # Outputs may carry several new tokens (coalesced): each gets its share of the interval.
+            new_tokens = max([len(o.token_ids) - s.num_sent_tokens for s, o in zip(streams, out.outputs)] + [1])
+            for _ in range(new_tokens):
+                self.metrics.observe_inter_token((now - last_token_time) / new_tokens)
             last_token_time = now
         if out.finished:
             reason = "error" if out.error else (out.outputs[0].finish_reason if out.outputs else None) or "stop"

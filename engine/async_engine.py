@@ -30,6 +30,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
+        self._final_only: set[str] = set()  # requests that want only their finished output
         self._ops: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -52,10 +53,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     # ---- public API ----------------------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs as tokens arrive; the last has finished=True. Invalid input raises ValueError
-        before anything is queued. Cancelling the iteration (a client that went away) aborts the request."""
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True (with final_only, only that one:
+        the caller is not woken at every step). Invalid input raises ValueError before anything is queued.
+        Cancelling the iteration (a client that went away) aborts the request."""
         self.check_health()
         text, token_ids = self.engine.process_prompt(prompt, params)
         request_id = request_id or uuid.uuid4().hex
@@ -64,6 +66,8 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        if final_only:
+            self._final_only.add(request_id)
         loop = asyncio.get_running_loop()
 
         def add():
@@ -85,6 +89,7 @@ class AsyncLLMEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            self._final_only.discard(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -179,7 +184,7 @@ class AsyncLLMEngine:
     def _put_all(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             queue = self._queues.get(out.request_id)
-            if queue is not None:
+            if queue is not None and (out.finished or out.request_id not in self._final_only):
                 queue.put_nowait(out)
 
     def _fail_queues(self, error: BaseException) -> None:

@@ -49,7 +49,7 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims, v, mask=mask)
 
 
-def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
+def check_kv_cache_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k and v must be [T, num_kv_heads, head_dim] of one shape, got {k.shape} and {v.shape}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -70,7 +70,7 @@ def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Triton launcher of `write_kv_cache`: k, v may be strided views (e.g. slices of a fused qkv output)."""
-    _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_cache_inputs(k, v, k_cache, v_cache, slot_mapping)
     check_launchable(k, v, k_cache, v_cache, slot_mapping)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
@@ -91,7 +91,7 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Torch reference of `write_kv_cache` (and its CPU implementation)."""
-    _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_cache_inputs(k, v, k_cache, v_cache, slot_mapping)
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -19,6 +19,18 @@ import torch
 from workers.layers.attention import AttentionMetadata
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list or array as a device tensor, without waiting for the device.
+
+    A copy from pageable host memory makes CUDA drain the stream first (the step launched before would then
+    finish before this one is even launched: no overlap), so the values go through pinned memory, whose caching
+    allocator keeps the block until the asynchronous copy has read it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):

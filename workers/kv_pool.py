@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.inputs import to_device
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -47,8 +49,8 @@ def copy_blocks(kv_caches: KVCaches, copies: list[tuple[int, int]]) -> None:
     if not copies:
         return
     device = kv_caches[0][0].device
-    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
-    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+    src = to_device([s for s, _ in copies], torch.long, device)
+    dst = to_device([d for _, d in copies], torch.long, device)
     for k_cache, v_cache in kv_caches:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]

@@ -21,7 +21,7 @@ from engine.config import SchedulerConfig
 from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
-from workers.inputs import InputBuffers
+from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
 from workers.sampler import SampledBatch, SamplingRow, finish, sample_async
 
@@ -168,15 +168,15 @@ class ModelRunner:
         """A function that writes the previous step's sampled tokens into this step's device input ids."""
         if not positions:
             return lambda: None
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        src = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = to_device(positions, torch.long, self.device)
+        src = to_device(rows, torch.long, self.device)
         prev = self.prev_tokens
         return lambda: self.buffers.dev["input_ids"].index_copy_(0, pos, prev.index_select(0, src))
 
     def _sample_indices(self, counts: list[int], sample_rows: list[int]) -> torch.Tensor:
         """The last token of each sampling request, in the flat batch."""
         ends = np.cumsum(counts) - 1
-        return torch.from_numpy(ends[sample_rows]).to(self.device, non_blocking=True)
+        return to_device(ends[sample_rows], torch.long, self.device)
 
 
 class PendingStep:

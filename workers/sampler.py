@@ -20,6 +20,7 @@ import torch
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from workers.inputs import to_device
 
 
 @dataclass
@@ -68,7 +69,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow],
     tokens = x.argmax(dim=-1)  # [N]: the greedy rows' answer
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
-        index = torch.tensor(random_rows, device=x.device)
+        index = to_device(random_rows, torch.long, x.device)
         tokens[index] = _sample_random(x[index], [rows[i] for i in random_rows], default_generator)
     return logprobs_on_device(raw, tokens, rows)
 
@@ -112,7 +113,7 @@ def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) 
 
 
 def _row_values(rows: list[SamplingRow], get, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor([get(row.params) for row in rows], dtype=dtype, device=like.device)
+    return to_device([get(row.params) for row in rows], dtype, like.device)
 
 
 def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +123,7 @@ def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tens
         ids = get_ids(row)
         row_idx.extend([i] * len(ids))
         token_idx.extend(ids)
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return as_tensor(row_idx), as_tensor(token_idx)
+    return to_device(row_idx, torch.long, device), to_device(token_idx, torch.long, device)
 
 
 def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -132,7 +132,7 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return x
     row_idx, token_idx = _scatter_index(rows, lambda r: list((r.params.logit_bias or {}).keys()), x.device)
     bias = [b for row in rows for b in (row.params.logit_bias or {}).values()]
-    x.index_put_((row_idx, token_idx), torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
+    x.index_put_((row_idx, token_idx), to_device(bias, x.dtype, x.device), accumulate=True)
     return x
 
 
@@ -220,7 +220,7 @@ def logprobs_on_device(raw: torch.Tensor, tokens: torch.Tensor, rows: list[Sampl
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return SampledBatch(tokens, [])
-    index = torch.tensor(wanted, device=raw.device)
+    index = to_device(wanted, torch.long, raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)  # [W, V]
     sampled = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1)
     max_k = max(rows[i].params.logprobs for i in wanted)

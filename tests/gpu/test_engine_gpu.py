@@ -1,5 +1,7 @@
 """The engine on a CUDA GPU with the Triton kernels: parity with transformers, CUDA graphs against eager."""
 
+import time
+
 import pytest
 import torch
 
@@ -70,3 +72,44 @@ def test_gpu_bf16_graphs_match_eager_logprobs(tiny_checkpoints):
         lp_a = first_a.logprobs[0][first_a.token_ids[0]]
         lp_b = first_b.logprobs[0][first_b.token_ids[0]]
         assert abs(lp_a - lp_b) < 0.05
+
+
+def _sleep_cycles_for(seconds: float) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for about `seconds`, measured on this device."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds * 1000 / start.elapsed_time(end))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3, max_tokens=16, ignore_eos=True,
+                   logit_bias={5: 1.0}),
+], ids=["greedy-logprobs", "sampled-filters-seed-bias"])
+def test_gpu_overlapped_step_launches_without_waiting_for_the_device(tiny_checkpoints, params):
+    """With the device busy (a 0.5 s spin queued on the stream), a decode step must still return at once: it
+    launches step N+1 behind the spin and reads step N, queued before it. Any host-to-device copy from pageable
+    memory, or any read of a device value, would wait for the spin."""
+    llm = LLM(model=tiny_checkpoints["llama"], dtype="bfloat16", device="cuda", num_kv_blocks=512)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(4):
+        engine.step()  # prefill done, decoding, one step in flight
+    torch.cuda.synchronize()
+    spin_s = 0.5
+    torch.cuda._sleep(_sleep_cycles_for(spin_s))
+    start = time.perf_counter()
+    outputs = engine.step()
+    launched_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert outputs, "the step in flight should have produced outputs"
+    assert launched_s < spin_s / 5, f"the step waited {launched_s:.3f} s for the device"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    llm.shutdown()

@@ -132,7 +132,7 @@ def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None):
 def main() -> int:
     try:
         decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
-        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # + the merge kernel
+        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # the split path (in-kernel merge)
         decode("decode mha fp16 d64", 4, 8, 8, 64, torch.float16, 1)
         decode("decode fp32", 4, 8, 2, 128, torch.float32, 1)
         prefill("prefill llama3-8b bf16", 4096, 32, 8, 128, torch.bfloat16)
@@ -145,6 +145,11 @@ def main() -> int:
         CASE[0] = "rotary 32/8 x 128"
         rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 1024),
                                        empty(64, 128, dtype=torch.float32), 128)
+        CASE[0] = "rotary + kv write 32/8 x 128"
+        rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 1024),
+                                       empty(64, 128, dtype=torch.float32), 128,
+                                       (empty(4, 1024), empty(8, 16, 8, 128), empty(8, 16, 8, 128),
+                                        torch.zeros(4, dtype=torch.int64)))
         CASE[0] = "silu_and_mul 14336"
         activation.silu_and_mul_triton(empty(4, 2 * 14336))
         CASE[0] = "write_kv_cache 8 x 128"

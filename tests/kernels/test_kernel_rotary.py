@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from kernels.rotary import compute_cos_sin_cache, rotary_embedding, rotary_embedding_ref, rotary_embedding_triton
+from kernels.kv_cache import write_kv_cache_ref
+from kernels.rotary import (
+    compute_cos_sin_cache,
+    rotary_embedding,
+    rotary_embedding_and_write_kv,
+    rotary_embedding_ref,
+    rotary_embedding_triton,
+)
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}
@@ -96,6 +103,61 @@ def test_triton_in_place_on_fused_qkv_views(device):
     assert torch.equal(qkv[0], before[0])  # position 0: the identity
     with pytest.raises(ValueError, match="k must be"):
         rotary_embedding_triton(positions, q, k[:, :40], cache, head_dim)
+
+
+def _fused_case(device, dtype, num_heads, num_kv_heads, head_dim, block_size, num_tokens, gen):
+    """Inputs of `rotary_embedding_and_write_kv`: a fused qkv output (q, k, v are views of it), NaN-poisoned caches,
+    shuffled distinct slots with two padding tokens."""
+    cache = compute_cos_sin_cache(head_dim, 512, 10000.0, LLAMA3_SCALING).to(device)
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(device)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    num_blocks = 2 * num_tokens // block_size + 2
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+              for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[1, -1]] = -1
+    return positions, qkv, cache, caches, slots.to(device)
+
+
+def _split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 4, 64, 16), (8, 2, 32, 1), (6, 3, 80, 4)])
+def test_fused_rotary_and_kv_write_matches_the_two_refs(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                        device):
+    gen = torch.Generator().manual_seed(2)
+    positions, qkv, cos_sin, (k_cache, v_cache), slots = _fused_case(
+        device, dtype, num_heads, num_kv_heads, head_dim, block_size, 9, gen)
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    rotary_embedding_triton(positions, q, k, cos_sin, head_dim, (v, k_cache, v_cache, slots))
+    rq, rk, rv = _split_qkv(ref_qkv, num_heads, num_kv_heads, head_dim)
+    rotary_embedding_ref(positions, rq, rk, cos_sin, head_dim)
+    write_kv_cache_ref(rk.unflatten(1, (num_kv_heads, head_dim)), rv.unflatten(1, (num_kv_heads, head_dim)),
+                       ref_k_cache, ref_v_cache, slots)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(qkv, ref_qkv, atol=atol, rtol=rtol)
+    # Written slots match; every other slot is still NaN (padding tokens wrote nothing).
+    torch.testing.assert_close(k_cache, ref_k_cache, atol=atol, rtol=rtol, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v_cache, atol=0, rtol=0, equal_nan=True)
+    assert k_cache.isnan().any(dim=(2, 3)).sum() == k_cache.shape[0] * block_size - (slots >= 0).sum()
+
+
+def test_fused_public_function_on_cpu_is_the_two_refs():
+    gen = torch.Generator().manual_seed(3)
+    positions, qkv, cos_sin, (k_cache, v_cache), slots = _fused_case("cpu", torch.float32, 4, 2, 16, 4, 6, gen)
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rotary_embedding_and_write_kv(positions, *_split_qkv(qkv, 4, 2, 16)[:2], _split_qkv(qkv, 4, 2, 16)[2], cos_sin,
+                                  16, k_cache, v_cache, slots)
+    rq, rk, rv = _split_qkv(ref_qkv, 4, 2, 16)
+    rotary_embedding_ref(positions, rq, rk, cos_sin, 16)
+    write_kv_cache_ref(rk.unflatten(1, (2, 16)), rv.unflatten(1, (2, 16)), ref_k_cache, ref_v_cache, slots)
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(k_cache.nan_to_num(), ref_k_cache.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
 
 
 def test_public_function_on_cpu_is_the_reference():

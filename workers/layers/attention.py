@@ -7,8 +7,9 @@ Tokens of all sequences are packed into one dimension T. Sequence b owns tokens
     k_cache: [num_blocks, block_size, num_kv_heads, head_dim]   token i of seq b lives in
              block block_tables[b, i // block_size] at offset i % block_size
 
-This step's keys and values are first written at `slot_mapping` (slot = block_id * block_size + offset; -1 = skip),
-then every query attends causally to its sequence's history.
+This step's keys and values are already in the cache (written at `slot_mapping` by the caller, together with the
+rotary embedding: slot = block_id * block_size + offset; -1 = skip); every query attends causally to its
+sequence's history.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -38,10 +38,9 @@ class Attention(nn.Module):
         assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, H_kv, D]; caches: [num_blocks, block_size, H_kv, D] -> out [T, H * D]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, H, D]; caches: [num_blocks, block_size, H_kv, D] holding this step's K/V -> out [T, H * D]
         if meta.is_decode_only:
             out = paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rotary import compute_cos_sin_cache, rotary_embedding
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_write_kv
 
 
 class RotaryEmbedding(nn.Module):
@@ -26,3 +26,9 @@ class RotaryEmbedding(nn.Module):
         # positions: [T]; q: [T, H, D]; k: [T, H_kv, D]; rotated in place and returned
         rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
         return q, k
+
+    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Rotates q and k in place and writes the rotated k and v at `slot_mapping` (one kernel on a GPU)."""
+        rotary_embedding_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, k_cache, v_cache,
+                                      slot_mapping)

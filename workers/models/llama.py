@@ -69,8 +69,8 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, H*D]
+        self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
         return self.o_proj(out)
 
 
