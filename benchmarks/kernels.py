@@ -280,8 +280,8 @@ def bench_elementwise(runner: Runner, cfg: dict):
 
 
 DECODE_TUNE_CASES = [(1, 8192), (1, 32768), (8, 8192), (256, 2048)]
-DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8)
-                       for st in (2, 3)]
+DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
+                       [(64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3)]]
 PREFILL_TUNE_CASES = [2048, 4096, 8192]
 PREFILL_TUNE_CONFIGS = [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
