@@ -13,9 +13,8 @@ GQA: the QUERIES_PER_KV query heads that share a KV head are rows of one tile, s
 
 Softmax is online (FlashAttention), in base 2: scores are scaled by scale * log2(e) and exponentiated with
 exp2. Prefill skips key tiles past a query block's last position and masks only the tiles on its diagonal.
-Decode splits long contexts into NUM_SPLITS partitions computed in parallel (flash-decoding); the last
-partition of each (sequence, KV head) to finish merges the partial outputs by their log-sum-exp (an arrival
-counter decides which), so a decode step is one kernel.
+Decode splits long contexts into NUM_SPLITS partitions computed in parallel (flash-decoding), then a small
+kernel merges the partial outputs by their log-sum-exp.
 """
 
 import torch
@@ -89,7 +88,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    arrivals_ptr, qk_scale, num_heads, num_kv_heads,
+    qk_scale, num_heads,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -124,39 +123,36 @@ def _decode_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
-    out_offs = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
         # part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] float32, part_lse [num_seqs, num_heads, NUM_SPLITS]
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
-        tl.store(part_out_ptr + (part + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))  # log2 domain; -inf (m_i) when the split is empty
-        tl.store(part_lse_ptr + part + split, lse, mask=row_mask)
-        # The last split of this (sequence, KV head) to finish merges them all: no second kernel. The barrier and
-        # the release/acquire counter make every split's stores visible to it; it resets the counter for the next
-        # launch (and CUDA graph replay).
-        tl.debug_barrier()
-        counter = arrivals_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            for s in range(NUM_SPLITS):
-                lse_max = tl.maximum(lse_max, tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: zeros
-            total = tl.zeros([BLOCK_H], tl.float32)
-            merged = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-            for s in range(NUM_SPLITS):
-                weight = tl.exp2(tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"),
-                                         cache_modifier=".cg") - lse_max)  # empty splits weigh 0
-                used = (weight > 0.0)[:, None] & row_mask[:, None]  # empty splits are not read at all
-                parts = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :], mask=used,
-                                other=0.0, cache_modifier=".cg")
-                merged += parts * weight[:, None]
-                total += weight
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-            tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-            tl.atomic_xchg(counter, 0)
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # empty splits weigh 0
+    total = tl.sum(weights, 0)
+    # Empty splits (a short sequence in a batch sized for long ones) are not read at all.
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=(weights > 0.0)[:, None],
+                    other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -289,11 +285,18 @@ def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype
 
     Measured on an H200 (`python -m benchmarks.kernels --tune`, Llama-3-8B heads, 8k tokens): 256 x 64 tiles with
     16 warps and 3 stages (160 KiB of shared memory) reach 54% of bf16 peak, against 47% for 128 x 64 with 8 warps
-    and 5 stages. The K/V loads depend on block-table loads, so the pipeliner spends stages on that chain.
-    With less shared memory, smaller tiles and fewer stages.
+    and 5 stages (46% and 38% at 2k tokens). Under 1k queries per sequence, 256-row tiles leave SMs idle (512
+    tokens: 25 us against 17.5 us with 128 rows), so they are kept for long chunks. The K/V loads depend on
+    block-table loads, so the pipeliner spends stages on that chain. With less shared memory, smaller tiles and
+    fewer stages.
     """
     big_smem = smem_bytes >= 200 * 1024
-    largest = 32 if dtype == torch.float32 else 256 if head_dim <= 128 and big_smem else 64
+    if dtype == torch.float32:
+        largest = 32
+    elif head_dim <= 128 and big_smem and max_query_len >= 1024:
+        largest = 256
+    else:
+        largest = 128 if head_dim <= 128 and smem_bytes >= 140 * 1024 else 64
     block_m = min(next_power_of_2(max(max_query_len * queries_per_kv, 16)), largest)
     block_m = max(block_m, next_power_of_2(queries_per_kv))
     if dtype == torch.float32:
@@ -304,21 +307,6 @@ def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype
     return dict(block_m=block_m, block_n=64 if head_dim <= 128 else 32,
                 num_warps=8 if block_m >= 128 or head_dim > 128 else 4,
                 num_stages=5 if deep else 3 if block_m >= 64 else 2)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), that the split decode kernel leaves zeroed again.
-
-    Kept per device and reused by every launch (and by CUDA graphs captured with them): launches on one stream
-    never overlap, so one set serves them all. Grown, never shrunk."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None):
@@ -338,14 +326,13 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     cfg = decode_config(head_dim, q.dtype) | (config or {})
     queries_per_kv = num_heads // num_kv_heads
-    part_out = part_lse = arrivals = out  # placeholders, unused with one split
+    part_out = part_lse = out  # placeholders, unused with one split
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        arrivals = _arrival_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, arrivals,
-        scale * LOG2E, num_heads, num_kv_heads,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, num_heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -353,6 +340,12 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            num_warps=4 if head_dim * num_splits <= 4096 else 8,
+        )
     return out
 
 

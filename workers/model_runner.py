@@ -115,18 +115,17 @@ class ModelRunner:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._seeded_generator(s),
                                 s.num_pending) for s in sampling_states]
             batch = sample_async(logits, rows)
-            tokens = batch.tokens
         else:
-            batch, tokens = None, torch.zeros(len(sampling_states), dtype=torch.long, device=self.device)
+            batch = SampledBatch(torch.zeros(len(sampling_states), dtype=torch.long, device=self.device), [])
         from workers import parallel
 
         if parallel.get_tp_size() > 1:  # the other ranks learn the tokens so their states stay in step
-            tokens = parallel.broadcast_from_rank0(tokens)
+            batch.tokens = parallel.broadcast_from_rank0(batch.tokens)
         for i, state in enumerate(sampling_states):
             state.num_pending += 1
-        self.prev_tokens = tokens
+        self.prev_tokens = batch.tokens
         self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
-        return PendingStep(self, sampling_states, batch if batch is not None else tokens, rows)
+        return PendingStep(self, sampling_states, batch.start_copy(), rows)
 
     def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
         """A seeded request's noise depends only on its seed and the position of the token it samples: the same
@@ -183,10 +182,11 @@ class PendingStep:
     """A launched step; `result()` waits for its tokens, appends them to the request states and returns the
     ModelRunnerOutput (None on ranks other than 0)."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampled, rows: list[SamplingRow]):
+    def __init__(self, runner: ModelRunner, states: list[RequestState], sampled: SampledBatch | None,
+                 rows: list[SamplingRow]):
         self.runner = runner
         self.states = states
-        self.sampled = sampled  # SampledBatch on rank 0, a token tensor on the others
+        self.sampled = sampled  # SampledBatch (tokens only on ranks other than 0), its host copy started
         self.rows = rows
         self._output: ModelRunnerOutput | None = None
 
@@ -195,13 +195,10 @@ class PendingStep:
             return self._output
         if not self.states:
             self._output = ModelRunnerOutput()
-        elif isinstance(self.sampled, SampledBatch):
+        else:
             token_ids, logprobs = finish(self.sampled, self.rows)
             self._append(token_ids)
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids, logprobs)
-        else:
-            self._append(self.sampled.tolist())
-            self._output = ModelRunnerOutput()
         return self._output if self.runner.is_driver else None
 
     def _append(self, token_ids: list[int]) -> None:

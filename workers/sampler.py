@@ -38,13 +38,38 @@ class SamplingRow:
 
 @dataclass
 class SampledBatch:
-    """A step's samples still on the device: `finish` copies them to the host (the step's one sync)."""
+    """A step's samples on the device. `start_copy` queues their copy to pinned host memory right behind the
+    sampling kernels; `finish` waits for that copy only (the step's one sync). A plain `.tolist()` would wait for
+    the whole stream, the step launched after this one included, and undo the overlap."""
 
     tokens: torch.Tensor  # [N]
     logprob_rows: list[int]  # rows that asked for logprobs
     sampled_logprobs: torch.Tensor | None = None  # [W]
     top_logprobs: torch.Tensor | None = None  # [W, k]
     top_ids: torch.Tensor | None = None  # [W, k]
+    host: tuple | None = None  # pinned copies of the four tensors above, once start_copy ran
+    copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> SampledBatch:
+        if self.tokens.device.type == "cuda":
+            self.host = tuple(None if t is None else _pinned_copy(t) for t in
+                              (self.tokens, self.sampled_logprobs, self.top_logprobs, self.top_ids))
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        return self
+
+    def on_host(self) -> tuple:
+        """(tokens, sampled_logprobs, top_logprobs, top_ids) on the host, waiting for their copy if needed."""
+        if self.host is None:
+            return self.tokens, self.sampled_logprobs, self.top_logprobs, self.top_ids
+        self.copied.synchronize()
+        return self.host
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
@@ -75,13 +100,13 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow],
 
 
 def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], list[Logprobs | None]]:
-    """Copies the samples to the host: token ids and, for rows that asked, their logprobs."""
-    tokens = batch.tokens.tolist()
+    """The samples on the host: token ids and, for rows that asked, their logprobs."""
+    tokens, sampled, top_values, top_ids = batch.on_host()
+    tokens = tokens.tolist()
     out: list[Logprobs | None] = [None] * len(rows)
     if not batch.logprob_rows:
         return tokens, out
-    sampled = batch.sampled_logprobs.tolist()
-    top_values, top_ids = batch.top_logprobs.tolist(), batch.top_ids.tolist()
+    sampled, top_values, top_ids = sampled.tolist(), top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(batch.logprob_rows):
         k = rows[i].params.logprobs
         out[i] = Logprobs(sampled_logprob=sampled[j], top_token_ids=top_ids[j][:k], top_logprobs=top_values[j][:k])

@@ -132,7 +132,7 @@ def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None):
 def main() -> int:
     try:
         decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
-        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # the split path (in-kernel merge)
+        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # + the merge kernel
         decode("decode mha fp16 d64", 4, 8, 8, 64, torch.float16, 1)
         decode("decode fp32", 4, 8, 2, 128, torch.float32, 1)
         prefill("prefill llama3-8b bf16", 4096, 32, 8, 128, torch.bfloat16)
