@@ -296,6 +296,10 @@ class RayExecutor(Executor):
     def _start_actors(self, device: str) -> list:
         env_vars = dict(WORKER_ENV_VARS)
         env_vars.update({k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ})
+        if device == "cuda" and self.world_size > 1:
+            # Symmetric memory needs every rank to see its peers' GPUs (ARCHITECTURE.md); local_gpu_index maps
+            # Ray's GPU id to the device index either way.
+            env_vars.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         remote_class = ray.remote(WorkerActor)
         actors = []
         for rank in range(self.world_size):

@@ -7,16 +7,27 @@ and tests need no set-up.
 
 `set_parallel_state_for_testing(rank, world_size)` pretends to be one rank of a larger group without a process
 group: enough to build layers and load their weight shards (no collective may run then).
+
+On GPUs joined by NVLink, `init_symmetric_all_reduce` sets up torch's symmetric memory: small all-reduces (every
+decode step's) then run as one-shot kernels that read the peers' buffers over NVLink (about 14 us for two H200s,
+against 33-57 us for NCCL), and row-parallel matmuls write straight into the symmetric buffer. Larger tensors,
+and machines where it cannot be set up, use NCCL. NVLink multicast is never used.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 _rank: int = 0
 _world_size: int = 1
 _owns_process_group: bool = False  # True when init_parallel created the torch.distributed group
+_symm: SymmetricAllReduce | None = None
 
 
 def init_parallel(rank: int, world_size: int, backend: str = "gloo", init_method: str | None = None) -> None:
@@ -31,7 +42,8 @@ def init_parallel(rank: int, world_size: int, backend: str = "gloo", init_method
 
 def destroy_parallel() -> None:
     """Leaves the group (if this module created it) and returns to rank 0 of 1."""
-    global _rank, _world_size, _owns_process_group
+    global _rank, _world_size, _owns_process_group, _symm
+    _symm = None
     if _owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _rank, _world_size, _owns_process_group = 0, 1, False
@@ -52,12 +64,76 @@ def get_tp_size() -> int:
     return _world_size
 
 
+class SymmetricAllReduce:
+    """One-shot all-reduce over a torch symmetric-memory buffer of `max_bytes` (NVLink peer loads, no multicast)."""
+
+    def __init__(self, max_bytes: int, dtype: torch.dtype, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.dtype = dtype
+        self.max_numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        if self.handle is None:
+            raise RuntimeError("symmetric memory rendezvous failed")
+
+    def fits(self, numel: int, dtype: torch.dtype) -> bool:
+        return dtype == self.dtype and numel <= self.max_numel
+
+    def staging(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of the symmetric buffer to compute the tensor to reduce in."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.buffer[:numel].view(shape)
+
+    def reduce(self, staged: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of their `staged` tensors (views from `staging`), as a new tensor."""
+        out = torch.empty_like(staged)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged.view(-1), "sum", self.group_name, out.view(-1))
+        return out
+
+
+def init_symmetric_all_reduce(dtype: torch.dtype, device: torch.device, max_bytes: int = 8 << 20) -> bool:
+    """Sets up the symmetric-memory all-reduce on every rank (collective: all ranks call it). Returns whether it
+    is in use; when it cannot be (no NVLink peer access, ranks that do not see each other's GPUs), NCCL stays."""
+    global _symm
+    if _world_size == 1 or device.type != "cuda" or os.environ.get("PAGODA_SYMM_MEM", "1") == "0":
+        return False
+    try:
+        candidate = SymmetricAllReduce(max_bytes, dtype, device)
+        ok = True
+    except Exception as e:  # noqa: BLE001 - any failure means NCCL, on every rank (agreed below)
+        logger.warning("symmetric-memory all-reduce unavailable, using NCCL: %s", e)
+        candidate, ok = None, False
+    agreed = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    _symm = candidate if agreed.item() == 1 else None
+    return _symm is not None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums `x` over the ranks, in place; returns it."""
+    """Sums `x` over the ranks; returns the sum (in place with NCCL, a new tensor with symmetric memory)."""
     if _world_size == 1:
         return x
+    if _symm is not None and _symm.fits(x.numel(), x.dtype):
+        staged = _symm.staging(tuple(x.shape))
+        staged.copy_(x)
+        return _symm.reduce(staged)
     dist.all_reduce(x)
     return x
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` summed over the ranks (a row-parallel layer); the matmul writes into the symmetric buffer
+    when the result fits, so the all-reduce needs no copy."""
+    if _world_size > 1 and _symm is not None and x.dim() == 2 and _symm.fits(x.shape[0] * weight.shape[0], x.dtype):
+        staged = _symm.staging((x.shape[0], weight.shape[0]))
+        torch.matmul(x, weight.t(), out=staged)
+        return _symm.reduce(staged)
+    return all_reduce(torch.nn.functional.linear(x, weight))
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

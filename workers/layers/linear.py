@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.parallel import all_reduce, get_tp_rank, get_tp_size
+from workers.parallel import get_tp_rank, get_tp_size, linear_all_reduce
 
 
 def loaded_shape(loaded) -> tuple[int, ...]:
@@ -166,5 +166,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
-        y = all_reduce(F.linear(x, self.weight))
+        y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
