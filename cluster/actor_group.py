@@ -119,7 +119,9 @@ class WorkerActor:
     def __init__(self, config: EngineConfig, rank: int, world_size: int):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.is_cuda = config.parallel.device == "cuda"
-        if not self.is_cuda:
+        if self.is_cuda:
+            _list_all_gpus_when_ray_sets_none()
+        else:
             import torch
 
             torch.set_num_threads(int(os.environ.get("PAGODA_TORCH_THREADS", "1")))
@@ -169,6 +171,16 @@ class WorkerActor:
         if self.worker is not None:
             self.worker.shutdown()  # destroys the process group
             self.worker = None
+
+
+def _list_all_gpus_when_ray_sets_none() -> None:
+    """With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves CUDA_VISIBLE_DEVICES unset, yet its compiled
+    graphs look the actor's GPU ids up in it ("CUDA_VISIBLE_DEVICES set incorrectly"): name every GPU, in order,
+    which is what the process sees anyway."""
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        import torch
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(torch.cuda.device_count()))
 
 
 def local_gpu_index(gpu_ids: list | None = None, visible: str | None = None) -> int:
