@@ -103,6 +103,29 @@ class Worker:
                                   use_cuda_graphs=not self.config.parallel.enforce_eager)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30)
+        if self.device_kind == "cuda":
+            self._warm_up_prefill(num_blocks)
+
+    @torch.inference_mode()
+    def _warm_up_prefill(self, num_blocks: int) -> None:
+        """Compiles the prefill kernel's tile variants now (one per query-length class), not while the first
+        requests wait. The dummy sequences write into KV blocks that nobody owns yet, then leave."""
+        from engine.outputs import NewRequestData
+        from engine.sampling_params import SamplingParams
+
+        block_size, sched_config = self.config.cache.block_size, self.config.scheduler
+        limit = min(sched_config.max_num_batched_tokens, sched_config.max_model_len - 1)
+        for length in sorted({min(n, limit) for n in (2048, 256, 32, 8, 2)}, reverse=True):
+            num_blocks_needed = -(-length // block_size)
+            if length < 2 or num_blocks_needed > num_blocks:
+                continue
+            req_id = f"warm-up-{length}"
+            sched = SchedulerOutput(new_reqs=[NewRequestData(req_id, [1] * length, [], SamplingParams(max_tokens=1),
+                                                             list(range(num_blocks_needed)), 0)],
+                                    num_scheduled_tokens={req_id: length})
+            self.runner.execute_model(sched)
+            self.runner.update_states(SchedulerOutput(finished_req_ids=[req_id]))
+        torch.cuda.synchronize(self.device)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(sched)
