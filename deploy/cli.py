@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
     srv.add_argument("--ingress-replicas", type=int, default=1)
     srv.add_argument("--stream-interval-s", type=float, default=None,
-                     help="stream what accumulated at most this often (default 0.05; 0: every step)")
+                     help="stream what accumulated at most this often (default 0.1; 0: every step)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
     srv.set_defaults(func=cmd_serve)
 
