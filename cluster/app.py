@@ -78,6 +78,9 @@ class ModelArgs(BaseModel):
     # messages through Serve when many requests stream, as Ray Serve LLM's stream batching does. 0: every step.
     # Measured (H200, Llama-3-8B shape, 256 streams at once): 0.05 s gave 10.6k total tok/s, 0.1 s 18.0k.
     stream_interval_s: float = Field(0.1, ge=0)
+    # The engine's step loop in a Ray actor of its own beside the replica (cluster/engine_core.py), so that it
+    # does not share the replica's GIL with Serve's streaming. False: in the replica's process.
+    engine_process: bool = True
     router: RouterArgs = RouterArgs()
 
     @model_validator(mode="after")
@@ -131,7 +134,8 @@ def build_app(args: dict | None = None) -> serve.Application:
         device = resolve_cluster_device(m.device)
         server = LLMServer.options(name=f"LLMServer_{_slug(m.served_model_name)}", **_server_options(m, device))
         handles[m.served_model_name] = server.bind(m.engine_kwargs(device), m.served_model_name,
-                                                   m.graceful_shutdown_timeout_s, app_args.debug, m.stream_interval_s)
+                                                   m.graceful_shutdown_timeout_s, app_args.debug, m.stream_interval_s,
+                                                   m.engine_process)
         cards[m.served_model_name] = {"root": m.model or "pagoda-tiny"}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug}
@@ -141,7 +145,7 @@ def build_app(args: dict | None = None) -> serve.Application:
 
 
 def _server_options(m: ModelArgs, device: str) -> dict[str, Any]:
-    options = replica_options(m.tensor_parallel_size, device, m.replica_num_cpus)
+    options = replica_options(m.tensor_parallel_size, device, m.replica_num_cpus, m.engine_process)
     if m.autoscaling_config is not None:
         options["autoscaling_config"] = m.autoscaling_config.model_dump()
     else:

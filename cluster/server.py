@@ -41,10 +41,18 @@ METRICS_SYNC_PERIOD_S = 1.0
 SWITCH_INTERVAL_S = 0.0005
 
 
-def replica_options(tensor_parallel_size: int, device: str, num_cpus: float) -> dict:
-    """Serve deployment options that place one replica (`device` already resolved to "cpu" or "cuda")."""
+def replica_options(tensor_parallel_size: int, device: str, num_cpus: float, engine_process: bool = True) -> dict:
+    """Serve deployment options that place one replica (`device` already resolved to "cpu" or "cuda").
+
+    With the engine in an actor of its own on one GPU, the replica reserves that GPU in its placement group
+    (bundle 0: its CPUs and the GPU) and the engine actor takes it."""
     if tensor_parallel_size == 1:
-        return {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": 1 if device == "cuda" else 0}}
+        if engine_process and device == "cuda":
+            bundle = {"CPU": num_cpus, "GPU": 1} if num_cpus > 0 else {"GPU": 1}
+            return {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": 0},
+                    "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK"}
+        return {"ray_actor_options": {"num_cpus": num_cpus,
+                                      "num_gpus": 1 if device == "cuda" and not engine_process else 0}}
     from cluster.actor_group import PLACEMENT_STRATEGY, placement_bundles
     from engine.config import ParallelConfig
 
@@ -57,7 +65,7 @@ def replica_options(tensor_parallel_size: int, device: str, num_cpus: float) -> 
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, engine_kwargs: dict, served_model_name: str, drain_timeout_s: float = 30.0,
-                 debug: bool = False, stream_interval_s: float = 0.0):
+                 debug: bool = False, stream_interval_s: float = 0.0, engine_process: bool = True):
         self.model_name = served_model_name
         self.stream_interval_s = stream_interval_s
         self.replica_id = _replica_tag()
@@ -67,7 +75,12 @@ class LLMServer:
         # waiting thread only every switch interval (5 ms by default), so while the step thread computes, the event
         # loop (request admission, streaming) would wait that long for each turn.
         sys.setswitchinterval(float(os.environ.get("PAGODA_GIL_SWITCH_INTERVAL_S", SWITCH_INTERVAL_S)))
-        self.engine = AsyncLLMEngine.from_args(**engine_kwargs)
+        if engine_process:  # the step loop in an actor of its own (cluster/engine_core.py)
+            from cluster.engine_core import RemoteAsyncEngine, core_actor_options
+
+            self.engine = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
+        else:
+            self.engine = AsyncLLMEngine.from_args(**engine_kwargs)
         self.metrics = ReplicaMetrics(served_model_name, self.replica_id)
         self._token_strings: dict[int, str] = {}
         self._num_in_flight = 0
@@ -111,7 +124,7 @@ class LLMServer:
             prompt = {"prompt": text, "add_special_tokens": False}
         if prompt is None:
             raise ValueError("prompt is missing")
-        text, token_ids = self.engine.engine.process_prompt(prompt, request.params)
+        text, token_ids = self.engine.process_prompt(prompt, request.params)
         max_tokens, limit = request.params.max_tokens, self.engine.max_model_len
         if max_tokens is not None and len(token_ids) + max_tokens > limit:  # as OpenAI and vLLM's server answer
             raise ValueError(f"max_tokens is too large: this model's maximum context length is {limit} tokens, "
@@ -196,7 +209,7 @@ class LLMServer:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
 
     async def detokenize(self, tokens: list[int]) -> dict | ErrorInfo:
-        vocab_size = self.engine.engine.vocab_size
+        vocab_size = self.engine.vocab_size
         if any(not 0 <= t < vocab_size for t in tokens):
             return ErrorInfo(400, f"tokens must be token ids in [0, {vocab_size})", "tokens")
         return {"prompt": self._decode(tokens)}
@@ -231,7 +244,7 @@ class LLMServer:
         workers after every step; this also catches a worker that died while the engine was idle (in a thread:
         a Ray executor may ping its actors)."""
         self.engine.check_health()
-        await asyncio.to_thread(self.engine.engine.executor.check_health)
+        await asyncio.to_thread(self.engine.check_executor)
 
     async def __del__(self):
         """Serve drains ongoing requests first (graceful_shutdown_timeout_s); this bounds what is left, then stops

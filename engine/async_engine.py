@@ -5,6 +5,10 @@ which the step thread applies between steps, so the scheduler is only ever touch
 outputs reach its `generate()` caller through an asyncio queue.
 
     generate() ──add──► pending ops ──► [step thread: apply ops, engine.step()] ──outputs──► per-request queues
+
+The two halves are separate so that the step thread can also live in another process: `EngineLoop` is the step
+thread (it hands each step's outputs to a callback), `OutputStreams` the per-request queues behind `generate()`.
+`AsyncLLMEngine` joins them in one process; `cluster.engine_core` puts an `EngineLoop` in a Ray actor of its own.
 """
 
 from __future__ import annotations
@@ -26,101 +30,53 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a worker died or a step crashed); the replica must be restarted."""
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+class EngineLoop:
+    """The step thread: applies queued operations between steps and hands every step's outputs to `on_outputs`
+    (called from the step thread). When a step or a worker fails for good, every request gets an error output
+    and `on_dead(error)` is called."""
+
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 on_dead: Callable[[str], None] | None = None):
         self.engine = engine
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._final_only: set[str] = set()  # requests that want only their finished output
+        self.on_outputs = on_outputs
+        self.on_dead = on_dead
         self._ops: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: str | None = None
-        self._stats = engine.get_stats()
+        self.stats = engine.get_stats()
 
-    @classmethod
-    def from_args(cls, **kwargs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_args(**kwargs))
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+            self._thread.start()
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def submit(self, op: Callable[[], None]) -> None:
+        """Runs `op` in the step thread before the next step."""
+        with self._lock:
+            self._ops.append(op)
+        self._wakeup.set()
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    # ---- public API ----------------------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs as tokens arrive; the last has finished=True (with final_only, only that one:
-        the caller is not woken at every step). Invalid input raises ValueError before anything is queued.
-        Cancelling the iteration (a client that went away) aborts the request."""
-        self.check_health()
-        text, token_ids = self.engine.process_prompt(prompt, params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._ensure_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        if final_only:
-            self._final_only.add(request_id)
-        loop = asyncio.get_running_loop()
-
+    def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+            on_error: Callable[[Exception], None]) -> None:
         def add():
             try:
                 self.engine.add_processed(request_id, text, token_ids, params)
             except Exception as e:  # reaches the caller instead of the log
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+                on_error(e)
 
-        self._submit(add)
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
-                    item = queue.get_nowait()  # outputs are cumulative: a slow consumer skips to the newest
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            self._final_only.discard(request_id)
-            if not finished:
-                self.abort(request_id)
+        self.submit(add)
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort_request(request_id))
-
-    def get_stats(self) -> EngineStats:
-        """The latest stats, as of the last step (safe to read from the event loop)."""
-        return self._stats
+        self.submit(lambda: self.engine.abort_request(request_id))
 
     def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if self._thread is not None and not self._thread.is_alive() and not self._stopping:
             raise EngineDeadError("engine loop is not running")
-
-    async def check_integrity(self) -> None:
-        """Runs the block manager's invariants in the step thread (between steps)."""
-        done = asyncio.get_running_loop().create_future()
-        loop = asyncio.get_running_loop()
-
-        def run():
-            try:
-                self.engine.check_integrity()
-                loop.call_soon_threadsafe(done.set_result, None)
-            except BaseException as e:  # reported to the caller
-                loop.call_soon_threadsafe(done.set_exception, e)
-
-        self._ensure_loop()
-        self._submit(run)
-        await done
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -129,38 +85,28 @@ class AsyncLLMEngine:
             self._thread.join(timeout=30)
         self.engine.shutdown()
 
-    # ---- the step thread -----------------------------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
-            self._thread.start()
-
-    def _submit(self, op: Callable[[], None]) -> None:
-        with self._lock:
-            self._ops.append(op)
-        self._wakeup.set()
-
     def _run(self) -> None:
         _configure_step_thread(self.engine.config.parallel.device)
         try:
             while not self._stopping:
                 self._apply_ops()
                 if not self.engine.has_unfinished_requests():
-                    self._stats = self.engine.get_stats()
+                    self.stats = self.engine.get_stats()
                     if not self._wakeup.wait(timeout=1.0):
                         self._check_executor()  # idle: a worker that died now is noticed within a second
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                self._stats = self.engine.get_stats()
-                self._deliver(outputs)
+                self.stats = self.engine.get_stats()
+                if outputs:
+                    self.on_outputs(outputs)
                 self._check_executor()
         except BaseException as e:  # the loop is the replica's heart: report, fail everyone, stop
             logger.exception("engine loop died")
             self.dead_error = f"{type(e).__name__}: {e}"
-            self._deliver(self.engine.fail_all(self.dead_error))
-            self._fail_queues(EngineDeadError(self.dead_error))
+            self.on_outputs(self.engine.fail_all(self.dead_error))
+            if self.on_dead is not None:
+                self.on_dead(self.dead_error)
 
     def _check_executor(self) -> None:
         try:
@@ -177,9 +123,72 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("engine op failed")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._put_all, outputs)
+
+class OutputStreams:
+    """The asyncio side: one queue per request, filled with its cumulative outputs, drained by `generate()`.
+
+    Subclasses say how a request reaches the engine (`_add`, `abort`) and call `_put_all` / `_fail_all` on the
+    event loop as outputs or failures come."""
+
+    def __init__(self):
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._final_only: set[str] = set()  # requests that want only their finished output
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True (with final_only, only that one:
+        the caller is not woken at every step). Invalid input raises ValueError before anything is queued.
+        Cancelling the iteration (a client that went away) aborts the request."""
+        self.check_health()
+        text, token_ids = self.process_prompt(prompt, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        if final_only:
+            self._final_only.add(request_id)
+        self._add(request_id, text, token_ids, params)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = queue.get_nowait()  # outputs are cumulative: a slow consumer skips to the newest
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            self._final_only.discard(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def _error_to(self, request_id: str) -> Callable[[Exception], None]:
+        """A thread-safe callback that fails one request's generate() with the given exception."""
+        loop = self._loop
+
+        def fail(e: Exception) -> None:
+            queue = self._queues.get(request_id)
+            if queue is not None and loop is not None:
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+
+        return fail
 
     def _put_all(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -187,9 +196,90 @@ class AsyncLLMEngine:
             if queue is not None and (out.finished or out.request_id not in self._final_only):
                 queue.put_nowait(out)
 
-    def _fail_queues(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+
+class AsyncLLMEngine(OutputStreams):
+    """The engine and its step thread in this process."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self.loop = EngineLoop(engine, self._deliver, self._on_dead)
+
+    @classmethod
+    def from_args(cls, **kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_args(**kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def dead_error(self) -> str | None:
+        return self.loop.dead_error
+
+    @dead_error.setter
+    def dead_error(self, reason: str | None) -> None:
+        self.loop.dead_error = reason
+
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        return self.engine.process_prompt(prompt, params)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    def get_stats(self) -> EngineStats:
+        """The latest stats, as of the last step (safe to read from the event loop)."""
+        return self.loop.stats
+
+    def check_health(self) -> None:
+        self.loop.check_health()
+
+    def check_executor(self) -> None:
+        """Pings the workers (blocking: call it in a thread); raises if one is gone."""
+        self.engine.executor.check_health()
+
+    async def check_integrity(self) -> None:
+        """Runs the block manager's invariants in the step thread (between steps)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run():
+            try:
+                self.engine.check_integrity()
+                loop.call_soon_threadsafe(done.set_result, None)
+            except BaseException as e:  # reported to the caller
+                loop.call_soon_threadsafe(done.set_exception, e)
+
+        self.loop.start()
+        self.loop.submit(run)
+        await done
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        self.loop.start()
+        self.loop.add(request_id, text, token_ids, params, self._error_to(request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: [q.put_nowait(error) for q in self._queues.values()])
+            self._loop.call_soon_threadsafe(self._put_all, outputs)
+
+    def _on_dead(self, error: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(error))
 
 
 def _configure_step_thread(device: str) -> None:

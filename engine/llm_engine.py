@@ -112,37 +112,8 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Validates a prompt and its params against the model; returns (text, token ids). Raises ValueError."""
-        add_special_tokens = True
-        if isinstance(prompt, dict):
-            add_special_tokens = bool(prompt.get("add_special_tokens", True))
-            if "prompt_token_ids" in prompt:
-                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, token_ids = prompt["prompt"], None
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        if token_ids is None:
-            if not isinstance(text, str):
-                raise ValueError("prompt must be a string")
-            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, but this model's maximum context length is "
-                             f"{self.max_model_len} tokens (prompt and at least one output token)")
-        params.validate()
-        params.validate_for_model(self.vocab_size)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs={self.config.scheduler.max_num_seqs}, got {params.n}")
-        return text, token_ids
+        return process_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len,
+                              self.config.scheduler.max_num_seqs)
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> str:
         text, token_ids = self.process_prompt(prompt, params)
@@ -281,6 +252,45 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._pending = None
         self.executor.shutdown()
+
+
+def process_prompt(prompt: Prompt, params: SamplingParams, tokenizer, vocab_size: int, max_model_len: int,
+                   max_num_seqs: int) -> tuple[str | None, list[int]]:
+    """Validates a prompt and its params against a model; returns (text, token ids). Raises ValueError.
+
+    A function of the model's limits, so a process without the engine (a Serve replica whose engine runs in
+    another process) validates requests exactly as the engine would."""
+    add_special_tokens = True
+    if isinstance(prompt, dict):
+        add_special_tokens = bool(prompt.get("add_special_tokens", True))
+        if "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            text, token_ids = prompt["prompt"], None
+        else:
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+    elif isinstance(prompt, str):
+        text, token_ids = prompt, None
+    elif isinstance(prompt, (list, tuple)):
+        text, token_ids = None, list(prompt)
+    else:
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    if token_ids is None:
+        if not isinstance(text, str):
+            raise ValueError("prompt must be a string")
+        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt is {len(token_ids)} tokens, but this model's maximum context length is "
+                         f"{max_model_len} tokens (prompt and at least one output token)")
+    params.validate()
+    params.validate_for_model(vocab_size)
+    if params.n > max_num_seqs:
+        raise ValueError(f"n must be at most max_num_seqs={max_num_seqs}, got {params.n}")
+    return text, token_ids
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

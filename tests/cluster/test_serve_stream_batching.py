@@ -19,8 +19,8 @@ def _collect(server, request_id: str) -> list:
 def test_stream_interval_batches_tokens_without_losing_any(tiny_model_dir):
     server_class = LLMServer.func_or_class
     kwargs = {"model": tiny_model_dir, "device": "cpu", "num_kv_blocks": 64}
-    every_step = server_class(kwargs, "tiny", stream_interval_s=0.0)
-    batched = server_class(kwargs, "tiny", stream_interval_s=60.0)
+    every_step = server_class(kwargs, "tiny", stream_interval_s=0.0, engine_process=False)
+    batched = server_class(kwargs, "tiny", stream_interval_s=60.0, engine_process=False)
     try:
         fine, coarse = _collect(every_step, "a"), _collect(batched, "b")
     finally:

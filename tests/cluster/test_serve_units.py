@@ -219,7 +219,13 @@ def test_deploy_serve_yaml_args_are_valid():
 
 def test_replica_placement_is_derived_from_the_parallel_config():
     assert replica_options(1, "cpu", 0.5) == {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
-    assert replica_options(1, "cuda", 1)["ray_actor_options"]["num_gpus"] == 1
+    # The engine actor takes the GPU that the replica reserves in its placement group.
+    one_gpu = replica_options(1, "cuda", 1)
+    assert one_gpu["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
+    assert one_gpu["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}]
+    # With the engine in the replica's process, the replica holds the GPU itself.
+    assert replica_options(1, "cuda", 1, engine_process=False) == {"ray_actor_options": {"num_cpus": 1,
+                                                                                         "num_gpus": 1}}
     tp4 = replica_options(4, "cuda", 1)
     assert tp4["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}]
     assert tp4["placement_group_strategy"] == "STRICT_PACK"

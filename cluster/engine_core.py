@@ -1,0 +1,294 @@
+"""The engine in a process of its own: a Ray actor beside the Serve replica.
+
+    replica process (Serve, asyncio)                   EngineCore actor (its own process, its own GIL)
+    RemoteAsyncEngine.generate ── add (one-way) ──►    EngineLoop: step thread, scheduler, detokenizer, workers
+          ▲                                                  │ every step's outputs
+          └──── poll(): new tokens/text of every request ◄── outbox: the newest output of each request
+
+In one process the step thread and Serve's streaming share the GIL: with a few hundred streams the step thread
+waits for it and the GPU idles. Here the replica only validates requests, applies deltas and streams. A poll
+returns, for every request that moved since the last one, only what is new (tokens, text, logprobs), so its size
+does not grow with the outputs' length. The actor belongs to the replica (it dies with it) and sits in the
+replica's placement group: on tensor_parallel_size 1 it holds the GPU, on more it drives the worker actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import ray
+
+from engine.async_engine import EngineDeadError, EngineLoop, OutputStreams
+from engine.llm_engine import EngineStats, LLMEngine, Prompt, build_engine_config, process_prompt
+from engine.request_output import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 1.0  # an idle poll returns after this long (stats stay fresh, the replica notices a dead actor)
+START_TIMEOUT_S = 1800.0  # loading a large model
+CALL_TIMEOUT_S = 60.0
+MAX_EARLY_ABORTS = 10_000
+
+# One poll's entry for a request: (request_id, finished, error, metrics, choices), a choice being
+# (index, new text, new token ids, new logprobs or None, finish_reason, stop_reason, cumulative_logprob).
+Delta = tuple
+
+
+class EngineCore:
+    """The Ray actor (created with `core_actor_class`). Control calls run one at a time, in order; polls and
+    health checks have threads of their own."""
+
+    def __init__(self, engine_kwargs: dict):
+        self.engine = LLMEngine.from_args(**engine_kwargs)
+        self._cond = threading.Condition()
+        self._outbox: dict[str, RequestOutput] = {}
+        self._sent: dict[str, list[list[int]]] = {}  # request -> per choice [chars, tokens] already sent
+        self._ids_lock = threading.Lock()
+        self._known: set[str] = set()  # added, not yet finished or aborted
+        self._aborted_first: OrderedDict[str, None] = OrderedDict()  # aborts that came before their add (bounded)
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._on_dead)
+        self.loop.start()
+
+    # ---- control (one thread, in order) ------------------------------------------------------------------------
+    def info(self) -> dict:
+        config = self.engine.config
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "max_num_seqs": config.scheduler.max_num_seqs, "stats": self.loop.stats}
+
+    def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        with self._ids_lock:
+            if self._aborted_first.pop(request_id, False) is None:
+                return
+            self._known.add(request_id)
+        self.loop.add(request_id, text, token_ids, params, lambda e: self._on_outputs(
+            [RequestOutput(request_id, text, token_ids, finished=True, error=f"{type(e).__name__}: {e}")]))
+
+    def abort(self, request_id: str) -> None:
+        with self._ids_lock:
+            if request_id not in self._known:  # not added yet, or finished already: then this is harmless
+                self._aborted_first[request_id] = None
+                while len(self._aborted_first) > MAX_EARLY_ABORTS:
+                    self._aborted_first.popitem(last=False)
+                return
+            self._known.discard(request_id)
+        self.loop.abort(request_id)
+
+    def check_integrity(self) -> None:
+        """Runs the block manager's invariants between two steps; raises what they raise."""
+        done, failure = threading.Event(), []
+
+        def run():
+            try:
+                self.engine.check_integrity()
+            except BaseException as e:  # reported to the caller
+                failure.append(e)
+            done.set()
+
+        self.loop.submit(run)
+        if not done.wait(CALL_TIMEOUT_S):
+            raise TimeoutError("the engine loop did not run the integrity check")
+        if failure:
+            raise failure[0]
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- polls and health (threads of their own) ---------------------------------------------------------------
+    def poll(self, timeout_s: float = POLL_TIMEOUT_S) -> tuple[list[Delta], EngineStats, str | None]:
+        """What every request produced since the last poll (waits up to timeout_s for something), the latest
+        stats, and the loop's fatal error if it died."""
+        with self._cond:
+            if not self._outbox and self.loop.dead_error is None:
+                self._cond.wait(timeout_s)
+            outputs, self._outbox = self._outbox, {}
+        return [self._delta(out) for out in outputs.values()], self.loop.stats, self.loop.dead_error
+
+    def check_health(self) -> None:
+        self.loop.check_health()
+        self.engine.executor.check_health()
+
+    # ---- the step thread's side -----------------------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            for out in outputs:
+                self._outbox[out.request_id] = out  # cumulative: the newest carries everything before it
+            self._cond.notify_all()
+
+    def _on_dead(self, error: str) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        sent = self._sent.setdefault(out.request_id, [[0, 0] for _ in out.outputs])
+        choices = []
+        for c, mark in zip(out.outputs, sent):
+            chars, tokens = mark
+            new_logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
+            choices.append((c.index, c.text[chars:], c.token_ids[tokens:], new_logprobs, c.finish_reason,
+                            c.stop_reason, c.cumulative_logprob))
+            mark[0], mark[1] = max(chars, len(c.text)), len(c.token_ids)
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+            with self._ids_lock:
+                self._known.discard(out.request_id)
+        return out.request_id, out.finished, out.error, out.metrics, choices
+
+
+def core_actor_class():
+    """EngineCore as a Ray actor class: control calls in order on one thread; polls and health pings apart."""
+    return ray.remote(concurrency_groups={"control": 1, "poll": 1, "health": 1})(EngineCore)
+
+
+def core_actor_options(engine_kwargs: dict) -> dict:
+    """Where the engine actor runs: in the caller's placement group (bundle 0, the replica's own), holding the
+    GPU itself on tensor_parallel_size 1 (more ranks are worker actors in the other bundles)."""
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    from cluster.actor_group import FORWARDED_ENV_VARS, WORKER_ENV_VARS
+
+    on_gpu = engine_kwargs.get("device") == "cuda" and engine_kwargs.get("tensor_parallel_size", 1) == 1
+    env_vars = dict(WORKER_ENV_VARS)
+    env_vars.update({k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ})
+    options = {"num_cpus": 0, "num_gpus": 1 if on_gpu else 0, "runtime_env": {"env_vars": env_vars}}
+    pg = get_current_placement_group()
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                          placement_group_bundle_index=0)
+    else:  # a CPU replica reserves nothing for it: keep it on the replica's node when there is room
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=True)
+    return options
+
+
+@dataclass
+class _Accumulated:
+    """A request's outputs rebuilt on the replica from the polls' deltas."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+
+    def apply(self, request_id: str, delta: Delta) -> RequestOutput:
+        _, finished, error, metrics, choices = delta
+        outputs = []
+        for index, text, token_ids, logprobs, finish_reason, stop_reason, cumulative in choices:
+            self.texts[index] = self.texts.get(index, "") + text
+            self.token_ids.setdefault(index, []).extend(token_ids)
+            if logprobs is not None:
+                self.logprobs.setdefault(index, []).extend(logprobs)
+            outputs.append(CompletionOutput(index, self.texts[index], list(self.token_ids[index]),
+                                            list(self.logprobs[index]) if index in self.logprobs else None,
+                                            finish_reason, stop_reason, cumulative))
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished, metrics, error)
+
+
+class RemoteAsyncEngine(OutputStreams):
+    """The replica's side of an EngineCore actor, with AsyncLLMEngine's interface."""
+
+    def __init__(self, engine_kwargs: dict, actor_options: dict):
+        super().__init__()
+        from engine.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(build_engine_config(**engine_kwargs).model.tokenizer_path)
+        self.core = core_actor_class().options(**actor_options).remote(engine_kwargs)
+        info = ray.get(self.core.info.options(concurrency_group="control").remote(), timeout=START_TIMEOUT_S)
+        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        self.max_num_seqs = info["max_num_seqs"]
+        self._stats: EngineStats = info["stats"]
+        self._acc: dict[str, _Accumulated] = {}
+        self._pump: asyncio.Task | None = None
+        self._dead_error: str | None = None
+        self._closed = False
+
+    @property
+    def dead_error(self) -> str | None:
+        return self._dead_error
+
+    @dead_error.setter
+    def dead_error(self, reason: str | None) -> None:
+        self._dead_error = reason
+
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        return process_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len,
+                              self.max_num_seqs)
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        if self._pump is not None and self._pump.done() and not self._closed:
+            raise EngineDeadError("the replica stopped polling its engine")
+
+    def check_executor(self) -> None:
+        """Pings the engine actor and its workers (blocking: call it in a thread); raises if one is gone."""
+        ray.get(self.core.check_health.options(concurrency_group="health").remote(), timeout=CALL_TIMEOUT_S)
+
+    async def check_integrity(self) -> None:
+        self._ensure_pump()
+        await self.core.check_integrity.options(concurrency_group="control").remote()
+
+    def abort(self, request_id: str) -> None:
+        self._acc.pop(request_id, None)
+        if not self._closed:
+            self.core.abort.options(concurrency_group="control").remote(request_id)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        if self._pump is not None and not self._pump.get_loop().is_closed():
+            self._pump.get_loop().call_soon_threadsafe(self._pump.cancel)
+        try:
+            ray.get(self.core.shutdown.options(concurrency_group="control").remote(), timeout=CALL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - it may be gone already
+            logger.warning("engine actor did not shut down cleanly", exc_info=True)
+        ray.kill(self.core)
+
+    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        self._ensure_pump()
+        self._acc[request_id] = _Accumulated(text, token_ids)
+        self.core.add.options(concurrency_group="control").remote(request_id, text, token_ids, params)
+
+    def _ensure_pump(self) -> None:
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+
+    async def _pump_outputs(self) -> None:
+        while not self._closed:
+            try:
+                deltas, stats, dead = await self.core.poll.options(concurrency_group="poll").remote(POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the actor is gone: nothing more will come
+                if self._closed:
+                    return
+                logger.error("engine actor failed: %s", e)
+                self._dead_error = f"the engine process failed: {type(e).__name__}: {e}"
+                self._fail_all(EngineDeadError(self._dead_error))
+                return
+            self._stats = stats
+            outputs = []
+            for delta in deltas:
+                request_id = delta[0]
+                acc = self._acc.get(request_id)
+                if acc is None:
+                    continue  # aborted here already
+                outputs.append(acc.apply(request_id, delta))
+                if delta[1]:
+                    del self._acc[request_id]
+            self._put_all(outputs)
+            if dead is not None:
+                self._dead_error = dead
+                self._fail_all(EngineDeadError(dead))
+                return
