@@ -39,6 +39,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         model["replica_num_cpus"] = args.replica_num_cpus
     if args.stream_interval_s is not None:
         model["stream_interval_s"] = args.stream_interval_s
+    if args.engine_in_replica:
+        model["engine_process"] = False
     scaling = {k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas),
                                  ("target_ongoing_requests", args.target_ongoing_requests)) if v is not None}
     if scaling and args.num_replicas is not None:
@@ -118,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ingress-replicas", type=int, default=1)
     srv.add_argument("--stream-interval-s", type=float, default=None,
                      help="stream what accumulated at most this often (default 0.1; 0: every step)")
+    srv.add_argument("--engine-in-replica", action="store_true",
+                     help="run the engine's step loop in the replica's process instead of an actor of its own")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
     srv.set_defaults(func=cmd_serve)
 
