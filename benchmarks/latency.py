@@ -61,6 +61,8 @@ def main(args: argparse.Namespace) -> dict:
     model_dir, load_format = resolve_model(args.model, args.preset)
     kwargs = {**engine_kwargs(args), "model": model_dir, "load_format": load_format, "enable_prefix_caching": False}
     engine = LLMEngine.from_args(**kwargs)
+    workers = engine.executor.describe()
+    print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers))
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
@@ -73,6 +75,6 @@ def main(args: argparse.Namespace) -> dict:
     engine.shutdown()
     print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s"])
     result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "tiny",
-              "results": rows}
+              "workers": workers, "results": rows}
     write_json(args.output_json, result)
     return result

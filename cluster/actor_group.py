@@ -167,6 +167,9 @@ class WorkerActor:
     def ping(self) -> int:
         return self.rank
 
+    def describe(self) -> dict:
+        return self.worker.describe()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()  # destroys the process group
@@ -388,6 +391,9 @@ class RayExecutor(Executor):
         except (RayActorError, GetTimeoutError) as e:
             raise self._mark_dead(f"worker actor is dead or unresponsive: {_one_line(e)}") from e
         self._last_contact = time.monotonic()
+
+    def describe(self) -> list[dict]:
+        return ray.get([a.describe.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
 
     # ---- shutdown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -33,6 +33,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""
 
+    def describe(self) -> list[dict]:
+        """What each rank runs on (device, all-reduce), for benchmarks and logs."""
+        return []
+
     def shutdown(self) -> None:
         """Releases workers and memory. Idempotent."""
 

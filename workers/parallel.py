@@ -114,6 +114,17 @@ def init_symmetric_all_reduce(dtype: torch.dtype, device: torch.device, max_byte
     return _symm is not None
 
 
+def all_reduce_backend() -> str:
+    """How this rank's all-reduces run: "none" (one rank), "symmetric-memory (<= N MiB) + nccl", or the
+    process group's backend."""
+    if _world_size == 1:
+        return "none"
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    if _symm is not None:
+        return f"symmetric-memory (<= {_symm.max_numel * _symm.buffer.element_size() >> 20} MiB) + {backend}"
+    return backend
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums `x` over the ranks; returns the sum (in place with NCCL, a new tensor with symmetric memory)."""
     if _world_size == 1:

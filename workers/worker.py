@@ -130,6 +130,10 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(sched)
 
+    def describe(self) -> dict:
+        return {"rank": self.rank, "device": str(self.device), "all_reduce": parallel.all_reduce_backend(),
+                "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None)}
+
     def shutdown(self) -> None:
         self.runner = None
         self.model = None
@@ -156,6 +160,9 @@ class InProcessExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output)
         return StepHandle(wait=lambda: _as_executor_error(pending.result))
+
+    def describe(self) -> list[dict]:
+        return [self.worker.describe()]
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -79,6 +79,8 @@ def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
     assert llm.engine.block_manager.prefix_hits_tokens > 0
     assert_same_outputs(ref_outs, outs)
     assert_same_outputs(ref_outs[:1], generate(llm)[:1])  # the persistent batches stay in step after a run
+    assert [(w["rank"], w["device"], w["all_reduce"]) for w in executor.describe()] == \
+        [(rank, "cpu", "gloo") for rank in range(tp)]  # symmetric memory is for NVLink GPUs only
 
     actors, pg_id = list(executor.actors), executor.placement_group.id.hex()
     llm.shutdown()

@@ -19,6 +19,8 @@ def test_tp2_matches_tp1_on_gpus(tiny_checkpoints, ray_cluster, arch):
     for tp in (1, 2):
         llm = LLM(model=tiny_checkpoints[arch], dtype="float32", device="cuda", num_kv_blocks=256,
                   tensor_parallel_size=tp, use_ray=True)
+        if tp > 1:  # two NVLink GPUs: the one-shot symmetric-memory all-reduce, not NCCL
+            assert all(w["all_reduce"].startswith("symmetric-memory") for w in llm.engine.executor.describe())
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         llm.engine.check_integrity()
         llm.shutdown()
