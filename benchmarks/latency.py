@@ -68,7 +68,8 @@ def main(args: argparse.Namespace) -> dict:
         for batch in args.batch_sizes:
             prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
             measure(engine, prompts[:1], 4)  # warm-up of this shape family
-            row = {"batch": batch, "prompt_len": prompt_len, **measure(engine, prompts, args.decode_steps, args.profile_steps)}
+            measured = measure(engine, prompts, args.decode_steps, args.profile_steps)
+            row = {"batch": batch, "prompt_len": prompt_len, **measured}
             row["tokens_per_s"] = batch * 1000 / row["decode_ms_per_token"]
             rows.append(row)
     engine.check_integrity()

@@ -72,4 +72,5 @@ def print_profile(label: str, p: dict) -> None:
     print(f"profile {label}: wall {p['wall_ms']:.3f} ms/step, GPU busy {p['gpu_busy_ms']:.3f}, "
           f"idle gaps {p['gpu_idle_ms']:.3f}, {p['kernels']:.0f} kernels/step")
     for kind, v in p["by_kind"].items():
-        print(f"    {kind:<14} {v['ms']:8.3f} ms  {v['count']:6.0f} kernels  {1e3 * v['ms'] / max(v['count'], 1):7.1f} us each")
+        each_us = 1e3 * v["ms"] / max(v["count"], 1)
+        print(f"    {kind:<14} {v['ms']:8.3f} ms  {v['count']:6.0f} kernels  {each_us:7.1f} us each")
