@@ -155,7 +155,9 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+# num_seqs and num_q_blocks change with every step's batch: specializing on them (Triton specializes integers
+# that are multiples of 16) would compile new variants while requests wait, seconds each.
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, num_seqs, num_q_blocks, num_kv_heads,

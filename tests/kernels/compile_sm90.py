@@ -83,7 +83,7 @@ CASE = ["?"]
 
 def resources(compiled) -> dict:
     """Registers and spills from the cubin (cuobjdump), shared memory from Triton's metadata."""
-    usage = {"shared_bytes": compiled.metadata.shared}
+    usage = {"shared_bytes": compiled.metadata.shared, "hash": compiled.hash}
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -122,11 +122,11 @@ def decode(name, seqs, heads, kv_heads, dim, dtype, splits):
                                                   num_splits=splits)
 
 
-def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None):
+def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2):
     CASE[0] = name
     q, cache = empty(tokens, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
-    paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(2, 512), int32(3), int32(2), 0.1,
-                                                   max_query_len)
+    paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(num_seqs, 512), int32(num_seqs + 1),
+                                                   int32(num_seqs), 0.1, max_query_len)
 
 
 def main() -> int:
@@ -136,6 +136,8 @@ def main() -> int:
         decode("decode mha fp16 d64", 4, 8, 8, 64, torch.float16, 1)
         decode("decode fp32", 4, 8, 2, 128, torch.float32, 1)
         prefill("prefill llama3-8b bf16", 4096, 32, 8, 128, torch.bfloat16)
+        # The same tiles for another batch shape (16 sequences: multiples of 16 in the scalar arguments).
+        prefill("prefill llama3-8b bf16 16 seqs", 4096, 32, 8, 128, torch.bfloat16, max_query_len=4096, num_seqs=16)
         prefill("prefill decode rows bf16", 8, 32, 8, 128, torch.bfloat16, max_query_len=1)
         prefill("prefill d256 bf16", 4096, 16, 8, 256, torch.bfloat16)
         prefill("prefill fp32", 512, 8, 2, 128, torch.float32)

@@ -37,6 +37,13 @@ def test_every_kernel_compiles_for_sm90(compiled):
                        "_rotary_kernel", "_silu_and_mul_kernel", "_write_kv_cache_kernel"}
 
 
+def test_batch_shape_compiles_no_new_variant(compiled):
+    """A step's number of sequences and query blocks must not pick a new compiled variant (a compile of seconds
+    while requests wait): two batch shapes, one kernel."""
+    by_case = {row["case"]: row["hash"] for row in compiled}
+    assert by_case["prefill llama3-8b bf16 16 seqs"] == by_case["prefill llama3-8b bf16"]
+
+
 def test_no_register_spills_and_shared_memory_fits(compiled):
     for row in compiled:
         assert row["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK, row
