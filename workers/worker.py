@@ -115,7 +115,8 @@ class Worker:
 
         block_size, sched_config = self.config.cache.block_size, self.config.scheduler
         limit = min(sched_config.max_num_batched_tokens, sched_config.max_model_len - 1)
-        for length in sorted({min(n, limit) for n in (2048, 256, 32, 8, 2)}, reverse=True):
+        lengths = {min(1 << i, limit) for i in range(1, 12)}  # 2 .. 2048: every tile size the chunk length picks
+        for length in sorted(lengths, reverse=True):
             num_blocks_needed = -(-length // block_size)
             if length < 2 or num_blocks_needed > num_blocks:
                 continue
