@@ -48,8 +48,8 @@ class EngineCore:
         self.engine = LLMEngine.from_args(**engine_kwargs)
         self._cond = threading.Condition()
         self._outbox: dict[str, RequestOutput] = {}
+        self._ids_lock = threading.Lock()  # guards the three below (control and poll threads)
         self._sent: dict[str, list[list[int]]] = {}  # request -> per choice [chars, tokens] already sent
-        self._ids_lock = threading.Lock()
         self._known: set[str] = set()  # added, not yet finished or aborted
         self._aborted_first: OrderedDict[str, None] = OrderedDict()  # aborts that came before their add (bounded)
         self.loop = EngineLoop(self.engine, self._on_outputs, self._on_dead)
@@ -63,7 +63,8 @@ class EngineCore:
 
     def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
         with self._ids_lock:
-            if self._aborted_first.pop(request_id, False) is None:
+            if request_id in self._aborted_first:  # its abort overtook it: the client is gone already
+                del self._aborted_first[request_id]
                 return
             self._known.add(request_id)
         self.loop.add(request_id, text, token_ids, params, lambda e: self._on_outputs(
@@ -77,6 +78,7 @@ class EngineCore:
                     self._aborted_first.popitem(last=False)
                 return
             self._known.discard(request_id)
+            self._sent.pop(request_id, None)
         self.loop.abort(request_id)
 
     def check_integrity(self) -> None:
@@ -109,7 +111,9 @@ class EngineCore:
             if not self._outbox and self.loop.dead_error is None:
                 self._cond.wait(timeout_s)
             outputs, self._outbox = self._outbox, {}
-        return [self._delta(out) for out in outputs.values()], self.loop.stats, self.loop.dead_error
+        with self._ids_lock:  # an aborted request's last outputs are dropped, and leave no bookkeeping behind
+            deltas = [self._delta(out) for out in outputs.values() if out.request_id in self._known]
+        return deltas, self.loop.stats, self.loop.dead_error
 
     def check_health(self) -> None:
         self.loop.check_health()
@@ -137,8 +141,7 @@ class EngineCore:
             mark[0], mark[1] = max(chars, len(c.text)), len(c.token_ids)
         if out.finished:
             self._sent.pop(out.request_id, None)
-            with self._ids_lock:
-                self._known.discard(out.request_id)
+            self._known.discard(out.request_id)
         return out.request_id, out.finished, out.error, out.metrics, choices
 
 

@@ -130,5 +130,15 @@ def test_engine_core_deltas_carry_only_what_is_new(engine_kwargs):
                 text += new_text
         assert len(tokens) == 30 and max(sizes) < 30
         core.check_integrity()
+        # An aborted request leaves nothing behind, and its late outputs are not sent.
+        core.add("gone", None, [5, 6], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
+        while not core._sent:
+            core.poll(1.0)
+        core.abort("gone")
+        for _ in range(3):
+            deltas, _, _ = core.poll(0.2)
+            assert not deltas
+        assert not core._sent and not core._known
+        core.check_integrity()
     finally:
         core.shutdown()
