@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs the README's benchmark table on one GPU machine (about 10 minutes on an H200), writing JSON into OUT_DIR.
+#   benchmarks/reproduce.sh [OUT_DIR]          PRESET=llama-3-8b, PYTHON=python3, TP=2 (skipped on one GPU)
+set -uo pipefail
+OUT=${1:-bench-results}
+PRESET=${PRESET:-llama-3-8b}
+PY=${PYTHON:-python3}
+TP=${TP:-2}
+mkdir -p "$OUT"
+VOCAB=$($PY -c "import json; from workers.presets import preset_dir; \
+print(json.load(open(preset_dir('$PRESET') + '/config.json'))['vocab_size'])")
+step() { echo "== $1"; shift; "$@" || echo "FAILED ($?): $*"; }
+
+step kernels $PY -m benchmarks.kernels --check --cuda-graph --output-json "$OUT/kernels.json"
+step latency $PY -m deploy.cli bench latency --preset "$PRESET" --profile-steps 8 --output-json "$OUT/latency.json"
+step throughput $PY -m deploy.cli bench throughput --preset "$PRESET" --compare hf \
+  --output-json "$OUT/throughput.json"
+# Through HTTP: all at once, then 4 requests/s of 1024-token prompts; the engine in its own actor, then in the
+# replica's process.
+for mode in engine-actor engine-in-replica; do
+  flag=$([ "$mode" = engine-in-replica ] && echo --engine-in-replica || true)
+  runs="--num-requests 256 --request-rate inf --vocab-size $VOCAB --output-json $OUT/serve-all-$mode.json"
+  runs+=";--num-requests 48 --request-rate 4 --input-len-range 1024 1024 --output-len 64 --vocab-size $VOCAB"
+  runs+=" --output-json $OUT/serve-poisson-$mode.json"
+  step "serve ($mode)" env BENCH_ARGS="$runs" PYTHON="$PY" bash benchmarks/serve_local.sh --preset "$PRESET" $flag
+done
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge "$TP" ] && [ "$TP" -gt 1 ]; then
+  step "latency tp $TP" $PY -m deploy.cli bench latency --preset "$PRESET" -tp "$TP" --prompt-lens 128 \
+    --output-json "$OUT/latency-tp$TP.json"
+  step "step overhead" $PY benchmarks/step_overhead.py --tp 1 "$TP" --output-json "$OUT/step-overhead.json"
+fi
+ls -l "$OUT"
