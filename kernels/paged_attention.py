@@ -42,6 +42,16 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    """Zeros where `mask` is false; a tile known to be whole is loaded without a mask."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
@@ -53,16 +63,11 @@ def _attend_tile(
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
-    if SCORE_MASK == 0:
-        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE).to(tl.int64)
-    else:
-        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    masked: tl.constexpr = SCORE_MASK != 0
+    blocks = _load(block_table_ptr + tokens // BLOCK_SIZE, in_range, masked).to(tl.int64)
     offsets = tokens % BLOCK_SIZE
     k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
-    if SCORE_MASK == 0:
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :])
-    else:
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    k = _load(k_cache_ptr + k_rows[:, None] + dims[None, :], in_range[:, None], masked)
     if UPCAST:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
@@ -75,10 +80,7 @@ def _attend_tile(
     p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
-    if SCORE_MASK == 0:
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :])
-    else:
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
     if UPCAST:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
