@@ -45,6 +45,14 @@ WORKER_ENV_VARS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 # Passed on to the actors when the driver has them.
 FORWARDED_ENV_VARS = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "PAGODA_TORCH_THREADS")
 
+
+
+def actor_env_vars() -> dict[str, str]:
+    """The environment of the actors Pagoda starts (workers, the engine actor): the fixed settings above, and the
+    forwarded variables that the caller has."""
+    return WORKER_ENV_VARS | {k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ}
+
+
 PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGODA_PLACEMENT_TIMEOUT_S", 300))  # an autoscaler may add a node
 INIT_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_INIT_TIMEOUT_S", 1200))  # load + profile a large shard
 STEP_TIMEOUT_S = float(os.environ.get("PAGODA_STEP_TIMEOUT_S", 300))  # first steps may JIT-compile kernels
@@ -309,8 +317,7 @@ class RayExecutor(Executor):
         return pg
 
     def _start_actors(self, device: str) -> list:
-        env_vars = dict(WORKER_ENV_VARS)
-        env_vars.update({k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ})
+        env_vars = actor_env_vars()
         if device == "cuda" and self.world_size > 1:
             # Symmetric memory needs every rank to see its peers' GPUs (ARCHITECTURE.md); local_gpu_index maps
             # Ray's GPU id to the device index either way.

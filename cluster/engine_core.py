@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 import ray
 
 from engine.async_engine import EngineDeadError, EngineLoop, OutputStreams
-from engine.llm_engine import EngineStats, LLMEngine, Prompt, build_engine_config, process_prompt
+from engine.llm_engine import EngineStats, LLMEngine, Prompt, process_prompt
 from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -59,7 +58,8 @@ class EngineCore:
     def info(self) -> dict:
         config = self.engine.config
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
-                "max_num_seqs": config.scheduler.max_num_seqs, "stats": self.loop.stats}
+                "max_num_seqs": config.scheduler.max_num_seqs, "tokenizer_path": config.model.tokenizer_path,
+                "stats": self.loop.stats}
 
     def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
         with self._ids_lock:
@@ -156,12 +156,10 @@ def core_actor_options(engine_kwargs: dict) -> dict:
     from ray.util.placement_group import get_current_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-    from cluster.actor_group import FORWARDED_ENV_VARS, WORKER_ENV_VARS
+    from cluster.actor_group import actor_env_vars
 
     on_gpu = engine_kwargs.get("device") == "cuda" and engine_kwargs.get("tensor_parallel_size", 1) == 1
-    env_vars = dict(WORKER_ENV_VARS)
-    env_vars.update({k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ})
-    options = {"num_cpus": 0, "num_gpus": 1 if on_gpu else 0, "runtime_env": {"env_vars": env_vars}}
+    options = {"num_cpus": 0, "num_gpus": 1 if on_gpu else 0, "runtime_env": {"env_vars": actor_env_vars()}}
     pg = get_current_placement_group()
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
@@ -203,9 +201,9 @@ class RemoteAsyncEngine(OutputStreams):
         super().__init__()
         from engine.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(build_engine_config(**engine_kwargs).model.tokenizer_path)
         self.core = core_actor_class().options(**actor_options).remote(engine_kwargs)
         info = ray.get(self.core.info.options(concurrency_group="control").remote(), timeout=START_TIMEOUT_S)
+        self.tokenizer = load_tokenizer(info["tokenizer_path"])  # the engine's, resolved once over there
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
         self.max_num_seqs = info["max_num_seqs"]
         self._stats: EngineStats = info["stats"]

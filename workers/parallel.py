@@ -17,6 +17,7 @@ and machines where it cannot be set up, use NCCL. NVLink multicast is never used
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -84,10 +85,7 @@ class SymmetricAllReduce:
 
     def staging(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of the symmetric buffer to compute the tensor to reduce in."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        return self.buffer[:numel].view(shape)
+        return self.buffer[:math.prod(shape)].view(shape)
 
     def reduce(self, staged: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of their `staged` tensors (views from `staging`), as a new tensor."""

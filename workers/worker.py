@@ -48,7 +48,7 @@ class Worker:
             backend = "gloo"
         parallel.init_parallel(self.rank, self.world_size, backend, self.dist_init_method)
         if self.device_kind == "cuda" and parallel.init_symmetric_all_reduce(self.dtype, self.device):
-            logger.info("rank %d: symmetric-memory all-reduce for tensors up to 8 MiB", self.rank)
+            logger.info("rank %d: all-reduce %s", self.rank, parallel.all_reduce_backend())
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:

@@ -18,6 +18,14 @@ def engine_kwargs(tiny_model_dir):
     return {"model": tiny_model_dir, "device": "cpu", "block_size": 4, "num_kv_blocks": 256}
 
 
+@pytest.fixture
+def remote(ray_cluster, engine_kwargs):
+    """A fresh engine actor and its replica-side client; shut down after the test (a warning if it is dead)."""
+    engine = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
+    yield engine
+    engine.shutdown()
+
+
 async def _run_all(engine, requests):
     async def one(request_id, prompt, params, final_only=False):
         outs = [out async for out in engine.generate(prompt, params, request_id, final_only=final_only)]
@@ -34,9 +42,8 @@ def _requests():
             ("f", PROMPTS[0], greedy, True)]
 
 
-def test_remote_engine_gives_the_in_process_outputs(ray_cluster, engine_kwargs):
+def test_remote_engine_gives_the_in_process_outputs(remote, engine_kwargs):
     local = AsyncLLMEngine(LLMEngine.from_args(**engine_kwargs))
-    remote = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
     try:
         expected = asyncio.run(_run_all(local, _requests()))
         got = asyncio.run(_run_all(remote, _requests()))
@@ -61,12 +68,9 @@ def test_remote_engine_gives_the_in_process_outputs(ray_cluster, engine_kwargs):
             asyncio.run(_run_all(remote, [("bad", "Hello", SamplingParams(temperature=-1.0))]))
     finally:
         local.shutdown()
-        remote.shutdown()
 
 
-def test_aborts_free_blocks_even_before_their_add(ray_cluster, engine_kwargs):
-    remote = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
-
+def test_aborts_free_blocks_even_before_their_add(remote):
     async def scenario():
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         stream = remote.generate(PROMPTS[0], long, "cancelled")
@@ -85,15 +89,10 @@ def test_aborts_free_blocks_even_before_their_add(ray_cluster, engine_kwargs):
         assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
         await remote.check_integrity()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        remote.shutdown()
+    asyncio.run(scenario())
 
 
-def test_a_dead_engine_actor_fails_requests_and_health(ray_cluster, engine_kwargs):
-    remote = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
-
+def test_a_dead_engine_actor_fails_requests_and_health(remote, ray_cluster):
     async def scenario():
         long = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
         stream = remote.generate(PROMPTS[0], long, "doomed")
@@ -105,10 +104,7 @@ def test_a_dead_engine_actor_fails_requests_and_health(ray_cluster, engine_kwarg
         with pytest.raises(EngineDeadError):
             remote.check_health()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        remote.shutdown()  # the actor is gone: a warning, no error
+    asyncio.run(scenario())
 
 
 def test_engine_core_deltas_carry_only_what_is_new(engine_kwargs):
