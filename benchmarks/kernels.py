@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton  # noqa: E402
+from kernels.kv_cache import write_kv_cache_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
     paged_attention_decode_ref,
@@ -220,6 +220,14 @@ def bench_prefill(runner: Runner, cfg: dict):
         runner.case("prefill attn", f"{tokens} tokens", build)
 
 
+def write_kv_cache_scatter(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """The torch baseline of the KV write when every slot is valid: one index_copy_ per cache. Unlike
+    write_kv_cache_ref (a boolean mask for the -1 slots) it can be captured in a CUDA graph."""
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
 def elementwise_case(runner: Runner, kernel: str, case: str, triton_fn, ref_fn, make_args, num_bytes: int):
     """One elementwise case. make_args() makes fresh inputs: in-place kernels (rotary, KV write) get their own."""
 
@@ -276,12 +284,12 @@ def bench_elementwise(runner: Runner, cfg: dict):
             return k, v, *caches, slots
 
         elementwise_case(runner, "write_kv_cache", f"T {tokens} kv {kv_heads}x{dim}", write_kv_cache_triton,
-                         write_kv_cache_ref, kv_args, 4 * tokens * kv_heads * dim * size + tokens * 8)
+                         write_kv_cache_scatter, kv_args, 4 * tokens * kv_heads * dim * size + tokens * 8)
 
 
-DECODE_TUNE_CASES = [(1, 8192), (1, 32768), (8, 8192), (256, 2048)]
-DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
-                       [(64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3)]]
+DECODE_TUNE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 8192), (64, 8192), (256, 2048)]
+DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8)
+                       for st in (3, 5)] + [dict(block_n=64, num_warps=4, num_stages=6)]
 PREFILL_TUNE_CASES = [2048, 4096, 8192]
 PREFILL_TUNE_CONFIGS = [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
@@ -290,9 +298,10 @@ PREFILL_TUNE_CONFIGS = [
 ]
 
 
-def bench_tune(runner: Runner, cfg: dict):
-    """Sweep the attention kernels' tile configs (and decode's split count) at a few sizes: the defaults in
-    kernels/paged_attention.py (decode_config, prefill_config, decode_num_splits) should be the best rows."""
+def bench_tune_decode(runner: Runner, cfg: dict):
+    """Sweep decode's tile configs and split counts at a few sizes: the
+    defaults in kernels/paged_attention.py (decode_config, decode_num_splits) should be the best rows. Where the
+    default splits the context, every config is also tried at half and twice as many splits."""
     device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
     scale = 1 / math.sqrt(dim)
     for batch, ctx in DECODE_TUNE_CASES:
@@ -302,17 +311,22 @@ def bench_tune(runner: Runner, cfg: dict):
             q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             args = (q, k_cache, v_cache, tables, lens, scale)
-            splits = decode_num_splits(batch, cfg["num_kv_heads"], ctx, device)
+            default = decode_num_splits(batch, cfg["num_kv_heads"], ctx, device)
             impls = {"default": lambda: paged_attention_decode_triton(*args)}
-            for other in sorted({max(splits // 2, 1), splits * 2, splits * 4} - {splits}):
-                impls[f"splits={other}"] = lambda o=other: paged_attention_decode_triton(*args, num_splits=o)
-            for c in DECODE_TUNE_CONFIGS:
-                name = "n{block_n} w{num_warps} s{num_stages}".format(**c)
-                impls[name] = lambda c=c: paged_attention_decode_triton(*args, config=c)
+            for splits in sorted({max(default // 2, 1), default, default * 2} if default > 1 else {1, 2}):
+                for c in DECODE_TUNE_CONFIGS:
+                    name = "s{} n{block_n} w{num_warps} st{num_stages}".format(splits, **c)
+                    impls[name] = lambda c=c, s=splits: paged_attention_decode_triton(*args, num_splits=s, config=c)
             kv_bytes = 2 * k_cache.element_size() * batch * ctx * cfg["num_kv_heads"] * dim
             return impls, dict(bytes=kv_bytes), None
 
         runner.case("tune decode", f"batch {batch} ctx {ctx}", build)
+
+
+def bench_tune_prefill(runner: Runner, cfg: dict):
+    """Sweep prefill's tile configs at a few sizes: prefill_config's choice should be the best row."""
+    device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
+    scale = 1 / math.sqrt(dim)
     for tokens in PREFILL_TUNE_CASES:
 
         def build(tokens=tokens):
@@ -358,7 +372,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["decode", "prefill", "elementwise"], action="append",
                         help="run only these groups (repeatable)")
     parser.add_argument("--tune", action="store_true",
-                        help="instead, sweep the attention kernels' tile configs and split counts (GPU, ~3 min)")
+                        help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
+                        "--only decode / prefill)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -380,7 +395,7 @@ def main(argv=None) -> int:
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
-        groups, args.only = {"tune": bench_tune}, None
+        groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill}
     start = time.perf_counter()
     for group, bench in groups.items():
         if not args.only or group in args.only:

@@ -37,8 +37,9 @@ from kernels._triton import (
 )
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_TOKENS = 512  # decode: fewer tokens per split would cost more in the merge than it gains
+MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
 MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
 
 
 @triton.jit
@@ -262,25 +263,35 @@ def _check_triton_layout(q, k_cache, v_cache, block_tables) -> None:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many partitions each sequence's context is split into, decided on the host without a sync.
 
-    Enough (sequence, kv head, split) programs for about four per SM (several resident programs per SM keep
-    enough loads in flight), but no split shorter than MIN_SPLIT_TOKENS of the longest possible context
-    (`max_context`, from the block table's width). A power of two, so few variants compile.
+    Enough (sequence, kv head, split) programs for about two per SM, but no split shorter than MIN_SPLIT_TOKENS
+    of the longest possible context (`max_context`, from the block table's width). A power of two, so few
+    variants compile. Measured on an H200 (`python -m benchmarks.kernels --tune --only decode --cuda-graph`,
+    Llama-3-8B heads, batch 1): 32 splits beat 16 and 64 at 8k, 16k and 32k tokens (13.3-14.1 us against
+    16.1 us at 8k); more programs than that only add merge work.
     """
     programs = num_seqs * num_kv_heads
-    wanted = cdiv(4 * num_sms(device), max(programs, 1))
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
     splits = min(wanted, cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS)
     return 1 << (max(splits, 1).bit_length() - 1)  # rounded down to a power of two
 
 
-# float32 tensors take IEEE float32 dots (FMA loops, no tensor cores): smaller tiles, or registers spill. The
-# choices below were checked by compiling for sm_90 (registers, spills, shared memory), not yet timed on a GPU.
+# float32 tensors take IEEE float32 dots (FMA loops, no tensor cores): smaller tiles, or registers spill.
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile)."""
+def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: torch.device) -> dict:
+    """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile).
+
+    With at most PROGRAMS_PER_SM programs per SM (few sequences, split contexts) each program must keep more of
+    its SM's loads in flight: 5 stages double-buffer the K and V tiles (3 stages give one tile in flight; the
+    block-table loads take a stage). With many programs, the SMs' other programs do that, and 3 stages are faster
+    (H200, batch 64 at 8k: 492 us against 607 us with 5 stages; batch 1 at 32k: 39.7 us against 47.1 us).
+    """
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2)
-    return dict(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)  # 3: block-table loads pipelined
+    block_n = 64 if head_dim <= 128 else 32
+    few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
+    deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
+    return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3)
 
 
 def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
@@ -328,7 +339,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         return out
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
-    cfg = decode_config(head_dim, q.dtype) | (config or {})
+    cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device) | (config or {})
     queries_per_kv = num_heads // num_kv_heads
     part_out = part_lse = out  # placeholders, unused with one split
     if num_splits > 1:

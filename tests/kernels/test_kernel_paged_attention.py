@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import (
+    decode_config,
     decode_num_splits,
     paged_attention_decode,
     paged_attention_decode_ref,
@@ -157,10 +158,19 @@ def test_decode_num_splits_heuristic():
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert decode_num_splits(256, 8, 32768, cpu) == 1  # plenty of programs already
     assert decode_num_splits(1, 8, 256, cpu) == 1  # too short to split
-    assert decode_num_splits(1, 8, 32768, cpu) == 64  # one long sequence: fill the GPU
-    assert decode_num_splits(8, 8, 8192, cpu) == 8  # 9 wanted, rounded down to a power of two
-    assert decode_num_splits(64, 8, 8192, cpu) == 2
+    assert decode_num_splits(1, 8, 32768, cpu) == 32  # one long sequence: two programs per SM (33 wanted)
+    assert decode_num_splits(1, 8, 2048, cpu) == 8  # no split under 256 tokens
+    assert decode_num_splits(8, 8, 8192, cpu) == 4  # 5 wanted, rounded down to a power of two
+    assert decode_num_splits(64, 8, 8192, cpu) == 1
     assert decode_num_splits(1, 1, 10**6, cpu) == 64  # capped
+
+
+def test_decode_config_pipelines_deeper_when_programs_are_few():
+    cpu = torch.device("cpu")  # counted as 132 SMs with 228 KiB of shared memory each
+    few, many = 1 * 8 * 32, 256 * 8
+    assert decode_config(128, torch.bfloat16, few, cpu)["num_stages"] == 5  # K/V tiles double-buffered
+    assert decode_config(128, torch.bfloat16, many, cpu)["num_stages"] == 3
+    assert decode_config(128, torch.float32, few, cpu)["block_n"] == 32  # IEEE dots: small tiles
 
 
 # --- prefill ------------------------------------------------------------------------------------------------
