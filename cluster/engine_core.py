@@ -45,10 +45,10 @@ class EngineCore:
 
     def __init__(self, engine_kwargs: dict):
         self.engine = LLMEngine.from_args(**engine_kwargs)
+        self.engine.delta_outputs = True  # each step's outputs hold only that step's news
         self._cond = threading.Condition()
-        self._outbox: dict[str, RequestOutput] = {}
-        self._ids_lock = threading.Lock()  # guards the three below (control and poll threads)
-        self._sent: dict[str, list[list[int]]] = {}  # request -> per choice [chars, tokens] already sent
+        self._outbox: dict[str, RequestOutput] = {}  # request -> everything new since the last poll
+        self._ids_lock = threading.Lock()  # guards the two below (control and poll threads)
         self._known: set[str] = set()  # added, not yet finished or aborted
         self._aborted_first: OrderedDict[str, None] = OrderedDict()  # aborts that came before their add (bounded)
         self.loop = EngineLoop(self.engine, self._on_outputs, self._on_dead)
@@ -78,7 +78,6 @@ class EngineCore:
                     self._aborted_first.popitem(last=False)
                 return
             self._known.discard(request_id)
-            self._sent.pop(request_id, None)
         self.loop.abort(request_id)
 
     def check_integrity(self) -> None:
@@ -123,7 +122,8 @@ class EngineCore:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         with self._cond:
             for out in outputs:
-                self._outbox[out.request_id] = out  # cumulative: the newest carries everything before it
+                earlier = self._outbox.get(out.request_id)
+                self._outbox[out.request_id] = out if earlier is None else _merge(earlier, out)
             self._cond.notify_all()
 
     def _on_dead(self, error: str) -> None:
@@ -131,18 +131,24 @@ class EngineCore:
             self._cond.notify_all()
 
     def _delta(self, out: RequestOutput) -> Delta:
-        sent = self._sent.setdefault(out.request_id, [[0, 0] for _ in out.outputs])
-        choices = []
-        for c, mark in zip(out.outputs, sent):
-            chars, tokens = mark
-            new_logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
-            choices.append((c.index, c.text[chars:], c.token_ids[tokens:], new_logprobs, c.finish_reason,
-                            c.stop_reason, c.cumulative_logprob))
-            mark[0], mark[1] = max(chars, len(c.text)), len(c.token_ids)
         if out.finished:
-            self._sent.pop(out.request_id, None)
             self._known.discard(out.request_id)
+        choices = [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.cumulative_logprob)
+                   for c in out.outputs]
         return out.request_id, out.finished, out.error, out.metrics, choices
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two delta outputs of one request as one: the news of both, the later one's state."""
+    by_index = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        e = by_index.get(c.index)
+        if e is not None:
+            c.text = e.text + c.text
+            c.token_ids = e.token_ids + c.token_ids
+            if c.logprobs is not None and e.logprobs is not None:
+                c.logprobs = e.logprobs + c.logprobs
+    return later
 
 
 def core_actor_class():

@@ -139,33 +139,25 @@ class LLMServer:
         last_token_time, finished = None, False
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
-            generator = self.engine.generate(prompt, params, request.request_id, final_only=not request.stream)
+            # Streams get an output at most once per stream_interval_s (carrying every token since the last), so
+            # a few hundred streams wake this event loop a few times a second each, not at every engine step.
+            generator = self.engine.generate(prompt, params, request.request_id, final_only=not request.stream,
+                                             interval_s=self.stream_interval_s if request.stream else 0.0)
             async with contextlib.aclosing(generator) as outputs:
-                last_sent = 0.0
                 async for out in outputs:
                     last_token_time = self._observe_step(out, last_token_time, streams)
                     finished = out.finished
-                    now = time.monotonic()
-                    if request.stream and not finished and now - last_sent < self.stream_interval_s:
-                        continue  # outputs are cumulative: the next one carries this one's tokens too
                     if out.error is not None:
                         yield StepDelta(self.replica_id, finished=True, error=_engine_error(self.engine, out.error))
                         return
                     delta = StepDelta(self.replica_id, finished=out.finished,
                                       choices=[c for c in (s.advance(o, self._token_string)
                                                            for s, o in zip(streams, out.outputs)) if c is not None])
-                    if request.stream:
-                        if delta.choices or delta.finished:
-                            last_sent = now
-                            yield delta
-                            if not finished and self.stream_interval_s > 0:
-                                # Let tokens gather: the engine's outputs are cumulative and its queue keeps
-                                # only the newest, so this request's coroutine wakes once per interval, not
-                                # once per engine step.
-                                await asyncio.sleep(self.stream_interval_s)
-                    else:
+                    if not request.stream:
                         for choice in delta.choices:
                             final.choices[choice.index].merge(choice)
+                    elif delta.choices or delta.finished:
+                        yield delta
             if not request.stream:
                 final.finished = True
                 yield final

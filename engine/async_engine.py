@@ -133,6 +133,7 @@ class OutputStreams:
     def __init__(self):
         self._queues: dict[str, asyncio.Queue] = {}
         self._final_only: set[str] = set()  # requests that want only their finished output
+        self._wakers: dict[str, asyncio.Future] = {}  # requests waiting out their interval: woken by the end
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -148,31 +149,40 @@ class OutputStreams:
         raise NotImplementedError
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       final_only: bool = False, interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has finished=True (with final_only, only that one:
-        the caller is not woken at every step). Invalid input raises ValueError before anything is queued.
-        Cancelling the iteration (a client that went away) aborts the request."""
+        the caller is not woken at every step). With interval_s, outputs come at most once per interval (each
+        carrying all tokens since the last), except that the final one comes at once. Invalid input raises
+        ValueError before anything is queued. Cancelling the iteration (a client that went away) aborts the
+        request."""
         self.check_health()
         text, token_ids = self.process_prompt(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         if final_only:
             self._final_only.add(request_id)
         self._add(request_id, text, token_ids, params)
-        finished = False
+        finished, last_yield = False, -float("inf")
         try:
             while not finished:
-                item = await queue.get()
-                while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
-                    item = queue.get_nowait()  # outputs are cumulative: a slow consumer skips to the newest
+                item = _newest(queue, await queue.get())
+                wait = last_yield + interval_s - loop.time()
+                if wait > 0 and not _is_last(item):  # let tokens gather; the end wakes us early
+                    waker = self._wakers[request_id] = loop.create_future()
+                    try:
+                        await asyncio.wait([waker], timeout=wait)
+                    finally:
+                        self._wakers.pop(request_id, None)
+                    item = _newest(queue, item)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
+                last_yield = loop.time()
         finally:
             self._queues.pop(request_id, None)
             self._final_only.discard(request_id)
@@ -184,21 +194,45 @@ class OutputStreams:
         loop = self._loop
 
         def fail(e: Exception) -> None:
-            queue = self._queues.get(request_id)
-            if queue is not None and loop is not None:
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+            if loop is not None:
+                loop.call_soon_threadsafe(self._put_error, request_id, e)
 
         return fail
+
+    def _put_error(self, request_id: str, error: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+            self._wake(request_id)
 
     def _put_all(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None and (out.finished or out.request_id not in self._final_only):
                 queue.put_nowait(out)
+                if out.finished:
+                    self._wake(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
-        for queue in self._queues.values():
+        for request_id, queue in self._queues.items():
             queue.put_nowait(error)
+            self._wake(request_id)
+
+    def _wake(self, request_id: str) -> None:
+        waker = self._wakers.get(request_id)
+        if waker is not None and not waker.done():
+            waker.set_result(None)
+
+
+def _newest(queue: asyncio.Queue, item):
+    """Outputs are cumulative: a consumer that fell behind skips to the newest (never past the last or an error)."""
+    while not queue.empty() and not _is_last(item):
+        item = queue.get_nowait()
+    return item
+
+
+def _is_last(item) -> bool:
+    return isinstance(item, BaseException) or item.finished
 
 
 class AsyncLLMEngine(OutputStreams):

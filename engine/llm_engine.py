@@ -52,13 +52,17 @@ class RequestGroup:
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                    params.include_stop_str_in_output) for _ in seqs]
         self.arrival_time = time.monotonic()
+        self.num_sent_tokens = [0] * len(seqs)  # per sequence, for delta outputs
+        self.sent_logprob_sums = [0.0] * len(seqs)
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def make_output(self, error: str | None = None) -> RequestOutput:
-        outputs = [self._completion(seq, det) for seq, det in zip(self.seqs, self.detokenizers)]
+    def make_output(self, error: str | None = None, delta: bool = False) -> RequestOutput:
+        """The request's output so far; with delta, only what is new since the last delta output (text, tokens,
+        logprobs), so that streaming costs per step what the step added, not the whole output again."""
+        outputs = [self._completion(seq, det, delta) for seq, det in zip(self.seqs, self.detokenizers)]
         firsts = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=self.arrival_time, first_token_time=min(firsts) if firsts else None,
@@ -68,17 +72,27 @@ class RequestGroup:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished,
                              metrics, error)
 
-    def _completion(self, seq: Request, det: IncrementalDetokenizer) -> CompletionOutput:
-        logprobs = None
+    def _completion(self, seq: Request, det: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
+        start = self.num_sent_tokens[seq.index] if delta else 0
+        token_ids = seq.output_token_ids[start:]
+        logprobs = cumulative = None
         if self.params.logprobs is not None:
             logprobs = []
-            for token_id, lp in zip(seq.output_token_ids, seq.output_logprobs):
+            for token_id, lp in zip(token_ids, seq.output_logprobs[start:]):
                 entry = dict(zip(lp.top_token_ids, lp.top_logprobs)) if lp else {}
                 entry[token_id] = lp.sampled_logprob if lp else float("nan")
                 logprobs.append(entry)
-        cumulative = sum(lp.sampled_logprob for lp in seq.output_logprobs if lp) if logprobs is not None else None
-        return CompletionOutput(seq.index, det.stable_text(seq.is_finished), list(seq.output_token_ids), logprobs,
-                                seq.status.finish_reason, seq.stop_reason, cumulative)
+            new_sum = sum(lp.sampled_logprob for lp in seq.output_logprobs[start:] if lp)
+            cumulative = (self.sent_logprob_sums[seq.index] if delta else 0.0) + new_sum
+        if delta:
+            self.num_sent_tokens[seq.index] = len(seq.output_token_ids)
+            if cumulative is not None:
+                self.sent_logprob_sums[seq.index] = cumulative
+            text = det.flush(seq.is_finished)
+        else:
+            text = det.stable_text(seq.is_finished)
+        return CompletionOutput(seq.index, text, token_ids, logprobs, seq.status.finish_reason, seq.stop_reason,
+                                cumulative)
 
 
 class LLMEngine:
@@ -103,6 +117,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
         self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
+        self.delta_outputs = False  # True: each output holds only what is new since the request's last one
         self._ids = itertools.count()
 
     @classmethod
@@ -216,7 +231,7 @@ class LLMEngine:
         return [self._emit(group) for group in touched.values() if self.stream_outputs or group.is_finished]
 
     def _emit(self, group: RequestGroup, error: str | None = None) -> RequestOutput:
-        out = group.make_output(error)
+        out = group.make_output(error, self.delta_outputs)
         if out.finished:
             del self.groups[group.request_id]
         return out

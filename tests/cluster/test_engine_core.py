@@ -2,6 +2,7 @@
 that free their blocks (even one that overtakes its add), and a dead engine actor reported as such."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,6 +57,7 @@ def test_remote_engine_gives_the_in_process_outputs(remote, engine_kwargs):
                 if a.logprobs is not None:  # another process, another thread count: float sums may round apart
                     for x, y in zip(a.logprobs, b.logprobs):
                         assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+                    assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
                 else:
                     assert b.logprobs is None
             # cumulative outputs: every one extends the one before
@@ -107,6 +109,52 @@ def test_a_dead_engine_actor_fails_requests_and_health(remote, ray_cluster):
     asyncio.run(scenario())
 
 
+def test_engine_core_merges_the_steps_between_two_polls(engine_kwargs):
+    """A slow poller gets several steps' news in one delta per request; put together, they are the whole output
+    the engine gives in-process (text with a stop string, tokens, logprobs, cumulative logprob, n = 2)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, stop=["a"], ignore_eos=True)]
+    local = LLMEngine.from_args(**engine_kwargs)
+    expected = {}
+    for i, p in enumerate(params):
+        local.add_processed(f"r{i}", PROMPTS[i], local.tokenizer.encode(PROMPTS[i]), p)
+    while local.has_unfinished_requests():
+        expected.update({out.request_id: out for out in local.step() if out.finished})
+    local.shutdown()
+    core = EngineCore(engine_kwargs)
+    try:
+        got = {f"r{i}": {} for i in range(len(params))}
+        for i, p in enumerate(params):
+            core.add(f"r{i}", PROMPTS[i], core.engine.tokenizer.encode(PROMPTS[i]), p)
+        num_polls, done = 0, set()
+        while len(done) < len(params):
+            time.sleep(0.2)  # several steps go by
+            deltas, _, dead = core.poll(1.0)
+            assert dead is None
+            num_polls += 1
+            for request_id, finished, error, _, choices in deltas:
+                assert error is None
+                for index, text, ids, logprobs, reason, _, cumulative in choices:
+                    acc = got[request_id].setdefault(index, ["", [], [], None, None])
+                    acc[0] += text
+                    acc[1] += ids
+                    acc[2] += logprobs or []
+                    acc[3], acc[4] = reason, cumulative
+                if finished:
+                    done.add(request_id)
+        assert num_polls < 25 + 2  # fewer polls than steps: deltas were merged
+        for request_id, out in expected.items():
+            for c in out.outputs:
+                text, ids, logprobs, reason, cumulative = got[request_id][c.index]
+                assert (text, ids, reason) == (c.text, c.token_ids, c.finish_reason)
+                if c.logprobs is not None:
+                    assert [x.keys() for x in logprobs] == [x.keys() for x in c.logprobs]
+                    assert abs(cumulative - c.cumulative_logprob) < 1e-3
+        core.check_integrity()
+    finally:
+        core.shutdown()
+
+
 def test_engine_core_deltas_carry_only_what_is_new(engine_kwargs):
     """The poll's payload per request does not grow with the output (no Ray: the class itself)."""
     core = EngineCore(engine_kwargs)
@@ -128,13 +176,13 @@ def test_engine_core_deltas_carry_only_what_is_new(engine_kwargs):
         core.check_integrity()
         # An aborted request leaves nothing behind, and its late outputs are not sent.
         core.add("gone", None, [5, 6], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
-        while not core._sent:
-            core.poll(1.0)
+        while not any(d[0] == "gone" for d in core.poll(1.0)[0]):
+            pass
         core.abort("gone")
         for _ in range(3):
             deltas, _, _ = core.poll(0.2)
             assert not deltas
-        assert not core._sent and not core._known
+        assert not core._known
         core.check_integrity()
     finally:
         core.shutdown()

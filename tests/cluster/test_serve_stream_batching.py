@@ -1,6 +1,7 @@
 """LLMServer's stream batching, on the replica class itself (no Serve): fewer, larger deltas, the same text."""
 
 import asyncio
+import time
 
 from cluster.protocol import GenerateRequest
 from cluster.server import LLMServer
@@ -22,7 +23,10 @@ def test_stream_interval_batches_tokens_without_losing_any(tiny_model_dir):
     every_step = server_class(kwargs, "tiny", stream_interval_s=0.0, engine_process=False)
     batched = server_class(kwargs, "tiny", stream_interval_s=60.0, engine_process=False)
     try:
-        fine, coarse = _collect(every_step, "a"), _collect(batched, "b")
+        fine = _collect(every_step, "a")
+        start = time.monotonic()
+        coarse = _collect(batched, "b")
+        coarse_s = time.monotonic() - start
     finally:
         every_step.engine.shutdown()
         batched.engine.shutdown()
@@ -35,3 +39,4 @@ def test_stream_interval_batches_tokens_without_losing_any(tiny_model_dir):
     coarse_text, coarse_tokens, coarse_chunks = text_and_tokens(coarse)
     assert fine_tokens == coarse_tokens == 24 and coarse_text == fine_text
     assert fine_chunks >= 12 and coarse_chunks == 2  # the first token at once, then everything at the end
+    assert coarse_s < 30  # the end is sent when it comes, not when the 60 s interval is over
