@@ -10,6 +10,7 @@ import argparse
 import gc
 import tempfile
 import time
+from dataclasses import replace
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
 from workers.presets import resolve_model
@@ -36,16 +37,18 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]])
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
     llm.engine.block_manager.reset_prefix_cache()
+    timing = replace(llm.engine.timing)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    steps = llm.engine.timing.since(timing)
     num_blocks = llm.engine.block_manager.num_blocks
     llm.shutdown()
     del llm
     _free_memory()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return _rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
-        "num_kv_blocks": num_blocks, "kv_tokens": num_blocks * args.block_size}
+        "num_kv_blocks": num_blocks, "kv_tokens": num_blocks * args.block_size, "engine_steps": steps}
 
 
 def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> tuple[dict, str]:
@@ -123,6 +126,9 @@ def main(args: argparse.Namespace) -> dict:
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
     print_table(rows, ["engine", "requests", "elapsed_s", "requests_per_s", "output_tokens_per_s",
                        "total_tokens_per_s"])
+    steps = rows[-1]["engine_steps"]
+    print(f"pagoda engine: {steps['steps']} steps, {steps['ms_per_step']:.2f} ms/step, of which waiting for the "
+          f"device {steps['device_wait_ms_per_step']:.2f} ms")
     if "speedup_total_tokens" in result:
         print(f"pagoda / transformers (total tokens/s): {result['speedup_total_tokens']:.1f}x")
     write_json(args.output_json, result)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +36,6 @@ from engine.tokenizer import apply_chat_template
 logger = logging.getLogger(__name__)
 
 METRICS_SYNC_PERIOD_S = 1.0
-SWITCH_INTERVAL_S = 0.0005
 
 
 def replica_options(tensor_parallel_size: int, device: str, num_cpus: float, engine_process: bool = True) -> dict:
@@ -71,10 +68,6 @@ class LLMServer:
         self.replica_id = _replica_tag()
         self.drain_timeout_s = drain_timeout_s
         self.debug = debug
-        # The engine's step thread and Serve's event loop share this process's GIL. Python hands the GIL to a
-        # waiting thread only every switch interval (5 ms by default), so while the step thread computes, the event
-        # loop (request admission, streaming) would wait that long for each turn.
-        sys.setswitchinterval(float(os.environ.get("PAGODA_GIL_SWITCH_INTERVAL_S", SWITCH_INTERVAL_S)))
         if engine_process:  # the step loop in an actor of its own (cluster/engine_core.py)
             from cluster.engine_core import RemoteAsyncEngine, core_actor_options
 

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from engine.llm_engine import EngineStats, LLMEngine, Prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -50,6 +56,11 @@ class EngineLoop:
 
     def start(self) -> None:
         if self._thread is None:
+            # The step thread shares this process's GIL with an event loop (in a replica) or with the threads that
+            # answer polls (in the engine actor). Python hands the GIL to a waiting thread only every switch
+            # interval, 5 ms by default: the step thread, back from waiting on the device, would wait that long
+            # to launch the next step while the GPU idles.
+            sys.setswitchinterval(float(os.environ.get("PAGODA_GIL_SWITCH_INTERVAL_S", SWITCH_INTERVAL_S)))
             self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
             self._thread.start()
 
@@ -87,6 +98,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         _configure_step_thread(self.engine.config.parallel.device)
+        report = _StepReport(self.engine)
         try:
             while not self._stopping:
                 self._apply_ops()
@@ -101,6 +113,7 @@ class EngineLoop:
                 if outputs:
                     self.on_outputs(outputs)
                 self._check_executor()
+                report.maybe_print(self.stats)
         except BaseException as e:  # the loop is the replica's heart: report, fail everyone, stop
             logger.exception("engine loop died")
             self.dead_error = f"{type(e).__name__}: {e}"
@@ -316,12 +329,29 @@ class AsyncLLMEngine(OutputStreams):
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(error))
 
 
+class _StepReport:
+    """With PAGODA_LOG_STEPS_S=T, a line on stderr every T seconds of work: steps, time per step, the part of it
+    spent waiting for the device, and the batch. A loop whose device wait is near zero is host-bound."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.interval_s = float(os.environ.get("PAGODA_LOG_STEPS_S", "0"))
+        self.last, self.last_time = replace(engine.timing), time.monotonic()
+
+    def maybe_print(self, stats: EngineStats) -> None:
+        if self.interval_s <= 0 or time.monotonic() - self.last_time < self.interval_s:
+            return
+        t = self.engine.timing.since(self.last)
+        print(f"pagoda engine: {t['steps']} steps, {t['ms_per_step']:.2f} ms/step, device wait "
+              f"{t['device_wait_ms_per_step']:.2f} ms/step, running {stats.num_running}, waiting {stats.num_waiting}",
+              file=sys.stderr, flush=True)
+        self.last, self.last_time = replace(self.engine.timing), time.monotonic()
+
+
 def _configure_step_thread(device: str) -> None:
     """On CPU, torch's multi-threaded ops started from a thread other than the main one pay for a new OpenMP team
     on every op (a 64x128 matmul: 60 us instead of 11 us on the CI machine): the step thread runs its ops on
     PAGODA_TORCH_THREADS threads (default 1)."""
-    import os
-
     from engine.config import resolve_device
 
     if resolve_device(device) == "cpu":

@@ -38,6 +38,22 @@ class EngineStats:
     generation_tokens: int
 
 
+@dataclass
+class StepTiming:
+    """Where step() spends its time, cumulative. wait_s is the part spent waiting for the device to finish a step
+    launched earlier (with overlap): a share near zero means the host, not the device, sets the pace."""
+
+    num_steps: int = 0
+    busy_s: float = 0.0  # inside step()
+    wait_s: float = 0.0  # of which, waiting for a step's results
+
+    def since(self, earlier: StepTiming) -> dict:
+        steps = self.num_steps - earlier.num_steps
+        busy, wait = self.busy_s - earlier.busy_s, self.wait_s - earlier.wait_s
+        return {"steps": steps, "ms_per_step": 1e3 * busy / max(steps, 1),
+                "device_wait_ms_per_step": 1e3 * wait / max(steps, 1)}
+
+
 class RequestGroup:
     """One user request: its n sequences, their detokenizers and what has been reported."""
 
@@ -118,6 +134,7 @@ class LLMEngine:
         self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
         self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
         self.delta_outputs = False  # True: each output holds only what is new since the request's last one
+        self.timing = StepTiming()
         self._ids = itertools.count()
 
     @classmethod
@@ -169,6 +186,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step. With overlap, step N+1 is scheduled and launched before step N's tokens are read
         back, so the host's work hides behind the device's; the outputs returned are then step N's."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.timing.num_steps += 1
+            self.timing.busy_s += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         if not self._can_overlap():
             if self._pending is not None:
                 return self._finish_pending()  # leaving overlap: drain the step in flight first
@@ -205,10 +230,13 @@ class LLMEngine:
             return []
         sched, handle = self._pending
         self._pending = None
+        start = time.perf_counter()
         try:
             result = handle.result()
         except ExecutorError as e:
             return self._fail_step(sched, e)
+        finally:
+            self.timing.wait_s += time.perf_counter() - start
         return self._process(sched, result)
 
     def _fail_step(self, sched, error: ExecutorError) -> list[RequestOutput]:

@@ -1,6 +1,7 @@
 """The offline LLM and the engines around it, on the built-in tiny model."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -144,3 +145,22 @@ def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
         engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, capfd):
+    monkeypatch.setenv("PAGODA_LOG_STEPS_S", "0.000001")  # a line after every step
+
+    async def main():
+        engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+        before = replace(engine.engine.timing)
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True), "t"):
+            pass
+        timing = engine.engine.timing.since(before)
+        engine.shutdown()
+        return timing
+
+    timing = asyncio.run(main())
+    assert timing["steps"] >= 5 and timing["ms_per_step"] > 0
+    assert 0 <= timing["device_wait_ms_per_step"] <= timing["ms_per_step"]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("pagoda engine:")]
+    assert lines and "ms/step, device wait" in lines[0]
