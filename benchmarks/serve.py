@@ -26,13 +26,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
     parser.add_argument("--vocab-size", type=int, default=None, help="for token-id prompts (default: from the server)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests in flight at most (default: no limit, as vllm bench serve)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times; change it between runs "
+                        "against one server, or the prefix cache serves the prompts of the run before")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--output-json", default=None)
 
 
-async def _one(session, url: str, headers: dict, body: dict, delay_s: float) -> dict:
+async def _one(session, url: str, headers: dict, body: dict, delay_s: float, limit: asyncio.Semaphore | None) -> dict:
     await asyncio.sleep(delay_s)
+    if limit is None:
+        return await _send(session, url, headers, body)
+    async with limit:
+        return await _send(session, url, headers, body)
+
+
+async def _send(session, url: str, headers: dict, body: dict) -> dict:
     start = time.perf_counter()
     token_times: list[float] = []
     usage = None
@@ -67,7 +77,9 @@ async def run(args: argparse.Namespace) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    # aiohttp's default pool holds 100 connections: more requests than that would wait in the client.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async with session.get(f"{args.url}/v1/models", headers=headers) as resp:
             models = (await resp.json())["data"]
         model = args.model or models[0]["id"]
@@ -80,7 +92,8 @@ async def run(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         tasks = [_one(session, f"{args.url}/v1/completions", headers,
                       {"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, float(d))
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, float(d),
+                      limit)
                  for p, d in zip(prompts, delays)]
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -90,7 +103,7 @@ async def run(args: argparse.Namespace) -> dict:
     to_ms = lambda d: {k: 1000 * v for k, v in d.items()}  # noqa: E731
     return {
         "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts),
-        "request_rate": args.request_rate, "completed": len(ok), "failed": len(results) - len(ok),
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": [r["error"] for r in results if not r["ok"]][:5], "elapsed_s": elapsed,
         "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,

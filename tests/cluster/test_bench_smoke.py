@@ -1,0 +1,56 @@
+"""The benchmarks as CI smoke tests, on CPU with the tiny model: each runs end to end and writes a JSON result that
+holds the figures it reports. (The figures themselves are for GPUs: benchmarks/results, README.)"""
+
+import json
+
+import pytest
+
+from deploy.cli import main as pagoda
+
+
+def _run(tmp_path, *argv) -> dict:
+    out = tmp_path / "result.json"
+    assert pagoda([*argv, "--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_latency(tmp_path):
+    result = _run(tmp_path, "bench", "latency", "--batch-sizes", "1", "3", "--prompt-lens", "8", "20",
+                  "--decode-steps", "4")
+    cases = {(r["batch"], r["prompt_len"]): r for r in result["results"]}
+    assert set(cases) == {(1, 8), (1, 20), (3, 8), (3, 20)}
+    assert all(r["decode_ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in cases.values())
+
+
+def test_bench_throughput_beside_transformers(tmp_path):
+    result = _run(tmp_path, "bench", "throughput", "--num-requests", "6", "--input-len-range", "8", "24",
+                  "--output-len", "5", "--compare", "hf")
+    hf, pagoda_row = result["results"]
+    assert (hf["engine"], pagoda_row["engine"]) == ("transformers", "pagoda")
+    for row in (hf, pagoda_row):
+        assert row["requests"] == 6 and row["total_tokens_per_s"] > row["output_tokens_per_s"] > 0
+    assert result["speedup_total_tokens"] == pytest.approx(
+        pagoda_row["total_tokens_per_s"] / hf["total_tokens_per_s"])
+    assert pagoda_row["engine_steps"]["steps"] >= 5
+
+
+@pytest.mark.parametrize("rate", ["inf", "20"])
+def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate):
+    api_key = auth["Authorization"].removeprefix("Bearer ")
+    result = _run(tmp_path, "bench", "serve", "--url", serve_url, "--api-key", api_key, "--model", "tiny",
+                  "--num-requests", "6", "--input-len-range", "8", "24", "--output-len", "5",
+                  "--request-rate", rate, "--max-concurrency", "4", "--vocab-size", "200", "--seed", str(len(rate)))
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert 0 < result[metric]["p50"] <= result[metric]["p99"]
+    assert result["e2e_ms"]["p50"] >= result["ttft_ms"]["p50"]
+
+
+def test_bench_kernels_smoke(tmp_path):
+    from benchmarks.kernels import main as kernels
+
+    out = tmp_path / "kernels.json"
+    assert kernels(["--smoke", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not result["failures"] and {r["kernel"] for r in result["results"]} >= {"decode attn", "prefill attn"}
