@@ -108,12 +108,13 @@ class EngineLoop:
                         self._check_executor()  # idle: a worker that died now is noticed within a second
                     self._wakeup.clear()
                     continue
+                report.before_step()
                 outputs = self.engine.step()
                 self.stats = self.engine.get_stats()
                 if outputs:
                     self.on_outputs(outputs)
                 self._check_executor()
-                report.maybe_print(self.stats)
+                report.after_step(self.stats)
         except BaseException as e:  # the loop is the replica's heart: report, fail everyone, stop
             logger.exception("engine loop died")
             self.dead_error = f"{type(e).__name__}: {e}"
@@ -330,15 +331,37 @@ class AsyncLLMEngine(OutputStreams):
 
 
 class _StepReport:
-    """With PAGODA_LOG_STEPS_S=T, a line on stderr every T seconds of work: steps, time per step, the part of it
-    spent waiting for the device, and the batch. A loop whose device wait is near zero is host-bound."""
+    """Diagnostics of the step loop, on stderr. PAGODA_LOG_STEPS_S=T: a line every T seconds of work (steps, time
+    per step, the part of it spent waiting for the device, the batch); a loop whose device wait is near zero is
+    host-bound. PAGODA_PROFILE_STEPS=FIRST:COUNT: a cProfile of those steps of the loop (where the host's time
+    goes), printed once they are done."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.interval_s = float(os.environ.get("PAGODA_LOG_STEPS_S", "0"))
         self.last, self.last_time = replace(engine.timing), time.monotonic()
+        first, _, count = os.environ.get("PAGODA_PROFILE_STEPS", "").partition(":")
+        self.profile_steps = range(int(first), int(first) + int(count or 1)) if first else range(0)
+        self.profiler = None
+        self.num_steps = 0
 
-    def maybe_print(self, stats: EngineStats) -> None:
+    def before_step(self) -> None:
+        if self.num_steps == self.profile_steps.start and self.profile_steps:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+
+    def after_step(self, stats: EngineStats) -> None:
+        self.num_steps += 1
+        if self.profiler is not None and self.num_steps == self.profile_steps.stop:
+            import pstats
+
+            self.profiler.disable()
+            print(f"pagoda engine: profile of steps {self.profile_steps.start}-{self.profile_steps.stop - 1}, "
+                  f"running {stats.num_running}", file=sys.stderr)
+            pstats.Stats(self.profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+            self.profiler = None
         if self.interval_s <= 0 or time.monotonic() - self.last_time < self.interval_s:
             return
         t = self.engine.timing.since(self.last)

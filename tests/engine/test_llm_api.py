@@ -149,7 +149,7 @@ def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
 
 def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, capfd):
     monkeypatch.setenv("PAGODA_LOG_STEPS_S", "0.000001")  # a line after every step
-
+    monkeypatch.setenv("PAGODA_PROFILE_STEPS", "1:2")
     async def main():
         engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
         before = replace(engine.engine.timing)
@@ -162,5 +162,7 @@ def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, c
     timing = asyncio.run(main())
     assert timing["steps"] >= 5 and timing["ms_per_step"] > 0
     assert 0 <= timing["device_wait_ms_per_step"] <= timing["ms_per_step"]
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("pagoda engine:")]
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("pagoda engine:")]
     assert lines and "ms/step, device wait" in lines[0]
+    assert "pagoda engine: profile of steps 1-2" in err and "tottime" in err
