@@ -71,7 +71,8 @@ class LLMServer:
         if engine_process:  # the step loop in an actor of its own (cluster/engine_core.py)
             from cluster.engine_core import RemoteAsyncEngine, core_actor_options
 
-            self.engine = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs))
+            self.engine = RemoteAsyncEngine(engine_kwargs, core_actor_options(engine_kwargs),
+                                            output_interval_s=stream_interval_s / 4)
         else:
             self.engine = AsyncLLMEngine.from_args(**engine_kwargs)
         self.metrics = ReplicaMetrics(served_model_name, self.replica_id)

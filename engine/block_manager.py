@@ -128,23 +128,38 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int) -> list[int]:
         """Makes room for num_new_tokens more tokens; returns the block ids added to the table (copy-on-write
         replacements included, which also queue a (src, dst) copy). Caller checks `can_allocate` first."""
-        assert self.can_allocate(req, num_new_tokens), f"no room for {num_new_tokens} tokens of {req.req_id}"
-        table = self.tables.setdefault(req.req_id, [])
+        reserved = self.try_allocate(req, num_new_tokens)
+        assert reserved is not None, f"no room for {num_new_tokens} tokens of {req.req_id}"
+        return reserved[0]
+
+    def try_allocate(self, req: Request, num_new_tokens: int) -> tuple[list[int], bool] | None:
+        """`allocate` when there is room: (block ids added, whether the last block was copied on write); None,
+        changing nothing, when there is not. One pass: the scheduler calls it for every running request at
+        every step."""
+        table = self.tables.get(req.req_id)
+        if table is None:
+            table = []
+        copy = self._needs_copy(req, table)
+        needed = max(-(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table), 0)
+        if needed == 0 and not copy:
+            return [], False  # a decode step inside the last block: the common case
+        if needed + copy > self.num_free_blocks:
+            return None
+        self.tables[req.req_id] = table
         self.num_committed.setdefault(req.req_id, 0)
         added = []
-        if self._needs_copy(req, table):
+        if copy:
             index = req.num_computed_tokens // self.block_size
             src, dst = table[index], self._pop_free()
             self._release(src)
             table[index] = dst
             self.pending_copies.append((src, dst))
             added.append(dst)
-        needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        for _ in range(max(needed, 0)):
+        for _ in range(needed):
             block_id = self._pop_free()
             table.append(block_id)
             added.append(block_id)
-        return added
+        return added, copy
 
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's blocks that cover its first num_tokens tokens (n > 1: one prompt, many completions).

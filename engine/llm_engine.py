@@ -68,6 +68,7 @@ class RequestGroup:
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                    params.include_stop_str_in_output) for _ in seqs]
         self.arrival_time = time.monotonic()
+        self.last_emit: float | None = None  # when step() last returned an output of it
         self.num_sent_tokens = [0] * len(seqs)  # per sequence, for delta outputs
         self.sent_logprob_sums = [0.0] * len(seqs)
 
@@ -134,6 +135,7 @@ class LLMEngine:
         self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
         self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
         self.delta_outputs = False  # True: each output holds only what is new since the request's last one
+        self.output_interval_s = 0.0  # > 0 (delta outputs): a running request's outputs come at most this often
         self.timing = StepTiming()
         self._ids = itertools.count()
 
@@ -256,7 +258,19 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_STOPPED)
                 seq.stop_reason = stop
             touched[group.request_id] = group
-        return [self._emit(group) for group in touched.values() if self.stream_outputs or group.is_finished]
+        if not self.stream_outputs:
+            return [self._emit(group) for group in touched.values() if group.is_finished]
+        if self.output_interval_s <= 0:
+            return [self._emit(group) for group in touched.values()]
+        now = time.monotonic()
+        outputs = []
+        for group in touched.values():
+            # The first token and the end go out at once; between them, at most one output per interval (delta
+            # outputs lose nothing by waiting: the next carries everything since the last).
+            if group.is_finished or group.last_emit is None or now - group.last_emit >= self.output_interval_s:
+                group.last_emit = now
+                outputs.append(self._emit(group))
+        return outputs
 
     def _emit(self, group: RequestGroup, error: str | None = None) -> RequestOutput:
         out = group.make_output(error, self.delta_outputs)

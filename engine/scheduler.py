@@ -81,15 +81,14 @@ class Scheduler:
             if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1
                 continue
-            while not self.block_manager.can_allocate(req, num_new):
+            while (reserved := self.block_manager.try_allocate(req, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req itself was preempted: nothing after it is left either
-            is_copy = self.block_manager.needs_copy(req)  # writing into a block shared with an n > 1 sibling
-            new_block_ids = self.block_manager.allocate(req, num_new)
+            new_block_ids, is_copy = reserved  # is_copy: its last block was shared with an n > 1 sibling
             if is_copy:
                 new_block_ids = list(self.block_manager.block_ids(req.req_id))
             out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens, is_copy))

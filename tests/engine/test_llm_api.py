@@ -166,3 +166,28 @@ def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, c
     lines = [line for line in err.splitlines() if line.startswith("pagoda engine:")]
     assert lines and "ms/step, device wait" in lines[0]
     assert "pagoda engine: profile of steps 1-2" in err and "tottime" in err
+
+
+def test_delta_outputs_with_an_interval_lose_nothing(tiny_model_dir):
+    """Delta outputs at most once per (long) interval: the first token and the end come at once, nothing in
+    between, and together they are the whole output the engine gives cumulatively."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engines = [LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
+               for _ in range(2)]
+    engines[1].delta_outputs, engines[1].output_interval_s = True, 60.0
+    outputs = []
+    for engine in engines:
+        engine.add_request("r", "Once upon a time", params)
+        got = []
+        while engine.has_unfinished_requests():
+            got += engine.step()
+        outputs.append(got)
+        engine.shutdown()
+    cumulative, deltas = outputs
+    assert len(cumulative) == 12 and len(deltas) == 2  # one per step; first token and end
+    first, last = (d.outputs[0] for d in deltas)
+    whole = cumulative[-1].outputs[0]
+    assert len(first.token_ids) == 1 and last.finish_reason == "length" and deltas[1].finished
+    assert first.token_ids + last.token_ids == whole.token_ids and first.text + last.text == whole.text
+    assert [x.keys() for x in first.logprobs + last.logprobs] == [x.keys() for x in whole.logprobs]
+    assert abs(last.cumulative_logprob - whole.cumulative_logprob) < 1e-5
