@@ -32,6 +32,11 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# One ingress process parses, validates and streams every request; on an H200, 256 streams all at once gave
+# 20.3k total tok/s through 1 ingress replica, 24.3k-25.6k through 4 and 22.2k-22.5k through 8.
+GPU_INGRESS_REPLICAS = 4
+
+
 def serve_app_args(args: argparse.Namespace) -> dict:
     """`pagoda serve` flags → the args of cluster.app:build_app (the same shape as deploy/serve.yaml's)."""
     model = engine_kwargs(args) | {"served_model_name": args.served_model_name}
@@ -50,8 +55,13 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         model["autoscaling_config"] = scaling
     else:
         model["num_replicas"] = args.num_replicas or 1
+    ingress_replicas = args.ingress_replicas
+    if ingress_replicas is None:
+        from engine.config import resolve_device
+
+        ingress_replicas = GPU_INGRESS_REPLICAS if resolve_device(model.get("device", "auto")) == "cuda" else 1
     return {"models": [model], "api_key": args.api_key or os.environ.get("PAGODA_API_KEY"),
-            "ingress_replicas": args.ingress_replicas}
+            "ingress_replicas": ingress_replicas}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -117,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
     srv.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling: per replica")
     srv.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
-    srv.add_argument("--ingress-replicas", type=int, default=1)
+    srv.add_argument("--ingress-replicas", type=int, default=None,
+                     help=f"HTTP ingress replicas (default: {GPU_INGRESS_REPLICAS} when the model is on a GPU, else 1)")
     srv.add_argument("--stream-interval-s", type=float, default=None,
                      help="stream what accumulated at most this often (default 0.1; 0: every step)")
     srv.add_argument("--engine-in-replica", action="store_true",

@@ -233,7 +233,7 @@ def test_replica_placement_is_derived_from_the_parallel_config():
 
 
 def test_cli_flags_become_app_args():
-    from deploy.cli import build_parser, serve_app_args
+    from deploy.cli import GPU_INGRESS_REPLICAS, build_parser, serve_app_args
 
     args = build_parser().parse_args(["serve", "--served-model-name", "m", "--min-replicas", "1",
                                       "--max-replicas", "3", "--target-ongoing-requests", "8", "--api-key", "k"])
@@ -241,7 +241,12 @@ def test_cli_flags_become_app_args():
     assert app_args["models"][0]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
                                                             "target_ongoing_requests": 8.0}
     assert app_args["api_key"] == "k"
+    assert app_args["ingress_replicas"] == 1  # no GPU here
     parse_args(app_args)
+    on_gpu = serve_app_args(build_parser().parse_args(["serve", "--device", "cuda"]))
+    assert on_gpu["ingress_replicas"] == GPU_INGRESS_REPLICAS
+    chosen = serve_app_args(build_parser().parse_args(["serve", "--device", "cuda", "--ingress-replicas", "2"]))
+    assert chosen["ingress_replicas"] == 2
     args = build_parser().parse_args(["serve", "--num-replicas", "2", "--max-replicas", "3"])
     with pytest.raises(ValueError, match="not both"):
         serve_app_args(args)
