@@ -186,3 +186,28 @@ def test_engine_core_deltas_carry_only_what_is_new(engine_kwargs):
         core.check_integrity()
     finally:
         core.shutdown()
+
+
+def test_adds_and_aborts_of_one_event_loop_turn_go_in_one_ordered_call():
+    """No Ray: the replica side's queue, with a stand-in for the actor method."""
+    sent = []
+
+    class Method:
+        def remote(self, ops):
+            sent.append(ops)
+
+    engine = object.__new__(RemoteAsyncEngine)
+    engine._ops, engine._closed, engine._apply = [], False, Method()
+
+    async def burst():
+        for i in range(5):
+            engine._send(("add", f"r{i}", None, [1, 2], None))
+        engine._send(("abort", "r1"))
+        await asyncio.sleep(0)  # the turn ends: one call
+        engine._send(("abort", "r3"))
+        await asyncio.sleep(0)
+
+    asyncio.run(burst())
+    assert [[op[:2] for op in ops] for ops in sent] == [
+        [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r1")],
+        [("abort", "r3")]]
