@@ -1,6 +1,7 @@
 """The benchmarks as CI smoke tests, on CPU with the tiny model: each runs end to end and writes a JSON result that
 holds the figures it reports. (The figures themselves are for GPUs: benchmarks/results, README.)"""
 
+import argparse
 import json
 
 import pytest
@@ -54,3 +55,16 @@ def test_bench_kernels_smoke(tmp_path):
     assert kernels(["--smoke", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert not result["failures"] and {r["kernel"] for r in result["results"]} >= {"decode attn", "prefill attn"}
+
+
+def test_bench_host_step(tmp_path):
+    from benchmarks.host_step import add_args, main
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    out = tmp_path / "host.json"
+    result = main(parser.parse_args(["--num-seqs", "8", "--steps", "5", "--prompt-len", "20",
+                                     "--output-json", str(out)]))
+    assert json.loads(out.read_text()) == result
+    assert [r["mode"] for r in result["results"]] == ["final", "cumulative", "delta", "delta+interval"]
+    assert all(r["host_ms_per_step"] > 0 for r in result["results"])
