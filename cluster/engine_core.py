@@ -92,8 +92,10 @@ class EngineCore:
         for op in ops:
             if op[0] == "add":
                 self.add(*op[1:])
-            else:
+            elif op[0] == "abort":
                 self.abort(op[1])
+            else:
+                raise ValueError(f"unknown engine operation {op[0]!r}")
 
     def check_integrity(self) -> None:
         """Runs the block manager's invariants between two steps; raises what they raise."""

@@ -338,10 +338,9 @@ class _StepReport:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.interval_s = float(os.environ.get("PAGODA_LOG_STEPS_S", "0"))
+        self.interval_s = _float_env("PAGODA_LOG_STEPS_S")
         self.last, self.last_time = replace(engine.timing), time.monotonic()
-        first, _, count = os.environ.get("PAGODA_PROFILE_STEPS", "").partition(":")
-        self.profile_steps = range(int(first), int(first) + int(count or 1)) if first else range(0)
+        self.profile_steps = _step_range(os.environ.get("PAGODA_PROFILE_STEPS", ""))
         self.profiler = None
         self.num_steps = 0
 
@@ -369,6 +368,26 @@ class _StepReport:
               f"{t['device_wait_ms_per_step']:.2f} ms/step, running {stats.num_running}, waiting {stats.num_waiting}",
               file=sys.stderr, flush=True)
         self.last, self.last_time = replace(self.engine.timing), time.monotonic()
+
+
+def _float_env(name: str) -> float:
+    try:
+        return float(os.environ.get(name, "0"))
+    except ValueError:
+        logger.warning("%s=%r is not a number: ignored", name, os.environ[name])
+        return 0.0
+
+
+def _step_range(spec: str) -> range:
+    """"FIRST:COUNT" (or "FIRST": one step) as a range of step numbers; empty when unset or malformed."""
+    if not spec:
+        return range(0)
+    first, _, count = spec.partition(":")
+    try:
+        return range(int(first), int(first) + int(count or 1))
+    except ValueError:
+        logger.warning("PAGODA_PROFILE_STEPS=%r is not FIRST:COUNT: ignored", spec)
+        return range(0)
 
 
 def _configure_step_thread(device: str) -> None:

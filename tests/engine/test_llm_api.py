@@ -191,3 +191,16 @@ def test_delta_outputs_with_an_interval_lose_nothing(tiny_model_dir):
     assert first.token_ids + last.token_ids == whole.token_ids and first.text + last.text == whole.text
     assert [x.keys() for x in first.logprobs + last.logprobs] == [x.keys() for x in whole.logprobs]
     assert abs(last.cumulative_logprob - whole.cumulative_logprob) < 1e-5
+
+
+def test_malformed_step_report_settings_are_ignored(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PAGODA_LOG_STEPS_S", "often")
+    monkeypatch.setenv("PAGODA_PROFILE_STEPS", "a:b")
+
+    async def main():
+        engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
+        outs = [out async for out in engine.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True), "m")]
+        engine.shutdown()
+        return outs
+
+    assert asyncio.run(main())[-1].finished  # the loop runs; the settings only warn
