@@ -299,9 +299,9 @@ PREFILL_TUNE_CONFIGS = [
 
 
 def bench_tune_decode(runner: Runner, cfg: dict):
-    """Sweep decode's tile configs and split counts at a few sizes: the
-    defaults in kernels/paged_attention.py (decode_config, decode_num_splits) should be the best rows. Where the
-    default splits the context, every config is also tried at half and twice as many splits."""
+    """Sweep decode's tile configs and split counts at a few sizes: the defaults in kernels/paged_attention.py
+    (decode_config, decode_num_splits) should be the best rows. Every config runs at the default split count and at
+    half and twice as many (1 and 2 where the default does not split)."""
     device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
     scale = 1 / math.sqrt(dim)
     for batch, ctx in DECODE_TUNE_CASES:
