@@ -62,9 +62,8 @@ class BlockManager:
 
     def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         """Blocks to add so that positions up to num_computed + num_new fit, counting a copy-on-write block."""
-        table = self.tables.get(req.req_id, [])
-        needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        return max(needed, 0) + int(self._needs_copy(req, table))
+        appended, copy = self._growth(req, self.tables.get(req.req_id, []), num_new_tokens)
+        return appended + int(copy)
 
     def needs_copy(self, req: Request) -> bool:
         return self._needs_copy(req, self.tables.get(req.req_id, []))
@@ -139,8 +138,7 @@ class BlockManager:
         table = self.tables.get(req.req_id)
         if table is None:
             table = []
-        copy = self._needs_copy(req, table)
-        needed = max(-(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table), 0)
+        needed, copy = self._growth(req, table, num_new_tokens)
         if needed == 0 and not copy:
             return [], False  # a decode step inside the last block: the common case
         if needed + copy > self.num_free_blocks:
@@ -188,6 +186,11 @@ class BlockManager:
                 block.block_hash = None
 
     # ---- internals -----------------------------------------------------------------------------------------------
+    def _growth(self, req: Request, table: list[int], num_new_tokens: int) -> tuple[int, bool]:
+        """(blocks to append, whether the block written first must be copied on write) for num_new_tokens more."""
+        needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+        return max(needed, 0), self._needs_copy(req, table)
+
     def _needs_copy(self, req: Request, table: list[int]) -> bool:
         """Writing into a partly filled block that another table shares: copy it first."""
         offset, index = req.num_computed_tokens % self.block_size, req.num_computed_tokens // self.block_size

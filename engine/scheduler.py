@@ -115,12 +115,11 @@ class Scheduler:
                 self.block_manager.allocate_cached(req, hits)
                 req.num_computed_tokens = len(hits) * self.block_manager.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(req, num_new):
+            if self.block_manager.try_allocate(req, num_new) is None:
                 self.block_manager.free(req)
                 req.num_computed_tokens = 0
                 self.waiting.appendleft(req)
                 break
-            self.block_manager.allocate(req, num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
