@@ -95,12 +95,13 @@ class RequestGroup:
         logprobs = cumulative = None
         if self.params.logprobs is not None:
             logprobs = []
+            cumulative = self.sent_logprob_sums[seq.index] if delta else 0.0
             for token_id, lp in zip(token_ids, seq.output_logprobs[start:]):
                 entry = dict(zip(lp.top_token_ids, lp.top_logprobs)) if lp else {}
                 entry[token_id] = lp.sampled_logprob if lp else float("nan")
                 logprobs.append(entry)
-            new_sum = sum(lp.sampled_logprob for lp in seq.output_logprobs[start:] if lp)
-            cumulative = (self.sent_logprob_sums[seq.index] if delta else 0.0) + new_sum
+                if lp:
+                    cumulative += lp.sampled_logprob
         if delta:
             self.num_sent_tokens[seq.index] = len(seq.output_token_ids)
             if cumulative is not None:
