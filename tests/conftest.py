@@ -45,6 +45,11 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        from deploy.cli import ingress_env
+
+        # Serve as `pagoda serve` runs it (HAProxy, ingress replicas serving HTTP, gRPC between deployments); its
+        # processes read this environment when they start. test_serve_cli covers the Python proxy too.
+        os.environ.update(ingress_env("direct"))
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
     yield ray

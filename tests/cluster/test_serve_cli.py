@@ -38,6 +38,16 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def names(pids: set[int]) -> set[str]:
+    result = set()
+    for pid in pids:
+        try:
+            result.add(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return result
+
+
 def alive(pids: set[int]) -> set[int]:
     result = set()
     for pid in pids:
@@ -51,7 +61,8 @@ def alive(pids: set[int]) -> set[int]:
 
 
 @pytest.mark.timeout(360)
-def test_pagoda_serve_answers_and_exits_cleanly_on_sigint():
+@pytest.mark.parametrize("ingress_mode", ["direct", "proxy"])
+def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
     import openai
 
     port = free_port()
@@ -60,7 +71,8 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint():
     env.update(PAGODA_TORCH_THREADS="1", RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "2",
            "--num-kv-blocks", "64", "--replica-num-cpus", "0.5", "--served-model-name", "cli-tiny",
-           "--api-key", "cli-key", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "4"]
+           "--api-key", "cli-key", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "4",
+           "--ingress-mode", ingress_mode]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -83,6 +95,8 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint():
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
         tree = descendants(proc.pid)
         assert tree, "Ray's processes should run below the CLI"
+        # direct: HAProxy holds the port and the ingress replicas serve HTTP; proxy: Serve's Python proxy does
+        assert ("haproxy" in names(tree)) == (ingress_mode == "direct"), names(tree)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, "".join(lines[-40:])
         deadline = time.monotonic() + 30

@@ -127,15 +127,18 @@ def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_
     base, _ = running_app
     deadline = time.monotonic() + 120
     wanted = set(known_metrics) - ONLY_ON_CRASH
-    missing = wanted
-    while missing and time.monotonic() < deadline:  # Ray exports every few seconds; rate() needs two scrapes
-        _send_traffic(base)
+    missing, errors = wanted, []
+    bad_request = 'ray_serve_num_http_requests_total{status_code="400"}'
+    while (missing or not errors) and time.monotonic() < deadline:  # Ray exports every few seconds; rate()
+        _send_traffic(base)  # needs two scrapes
         time.sleep(3)
         try:
             missing = {name for name in wanted if not _query(prometheus, _ours(name))["data"]["result"]}
+            errors = _query(prometheus, bad_request)["data"]["result"]
         except OSError:
             continue  # Prometheus still starting
     assert not missing, f"Prometheus has no samples of: {sorted(missing)}"
+    assert errors, "the invalid request is not counted as a 400"
 
     engine_labels = {"model_name", "replica"}
     for name in known_metrics:
@@ -146,8 +149,6 @@ def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_
     assert ours and all(series["metric"]["replica"] for series in ours)  # other tests' apps may report too
     success = _series_labels(prometheus, "ray_pagoda_request_success_total")
     assert any("finished_reason" in s for s in success)
-    errors = _query(prometheus, 'ray_serve_num_http_requests_total{status_code="400"}')["data"]["result"]
-    assert errors, "the invalid request is not counted as a 400"
 
     for _ in range(3):
         _send_traffic(base)
