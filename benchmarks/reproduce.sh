@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the README's benchmark table on one GPU machine (about 10 minutes on an H200), writing JSON into OUT_DIR.
+# Runs the README's benchmark table on one GPU machine (about 12 minutes on an H200), writing JSON into OUT_DIR.
 #   benchmarks/reproduce.sh [OUT_DIR]          PRESET=llama-3-8b, PYTHON=python3, TP=2 (skipped on one GPU)
 set -uo pipefail
 OUT=${1:-bench-results}
@@ -15,10 +15,10 @@ step kernels $PY -m benchmarks.kernels --check --cuda-graph --output-json "$OUT/
 step latency $PY -m deploy.cli bench latency --preset "$PRESET" --profile-steps 8 --output-json "$OUT/latency.json"
 step throughput $PY -m deploy.cli bench throughput --preset "$PRESET" --compare hf \
   --output-json "$OUT/throughput.json"
-# Through HTTP: all at once, then 4 requests/s of 1024-token prompts; the engine in its own actor, then in the
-# replica's process.
-for mode in engine-actor engine-in-replica; do
-  flag=$([ "$mode" = engine-in-replica ] && echo --engine-in-replica || true)
+# Through HTTP: all at once, then 4 requests/s of 1024-token prompts; as `pagoda serve` runs by default, behind
+# Serve's Python proxy, and with the engine in the replica's process (a fresh server, so an empty prefix cache, each).
+for mode in default proxy engine-in-replica; do
+  flag=$(case $mode in proxy) echo --ingress-mode proxy;; engine-in-replica) echo --engine-in-replica;; esac)
   runs="--num-requests 256 --request-rate inf --vocab-size $VOCAB --output-json $OUT/serve-all-$mode.json"
   runs+=";--num-requests 48 --request-rate 4 --input-len-range 1024 1024 --output-len 64 --vocab-size $VOCAB"
   runs+=" --output-json $OUT/serve-poisson-$mode.json"
