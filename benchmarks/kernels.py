@@ -60,6 +60,7 @@ def time_ms(fn, device: torch.device) -> float:
     if device.type == "cuda":
         import triton.testing
 
+        torch.cuda.synchronize()  # do_bench_cudagraph runs fn on a new stream, which would not wait for the inputs
         if USE_CUDA_GRAPH:
             return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -87,7 +88,7 @@ class Runner:
     def __init__(self, device: torch.device, check: bool, use_triton: bool):
         self.device, self.check, self.use_triton = device, check, use_triton
         self.results, self.failures = [], []
-        print(f"{'kernel':<16} {'case':<24} {'impl':<15} {'time':>10} {'achieved':>15} {'of ceiling':>10}")
+        print(f"{'kernel':<16} {'case':<24} {'impl':<21} {'time':>10} {'achieved':>15} {'of ceiling':>10}")
 
     def case(self, kernel: str, case: str, build):
         """build() -> (impls {name: fn}, work {"bytes" or "flops": n}, check fn or None). Never raises.
@@ -116,7 +117,7 @@ class Runner:
 
     def _fail(self, kernel, case, impl, exc):
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        print(f"{kernel:<16} {case:<24} {impl:<15} FAILED {message}")
+        print(f"{kernel:<16} {case:<24} {impl:<21} FAILED {message}")
         if not isinstance(exc, (AssertionError, torch.cuda.OutOfMemoryError)):
             traceback.print_exc(limit=3)
         self.failures.append(dict(kernel=kernel, case=case, impl=impl, error=message))
@@ -133,7 +134,7 @@ class Runner:
                    fraction_of_ceiling=rate / ceiling, **work)
         self.results.append(row)
         vs = f"  ({baseline[1] / ms:.2f}x {baseline[0]})" if baseline else ""
-        print(f"{kernel:<16} {case:<24} {impl:<15} {ms * 1e3:>8.1f}us {scaled:>9.1f} {unit:<7}"
+        print(f"{kernel:<16} {case:<24} {impl:<21} {ms * 1e3:>8.1f}us {scaled:>9.1f} {unit:<7}"
               f"{100 * rate / ceiling:>8.1f}%{vs}")
 
 
@@ -151,6 +152,22 @@ def paged_kv(num_tokens_per_seq: int, num_seqs: int, cfg: dict, device: torch.de
         return cache[tables.long()].flatten(1, 2)[:, :num_tokens_per_seq].transpose(1, 2).contiguous()
 
     return k_cache, v_cache, tables, dense(k_cache), dense(v_cache)
+
+
+def check_merges(args: tuple) -> float:
+    """Both decode merges (fused: the last split merges; or a second kernel) against the reference, for two queries
+    in a row: the second call must find the fused merge's arrival counters zeroed again (a merge left undone leaves
+    the output wrong). Raises on a mismatch, as max_error does."""
+    error = 0.0
+    for q in (args[0], torch.randn_like(args[0])):
+        call = (q, *args[1:])
+        ref = paged_attention_decode_ref(*call)
+        for fused in (True, False):
+            try:
+                error = max(error, max_error(paged_attention_decode_triton(*call, fused_merge=fused), ref, 2e-2))
+            except AssertionError as exc:
+                raise AssertionError(f"{'fused merge' if fused else 'merge kernel'}: {exc}") from None
+    return error
 
 
 def bench_decode(runner: Runner, cfg: dict):
@@ -180,8 +197,10 @@ def bench_decode(runner: Runner, cfg: dict):
 
                 def check():
                     ref = paged_attention_decode_ref(*args)
-                    out = paged_attention_decode_triton(*args) if runner.use_triton else impls["torch sdpa"]()[:, :, 0]
-                    return max_error(out, ref, 2e-2)
+                    if not runner.use_triton:
+                        return max_error(impls["torch sdpa"]()[:, :, 0], ref, 2e-2)
+                    error = max_error(paged_attention_decode_triton(*args), ref, 2e-2)
+                    return max(error, check_merges(args)) if splits > 1 else error
 
                 return impls, work, check
 
@@ -288,8 +307,13 @@ def bench_elementwise(runner: Runner, cfg: dict):
 
 
 DECODE_TUNE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 8192), (64, 8192), (256, 2048)]
-DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (4, 8)
-                       for st in (3, 5)] + [dict(block_n=64, num_warps=4, num_stages=6)]
+# The tile configs that were competitive in the full sweep (benchmarks/results/h200-kernels-tune-decode.txt): n64 w4
+# st5 (the default with few programs), n64 w4 st3 (the default with many), n128 w4 st3 (best at 8k).
+DECODE_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st)
+                       for n, w, st in [(64, 4, 5), (64, 4, 3), (128, 4, 3)]]
+# Batch 1: the power-of-two default (32), the programs wanted for two per SM on an H200 (132 x 2 / 8 KV heads = 33),
+# and twice each.
+DECODE_TUNE_SPLITS_BATCH_1 = [32, 33, 64, 66]
 PREFILL_TUNE_CASES = [2048, 4096, 8192]
 PREFILL_TUNE_CONFIGS = [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
@@ -299,9 +323,11 @@ PREFILL_TUNE_CONFIGS = [
 
 
 def bench_tune_decode(runner: Runner, cfg: dict):
-    """Sweep decode's tile configs and split counts at a few sizes: the defaults in kernels/paged_attention.py
-    (decode_config, decode_num_splits) should be the best rows. Every config runs at the default split count and at
-    half and twice as many (1 and 2 where the default does not split)."""
+    """Sweep decode's merges, split counts and tile configs at a few sizes: the defaults in kernels/paged_attention.py
+    (decode_config, decode_num_splits) should be the best rows. Each case times the default (where it splits, the
+    fused merge: the last split merges) and, where it splits, the merge in a second kernel; batch 1 also both merges at
+    DECODE_TUNE_SPLITS_BATCH_1 x DECODE_TUNE_CONFIGS, and cases the default does not split both at 2 splits.
+    About 90 s on an H200."""
     device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
     scale = 1 / math.sqrt(dim)
     for batch, ctx in DECODE_TUNE_CASES:
@@ -313,10 +339,18 @@ def bench_tune_decode(runner: Runner, cfg: dict):
             args = (q, k_cache, v_cache, tables, lens, scale)
             default = decode_num_splits(batch, cfg["num_kv_heads"], ctx, device)
             impls = {"default": lambda: paged_attention_decode_triton(*args)}
-            for splits in sorted({max(default // 2, 1), default, default * 2} if default > 1 else {1, 2}):
-                for c in DECODE_TUNE_CONFIGS:
-                    name = "s{} n{block_n} w{num_warps} st{num_stages}".format(splits, **c)
-                    impls[name] = lambda c=c, s=splits: paged_attention_decode_triton(*args, num_splits=s, config=c)
+            if default > 1:
+                impls["merge kernel"] = lambda: paged_attention_decode_triton(*args, fused_merge=False)
+            if batch == 1:
+                variants = [(s, c) for s in DECODE_TUNE_SPLITS_BATCH_1 for c in DECODE_TUNE_CONFIGS]
+            else:
+                variants = [(2, None)] if default == 1 else []
+            for splits, c in variants:
+                tiles = " n{block_n} w{num_warps} st{num_stages}".format(**c) if c else ""
+                for fused in (False, True):
+                    name = f"{'fused ' if fused else ''}s{splits}{tiles}"
+                    impls[name] = lambda c=c, s=splits, f=fused: paged_attention_decode_triton(
+                        *args, num_splits=s, config=c, fused_merge=f)
             kv_bytes = 2 * k_cache.element_size() * batch * ctx * cfg["num_kv_heads"] * dim
             return impls, dict(bytes=kv_bytes), None
 

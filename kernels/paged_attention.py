@@ -13,8 +13,9 @@ GQA: the QUERIES_PER_KV query heads that share a KV head are rows of one tile, s
 
 Softmax is online (FlashAttention), in base 2: scores are scaled by scale * log2(e) and exponentiated with
 exp2. Prefill skips key tiles past a query block's last position and masks only the tiles on its diagonal.
-Decode splits long contexts into NUM_SPLITS partitions computed in parallel (flash-decoding), then a small
-kernel merges the partial outputs by their log-sum-exp.
+Decode splits long contexts into NUM_SPLITS partitions computed in parallel (flash-decoding), whose partial
+outputs are merged by their log-sum-exp: by a second small kernel, or (FUSED_MERGE) by the last partition of each
+(sequence, KV head) to finish, which an arrival counter picks, so a decode step is one kernel.
 """
 
 import torch
@@ -89,23 +90,71 @@ def _attend_tile(
 
 
 @triton.jit
+def _merge_if_last(
+    counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os, stride_oh,
+    QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Fused merge: the last of a (sequence, KV head)'s NUM_SPLITS programs to arrive merges its QUERIES_PER_KV heads.
+
+    Memory ordering (the PTX model; CUTLASS's semaphores do the same): every thread stored partials, but one thread
+    does the atomic, so a CTA barrier first puts all the CTA's stores before that thread's release. The last
+    program's acquire, then a CTA barrier, put all its threads' loads after every other program's release. The
+    loads are .cg (at L2, past this SM's L1) so that correctness does not also rest on the acquire dropping L1
+    lines that other warps might hold; it costs nothing, as only L2 holds lines that other SMs wrote.
+    The last program sets the counter back to 0 (no other program of this launch touches it again), so the next
+    launch, or CUDA graph replay, finds it zeroed.
+    """
+    tl.debug_barrier()
+    counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        tl.debug_barrier()
+        rows = tl.arange(0, HEADS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        row_mask = rows < QUERIES_PER_KV
+        heads = kv_head * QUERIES_PER_KV + rows
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS  # each head's first split
+        # Unrolled over the splits with elementwise math only: no reduction across threads, so no barrier stands
+        # between the loads and every split's can be in flight at once (a reduction over a [splits, HEAD_DIM] tile
+        # crosses warps: barriers, and a head at a time, cost 3 us more at 8k tokens on an H200).
+        lse_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+            lse_max = tl.maximum(lse_max, lse)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0): zeros
+        acc = tl.zeros([HEADS_PAD, HEAD_DIM], tl.float32)
+        total = tl.zeros([HEADS_PAD], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+            weight = tl.exp2(lse - lse_max)  # empty splits (lse -inf, output 0) weigh 0
+            partial = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :], mask=row_mask[:, None],
+                              other=0.0, cache_modifier=".cg")
+            acc += weight[:, None] * partial
+            total += weight
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(counter, 0)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_heads,
+    counters_ptr, qk_scale, num_heads,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Split this sequence's own length evenly (no host sync on seq_lens): BLOCK_N-aligned partitions.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # Split this sequence's own length (no host sync on seq_lens) into BLOCK_N-aligned partitions whose tile counts
+    # differ by at most one: with any NUM_SPLITS (33, say) every split has work once there are enough tiles.
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    start = split * num_tiles // NUM_SPLITS * BLOCK_N
+    end = tl.minimum((split + 1) * num_tiles // NUM_SPLITS * BLOCK_N, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * QUERIES_PER_KV + rows
@@ -135,6 +184,9 @@ def _decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))  # log2 domain; -inf (m_i) when the split is empty
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
+        if FUSED_MERGE:
+            _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os,
+                           stride_oh, QUERIES_PER_KV, HEADS_PAD, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -285,13 +337,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     its SM's loads in flight: 5 stages double-buffer the K and V tiles (3 stages give one tile in flight; the
     block-table loads take a stage). With many programs, the SMs' other programs do that, and 3 stages are faster
     (H200, batch 64 at 8k: 492 us against 607 us with 5 stages; batch 1 at 32k: 39.7 us against 47.1 us).
+    fused_merge: split contexts are merged inside the decode kernel (`_merge_if_last`), not by a second kernel.
+    H200 (`--tune --only decode --cuda-graph`): batch 1 at 8k 12.8 us against 13.5, at 32k 38.6 against 39.4;
+    batch 8 at 8k 68.2 against 69.6.
     """
     if dtype == torch.float32:
-        return dict(block_n=32, num_warps=8, num_stages=2)
+        return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True)
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
     deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
-    return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3)
+    return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True)
 
 
 def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
@@ -324,10 +379,39 @@ def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype
                 num_stages=5 if deep else 3 if block_m >= 64 else 2)
 
 
-def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None):
+# The fused merge's arrival counters, per device: zeroed int32, one per (sequence, KV head), left zeroed by every
+# launch. One set serves every launch on a device, so decode launches on one device must not run concurrently (the
+# engine runs one stream per device). Replaced ones stay referenced: CUDA graphs captured with them still use them.
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_MERGE_COUNTERS: list[torch.Tensor] = []
+MIN_MERGE_COUNTERS = 4096  # 16 KiB: batch 512 x 8 KV heads without growing
+
+
+def _merge_counters(device: torch.device, num_slots: int) -> torch.Tensor:
+    """The device's counters, grown (never during CUDA graph capture: its allocations belong to the graph) to hold
+    num_slots."""
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is not None and counters.numel() >= num_slots:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"the fused decode merge needs {num_slots} arrival counters, more than exist, during CUDA graph capture: "
+            "run the same launch once before capturing (the engine's warm-up does), or pass fused_merge=False"
+        )
+    if counters is not None:
+        _RETIRED_MERGE_COUNTERS.append(counters)
+    counters = torch.zeros(max(next_power_of_2(num_slots), MIN_MERGE_COUNTERS), dtype=torch.int32, device=device)
+    _MERGE_COUNTERS[device] = counters
+    return counters
+
+
+def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None,
+                                  fused_merge=None):
     """Triton launcher of `paged_attention_decode`.
 
-    num_splits=None picks it with `decode_num_splits`; config overrides keys of `decode_config` (tuning).
+    num_splits=None picks it with `decode_num_splits`; any count >= 1 works (the tuner tries others). config overrides
+    keys of `decode_config` (tuning); fused_merge, when not None, overrides its "fused_merge": True merges the splits
+    inside the decode kernel (`_merge_if_last`; one such launch at a time per device), False in a second kernel.
     """
     num_seqs, num_heads, head_dim = q.shape
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
@@ -339,23 +423,29 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         return out
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device) | (config or {})
+    fused = num_splits > 1 and bool(cfg["fused_merge"] if fused_merge is None else fused_merge)
     queries_per_kv = num_heads // num_kv_heads
-    part_out = part_lse = out  # placeholders, unused with one split
+    part_out = part_lse = counters = out  # placeholders, unused with one split
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if fused:
+        counters = _merge_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
         scale * LOG2E, num_heads,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=max(16, next_power_of_2(queries_per_kv)), BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, next_power_of_2(queries_per_kv)), HEADS_PAD=next_power_of_2(queries_per_kv),
+        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),

@@ -115,11 +115,11 @@ def int32(*shape):
     return torch.zeros(shape, dtype=torch.int32)
 
 
-def decode(name, seqs, heads, kv_heads, dim, dtype, splits):
+def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None):
     CASE[0] = name
     q, cache = empty(seqs, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
     paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
-                                                  num_splits=splits)
+                                                  num_splits=splits, config=config, fused_merge=fused_merge)
 
 
 def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2):
@@ -132,7 +132,11 @@ def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_s
 def main() -> int:
     try:
         decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
-        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4)  # + the merge kernel
+        decode("decode llama3-8b bf16 split", 8, 32, 8, 128, torch.bfloat16, 4, fused_merge=False)  # + merge kernel
+        # The fused merge (the default; unrolled over the splits) at batch 1, and for 8 query heads a KV head.
+        decode("decode llama3-8b bf16 fused", 1, 32, 8, 128, torch.bfloat16, 32)
+        decode("decode llama3-8b bf16 fused 66", 1, 32, 8, 128, torch.bfloat16, 66)
+        decode("decode gqa-8 fp16 d64 fused", 1, 64, 8, 64, torch.float16, 5)
         decode("decode mha fp16 d64", 4, 8, 8, 64, torch.float16, 1)
         decode("decode fp32", 4, 8, 2, 128, torch.float32, 1)
         prefill("prefill llama3-8b bf16", 4096, 32, 8, 128, torch.bfloat16)

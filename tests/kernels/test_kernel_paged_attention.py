@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import kernels.paged_attention as pa
 from kernels.paged_attention import (
     decode_config,
     decode_num_splits,
@@ -134,24 +135,65 @@ def test_decode_matches_ref(dtype, num_heads, num_kv_heads, block_size, num_spli
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_decode_head_dims_and_default_splits(head_dim, device, poisoned_allocations):
+@pytest.mark.parametrize("fused_merge", [None, False])
+def test_decode_head_dims_and_default_splits(head_dim, fused_merge, device, poisoned_allocations):
     seq_lens = [5, 1100]  # long enough for the heuristic to split (a 2-sequence batch)
     k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 1, head_dim, 16, torch.float16, device)
     q = make_queries(2, 4, head_dim, torch.float16, device)
     lens = int32(seq_lens, device)
     scale = head_dim**-0.5
-    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, scale)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, scale, fused_merge=fused_merge)
     assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale), torch.float16)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_decode_padding_rows_give_zeros(num_splits, device, poisoned_allocations):
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (2, False), (2, True)])
+def test_decode_padding_rows_give_zeros(num_splits, fused_merge, device, poisoned_allocations):
     k_cache, v_cache, tables, _, _ = make_paged_kv([20, 1], 1, 16, 16, torch.float32, device)
     q = make_queries(2, 2, 16, torch.float32, device)
     lens = int32([20, 0], device)  # a CUDA-graph padding row has seq_len 0
-    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_splits)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_splits,
+                                        fused_merge=fused_merge)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
+
+
+def assert_merge_counters_zeroed():
+    for counters in pa._MERGE_COUNTERS.values():
+        assert not counters.any(), "the fused merge left an arrival counter set"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [3, 5, 33])  # not powers of two: the merge kernel pads them
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_split_counts_and_merges(num_heads, num_kv_heads, block_size, num_splits, fused_merge, device,
+                                        poisoned_allocations):
+    # A padding row, one token, lengths under num_splits x 32-token tiles (empty splits), and 1100 tokens: every
+    # one of 33 splits has work.
+    seq_lens = [0, 1, 17, 130, 1100]
+    k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, num_kv_heads, 32, block_size, torch.float32, device)
+    lens = int32(seq_lens, device)
+    for seed in (1, 2):  # the second call reuses the counters the first left zeroed
+        q = make_queries(len(seq_lens), num_heads, 32, torch.float32, device, seed=seed)
+        out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.17, num_splits=num_splits,
+                                            fused_merge=fused_merge)
+        assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.17), torch.float32)
+        assert_merge_counters_zeroed()
+
+
+def test_decode_fused_merge_counters_grow_and_old_ones_are_kept(device, monkeypatch, poisoned_allocations):
+    monkeypatch.setattr(pa, "_MERGE_COUNTERS", {})
+    monkeypatch.setattr(pa, "_RETIRED_MERGE_COUNTERS", [])
+    monkeypatch.setattr(pa, "MIN_MERGE_COUNTERS", 1)
+    for seq_lens in ([40, 3], [40, 3, 0, 77, 1]):  # 2, then 5 (sequence, KV head) slots
+        k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 1, 16, 16, torch.float32, device)
+        q = make_queries(len(seq_lens), 2, 16, torch.float32, device)
+        lens = int32(seq_lens, device)
+        out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.25, num_splits=3, fused_merge=True)
+        assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
+        assert_merge_counters_zeroed()
+    assert [c.numel() for c in pa._MERGE_COUNTERS.values()] == [8]  # grown to a power of two
+    assert [c.numel() for c in pa._RETIRED_MERGE_COUNTERS] == [2]  # CUDA graphs may still point at it
 
 
 def test_decode_num_splits_heuristic():
@@ -171,6 +213,7 @@ def test_decode_config_pipelines_deeper_when_programs_are_few():
     assert decode_config(128, torch.bfloat16, few, cpu)["num_stages"] == 5  # K/V tiles double-buffered
     assert decode_config(128, torch.bfloat16, many, cpu)["num_stages"] == 3
     assert decode_config(128, torch.float32, few, cpu)["block_n"] == 32  # IEEE dots: small tiles
+    assert decode_config(128, torch.bfloat16, few, cpu)["fused_merge"]  # one kernel: the last split merges
 
 
 # --- prefill ------------------------------------------------------------------------------------------------
@@ -263,6 +306,8 @@ def test_launchers_reject_bad_inputs(device):
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         paged_attention_decode_triton(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, tables,
                                       lens, 1.0)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 1.0, num_splits=0)
     with pytest.raises(ValueError, match="query_start_loc must be"):
         paged_attention_prefill_triton(q, k_cache, v_cache, tables, int32([0], device), lens, 1.0)
 
@@ -273,19 +318,59 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [None, 1, 8])
-def test_gpu_decode_llama3_8b(num_splits, cuda):
+@pytest.mark.parametrize("num_splits", [None, 1, 8, 33])
+@pytest.mark.parametrize("fused_merge", [None, False])
+def test_gpu_decode_llama3_8b(num_splits, fused_merge, cuda):
     c = LLAMA3_8B
     seq_lens = [1, 15, 16, 17, 1000, 2049, 4096, 8192]
     k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, c["num_kv_heads"], c["head_dim"], c["block_size"],
                                                    c["dtype"], cuda)
-    q = make_queries(len(seq_lens), c["num_heads"], c["head_dim"], c["dtype"], cuda)
     lens = int32(seq_lens, cuda)
     scale = 1 / math.sqrt(c["head_dim"])
-    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, scale, num_splits=num_splits)
-    assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale), c["dtype"])
-    if num_splits is None:  # the public function takes the same launcher on CUDA
+    for seed in (1, 2, 3):  # later calls reuse the fused merge's counters
+        q = make_queries(len(seq_lens), c["num_heads"], c["head_dim"], c["dtype"], cuda, seed=seed)
+        out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, scale, num_splits=num_splits,
+                                            fused_merge=fused_merge)
+        assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale), c["dtype"])
+        assert_merge_counters_zeroed()
+    if num_splits is None and fused_merge is None:  # the public function takes the same launcher on CUDA
         assert torch.equal(paged_attention_decode(q, k_cache, v_cache, tables, lens, scale), out)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fused_merge_in_a_cuda_graph(cuda):
+    """Replays of one captured launch, with new queries and lengths each time: the counters the graph captured are
+    left zeroed by every replay, and the fused and two-kernel merges agree on every one."""
+    c = LLAMA3_8B
+    max_seq_lens = [8192, 4096, 300, 1]
+    k_cache, v_cache, tables, _, _ = make_paged_kv(max_seq_lens, c["num_kv_heads"], c["head_dim"], c["block_size"],
+                                                   c["dtype"], cuda)
+    q = make_queries(len(max_seq_lens), c["num_heads"], c["head_dim"], c["dtype"], cuda)
+    lens = int32(max_seq_lens, cuda)
+    args = (q, k_cache, v_cache, tables, lens, 1 / math.sqrt(c["head_dim"]))
+    paged_attention_decode_triton(*args, num_splits=33, fused_merge=True)  # warm-up: compiles, sizes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_decode_triton(*args, num_splits=33, fused_merge=True)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        lens.copy_(torch.tensor([torch.randint(0, n + 1, (), generator=gen) for n in max_seq_lens]))
+        graph.replay()
+        expected = paged_attention_decode_triton(*args, num_splits=33, fused_merge=False)
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        assert_merge_counters_zeroed()
+    assert_close(out, paged_attention_decode_ref(*args), c["dtype"])
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_never_allocates_counters_while_capturing(cuda, monkeypatch):
+    monkeypatch.setattr(pa, "_MERGE_COUNTERS", {})
+    k_cache, v_cache, tables, _, _ = make_paged_kv([600], 1, 64, 16, torch.bfloat16, cuda)
+    q = make_queries(1, 4, 64, torch.bfloat16, cuda)
+    args = (q, k_cache, v_cache, tables, int32([600], cuda), 0.125)
+    with pytest.raises(RuntimeError, match="during CUDA graph capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        paged_attention_decode_triton(*args, num_splits=2, fused_merge=True)
 
 
 @pytest.mark.gpu
