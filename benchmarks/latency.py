@@ -39,11 +39,19 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     prefill_s = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    preemptions = engine.get_stats().num_preemptions
+    running = []
     start = time.perf_counter()
     for _ in range(decode_steps):
         engine.step()
+        running.append(engine.scheduler.num_running)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the last step's work, launched ahead (overlapped scheduling), counts too
     decode_s = time.perf_counter() - start
-    row = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps}
+    # Requests preempted for lack of KV blocks make steps smaller than the batch: tokens_per_s would overstate.
+    row = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps,
+           "tokens_per_s": sum(running) / decode_s, "min_running": min(running, default=0),
+           "preemptions": engine.get_stats().num_preemptions - preemptions}
     if profile_steps and torch.cuda.is_available():
         from benchmarks.step_profile import print_profile, profile_steps as run_profile
 
@@ -70,11 +78,11 @@ def main(args: argparse.Namespace) -> dict:
             measure(engine, prompts[:1], 4)  # warm-up of this shape family
             measured = measure(engine, prompts, args.decode_steps, args.profile_steps)
             row = {"batch": batch, "prompt_len": prompt_len, **measured}
-            row["tokens_per_s"] = batch * 1000 / row["decode_ms_per_token"]
             rows.append(row)
     engine.check_integrity()
     engine.shutdown()
-    print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s"])
+    print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s", "min_running",
+                       "preemptions"])
     result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "tiny",
               "workers": workers, "results": rows}
     write_json(args.output_json, result)

@@ -21,6 +21,7 @@ def test_bench_latency(tmp_path):
     cases = {(r["batch"], r["prompt_len"]): r for r in result["results"]}
     assert set(cases) == {(1, 8), (1, 20), (3, 8), (3, 20)}
     assert all(r["decode_ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in cases.values())
+    assert all(r["min_running"] == r["batch"] and r["preemptions"] == 0 for r in cases.values())
 
 
 def test_bench_throughput_beside_transformers(tmp_path):
