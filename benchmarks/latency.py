@@ -30,7 +30,9 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
 
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + profile_steps + 8, ignore_eos=True)
+    # No length limit (they are aborted after the measurement): with chunked prefill, the first requests decode
+    # while the last ones prefill, and a limit would let them finish before the decode steps are timed.
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
     start = time.perf_counter()

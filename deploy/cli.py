@@ -47,6 +47,9 @@ DIRECT_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_H
 # HAProxy's stats page and its metrics bind fixed ports on every interface: a second Ray cluster on the machine
 # (another `pagoda serve`) would fail to start its HAProxy.
 HAPROXY_PORT_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+# An ingress replica that stops keeps serving this long while HAProxy learns that it goes (Serve's default, 30 s,
+# made every Ctrl-C wait 35 s); on one machine HAProxy is told at once.
+DRAINING_PERIOD_ENV = ("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 def ingress_env(mode: str) -> dict[str, str]:
@@ -62,6 +65,8 @@ def ingress_env(mode: str) -> dict[str, str]:
     env = dict(DIRECT_INGRESS_ENV)
     for name, default in HAPROXY_PORT_ENV.items():
         env[name] = os.environ.get(name) or str(default if _port_is_free(default) else _free_port())
+    name, default = DRAINING_PERIOD_ENV
+    env[name] = os.environ.get(name) or default
     return env
 
 

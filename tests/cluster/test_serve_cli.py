@@ -67,7 +67,8 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
 
     port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="pgcli", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    # Not the session cluster's settings (its HAProxy's ports among them): the CLI chooses its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_"))}
     env.update(PAGODA_TORCH_THREADS="1", RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "2",
            "--num-kv-blocks", "64", "--replica-num-cpus", "0.5", "--served-model-name", "cli-tiny",

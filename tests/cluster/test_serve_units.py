@@ -257,7 +257,7 @@ def test_ingress_modes_are_environments_for_the_cluster(monkeypatch):
 
     import deploy.cli as cli
 
-    for name in cli.HAPROXY_PORT_ENV:
+    for name in [*cli.HAPROXY_PORT_ENV, cli.DRAINING_PERIOD_ENV[0]]:  # the session cluster's may be set
         monkeypatch.delenv(name, raising=False)
     assert cli.ingress_env("proxy") == {name: "0" for name in cli.DIRECT_INGRESS_ENV}
     with pytest.raises(ValueError, match="direct' or 'proxy"):
@@ -270,6 +270,7 @@ def test_ingress_modes_are_environments_for_the_cluster(monkeypatch):
     assert {k: env[k] for k in cli.DIRECT_INGRESS_ENV} == cli.DIRECT_INGRESS_ENV
     assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (port, 0)
     assert env["RAY_SERVE_HAPROXY_METRICS_PORT"].isdigit()
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"  # a stop takes seconds, not 35
     monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")  # the caller's choice is kept
     assert cli.ingress_env("direct")["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy
