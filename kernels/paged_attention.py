@@ -92,9 +92,10 @@ def _attend_tile(
 @triton.jit
 def _merge_if_last(
     counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os, stride_oh,
-    QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    active, QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """Fused merge: the last of a (sequence, KV head)'s NUM_SPLITS programs to arrive merges its QUERIES_PER_KV heads.
+    """Fused merge: the last of a (sequence, KV head)'s NUM_SPLITS programs to arrive merges its QUERIES_PER_KV heads
+    (reading only the first `active` splits: the others had no tokens).
 
     Memory ordering (the PTX model; CUTLASS's semaphores do the same): every thread stored partials, but one thread
     does the atomic, so a CTA barrier first puts all the CTA's stores before that thread's release. The last
@@ -118,15 +119,17 @@ def _merge_if_last(
         # crosses warps: barriers, and a head at a time, cost 3 us more at 8k tokens on an H200).
         lse_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
         for s in tl.static_range(NUM_SPLITS):
-            lse = tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+            used = row_mask & (tl.full([HEADS_PAD], s, tl.int32) < active)
+            lse = tl.load(part_lse_ptr + part + s, mask=used, other=float("-inf"), cache_modifier=".cg")
             lse_max = tl.maximum(lse_max, lse)
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0): zeros
         acc = tl.zeros([HEADS_PAD, HEAD_DIM], tl.float32)
         total = tl.zeros([HEADS_PAD], tl.float32)
         for s in tl.static_range(NUM_SPLITS):
-            lse = tl.load(part_lse_ptr + part + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+            used = row_mask & (tl.full([HEADS_PAD], s, tl.int32) < active)  # masked-off loads: no memory traffic
+            lse = tl.load(part_lse_ptr + part + s, mask=used, other=float("-inf"), cache_modifier=".cg")
             weight = tl.exp2(lse - lse_max)  # empty splits (lse -inf, output 0) weigh 0
-            partial = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :], mask=row_mask[:, None],
+            partial = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None],
                               other=0.0, cache_modifier=".cg")
             acc += weight[:, None] * partial
             total += weight
@@ -144,7 +147,7 @@ def _decode_kernel(
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,9 +155,13 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split this sequence's own length (no host sync on seq_lens) into BLOCK_N-aligned partitions whose tile counts
     # differ by at most one: with any NUM_SPLITS (33, say) every split has work once there are enough tiles.
+    # NUM_SPLITS is sized for the block table's width, in a CUDA graph the longest context: a shorter sequence uses
+    # `active` splits of at least MIN_SPLIT_TILES tiles, as if its table were only as wide as it is long, and the
+    # other programs report an empty split.
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    start = split * num_tiles // NUM_SPLITS * BLOCK_N
-    end = tl.minimum((split + 1) * num_tiles // NUM_SPLITS * BLOCK_N, seq_len)
+    active = tl.maximum(tl.minimum(tl.cdiv(num_tiles, MIN_SPLIT_TILES), NUM_SPLITS), 1)
+    start = split * num_tiles // active * BLOCK_N
+    end = tl.minimum((split + 1) * num_tiles // active * BLOCK_N, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * QUERIES_PER_KV + rows
@@ -186,7 +193,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
         if FUSED_MERGE:
             _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os,
-                           stride_oh, QUERIES_PER_KV, HEADS_PAD, HEAD_DIM, NUM_SPLITS)
+                           stride_oh, active, QUERIES_PER_KV, HEADS_PAD, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -421,6 +428,9 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     block_size, num_kv_heads = k_cache.shape[1:3]
     if num_seqs == 0:
         return out
+    # Chosen here, splits also shrink in the kernel for sequences shorter than the table (MIN_SPLIT_TOKENS each);
+    # a count given by the caller (tuning) is kept down to one tile per split.
+    min_split_tokens = MIN_SPLIT_TOKENS if num_splits is None else 1
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     if num_splits < 1:
@@ -441,7 +451,8 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, next_power_of_2(queries_per_kv)), HEADS_PAD=next_power_of_2(queries_per_kv),
-        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, FUSED_MERGE=fused,
+        BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, MIN_SPLIT_TILES=cdiv(min_split_tokens, cfg["block_n"]),
+        FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

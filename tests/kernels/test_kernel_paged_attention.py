@@ -162,6 +162,23 @@ def assert_merge_counters_zeroed():
         assert not counters.any(), "the fused merge left an arrival counter set"
 
 
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_decode_short_sequences_in_a_wide_table_use_fewer_splits(fused_merge, device, poisoned_allocations):
+    """A CUDA graph's block table is as wide as the longest context: the split count follows its width, and a
+    short sequence spreads over fewer of them (MIN_SPLIT_TOKENS each); the table's spare columns point at a NaN
+    block, so a split reading past a sequence's end would show."""
+    seq_lens = [1, 17, 300, 0]
+    k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 2, 32, 16, torch.float32, device)
+    tables = torch.cat([tables, tables[:, -1:].expand(-1, 200)], 1).contiguous()  # 3520 tokens wide
+    assert decode_num_splits(len(seq_lens), 2, tables.shape[1] * 16, device) > 1
+    q = make_queries(len(seq_lens), 4, 32, torch.float32, device)
+    lens = int32(seq_lens, device)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.2, fused_merge=fused_merge)
+    assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2), torch.float32)
+    if fused_merge:
+        assert_merge_counters_zeroed()
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [3, 5, 33])  # not powers of two: the merge kernel pads them
