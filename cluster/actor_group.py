@@ -46,7 +46,6 @@ WORKER_ENV_VARS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 FORWARDED_ENV_VARS = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "PAGODA_TORCH_THREADS")
 
 
-
 def actor_env_vars() -> dict[str, str]:
     """The environment of the actors Pagoda starts (workers, the engine actor): the fixed settings above, and the
     forwarded variables that the caller has."""

@@ -65,25 +65,22 @@ def ingress_env(mode: str) -> dict[str, str]:
         return ingress_env("proxy")
     env = dict(DIRECT_INGRESS_ENV)
     for name, default in HAPROXY_PORT_ENV.items():
-        env[name] = os.environ.get(name) or str(default if _port_is_free(default) else _free_port())
+        env[name] = os.environ.get(name) or str(_free_port(default))
     name, default = DRAINING_PERIOD_ENV
     env[name] = os.environ.get(name) or default
     return env
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+def _free_port(preferred: int) -> int:
+    """`preferred` when nothing holds it, else a free port the system picks."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port")
 
 
 def serve_app_args(args: argparse.Namespace) -> dict:
