@@ -6,7 +6,8 @@
 
 Decode attention is memory-bound: it is scored by the K/V bytes it must read over its time, against the
 4.3 TB/s copy ceiling. Prefill attention is scored in causal FLOPs (2 * 2 * T * T / 2 * heads * head_dim)
-against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written. Torch's
+against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written, the decode-sized
+linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights. Torch's
 scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
 baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
 recorded, and the run goes on.
@@ -29,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from kernels.kv_cache import write_kv_cache_triton  # noqa: E402
+from kernels.linear import linear_ref, linear_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
     paged_attention_decode_ref,
@@ -45,10 +47,11 @@ MAX_DECODE_TOKENS = 2**21  # batch * context: 8 GB of bf16 K/V for Llama-3-8B's 
 
 GPU = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, hidden=4096,
            inter=14336, decode_batches=[1, 8, 64, 256], decode_contexts=[512, 2048, 8192, 32768],
-           prefill_tokens=[512, 1024, 2048, 4096, 8192], elementwise_tokens=[1, 256, 4096, 16384])
+           prefill_tokens=[512, 1024, 2048, 4096, 8192], elementwise_tokens=[1, 256, 4096, 16384],
+           linear_rows=[1, 2, 4, 8, 16])
 SMOKE = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, hidden=256,
              inter=512, decode_batches=[1, 4], decode_contexts=[64, 256], prefill_tokens=[64, 128],
-             elementwise_tokens=[1, 16])
+             elementwise_tokens=[1, 16], linear_rows=[1])
 
 
 USE_CUDA_GRAPH = False  # --cuda-graph: time replays of a captured graph (no host launch cost, as in the engine)
@@ -306,6 +309,75 @@ def bench_elementwise(runner: Runner, cfg: dict):
                          write_kv_cache_scatter, kv_args, 4 * tokens * kv_heads * dim * size + tokens * 8)
 
 
+LINEAR_COPIES = 8  # weights per timed call, each used once: 270 MB and more, past the 50 MB L2 (as in a model)
+# --tune: the decode-sized linear's launch settings, at batch 1 and 4
+LINEAR_TUNE_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=st)
+                       for n in (16, 32, 64) for k in (128, 256, 512) for st in (3, 4)]
+
+
+def llama_linears(cfg: dict) -> dict:
+    """A Llama layer's projections: name -> (weight rows, in features, gated)."""
+    hidden, heads, kv_heads, dim = cfg["hidden"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    return {"qkv": ((heads + 2 * kv_heads) * dim, hidden, False), "o": (hidden, heads * dim, False),
+            "gate_up+silu": (2 * cfg["inter"], hidden, True), "down": (hidden, cfg["inter"], False)}
+
+
+def linear_unfused(x, weight, gated):
+    """The baseline: cuBLAS, then the silu_and_mul kernel when gated."""
+    out = F.linear(x, weight)
+    return silu_and_mul_triton(out) if gated and x.is_cuda else silu_and_mul_ref(out) if gated else out
+
+
+def linear_case(runner: Runner, kernel: str, rows: int, cfg: dict, ops: list[str], configs: dict):
+    """Times `ops` in order over LINEAR_COPIES layers' weights, each op on its own fixed input: cuBLAS (with
+    silu_and_mul after gate_up), then the Triton kernel with each of `configs` (None: the default settings)."""
+    device, dtype = runner.device, cfg["dtype"]
+    shapes = llama_linears(cfg)
+
+    def build():
+        layers = [{op: torch.randn(shapes[op][:2], dtype=dtype, device=device) * shapes[op][1] ** -0.5 for op in ops}
+                  for _ in range(LINEAR_COPIES)]
+        x = {op: torch.randn(rows, shapes[op][1], dtype=dtype, device=device) for op in ops}
+
+        def chain(fn):
+            def run():
+                for layer in layers:
+                    for op, w in layer.items():
+                        fn(x[op], w, shapes[op][2])
+            return run
+
+        impls = {"cuBLAS": chain(linear_unfused)}
+        if runner.use_triton:
+            for name, c in configs.items():
+                impls[name] = chain(lambda x, w, gated, c=c: linear_triton(x, w, gated=gated, config=c))
+
+        def check():
+            return max(max_error(linear_triton(x[op], w, gated=shapes[op][2], config=c),
+                                 linear_ref(x[op], w, gated=shapes[op][2]), 2e-2)
+                       for op, w in layers[0].items() for c in configs.values())
+
+        num_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+        return impls, dict(bytes=num_bytes), check if runner.use_triton else None
+
+    runner.case(kernel, f"rows {rows} {'+'.join(o.split('+')[0] for o in ops)}", build)
+
+
+def bench_linear(runner: Runner, cfg: dict):
+    """A layer's four projections in a chain at decode batch sizes: the Triton kernel (default launch settings)
+    against cuBLAS, reading the same weight bytes."""
+    for rows in cfg["linear_rows"]:
+        linear_case(runner, "linear layer", rows, cfg, list(llama_linears(cfg)), {"triton": None})
+
+
+def bench_tune_linear(runner: Runner, cfg: dict):
+    """Each projection alone against LINEAR_TUNE_CONFIGS: kernels/linear.py's default_config should be the best."""
+    for rows in (1, 4):
+        configs = {"default": None}
+        configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c for c in LINEAR_TUNE_CONFIGS})
+        for op in llama_linears(cfg):
+            linear_case(runner, "tune linear", rows, cfg, [op], configs)
+
+
 DECODE_TUNE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 8192), (64, 8192), (256, 2048)]
 # The tile configs that were competitive in the full sweep (benchmarks/results/h200-kernels-tune-decode.txt): n64 w4
 # st5 (the default with few programs), n64 w4 st3 (the default with many), n128 w4 st3 (best at 8k).
@@ -383,13 +455,14 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("prefill attn, >= 4k tokens", "prefill attn", lambda case: int(case.split()[0]) >= 4096, 0.50),
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
 ]
+NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear")
 
 
 def print_targets(results: list[dict]) -> None:
     """The Triton kernels' worst case in each group the targets speak of, against the target."""
     for label, kernel, in_scope, target in TARGETS:
         rows = [r for r in results if r["impl"] == "triton"
-                and (r["kernel"] == kernel if kernel else r["kernel"] not in ("decode attn", "prefill attn"))
+                and (r["kernel"] == kernel if kernel else r["kernel"] not in NOT_ELEMENTWISE)
                 and in_scope(r["case"])]
         if rows:
             worst = min(rows, key=lambda r: r["fraction_of_ceiling"])
@@ -403,11 +476,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
-    parser.add_argument("--only", choices=["decode", "prefill", "elementwise"], action="append",
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear"], action="append",
                         help="run only these groups (repeatable)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
-                        "--only decode / prefill)")
+                        "--only decode / prefill / linear)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -425,11 +498,12 @@ def main(argv=None) -> int:
           f"bf16 {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s")
     torch.manual_seed(0)
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
-    groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise}
+    groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
+              "linear": bench_linear}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
-        groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill}
+        groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear}
     start = time.perf_counter()
     for group, bench in groups.items():
         if not args.only or group in args.only:

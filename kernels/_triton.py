@@ -108,6 +108,13 @@ def shared_memory_per_sm(device: torch.device) -> int:
     return _properties(device).shared_memory_per_multiprocessor if device.type == "cuda" else 228 * 1024
 
 
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory one program may use (227 KiB on Hopper); an H200's under the interpreter."""
+    if device.type != "cuda":
+        return 227 * 1024
+    return _properties(device).shared_memory_per_block_optin
+
+
 def upcast_dot_operands(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a kernel must feed tl.dot float32 operands instead of `dtype`.
 

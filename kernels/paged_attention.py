@@ -94,8 +94,8 @@ def _merge_if_last(
     counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os, stride_oh,
     active, QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """Fused merge: the last of a (sequence, KV head)'s NUM_SPLITS programs to arrive merges its QUERIES_PER_KV heads
-    (reading only the first `active` splits: the others had no tokens).
+    """Fused merge: the last of a (sequence, KV head)'s `active` programs to arrive merges its QUERIES_PER_KV heads
+    (the programs past `active` had no tokens and have returned).
 
     Memory ordering (the PTX model; CUTLASS's semaphores do the same): every thread stored partials, but one thread
     does the atomic, so a CTA barrier first puts all the CTA's stores before that thread's release. The last
@@ -107,7 +107,7 @@ def _merge_if_last(
     """
     tl.debug_barrier()
     counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
         tl.debug_barrier()
         rows = tl.arange(0, HEADS_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -160,40 +160,55 @@ def _decode_kernel(
     # other programs report an empty split.
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     active = tl.maximum(tl.minimum(tl.cdiv(num_tiles, MIN_SPLIT_TILES), NUM_SPLITS), 1)
-    start = split * num_tiles // active * BLOCK_N
-    end = tl.minimum((split + 1) * num_tiles // active * BLOCK_N, seq_len)
-
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * QUERIES_PER_KV + rows
-    row_mask = rows < QUERIES_PER_KV
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
-
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    # With the fused merge, the programs past `active` have nothing to do (the merge reads only active splits);
+    # the merge kernel instead reads every split, so there every program writes its (maybe empty) partial.
+    if FUSED_MERGE:
+        has_work = split < active
     else:
-        # part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] float32, part_lse [num_seqs, num_heads, NUM_SPLITS]
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
-        lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))  # log2 domain; -inf (m_i) when the split is empty
-        tl.store(part_lse_ptr + part, lse, mask=row_mask)
-        if FUSED_MERGE:
-            _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, stride_os,
-                           stride_oh, active, QUERIES_PER_KV, HEADS_PAD, HEAD_DIM, NUM_SPLITS)
+        has_work = split < NUM_SPLITS
+    if has_work:
+        start = split * num_tiles // active * BLOCK_N
+        end = tl.minimum((split + 1) * num_tiles // active * BLOCK_N, seq_len)
+
+        rows = tl.arange(0, BLOCK_H)
+        heads = kv_head * QUERIES_PER_KV + rows
+        row_mask = rows < QUERIES_PER_KV
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_mask[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
+        out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            # One active split (a short sequence) with the fused merge: its result is the output, no partials.
+            direct = False
+            if FUSED_MERGE:
+                direct = active == 1
+            if direct:
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+            else:
+                # part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] float32, part_lse [num_seqs, num_heads,
+                # NUM_SPLITS]
+                part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+                tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+                lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))  # log2 domain; -inf (m_i) if the split is empty
+                tl.store(part_lse_ptr + part, lse, mask=row_mask)
+                if FUSED_MERGE:
+                    _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads,
+                                   stride_os, stride_oh, active, QUERIES_PER_KV, HEADS_PAD, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit

@@ -23,6 +23,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from kernels.linear import linear
+
 logger = logging.getLogger(__name__)
 
 _rank: int = 0
@@ -142,7 +144,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         staged = _symm.staging((x.shape[0], weight.shape[0]))
         torch.matmul(x, weight.t(), out=staged)
         return _symm.reduce(staged)
-    return all_reduce(torch.nn.functional.linear(x, weight))
+    return all_reduce(linear(x, weight))
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -70,13 +70,14 @@ except Exception as exc:  # noqa: BLE001
 
 import kernels.activation as activation  # noqa: E402
 import kernels.kv_cache as kv_cache  # noqa: E402
+import kernels.linear as linear  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 
-for module in (activation, kv_cache, paged_attention, rms_norm, rotary):
+for module in (activation, kv_cache, linear, paged_attention, rms_norm, rotary):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
-paged_attention.upcast_dot_operands = lambda *args: False  # as on a GPU
+paged_attention.upcast_dot_operands = linear.upcast_dot_operands = lambda *args: False  # as on a GPU
 
 CASE = ["?"]
 
@@ -158,6 +159,16 @@ def main() -> int:
                                         torch.zeros(4, dtype=torch.int64)))
         CASE[0] = "silu_and_mul 14336"
         activation.silu_and_mul_triton(empty(4, 2 * 14336))
+        CASE[0] = "linear fp32 gate_up + silu, 4 rows"  # tiles shrink to fit shared memory
+        linear.linear_triton(empty(4, 1024, dtype=torch.float32), empty(2 * 2048, 1024, dtype=torch.float32),
+                             gated=True)
+        for rows in (1, 16):  # decode batches: x padded to 16 rows either way
+            CASE[0] = f"linear qkv, {rows} rows"
+            linear.linear_triton(empty(rows, 4096), empty(6144, 4096))
+            CASE[0] = f"linear gate_up + silu, {rows} rows"
+            linear.linear_triton(empty(rows, 4096), empty(2 * 14336, 4096), gated=True)
+            CASE[0] = f"linear down, {rows} rows"
+            linear.linear_triton(empty(rows, 14336), empty(4096, 14336))
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

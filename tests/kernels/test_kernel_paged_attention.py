@@ -165,8 +165,9 @@ def assert_merge_counters_zeroed():
 @pytest.mark.parametrize("fused_merge", [True, False])
 def test_decode_short_sequences_in_a_wide_table_use_fewer_splits(fused_merge, device, poisoned_allocations):
     """A CUDA graph's block table is as wide as the longest context: the split count follows its width, and a
-    short sequence spreads over fewer of them (MIN_SPLIT_TOKENS each); the table's spare columns point at a NaN
-    block, so a split reading past a sequence's end would show."""
+    short sequence spreads over fewer of them (MIN_SPLIT_TOKENS each; with the fused merge, one active split writes
+    the output itself and the others return); the table's spare columns point at a NaN block, so a split reading
+    past a sequence's end would show."""
     seq_lens = [1, 17, 300, 0]
     k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 2, 32, 16, torch.float32, device)
     tables = torch.cat([tables, tables[:, -1:].expand(-1, 200)], 1).contiguous()  # 3520 tokens wide

@@ -14,9 +14,9 @@ Each parameter carries `weight_loader(param, loaded, shard_id=None)`. `loaded` i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import linear
 from workers.parallel import get_tp_rank, get_tp_size, linear_all_reduce
 
 
@@ -69,9 +69,9 @@ class ColumnParallelLinear(nn.Module):
         n = self.out_features_per_rank
         copy_loaded(param.data, loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out / tp]
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)]
+        return linear(x, self.weight, self.bias, gated)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
