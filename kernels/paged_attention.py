@@ -156,8 +156,8 @@ def _decode_kernel(
     # Split this sequence's own length (no host sync on seq_lens) into BLOCK_N-aligned partitions whose tile counts
     # differ by at most one: with any NUM_SPLITS (33, say) every split has work once there are enough tiles.
     # NUM_SPLITS is sized for the block table's width, in a CUDA graph the longest context: a shorter sequence uses
-    # `active` splits of at least MIN_SPLIT_TILES tiles, as if its table were only as wide as it is long, and the
-    # other programs report an empty split.
+    # `active` splits of at least MIN_SPLIT_TILES tiles, as if its table were only as wide as it is long; the
+    # other programs return at once (fused merge) or report an empty split (for the merge kernel).
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     active = tl.maximum(tl.minimum(tl.cdiv(num_tiles, MIN_SPLIT_TILES), NUM_SPLITS), 1)
     # With the fused merge, the programs past `active` have nothing to do (the merge reads only active splits);
