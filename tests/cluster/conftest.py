@@ -4,18 +4,12 @@
     model "tiny-solo"  1 replica, health checked every second (the dead-engine test kills and restarts it)
 """
 
-import socket
-
 import pytest
+
+from tests.ports import free_port
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ every query of the dashboard against that node.
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,15 +16,11 @@ import urllib.request
 
 import pytest
 
+from tests.ports import free_port
+
 PROBE_APP = "pagoda-metrics-probe"
 MODEL = "probe-model"
 RAY_LABELS = {"WorkerId", "SessionName", "NodeAddress", "Component", "Version"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout_s: float = 10) -> tuple[int, str]:
@@ -79,7 +74,7 @@ def probe(ray_cluster):
     from ray.serve.context import _get_global_client
 
     pytest.importorskip("cluster.metrics")
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http_port = _get_global_client().http_config.port  # another test may have started Serve first
     serve.run(_probe_deployment().bind(), name=PROBE_APP, route_prefix=f"/{PROBE_APP}")
     base = f"http://127.0.0.1:{http_port}"
@@ -155,7 +150,7 @@ def test_dashboard_queries_find_series_in_prometheus(probe, known_metrics, repo,
     target = url.removeprefix("http://").removesuffix("/metrics")
     (tmp_path / "prometheus.yml").write_text(
         f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n  static_configs: [{{targets: ['{target}']}}]\n")
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     prometheus = subprocess.Popen(
         ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",

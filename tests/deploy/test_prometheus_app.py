@@ -9,13 +9,14 @@ the labels the dashboard groups by, and every PromQL expression of the dashboard
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
+
+from tests.ports import free_port
 
 APP = "pagoda-prometheus"
 MODEL = "prom-tiny"
@@ -28,12 +29,6 @@ if shutil.which("prometheus") is None:
     if os.environ.get("CI"):
         pytest.fail("CI must install Debian's prometheus package (.ci/run does)", pytrace=False)
     pytest.skip("no prometheus binary: `apt-get install prometheus` (CI installs it)", allow_module_level=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body: dict | None = None, timeout_s: float = 60) -> tuple[int, str]:
@@ -55,7 +50,7 @@ def running_app(ray_cluster):
 
     from cluster.app import build_app
 
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http_port = _get_global_client().http_config.port  # another test may have started Serve first
     # A small KV pool (12 blocks of 16 tokens) so that concurrent requests preempt each other.
     app = build_app({"models": [{"model": None, "served_model_name": MODEL, "device": "cpu", "num_kv_blocks": 12,
@@ -112,7 +107,7 @@ def prometheus(running_app, tmp_path_factory):
     (root / "prometheus.yml").write_text(
         f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n"
         f"  static_configs: [{{targets: ['{target}']}}]\n")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         ["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

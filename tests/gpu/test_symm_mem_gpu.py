@@ -1,21 +1,16 @@
 """The symmetric-memory all-reduce on two GPUs: the same sums as NCCL, eagerly and inside a CUDA graph."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ports import free_port
+
 pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -68,7 +63,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 def test_symmetric_all_reduce_matches_nccl():
     results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(_free_port(), results), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
     for rank in (0, 1):
         r = results[rank]
         assert r["in_use"], "symmetric memory should be available between two NVLink GPUs"
