@@ -14,6 +14,7 @@ recorded, and the run goes on.
 """
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -30,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from kernels.kv_cache import write_kv_cache_triton  # noqa: E402
-from kernels.linear import linear_ref, linear_triton  # noqa: E402
+from kernels.linear import linear_cublas, linear_ref, linear_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
     paged_attention_decode_ref,
@@ -322,12 +323,6 @@ def llama_linears(cfg: dict) -> dict:
             "gate_up+silu": (2 * cfg["inter"], hidden, True), "down": (hidden, cfg["inter"], False)}
 
 
-def linear_unfused(x, weight, gated):
-    """The baseline: cuBLAS, then the silu_and_mul kernel when gated."""
-    out = F.linear(x, weight)
-    return silu_and_mul_triton(out) if gated and x.is_cuda else silu_and_mul_ref(out) if gated else out
-
-
 def linear_case(runner: Runner, kernel: str, rows: int, cfg: dict, ops: list[str], configs: dict):
     """Times `ops` in order over LINEAR_COPIES layers' weights, each op on its own fixed input: cuBLAS (with
     silu_and_mul after gate_up), then the Triton kernel with each of `configs` (None: the default settings)."""
@@ -343,13 +338,13 @@ def linear_case(runner: Runner, kernel: str, rows: int, cfg: dict, ops: list[str
             def run():
                 for layer in layers:
                     for op, w in layer.items():
-                        fn(x[op], w, shapes[op][2])
+                        fn(x[op], w, gated=shapes[op][2])
             return run
 
-        impls = {"cuBLAS": chain(linear_unfused)}
+        impls = {"cuBLAS": chain(linear_cublas)}
         if runner.use_triton:
             for name, c in configs.items():
-                impls[name] = chain(lambda x, w, gated, c=c: linear_triton(x, w, gated=gated, config=c))
+                impls[name] = chain(functools.partial(linear_triton, config=c))
 
         def check():
             return max(max_error(linear_triton(x[op], w, gated=shapes[op][2], config=c),

@@ -135,9 +135,7 @@ class BlockManager:
         """`allocate` when there is room: (block ids added, whether the last block was copied on write); None,
         changing nothing, when there is not. One pass: the scheduler calls it for every running request at
         every step."""
-        table = self.tables.get(req.req_id)
-        if table is None:
-            table = []
+        table = self.tables.get(req.req_id, [])
         needed, copy = self._growth(req, table, num_new_tokens)
         if needed == 0 and not copy:
             return [], False  # a decode step inside the last block: the common case

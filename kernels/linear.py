@@ -16,6 +16,8 @@ measured: the per-chunk rescaling and its reduction stalled the pipelined loads 
 the norm stays its own kernel.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +38,7 @@ from kernels._triton import (
 )
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 
-MAX_ROWS = 16  # the kernel's batch limit (benchmarks/kernels.py --only linear: 1.01-1.03x cuBLAS at 8-16 rows)
+MAX_ROWS = 16  # the kernel's batch limit (benchmarks/kernels.py --only linear: 1.07-1.08x cuBLAS at 1-16 rows)
 
 
 @triton.jit
@@ -90,6 +92,11 @@ def _check_inputs(x, weight, bias, gated) -> None:
         raise ValueError(f"a gated weight stacks gate and up rows: an even row count, got {weight.shape[0]}")
 
 
+def _block_m(num_rows: int) -> int:
+    return max(16, next_power_of_2(num_rows))  # tl.dot's least; rows past num_rows are masked
+
+
+@functools.lru_cache(maxsize=None)
 def default_config(num_rows: int, out_features: int, gated: bool, dtype: torch.dtype, device: torch.device) -> dict:
     """Launch settings, from `python -m benchmarks.kernels --tune --only linear` on an H200 (Llama-3-8B, bf16):
 
@@ -105,9 +112,7 @@ def default_config(num_rows: int, out_features: int, gated: bool, dtype: torch.d
     block_n = next((n for n in (64, 32) if cdiv(out_features, n) >= 0.7 * sms), 16)
     block_k = 256 if gated or block_n == 64 else 512
     stages = 3 if gated else 4
-    block_m = max(16, next_power_of_2(num_rows))
-    size = torch.tensor([], dtype=dtype).element_size()
-    limit = shared_memory_per_block(device)
+    block_m, size, limit = _block_m(num_rows), dtype.itemsize, shared_memory_per_block(device)
     while stages * (block_m + block_n * (2 if gated else 1)) * block_k * size > limit and (stages > 2 or block_k > 32):
         if stages > 2:
             stages -= 1
@@ -131,7 +136,7 @@ def linear_triton(x, weight, bias=None, gated=False, config: dict | None = None)
             x, weight, bias if bias is not None else weight, out,
             num_rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0), out_features,
             HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast_dot_operands(x.dtype, x.device),
-            PRECISION=dot_precision(x.dtype), BLOCK_M=max(16, next_power_of_2(num_rows)), BLOCK_N=cfg["BLOCK_N"],
+            PRECISION=dot_precision(x.dtype), BLOCK_M=_block_m(num_rows), BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out
@@ -144,13 +149,18 @@ def linear_ref(x, weight, bias=None, gated=False):
     return silu_and_mul_ref(out) if gated else out
 
 
+def linear_cublas(x, weight, bias=None, gated=False):
+    """`linear` for larger batches: F.linear (cuBLAS on a GPU), then `silu_and_mul` when gated."""
+    out = F.linear(x, weight, bias)
+    return silu_and_mul(out) if gated else out
+
+
 def linear(x, weight, bias=None, gated=False):
     """x [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N]; gated: weight stacks [gate ; up] rows and the result is
     silu(gate) * up, [T, N / 2], rounded as `silu_and_mul` rounds it.
 
-    The Triton kernel for T <= MAX_ROWS on a GPU; otherwise F.linear (cuBLAS) and `silu_and_mul`.
+    The Triton kernel for T <= MAX_ROWS on a GPU; otherwise `linear_cublas`.
     """
     if use_triton(x) and x.shape[0] <= MAX_ROWS:
         return linear_triton(x, weight, bias, gated)
-    out = F.linear(x, weight, bias)
-    return silu_and_mul(out) if gated else out
+    return linear_cublas(x, weight, bias, gated)

@@ -57,7 +57,8 @@ def test_no_rows(device):
 
 
 def test_bad_inputs(device):
-    x, weight = make_inputs(2, 16, 32, torch.float32, device)["x"], make_inputs(2, 16, 32, torch.float32, device)["weight"]
+    inputs = make_inputs(2, 16, 32, torch.float32, device)
+    x, weight = inputs["x"], inputs["weight"]
     with pytest.raises(ValueError, match="must agree"):
         linear_triton(x[:, :16], weight)
     with pytest.raises(ValueError, match="weight dtype"):
