@@ -114,25 +114,25 @@ def _merge_if_last(
         row_mask = rows < QUERIES_PER_KV
         heads = kv_head * QUERIES_PER_KV + rows
         part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS  # each head's first split
-        # Unrolled over the splits with elementwise math only: no reduction across threads, so no barrier stands
-        # between the loads and every split's can be in flight at once (a reduction over a [splits, HEAD_DIM] tile
-        # crosses warps: barriers, and a head at a time, cost 3 us more at 8k tokens on an H200).
-        lse_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            used = row_mask & (tl.full([HEADS_PAD], s, tl.int32) < active)
-            lse = tl.load(part_lse_ptr + part + s, mask=used, other=float("-inf"), cache_modifier=".cg")
-            lse_max = tl.maximum(lse_max, lse)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0): zeros
+        # One pass, unrolled over the splits, with a running max (online softmax over the partials) and elementwise
+        # math only: no reduction across threads, so no barrier stands between the loads, and every split's lse and
+        # partial are loaded once and can be in flight at once (a reduction over a [splits, HEAD_DIM] tile crosses
+        # warps: barriers, and a head at a time, cost 3 us more at 8k tokens on an H200).
+        m = tl.full([HEADS_PAD], float("-inf"), tl.float32)
         acc = tl.zeros([HEADS_PAD, HEAD_DIM], tl.float32)
         total = tl.zeros([HEADS_PAD], tl.float32)
         for s in tl.static_range(NUM_SPLITS):
             used = row_mask & (tl.full([HEADS_PAD], s, tl.int32) < active)  # masked-off loads: no memory traffic
             lse = tl.load(part_lse_ptr + part + s, mask=used, other=float("-inf"), cache_modifier=".cg")
-            weight = tl.exp2(lse - lse_max)  # empty splits (lse -inf, output 0) weigh 0
             partial = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None],
                               other=0.0, cache_modifier=".cg")
-            acc += weight[:, None] * partial
-            total += weight
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with tokens yet (seq_len 0: zeros)
+            alpha = tl.exp2(m - m_safe)  # the running sums' rescale; 0 while they are empty
+            weight = tl.exp2(lse - m_safe)  # empty splits (lse -inf, output 0) weigh 0
+            acc = acc * alpha[:, None] + weight[:, None] * partial
+            total = total * alpha + weight
+            m = m_new
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
