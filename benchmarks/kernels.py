@@ -192,17 +192,16 @@ def cold_copies(num_bytes: int, device: torch.device) -> int:
     return cdiv(COLD_BYTES, num_bytes) if device.type == "cuda" else 1
 
 
-def check_merges(args: tuple) -> float:
-    """Both decode merges (fused: the last split merges; or a second kernel) against the reference, for two queries
-    in a row: the second call must find the fused merge's arrival counters zeroed again (a merge left undone leaves
-    the output wrong). Raises on a mismatch, as max_error does."""
+def check_merges(args: tuple, ref: torch.Tensor) -> float:
+    """Both decode merges (fused: the last split merges; or a second kernel) against the reference (`ref`, for
+    args' query), for two queries in a row: the second call must find the fused merge's arrival counters zeroed
+    again (a merge left undone leaves the output wrong). Raises on a mismatch, as max_error does."""
     error = 0.0
-    for q in (args[0], torch.randn_like(args[0])):
-        call = (q, *args[1:])
-        ref = paged_attention_decode_ref(*call)
+    second = (torch.randn_like(args[0]), *args[1:])
+    for call, expected in ((args, ref), (second, paged_attention_decode_ref(*second))):
         for fused in (True, False):
             try:
-                error = max(error, max_error(paged_attention_decode_triton(*call, fused_merge=fused), ref, 2e-2))
+                error = max(error, max_error(paged_attention_decode_triton(*call, fused_merge=fused), expected, 2e-2))
             except AssertionError as exc:
                 raise AssertionError(f"{'fused merge' if fused else 'merge kernel'}: {exc}") from None
     return error
@@ -252,7 +251,7 @@ def bench_decode(runner: Runner, cfg: dict):
                         return max_error(F.scaled_dot_product_attention(
                             q[:, :, None], *copies[0][3:], scale=scale, enable_gqa=True)[:, :, 0], ref, 2e-2)
                     error = max_error(paged_attention_decode_triton(*args), ref, 2e-2)
-                    return max(error, check_merges(args)) if splits > 1 else error
+                    return max(error, check_merges(args, ref)) if splits > 1 else error
 
                 return impls, work, check
 
@@ -448,14 +447,19 @@ def bench_tune_decode(runner: Runner, cfg: dict):
     for batch, ctx in DECODE_TUNE_CASES:
 
         def build(batch=batch, ctx=ctx):
-            k_cache, v_cache, tables, _, _ = paged_kv(ctx, batch, cfg, device)
+            kv_bytes = 2 * cfg["dtype"].itemsize * batch * ctx * cfg["num_kv_heads"] * dim
+            copies = [paged_kv(ctx, batch, cfg, device)[:3] for _ in range(cold_copies(kv_bytes, device))]
+            turn = itertools.cycle(copies)  # cold K/V, as in bench_decode
             q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-            args = (q, k_cache, v_cache, tables, lens, scale)
+
+            def decode(**kw):
+                return paged_attention_decode_triton(q, *next(turn), lens, scale, **kw)
+
             default = decode_num_splits(batch, cfg["num_kv_heads"], ctx, device)
-            impls = {"default": lambda: paged_attention_decode_triton(*args)}
+            impls = {"default": decode}
             if default > 1:
-                impls["merge kernel"] = lambda: paged_attention_decode_triton(*args, fused_merge=False)
+                impls["merge kernel"] = lambda: decode(fused_merge=False)
             if batch == 1:
                 variants = [(s, c) for s in DECODE_TUNE_SPLITS_BATCH_1 for c in DECODE_TUNE_CONFIGS]
             else:
@@ -464,9 +468,7 @@ def bench_tune_decode(runner: Runner, cfg: dict):
                 tiles = " n{block_n} w{num_warps} st{num_stages}".format(**c) if c else ""
                 for fused in (False, True):
                     name = f"{'fused ' if fused else ''}s{splits}{tiles}"
-                    impls[name] = lambda c=c, s=splits, f=fused: paged_attention_decode_triton(
-                        *args, num_splits=s, config=c, fused_merge=f)
-            kv_bytes = 2 * k_cache.element_size() * batch * ctx * cfg["num_kv_heads"] * dim
+                    impls[name] = lambda c=c, s=splits, f=fused: decode(num_splits=s, config=c, fused_merge=f)
             return impls, dict(bytes=kv_bytes), None
 
         runner.case("tune decode", f"batch {batch} ctx {ctx}", build)

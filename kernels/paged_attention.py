@@ -341,7 +341,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     of the longest possible context (`max_context`, from the block table's width). A power of two, so few
     variants compile. Measured on an H200 (`python -m benchmarks.kernels --tune --only decode --cuda-graph`,
     Llama-3-8B heads, batch 1): 32 splits beat 16 and 64 at 8k, 16k and 32k tokens (13.3-14.1 us against
-    16.1 us at 8k); more programs than that only add merge work.
+    16.1 us at 8k, K/V in L2); more programs than that only add merge work. Again with cold K/V, against 48 split
+    and tile variants (benchmarks/results/h200-decode-breakdown.md).
     """
     programs = num_seqs * num_kv_heads
     wanted = cdiv(PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
