@@ -187,9 +187,12 @@ def read_only(k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -
     _read_kernel[(out.numel(),)](k_cache, v_offset, out, n, per_program, BLOCK=block, num_warps=8, num_stages=3)
 
 
-def cold_copies(num_bytes: int, device: torch.device) -> int:
-    """How many copies of a case's inputs a timed run cycles through so that each call reads them from memory."""
-    return cdiv(COLD_BYTES, num_bytes) if device.type == "cuda" else 1
+def cold_kv(batch: int, ctx: int, cfg: dict, device: torch.device) -> tuple[list[tuple], int]:
+    """A decode case's paged K/V (`paged_kv`) in as many copies as a timed run cycles through for each call to read
+    them from memory (one on CPU), and the K/V bytes of one copy."""
+    kv_bytes = 2 * cfg["dtype"].itemsize * batch * ctx * cfg["num_kv_heads"] * cfg["head_dim"]
+    copies = cdiv(COLD_BYTES, kv_bytes) if device.type == "cuda" else 1
+    return [paged_kv(ctx, batch, cfg, device) for _ in range(copies)], kv_bytes
 
 
 def check_merges(args: tuple, ref: torch.Tensor) -> float:
@@ -216,8 +219,7 @@ def bench_decode(runner: Runner, cfg: dict):
                 continue
 
             def build(batch=batch, ctx=ctx):
-                kv_bytes = 2 * cfg["dtype"].itemsize * batch * ctx * cfg["num_kv_heads"] * dim
-                copies = [paged_kv(ctx, batch, cfg, device) for _ in range(cold_copies(kv_bytes, device))]
+                copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
                 turn = itertools.cycle(copies)  # each timed call takes the next copy (a CUDA graph captures many)
                 k_cache, v_cache, tables, _, _ = copies[0]
                 q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
@@ -447,9 +449,8 @@ def bench_tune_decode(runner: Runner, cfg: dict):
     for batch, ctx in DECODE_TUNE_CASES:
 
         def build(batch=batch, ctx=ctx):
-            kv_bytes = 2 * cfg["dtype"].itemsize * batch * ctx * cfg["num_kv_heads"] * dim
-            copies = [paged_kv(ctx, batch, cfg, device)[:3] for _ in range(cold_copies(kv_bytes, device))]
-            turn = itertools.cycle(copies)  # cold K/V, as in bench_decode
+            copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
+            turn = itertools.cycle([c[:3] for c in copies])  # paged K/V only, cold as in bench_decode
             q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
 
