@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 
 import numpy as np
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The synthetic workload's flags, under vLLM's bench names too (--num-prompts, --input-len, ...)."""
+    parser.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=256)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024],
+                        help="prompt lengths drawn uniformly from this range")
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
+                        help="every prompt this long (instead of --input-len-range)")
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=256)
+
+
+def input_len_range(args: argparse.Namespace) -> tuple[int, int]:
+    return (args.input_len, args.input_len) if args.input_len else tuple(args.input_len_range)
 
 
 def synthetic_prompts(num: int, input_len_range: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:

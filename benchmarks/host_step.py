@@ -5,9 +5,9 @@ takes no time), so every millisecond measured is the driver's own: scheduling, t
 and the outputs. On a GPU the device runs step N while the host prepares step N+1; when the host's time per step
 exceeds the GPU's, the host sets the pace (`PAGODA_LOG_STEPS_S` shows it as a device wait near zero).
 
-Modes: `final` (offline `LLM.generate`: outputs only at the end), `cumulative` (an in-process server: every request's
-whole output at every step), `delta` (the engine actor: what is new), `delta+interval` (the engine actor with a
-0.1 s stream interval: outputs at most every 25 ms).
+Modes: `final` (offline `LLM.generate`, or requests that do not stream: one delta at the end), `delta` (a delta
+for every request at every step: stream interval 0), `delta+interval` (the serving default: at most one delta per
+request every 0.1 s, the stream interval), `delta+25ms` (0.025 s).
 
     .venv/bin/python -m benchmarks.host_step [--num-seqs 256] [--steps 200] [--output-json host.json]
 """
@@ -21,8 +21,8 @@ from benchmarks.common import print_table, synthetic_prompts, write_json
 from engine.executor import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
-MODES = {"final": (False, False, 0.0), "cumulative": (True, False, 0.0), "delta": (True, True, 0.0),
-         "delta+interval": (True, True, 0.025)}  # (stream_outputs, delta_outputs, output_interval_s)
+MODES = {"final": (False, 0.0), "delta": (True, 0.0), "delta+interval": (True, 0.1),
+         "delta+25ms": (True, 0.025)}  # (stream, stream_interval_s)
 
 
 class InstantExecutor(Executor):
@@ -60,13 +60,14 @@ def measure(mode: str, num_seqs: int, steps: int, prompt_len: int) -> dict:
     from engine.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(prompt_len + steps + 16) // 16)
-    config = build_engine_config(device="cpu", num_kv_blocks=num_seqs * blocks_per_seq + 16,
-                                 max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs))
+    stream, interval_s = MODES[mode]
+    config = build_engine_config(model="tiny", device="cpu", num_kv_blocks=num_seqs * blocks_per_seq + 16,
+                                 max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs),
+                                 stream_interval_s=interval_s)
     engine = LLMEngine(config, executor=InstantExecutor(num_seqs * blocks_per_seq + 16))
-    engine.stream_outputs, engine.delta_outputs, engine.output_interval_s = MODES[mode]
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for i, prompt in enumerate(synthetic_prompts(num_seqs, (prompt_len, prompt_len), config.model.vocab_size, 0)):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, stream=stream)
     while engine.scheduler.num_waiting or any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill
     start = time.perf_counter()

@@ -34,7 +34,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     # while the last ones prefill, and a limit would let them finish before the decode steps are timed.
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False)
     start = time.perf_counter()
     while any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill (possibly chunked)
@@ -65,12 +65,13 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
 
 
 def main(args: argparse.Namespace) -> dict:
-    from engine.arg_utils import engine_kwargs
+    from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
     model_dir, load_format = resolve_model(args.model, args.preset)
-    kwargs = {**engine_kwargs(args), "model": model_dir, "load_format": load_format, "enable_prefix_caching": False}
-    engine = LLMEngine.from_args(**kwargs)
+    config = engine_args(args, model=model_dir, load_format=load_format,
+                         enable_prefix_caching=False).create_engine_config()
+    engine = LLMEngine(config)
     workers = engine.executor.describe()
     print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers))
     rows = []

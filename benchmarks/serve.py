@@ -14,15 +14,14 @@ import time
 
 import numpy as np
 
-from benchmarks.common import percentiles, print_table, synthetic_prompts, write_json
+from benchmarks.common import (add_workload_args, input_len_range, percentiles, print_table, synthetic_prompts,
+                               write_json)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--output-len", type=int, default=256)
+    add_workload_args(parser)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
     parser.add_argument("--vocab-size", type=int, default=None, help="for token-id prompts (default: from the server)")
     parser.add_argument("--api-key", default=None)
@@ -31,6 +30,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times; change it between runs "
                         "against one server, or the prefix cache serves the prompts of the run before")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp",
+                        help="aiohttp: one process, raw SSE; openai: the official openai client (AsyncOpenAI)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="with --client openai: this many client processes share the requests")
     parser.add_argument("--output-json", default=None)
 
 
@@ -72,40 +75,53 @@ async def _send(session, url: str, headers: dict, body: dict) -> dict:
             "tpot": (end - start - ttft) / max(output_tokens - 1, 1), "itl": list(np.diff(token_times))}
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def _models(args: argparse.Namespace, headers: dict) -> list[dict]:
     import aiohttp
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{args.url}/v1/models", headers=headers) as resp:
+            return (await resp.json())["data"]
+
+
+async def _run_aiohttp(args: argparse.Namespace, headers: dict, bodies: list[dict], delays) -> list[dict]:
+    import aiohttp
+
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     # aiohttp's default pool holds 100 connections: more requests than that would wait in the client.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        async with session.get(f"{args.url}/v1/models", headers=headers) as resp:
-            models = (await resp.json())["data"]
-        model = args.model or models[0]["id"]
-        vocab = args.vocab_size or 1000
-        prompts = synthetic_prompts(args.num_requests, tuple(args.input_len_range), vocab, args.seed)
-        rng = np.random.default_rng(args.seed)
-        gaps = (np.zeros(len(prompts)) if args.request_rate == float("inf")
-                else rng.exponential(1.0 / args.request_rate, size=len(prompts)))
-        delays = np.cumsum(gaps) - gaps[0]
-        start = time.perf_counter()
-        tasks = [_one(session, f"{args.url}/v1/completions", headers,
-                      {"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, float(d),
-                      limit)
-                 for p, d in zip(prompts, delays)]
-        results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+        return await asyncio.gather(*(_one(session, f"{args.url}/v1/completions", headers, body, float(d), limit)
+                                      for body, d in zip(bodies, delays)))
+
+
+def run(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or asyncio.run(_models(args, headers))[0]["id"]
+    prompts = synthetic_prompts(args.num_requests, input_len_range(args), args.vocab_size or 1000, args.seed)
+    rng = np.random.default_rng(args.seed)
+    gaps = (np.zeros(len(prompts)) if args.request_rate == float("inf")
+            else rng.exponential(1.0 / args.request_rate, size=len(prompts)))
+    delays = np.cumsum(gaps) - gaps[0]
+    bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+    start = time.perf_counter()
+    if args.client == "openai":
+        from benchmarks.serve_openai import run_clients
+
+        results = run_clients(args, bodies, delays)
+    else:
+        results = asyncio.run(_run_aiohttp(args, headers, bodies, delays))
+    elapsed = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
     to_ms = lambda d: {k: 1000 * v for k, v in d.items()}  # noqa: E731
     return {
-        "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts),
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": [r["error"] for r in results if not r["ok"]][:5], "elapsed_s": elapsed,
-        "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
+        "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts), "client": args.client,
+        "client_processes": args.client_processes if args.client == "openai" else 1,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "completed": len(ok),
+        "failed": len(results) - len(ok), "errors": [r["error"] for r in results if not r["ok"]][:5],
+        "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "ttft_ms": to_ms(percentiles([r["ttft"] for r in ok])), "tpot_ms": to_ms(percentiles([r["tpot"] for r in ok])),
         "itl_ms": to_ms(percentiles([x for r in ok for x in r["itl"]])),
@@ -114,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    result = asyncio.run(run(args))
+    result = run(args)
     rows = [{"metric": name, **result[name]} for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
     print(f"completed {result['completed']}/{result['num_requests']} in {result['elapsed_s']:.1f} s: "
           f"{result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.0f} output tok/s, "

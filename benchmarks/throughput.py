@@ -12,7 +12,8 @@ import tempfile
 import time
 from dataclasses import replace
 
-from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
+from benchmarks.common import (add_workload_args, device_name, input_len_range, print_table, synthetic_prompts,
+                               write_json)
 from workers.presets import resolve_model
 
 
@@ -20,20 +21,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from engine.arg_utils import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--output-len", type=int, default=256)
+    add_workload_args(parser)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--compare", choices=["hf"], default=None)
     parser.add_argument("--output-json", default=None)
 
 
 def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> dict:
-    from engine.arg_utils import engine_kwargs
-    from engine import LLM, SamplingParams
+    from dataclasses import asdict
 
-    kwargs = {**engine_kwargs(args), "model": model_dir, "load_format": load_format}
-    llm = LLM(**kwargs)
+    from engine import LLM, SamplingParams
+    from engine.arg_utils import engine_args
+
+    llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
     llm.engine.block_manager.reset_prefix_cache()
@@ -76,9 +76,14 @@ def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> 
     gen = GenerationConfig(max_new_tokens=args.output_len, do_sample=args.temperature > 0,
                            temperature=max(args.temperature, 1e-5), top_p=1.0, top_k=0, eos_token_id=None,
                            pad_token_id=0)
-    model.generate_batch(inputs=prompts[:4], generation_config=gen)  # warm-up
+    batch_kwargs = {}
+    if not torch.cuda.is_available():  # its cache is sized from free memory: on CPU, all of the machine's RAM
+        from transformers.generation import ContinuousBatchingConfig
+
+        batch_kwargs["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=256)
+    model.generate_batch(inputs=prompts[:4], generation_config=gen, **batch_kwargs)  # warm-up
     start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=gen)
+    results = model.generate_batch(inputs=prompts, generation_config=gen, **batch_kwargs)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(r.generated_tokens) for r in results.values())
     del model, results
@@ -112,7 +117,7 @@ def main(args: argparse.Namespace) -> dict:
         model_dir = default_tiny_model_path()
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    prompts = synthetic_prompts(args.num_requests, tuple(args.input_len_range), vocab_size, args.seed)
+    prompts = synthetic_prompts(args.num_requests, input_len_range(args), vocab_size, args.seed)
     rows = []
     if args.compare == "hf":
         hf, weights_dir = run_hf(args, model_dir, load_format, prompts)
@@ -120,7 +125,7 @@ def main(args: argparse.Namespace) -> dict:
         model_dir, load_format = weights_dir, "auto"
     rows.append(run_pagoda(args, model_dir, load_format, prompts))
     result = {"benchmark": "throughput", "device": device_name(), "model": args.preset or args.model or "tiny",
-              "num_requests": args.num_requests, "input_len_range": args.input_len_range,
+              "num_requests": args.num_requests, "input_len_range": list(input_len_range(args)),
               "output_len": args.output_len, "results": rows}
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]

@@ -7,7 +7,7 @@
                                      ◄── rank 0's ModelRunnerOutput (other ranks return None)
 
 Start-up: join or start Ray, take the caller's placement group (a Serve replica deployed with
-`placement_group_bundles=placement_bundles(...)`) or create one, start one actor per bundle, rendezvous at
+placement from cluster/placement.py) or create one, start one actor per bundle, rendezvous at
 rank 0's `tcp://ip:port`, load the shards, profile memory on every rank and allocate the smallest pool any rank
 can hold. Each step's `SchedulerOutput` goes to all ranks through a Ray Compiled Graph (shared-memory channels: a
 fraction of a millisecond, where a plain actor call per rank costs about a millisecond each); plain calls are
@@ -29,85 +29,20 @@ from dataclasses import dataclass, replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
-                                      remove_placement_group)
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 
-from engine.config import EngineConfig, ParallelConfig
+from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement, worker_actor_options
+from cluster.ray_utils import actor_env_vars, ensure_ray_initialized, resolve_cluster_device
+from engine import envs
+from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGY = "STRICT_PACK"  # every rank of a replica on one node (NVLink)
-# Always off on the H200 machines: NVLink multicast (NVLS / multimem) must not be used there (ARCHITECTURE.md).
-WORKER_ENV_VARS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Passed on to the actors when the driver has them.
-FORWARDED_ENV_VARS = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "PAGODA_TORCH_THREADS")
-
-
-def actor_env_vars() -> dict[str, str]:
-    """The environment of the actors Pagoda starts (workers, the engine actor): the fixed settings above, and the
-    forwarded variables that the caller has."""
-    return WORKER_ENV_VARS | {k: os.environ[k] for k in FORWARDED_ENV_VARS if k in os.environ}
-
-
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGODA_PLACEMENT_TIMEOUT_S", 300))  # an autoscaler may add a node
-INIT_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_INIT_TIMEOUT_S", 1200))  # load + profile a large shard
-STEP_TIMEOUT_S = float(os.environ.get("PAGODA_STEP_TIMEOUT_S", 300))  # first steps may JIT-compile kernels
 PING_TIMEOUT_S = 10.0
 HEALTH_CHECK_INTERVAL_S = 1.0  # check_health pings only when no step has answered for this long
 SHUTDOWN_TIMEOUT_S = 10.0
-
-
-def placement_bundles(parallel_config: ParallelConfig, device: str) -> list[dict]:
-    """The placement group of one model copy: one bundle per rank. Bundle 0 also holds the driver (the replica).
-
-    GPU: `[{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)`.  CPU: `[{"CPU": 1}] * tp` (a core per rank). Worker
-    actors ask only for the bundle's GPU (nothing on CPU), so the replica's own CPU fits beside rank 0.
-    """
-    tp = parallel_config.tensor_parallel_size
-    if resolve_cluster_device(device) == "cuda":
-        return [{"CPU": 1, "GPU": 1}] + [{"GPU": 1} for _ in range(tp - 1)]
-    return [{"CPU": 1} for _ in range(tp)]
-
-
-def resolve_cluster_device(device: str, pg: PlacementGroup | None = None) -> str:
-    """'auto' is 'cuda' when the placement group (or, without one, the cluster) has GPUs; the driver's own
-    devices do not count: a replica may hold no GPU while its workers do."""
-    if device != "auto":
-        return device
-    if pg is not None:
-        return "cuda" if any(b.get("GPU", 0) > 0 for b in pg.bundle_specs) else "cpu"
-    if ray.is_initialized():
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    from engine.config import resolve_device
-
-    return resolve_device(device)
-
-
-def ensure_ray_initialized(num_cpus_needed: int = 1) -> None:
-    """Joins the running cluster (RAY_ADDRESS, or the one `ray start` made) or starts a local one; never re-inits.
-
-    Not plain `address="auto"` when there is no such cluster: its legacy fallback attaches to any Ray process it
-    finds on the machine (another program's private cluster)."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS") or _bootstrap_address():
-        try:
-            ray.init(address="auto")
-            return
-        except ConnectionError as e:
-            logger.warning("no Ray cluster at the recorded address (%s); starting a local one", e)
-    # Ray's CPUs are logical: a small machine still gets a bundle for every rank.
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed))
-
-
-def _bootstrap_address() -> str | None:
-    try:
-        return ray._private.utils.read_ray_address()
-    except Exception:  # private API: treat any failure as "no cluster started with `ray start`"
-        return None
 
 
 # ---- the worker actor ------------------------------------------------------------------------------------------
@@ -131,7 +66,7 @@ class WorkerActor:
         else:
             import torch
 
-            torch.set_num_threads(int(os.environ.get("PAGODA_TORCH_THREADS", "1")))
+            torch.set_num_threads(envs.get("PAGODA_TORCH_THREADS"))
         self.worker = None
         self.device_index: int | None = None
 
@@ -173,6 +108,9 @@ class WorkerActor:
 
     def ping(self) -> int:
         return self.rank
+
+    def device_stats(self) -> tuple[int, float]:
+        return self.worker.device_stats()
 
     def describe(self) -> dict:
         return self.worker.describe()
@@ -262,7 +200,7 @@ class RayExecutor(Executor):
 
     def __init__(self, config: EngineConfig, use_compiled_graph: bool | None = None):
         if use_compiled_graph is None:
-            use_compiled_graph = os.environ.get("PAGODA_DISABLE_COMPILED_GRAPH", "0") != "1"
+            use_compiled_graph = not envs.get("PAGODA_DISABLE_COMPILED_GRAPH")
         self.world_size = config.parallel.tensor_parallel_size
         self.actors: list = []
         self.placement_group: PlacementGroup | None = None
@@ -274,7 +212,7 @@ class RayExecutor(Executor):
         ensure_ray_initialized(num_cpus_needed=self.world_size + 1)
         try:
             caller_pg = get_current_placement_group()
-            device = resolve_cluster_device(config.parallel.device, caller_pg)
+            device = resolve_cluster_device(config.parallel.device, caller_pg.bundle_specs if caller_pg else None)
             self.config = replace(config, parallel=replace(config.parallel, device=device))
             self.placement_group = self._acquire_placement_group(caller_pg, device)
             self.actors = self._start_actors(device)
@@ -298,20 +236,21 @@ class RayExecutor(Executor):
             bundles = caller_pg.bundle_specs
             if len(bundles) < self.world_size:
                 raise ValueError(f"the caller's placement group has {len(bundles)} bundles; tensor_parallel_size="
-                                 f"{self.world_size} needs one per rank: deploy with placement_group_bundles="
-                                 f"placement_bundles(...)")
+                                 f"{self.world_size} needs one per rank: deploy with the bundles of "
+                                 f"cluster.placement.ReplicaPlacement")
             if device == "cuda" and any(b.get("GPU", 0) < 1 for b in bundles[:self.world_size]):
                 raise ValueError(f"the caller's placement group bundles {bundles} do not each hold a GPU")
             return caller_pg
-        bundles = placement_bundles(self.config.parallel, device)
+        bundles = ReplicaPlacement(self.world_size, device).bundles()
         pg = placement_group(bundles, strategy=PLACEMENT_STRATEGY)
         self._owns_placement_group = True
+        timeout_s = envs.get("PAGODA_PLACEMENT_TIMEOUT_S")
         try:
-            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
             remove_placement_group(pg)
             self._owns_placement_group = False
-            raise RuntimeError(f"could not place {bundles} ({PLACEMENT_STRATEGY}) within {PLACEMENT_TIMEOUT_S:.0f} s;"
+            raise RuntimeError(f"could not place {bundles} ({PLACEMENT_STRATEGY}) within {timeout_s:.0f} s;"
                                f" the cluster has {ray.available_resources()} available") from None
         return pg
 
@@ -322,23 +261,18 @@ class RayExecutor(Executor):
             # Ray's GPU id to the device index either way.
             env_vars.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         remote_class = ray.remote(WorkerActor)
-        actors = []
-        for rank in range(self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
-                                                        placement_group_bundle_index=rank)
-            actors.append(remote_class.options(
-                num_cpus=0, num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
-                runtime_env={"env_vars": env_vars}).remote(self.config, rank, self.world_size))
-        return actors
+        return [remote_class.options(**worker_actor_options(device, self.placement_group, rank, env_vars))
+                .remote(self.config, rank, self.world_size) for rank in range(self.world_size)]
 
     def _init_workers(self) -> int:
         """Rendezvous, load every shard, then the smallest KV pool any rank can hold, on every rank."""
-        init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=INIT_TIMEOUT_S)
-        per_rank = _get_all([a.init_worker.remote(init_method) for a in self.actors], INIT_TIMEOUT_S)
+        timeout_s = envs.get("PAGODA_WORKER_INIT_TIMEOUT_S")
+        init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=timeout_s)
+        per_rank = _get_all([a.init_worker.remote(init_method) for a in self.actors], timeout_s)
         num_blocks = min(per_rank)
         if len(set(per_rank)) > 1:
             logger.info("KV blocks per rank %s: using %d on every rank", per_rank, num_blocks)
-        _get_all([a.init_kv_cache.remote(num_blocks) for a in self.actors], INIT_TIMEOUT_S)
+        _get_all([a.init_kv_cache.remote(num_blocks) for a in self.actors], timeout_s)
         return num_blocks
 
     # ---- steps -----------------------------------------------------------------------------------------------
@@ -365,7 +299,7 @@ class RayExecutor(Executor):
 
     def _collect(self, pending: list) -> ModelRunnerOutput:
         try:
-            results = self._broadcast.collect(pending, STEP_TIMEOUT_S)
+            results = self._broadcast.collect(pending, envs.get("PAGODA_STEP_TIMEOUT_S"))
         except RayTaskError as e:  # raised in a rank outside the step's own try (e.g. deserializing the step)
             raise ExecutorError(f"step failed on a worker: {_one_line(e)}") from e
         except Exception as e:  # a dead actor, a closed channel, a step past its timeout
@@ -400,6 +334,12 @@ class RayExecutor(Executor):
 
     def describe(self) -> list[dict]:
         return ray.get([a.describe.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
+
+    def device_stats(self) -> tuple[int, float]:
+        if self.config.parallel.device != "cuda" or self._dead_error is not None:
+            return 0, 0.0
+        stats = ray.get([a.device_stats.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
+        return sum(used for used, _ in stats), sum(u for _, u in stats) / len(stats)
 
     # ---- shutdown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -2,28 +2,31 @@
 
     serve run deploy/serve.yaml        # import_path: cluster.app:build_app
 
-    Ingress (ingress_replicas, num_cpus 0.1) ──handles by served_model_name──► LLMServer_<name> (one per model)
+    Ingress (ingress_replicas) ──handles by served_model_name──► LLMServer_<name> (one deployment per model)
 
-args are validated with pydantic (`AppArgs`); an unknown key or a bad value fails with the field named.
+A model's args are flat: every `EngineArgs` field (engine/config.py, which holds their defaults) beside the serving
+fields of `ModelArgs`. They are validated here, with the field named; an unknown key is an error.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.actor_group import resolve_cluster_device
 from cluster.ingress import Ingress
+from cluster.placement import ReplicaPlacement, ingress_options
+from cluster.ray_utils import resolve_cluster_device
 from cluster.router import DEFAULT_CHUNK_CHARS, DEFAULT_IMBALANCE_THRESHOLD, PrefixAffinityRouter
-from cluster.server import LLMServer, replica_options
+from cluster.server import LLMServer, ServerSettings
+from engine.config import EngineArgs
+from engine.errors import ParamError
 
-_ENGINE_FIELDS = ("model", "tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs",
-                  "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "dtype",
-                  "load_format", "device", "num_kv_blocks", "seed", "enforce_eager", "tokenizer")
+DEFAULT_STREAM_INTERVAL_S = 0.1
 
 
 class AutoscalingArgs(BaseModel):
@@ -48,54 +51,65 @@ class RouterArgs(BaseModel):
 
 
 class ModelArgs(BaseModel):
-    """One served model: the engine's settings, and how many replicas of it."""
+    """One served model: its EngineArgs fields (flat, validated by EngineArgs) and how to serve it."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), arbitrary_types_allowed=True)
 
-    model: str | None = None  # None: the built-in tiny model
-    served_model_name: str | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
-    load_format: str = "auto"
-    device: str = "auto"
-    num_kv_blocks: int | None = Field(None, ge=1)
-    seed: int = 0
-    enforce_eager: bool = False
-    tokenizer: str | None = None
+    engine: EngineArgs = EngineArgs(stream_interval_s=DEFAULT_STREAM_INTERVAL_S)
+    served_model_name: str | list[str] | None = None  # several: aliases of one model (the first is its name)
     num_replicas: int | None = Field(None, ge=1)
     autoscaling_config: AutoscalingArgs | None = None
-    max_ongoing_requests: int = Field(256, ge=1)  # per replica; beyond it the router queues (load signal)
+    max_ongoing_requests: int = Field(256, ge=1)  # per replica; beyond it Serve's router queues (load signal)
+    max_queued_requests: int = Field(1024, ge=-1)  # per caller; beyond it a 429 with Retry-After (-1: no limit)
     replica_num_cpus: float = Field(1.0, ge=0)
+    replica_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"model_slot": 1}
+    accelerator_type: str | None = None  # e.g. "H100": replicas only on nodes with that accelerator
+    replica_label_selector: dict[str, str] = Field(default_factory=dict)
     health_check_period_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
-    # A stream sends what accumulated at most this often (the first token and the end at once): fewer, larger
-    # messages through Serve when many requests stream, as Ray Serve LLM's stream batching does. 0: every step.
-    # Measured (H200, Llama-3-8B shape, all at once, engine in the replica, a client that kept 100 streams in
-    # flight): 0.05 s gave 10.6k total tok/s, 0.1 s 18.0k.
-    stream_interval_s: float = Field(0.1, ge=0)
     # The engine's step loop in a Ray actor of its own beside the replica (cluster/engine_core.py), so that it
     # does not share the replica's GIL with Serve's streaming. False: in the replica's process.
     engine_process: bool = True
+    engine_stall_timeout_s: float = Field(120.0, gt=0)
+    allow_request_chat_template: bool = False
+    chat_template_time_limit_s: float = Field(1.0, gt=0)
     router: RouterArgs = RouterArgs()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data):
+        """The flat EngineArgs keys become `engine`; EngineArgs validates them (naming the field)."""
+        if not isinstance(data, dict) or "engine" in data:
+            return data
+        names = set(EngineArgs.field_names())
+        engine = {k: v for k, v in data.items() if k in names}
+        engine.setdefault("stream_interval_s", DEFAULT_STREAM_INTERVAL_S)
+        try:
+            args = EngineArgs(**engine)
+        except ParamError as e:
+            raise ValueError(str(e)) from None
+        except TypeError as e:
+            raise ValueError(f"engine args: {e}") from None
+        return {k: v for k, v in data.items() if k not in names} | {"engine": args}
 
     @model_validator(mode="after")
     def _check(self):
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("give num_replicas or autoscaling_config, not both")
         if self.served_model_name is None:
-            self.served_model_name = _default_name(self.model)
+            self.served_model_name = _default_name(self.engine.model)
+        if isinstance(self.served_model_name, list) and not self.served_model_name:
+            raise ValueError("served_model_name must not be an empty list")
         return self
 
-    def engine_kwargs(self, device: str) -> dict[str, Any]:
-        kwargs = {name: getattr(self, name) for name in _ENGINE_FIELDS}
-        kwargs["device"] = device
-        return kwargs
+    @property
+    def names(self) -> list[str]:
+        name = self.served_model_name
+        return list(name) if isinstance(name, list) else [name]
+
+    def placement(self, device: str) -> ReplicaPlacement:
+        return ReplicaPlacement(self.engine.tensor_parallel_size, device, self.replica_num_cpus, self.engine_process,
+                                self.accelerator_type, dict(self.replica_resources), dict(self.replica_label_selector))
 
 
 class AppArgs(BaseModel):
@@ -105,13 +119,16 @@ class AppArgs(BaseModel):
     api_key: str | None = None
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, ge=0)
+    ingress_resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"head": 1}: ingress on the head
+    ingress_label_selector: dict[str, str] = Field(default_factory=dict)
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
     accept_timeout_s: float = Field(60.0, gt=0)
-    debug: bool = False
+    default_max_tokens: int | None = Field(None, ge=1)  # chat without max_tokens; None: the rest of the context
+    debug: bool = False  # /debug/integrity and /debug/fail_engine
 
     @model_validator(mode="after")
     def _check(self):
-        names = [m.served_model_name for m in self.models]
+        names = [name for m in self.models for name in m.names]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"served_model_name must be unique, repeated: {duplicates}")
@@ -132,35 +149,47 @@ def build_app(args: dict | None = None) -> serve.Application:
     app_args = parse_args(args)
     handles, cards = {}, {}
     for m in app_args.models:
-        device = resolve_cluster_device(m.device)
-        server = LLMServer.options(name=f"LLMServer_{_slug(m.served_model_name)}", **_server_options(m, device))
-        handles[m.served_model_name] = server.bind(m.engine_kwargs(device), m.served_model_name,
-                                                   m.graceful_shutdown_timeout_s, app_args.debug, m.stream_interval_s,
-                                                   m.engine_process)
-        cards[m.served_model_name] = {"root": m.model or "pagoda-tiny"}
+        device = resolve_cluster_device(m.engine.device)
+        placement = m.placement(device)
+        name = m.names[0]
+        settings = ServerSettings(name, placement, m.graceful_shutdown_timeout_s, app_args.debug,
+                                  m.allow_request_chat_template, m.chat_template_time_limit_s,
+                                  m.engine_stall_timeout_s)
+        server = LLMServer.options(name=f"LLMServer_{_slug(name)}", **_server_options(m, placement))
+        handle = server.bind(replace(m.engine, device=device), settings)
+        for alias in m.names:
+            handles[alias] = handle
+            cards[alias] = {"root": m.engine.model or "pagoda-tiny"}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
-              "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug}
+              "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
+              "default_max_tokens": app_args.default_max_tokens}
+    # The ingress drains its streams for as long as the models drain theirs (Serve's default, 20 s, cut the
+    # streams of a 30 s model drain), plus a margin for their last chunks.
+    drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.models) + 5.0
     ingress = Ingress.options(num_replicas=app_args.ingress_replicas, max_ongoing_requests=10_000,
-                              ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
+                              graceful_shutdown_timeout_s=drain_s,
+                              ray_actor_options=ingress_options(app_args.ingress_num_cpus, app_args.ingress_resources,
+                                                                app_args.ingress_label_selector))
     return ingress.bind(handles, cards, config)
 
 
-def _server_options(m: ModelArgs, device: str) -> dict[str, Any]:
-    options = replica_options(m.tensor_parallel_size, device, m.replica_num_cpus, m.engine_process)
+def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]:
+    options = placement.replica_options()
     if m.autoscaling_config is not None:
         options["autoscaling_config"] = m.autoscaling_config.model_dump()
     else:
         options["num_replicas"] = m.num_replicas or 1
     options.update(
-        max_ongoing_requests=m.max_ongoing_requests, health_check_period_s=m.health_check_period_s,
-        graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
+        max_ongoing_requests=m.max_ongoing_requests, max_queued_requests=m.max_queued_requests,
+        health_check_period_s=m.health_check_period_s, graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                   request_router_kwargs=m.router.model_dump()))
     return options
 
 
 def _default_name(model: str | None) -> str:
-    return "pagoda-tiny" if model is None else model.rstrip("/").rsplit("/", 1)[-1]
+    """The name clients ask for: the model as given (vLLM serves a path under that path)."""
+    return "pagoda-tiny" if model is None else model
 
 
 def _slug(name: str) -> str:

@@ -5,17 +5,17 @@
      "request_id": "cmpl-..."}            (code: a string where OpenAI has one, e.g. "model_not_found"; else the status)
 
 Replicas never raise for a bad request: they return an `ErrorInfo` value (see cluster/server.py), which the ingress
-turns back into one of the errors here. Everything else (pydantic, the engine's ValueError, Ray Serve's back
-pressure, a dead engine) is mapped by `to_http_error`.
+turns back into one of the errors here. Everything else (pydantic, the engine's ParamError, Ray Serve's back
+pressure, a dead engine) is mapped by `to_http_error`. What a client reads is a plain message: Ray's own error
+texts (actor ids, pids, node addresses) stay in the log, with the request id.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
-from engine.async_engine import EngineDeadError
+from engine.errors import EngineDeadError, ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,24 @@ class PayloadTooLargeError(PagodaHTTPError):
     error_type = "invalid_request_error"
 
 
+class TooManyRequestsError(PagodaHTTPError):
+    """The replicas' queues are full (Serve's max_queued_requests): try again after `retry_after_s`."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    retry_after_s = 1
+
+
 class ServiceUnavailableError(PagodaHTTPError):
     status_code = 503
     error_type = "service_unavailable"
+
+
+class ClientDisconnectedError(PagodaHTTPError):
+    """The client went away before the answer: nothing is sent (logged as 499, nginx's code for it)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 class InternalServerError(PagodaHTTPError):
@@ -73,7 +88,8 @@ class InternalServerError(PagodaHTTPError):
 
 
 _STATUS_TO_ERROR = {400: InvalidRequestError, 401: AuthenticationError, 404: NotFoundError,
-                    413: PayloadTooLargeError, 503: ServiceUnavailableError, 500: InternalServerError}
+                    413: PayloadTooLargeError, 429: TooManyRequestsError, 503: ServiceUnavailableError,
+                    500: InternalServerError}
 
 
 @dataclass
@@ -88,32 +104,6 @@ class ErrorInfo:
         return _STATUS_TO_ERROR.get(self.status_code, InternalServerError)(self.message, self.param)
 
 
-# Every request field a client may send, for naming `param` in errors raised outside a specific request model.
-ALL_PARAMS = frozenset({
-    "model", "prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "max_tokens",
-    "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs", "logit_bias", "echo", "stream",
-    "stream_options", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "tokens"})
-
-# The first word of the engine's ValueError names the field ("temperature must be non-negative ...").
-_FIELD_RE = re.compile(r"^([a-z_][a-z0-9_]*)\b")
-_PARAM_ALIASES = {"prompt_token_ids": "prompt"}
-
-
-def param_from_message(message: str, known_params: frozenset[str] = ALL_PARAMS) -> str | None:
-    """The request field a ValueError message starts with, if it is one the client could have sent."""
-    match = _FIELD_RE.match(message)
-    if not match:
-        return None
-    name = _PARAM_ALIASES.get(match.group(1), match.group(1))
-    return name if name in known_params else None
-
-
-def error_from_value_error(e: ValueError) -> ErrorInfo:
-    """A replica's answer to input the engine rejected: 400, naming the field."""
-    return ErrorInfo(400, str(e), param_from_message(str(e)))
-
-
 def to_http_error(exc: BaseException) -> PagodaHTTPError:
     """The one mapping from any exception to an HTTP error (status, OpenAI type, param)."""
     from pydantic import ValidationError
@@ -123,18 +113,19 @@ def to_http_error(exc: BaseException) -> PagodaHTTPError:
         return cause
     if isinstance(cause, ValidationError):
         return _from_validation_error(cause)
+    if _is_back_pressure(cause):
+        return TooManyRequestsError("every replica's queue is full; retry shortly")
     if _is_serve_unavailable(cause):
-        error = ServiceUnavailableError(f"the service is overloaded or no replica is ready: {cause}")
-        error.status_code = getattr(cause, "status_code", 503)  # Serve's back pressure may be configured as 429
-        return error
+        logger.warning("no replica available: %s", cause)
+        return ServiceUnavailableError("no replica is ready to serve this request; retry shortly")
     if isinstance(cause, EngineDeadError):  # the replica fails its health check and Serve replaces it
-        return ServiceUnavailableError(f"the engine is not running: {cause}")
+        return ServiceUnavailableError("the model's engine is restarting; retry shortly")
     if isinstance(cause, TimeoutError):
-        return ServiceUnavailableError("no replica answered in time; try again")
-    if isinstance(cause, ValueError):
-        return InvalidRequestError(str(cause), param_from_message(str(cause)))
+        return ServiceUnavailableError("no replica answered in time; retry shortly")
+    if isinstance(cause, ParamError):
+        return InvalidRequestError(str(cause), cause.param)
     logger.error("internal error: %s: %s", type(cause).__name__, cause, exc_info=cause)
-    return InternalServerError(f"internal error: {type(cause).__name__}")
+    return InternalServerError(f"internal error ({type(cause).__name__})")
 
 
 def http_status_error(status_code: int, message: str) -> PagodaHTTPError:
@@ -169,10 +160,14 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _is_back_pressure(exc: BaseException) -> bool:
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError)
+
+
 def _is_serve_unavailable(exc: BaseException) -> bool:
-    try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-    except ImportError:  # pragma: no cover - Ray is a dependency of cluster/
-        return False
-    return isinstance(exc, (BackPressureError, DeploymentUnavailableError, ActorDiedError, ActorUnavailableError))
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(exc, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError))

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP edge: a FastAPI app behind Ray Serve, CPU only, N replicas.
 
-    POST /v1/completions, /v1/chat/completions   (SSE when stream=true)     GET /v1/models
-    POST /tokenize, /detokenize                   GET /health, /metrics      GET /debug/integrity
+    POST /v1/completions, /v1/chat/completions   (SSE when stream=true)     GET /v1/models, /openapi.json
+    POST /tokenize, /detokenize                   GET /health, /metrics      GET /debug/integrity (debug only)
 
-Each request: authorize (Bearer key) → read the body (size limit, before parsing) → validate (pydantic) → pick the
-model's LLMServer handle by `model` → one streaming handle call per prompt → wait for every replica to accept
-(or refuse) → answer: JSON, or SSE whose status is already known to be 200. Any exception becomes an OpenAI
-error JSON through cluster.errors.to_http_error, with the request id.
+Each request: authorize (Bearer key) → read the body (size limit, before parsing) → validate (strict pydantic) →
+pick the model's LLMServer handle by `model` → one streaming handle call per prompt → wait for every replica to
+accept (or refuse) → answer: JSON built from each prompt's final delta, or SSE, one chunk per delta, whose status
+is already known to be 200. A client that disconnects aborts its requests, streaming or not. Any exception
+becomes an OpenAI error JSON through cluster.errors.to_http_error, with the request id; every 5xx is logged.
 
 Two Serve constraints shape this file: no `from __future__ import annotations` (class-based routes resolve the
 `Request` annotation at run time; a string would become a query parameter, 422), and every module-level helper is
@@ -24,26 +25,29 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import errors
-from cluster.errors import ErrorInfo, PagodaHTTPError
+from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
-from cluster.protocol import (ChatCompletionRequest, ChoiceDelta, CompletionRequest, DetokenizeRequest,
-                              GenerateRequest, StepDelta, TokenizeRequest, chat_logprobs, completion_logprobs,
-                              message_dicts, usage)
+from cluster.openapi import openapi_schema
+from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              GenerateRequest, TokenizeRequest, chat_logprobs, completion_logprobs, message_dicts,
+                              usage)
+from engine.request_output import RequestDelta, SequenceDelta
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="Pagoda", docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="Pagoda", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, exc: StarletteHTTPException):
     error = errors.http_status_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return JSONResponse(errors.error_body(error, None), status_code=exc.status_code)
+    return JSONResponse(errors.error_body(error, None), status_code=exc.status_code, headers=exc.headers)
 
 
 @dataclass
@@ -52,29 +56,32 @@ class IngressConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     accept_timeout_s: float = 60.0  # waiting for a replica to accept a request (none ready: 503)
     control_timeout_s: float = 10.0  # broadcasts: /health, /metrics, /debug/*
-    debug: bool = False  # enables POST /debug/fail_engine
+    debug: bool = False  # enables /debug/integrity and /debug/fail_engine
+    default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context (OpenAI's)
 
 
 class _Run:
     """The replica streams of one HTTP request, one per prompt, each already accepted."""
 
-    def __init__(self, gens: list, accepted: list[StepDelta], n: int):
-        self.gens, self.accepted, self.n = gens, accepted, n
-        self.prompt_tokens = sum(a.prompt_tokens for a in accepted)
-        self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted))}
+    def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str):
+        self.gens, self.accepted, self.n, self.request_id = gens, accepted, n, request_id
+        self.prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
+        self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted)),
+                        "X-Pagoda-Request-Id": request_id}
 
-    async def deltas(self) -> AsyncIterator[tuple[int, StepDelta]]:
-        """(prompt index, delta) as they arrive from every stream."""
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(prompt index, delta) as they arrive from every stream; an error item raises."""
         if len(self.gens) == 1:
-            async for delta in self.gens[0]:
-                yield 0, delta
+            async for item in self.gens[0]:
+                for delta in _checked(item, self.request_id):
+                    yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, gen):
             try:
-                async for delta in gen:
-                    queue.put_nowait((i, delta))
+                async for item in gen:
+                    queue.put_nowait((i, item))
             except Exception as e:
                 queue.put_nowait((i, e))
             finally:
@@ -87,59 +94,92 @@ class _Run:
                 i, item = await queue.get()
                 if item is None:
                     remaining -= 1
-                elif isinstance(item, Exception):
+                    continue
+                if isinstance(item, Exception):
                     raise item
-                else:
-                    yield i, item
+                for delta in _checked(item, self.request_id):
+                    yield i, delta
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def finals(self) -> dict[int, SequenceDelta]:
+        """Every sequence's whole output (requests that do not stream get one delta, the final), by the choice
+        index of the response."""
+        choices = {}
+        async for p, delta in self.deltas():
+            for seq in delta.seqs:
+                choices[p * self.n + seq.index] = seq
+        return choices
 
     def cancel(self) -> None:
         for gen in self.gens:
             gen.cancel()
 
 
-def _raise_if_error(delta: StepDelta) -> None:
-    if delta.error is not None:
-        raise delta.error.to_exception()
+def _checked(item, request_id: str) -> list[RequestDelta]:
+    if isinstance(item, ErrorInfo):
+        raise item.to_exception()
+    for delta in item:
+        if delta.error is not None:
+            logger.error("request %s: the engine failed it: %s", request_id, delta.error)
+            raise errors.InternalServerError("the engine failed this request")
+    return item
 
 
-async def _collect(run: _Run) -> dict[int, ChoiceDelta]:
-    """Every choice of a non-streaming run, merged, keyed by its index in the response."""
-    choices = {p * run.n + j: ChoiceDelta(p * run.n + j) for p in range(len(run.accepted)) for j in range(run.n)}
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read already: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, run: _Run, work: Awaitable):
+    """`work`'s result; the run is cancelled (its requests aborted) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
-        async for p, delta in run.deltas():
-            _raise_if_error(delta)
-            for c in delta.choices:
-                choices[p * run.n + c.index].merge(c)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise errors.ClientDisconnectedError("the client went away")
     finally:
+        watcher.cancel()
         run.cancel()
-    return choices
 
 
-def _sse(chunks: AsyncIterator[dict], run: _Run, request_id: str) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], run: _Run) -> StreamingResponse:
     async def events():
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as e:  # the status is sent already: report in the stream, as OpenAI does
             error = errors.to_http_error(e)
-            yield f"data: {json.dumps(errors.error_body(error, request_id))}\n\n"
+            if error.status_code >= 500:
+                logger.warning("request %s failed mid-stream: %s", run.request_id, error.message)
+            yield f"data: {json.dumps(errors.error_body(error, run.request_id))}\n\n"
         finally:
             run.cancel()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
-                             headers=run.headers | {"X-Pagoda-Request-Id": request_id, "Cache-Control": "no-cache"})
+                             headers=run.headers | {"Cache-Control": "no-cache"})
 
 
-def _error_response(exc: BaseException, request_id: str | None) -> JSONResponse:
+def _error_response(exc: BaseException, request_id: str | None) -> Response:
     error = errors.to_http_error(exc)
     if error.status_code >= 500:
         logger.warning("request %s failed: %s", request_id, error.message)
-    return JSONResponse(errors.error_body(error, request_id), status_code=error.status_code,
-                        headers={"X-Pagoda-Request-Id": request_id} if request_id else None)
+    headers = {"X-Pagoda-Request-Id": request_id} if request_id else {}
+    if isinstance(error, errors.TooManyRequestsError):
+        headers["Retry-After"] = str(error.retry_after_s)
+    return JSONResponse(errors.error_body(error, request_id), status_code=error.status_code, headers=headers)
+
+
+def _chunk(meta: dict, choice: dict, no_usage: dict) -> dict:
+    return {**meta, "choices": [choice], **no_usage}
 
 
 @serve.deployment(name="Ingress")
@@ -150,6 +190,7 @@ class Ingress:
         self.model_cards = model_cards
         self.config = IngressConfig(**(config or {}))
         self.created = int(time.time())
+        self._limits: dict[str, int] = {}  # served model name -> the longest prompt, in characters
 
     # ---- OpenAI API -----------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -172,26 +213,33 @@ class Ingress:
     async def detokenize(self, request: Request):
         return await self._serve(request, "detok", self._detokenize)
 
-    async def _completions(self, body: bytes, request_id: str) -> Response:
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        base = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        return JSONResponse(openapi_schema(base, list(self.models)))
+
+    async def _completions(self, request: Request, body: bytes, request_id: str) -> Response:
         req = CompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
+        await self._check_length(name, handle, [p for p in prompts if isinstance(p, str)], "prompt")
+        arrival = time.time()
         run = await self._start(name, handle, [
             GenerateRequest(f"{request_id}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
-                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)))
-            for i, p in enumerate(prompts)], params.n)
+                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)), arrival_time=arrival)
+            for i, p in enumerate(prompts)], params.n, request_id)
         meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return _sse(self._stream_completion(run, req, meta), run, request_id)
-        choices = await _collect(run)
-        offsets = {i: len(run.accepted[i // run.n].prompt_text or "") for i in choices}
+            return _sse(self._stream_completion(run, req, meta), run)
+        choices = await _unless_disconnected(request, run, run.finals())
+        echoed = {i: run.accepted[i // run.n].prompt_text or "" for i in choices}
         body = {**meta, "choices": [
-            {"index": i, "text": (run.accepted[i // run.n].prompt_text or "") + c.text,
-             "logprobs": completion_logprobs(c.logprobs, offsets[i]) if c.logprobs is not None else None,
+            {"index": i, "text": echoed[i] + c.text,
+             "logprobs": completion_logprobs(c.logprobs, len(echoed[i])) if c.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
-            "usage": usage(run.prompt_tokens, sum(c.num_tokens for c in choices.values()))}
-        return JSONResponse(body, headers=run.headers | {"X-Pagoda-Request-Id": request_id})
+            "usage": usage(run.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))}
+        return JSONResponse(body, headers=run.headers)
 
     async def _stream_completion(self, run: _Run, req: CompletionRequest, meta: dict) -> AsyncIterator[dict]:
         offsets: dict[int, int] = {}
@@ -200,68 +248,67 @@ class Ingress:
             for j in range(run.n):
                 offsets[p * run.n + j] = len(accepted.prompt_text or "")
                 if accepted.prompt_text:
-                    yield {**meta, "choices": [{"index": p * run.n + j, "text": accepted.prompt_text,
-                                                "logprobs": None, "finish_reason": None}], **no_usage}
+                    yield _chunk(meta, {"index": p * run.n + j, "text": accepted.prompt_text, "logprobs": None,
+                                        "finish_reason": None}, no_usage)
         completion_tokens = 0
         async for p, delta in run.deltas():
-            _raise_if_error(delta)
-            for c in delta.choices:
-                index = p * run.n + c.index
-                completion_tokens += c.num_tokens
-                logprobs = completion_logprobs(c.logprobs, offsets[index]) if c.logprobs is not None else None
-                offsets[index] += len(c.text)
-                yield {**meta, "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
-                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                       **no_usage}
+            for seq in delta.seqs:
+                index = p * run.n + seq.index
+                completion_tokens += len(seq.token_ids)
+                logprobs = completion_logprobs(seq.logprobs, offsets[index]) if seq.logprobs is not None else None
+                offsets[index] += len(seq.text)
+                yield _chunk(meta, {"index": index, "text": seq.text, "logprobs": logprobs,
+                                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}, no_usage)
         if req.include_usage:
             yield {**meta, "choices": [], "usage": usage(run.prompt_tokens, completion_tokens)}
 
-    async def _chat(self, body: bytes, request_id: str) -> Response:
+    async def _chat(self, request: Request, body: bytes, request_id: str) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
+        params = req.to_sampling_params(self.config.default_max_tokens)
+        messages = req.message_dicts()
+        await self._check_length(name, handle, ["".join(m["content"] for m in messages)], "messages")
+        gen = GenerateRequest(request_id, params, messages=messages, stream=req.stream,
+                              add_generation_prompt=req.add_generation_prompt,
+                              chat_template_kwargs=req.chat_template_kwargs, routing_key=req.routing_key(),
+                              arrival_time=time.time())
         try:
-            params = req.to_sampling_params()
-            gen = GenerateRequest(request_id, params, messages=req.message_dicts(), stream=req.stream,
-                                  add_generation_prompt=req.add_generation_prompt,
-                                  chat_template_kwargs=req.chat_template_kwargs, routing_key=req.routing_key())
-            run = await self._start(name, handle, [gen], params.n)
-        except PagodaHTTPError as e:
+            run = await self._start(name, handle, [gen], params.n, request_id)
+        except errors.PagodaHTTPError as e:
             e.param = req.param_name(e.param)
             raise
         meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return _sse(self._stream_chat(run, req, {**meta, "object": "chat.completion.chunk"}), run, request_id)
-        choices = await _collect(run)
+            return _sse(self._stream_chat(run, req, {**meta, "object": "chat.completion.chunk"}), run)
+        choices = await _unless_disconnected(request, run, run.finals())
         body = {**meta, "choices": [
             {"index": i, "message": {"role": "assistant", "content": c.text},
              "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
-            "usage": usage(run.prompt_tokens, sum(c.num_tokens for c in choices.values()))}
-        return JSONResponse(body, headers=run.headers | {"X-Pagoda-Request-Id": request_id})
+            "usage": usage(run.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))}
+        return JSONResponse(body, headers=run.headers)
 
     async def _stream_chat(self, run: _Run, req: ChatCompletionRequest, meta: dict) -> AsyncIterator[dict]:
         no_usage = {"usage": None} if req.include_usage else {}
         for j in range(run.n):
-            yield {**meta, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **no_usage}
+            yield _chunk(meta, {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}, no_usage)
         completion_tokens = 0
         async for _, delta in run.deltas():
-            _raise_if_error(delta)
-            for c in delta.choices:
-                completion_tokens += c.num_tokens
-                yield {**meta, "choices": [{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                            "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
-                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                       **no_usage}
+            for seq in delta.seqs:
+                completion_tokens += len(seq.token_ids)
+                yield _chunk(meta, {"index": seq.index, "delta": {"content": seq.text} if seq.text else {},
+                                    "logprobs": chat_logprobs(seq.logprobs) if seq.logprobs else None,
+                                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}, no_usage)
         if req.include_usage:
             yield {**meta, "choices": [], "usage": usage(run.prompt_tokens, completion_tokens)}
 
-    async def _models(self, body: bytes, request_id: str) -> Response:
+    async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **card}
                 for name, card in self.model_cards.items()]
         return JSONResponse({"object": "list", "data": data})
 
-    async def _tokenize(self, body: bytes, request_id: str) -> Response:
+    async def _tokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = TokenizeRequest.model_validate_json(body)
         _, handle = self._model(req.model)
         messages = message_dicts(req.messages) if req.messages is not None else None
@@ -269,7 +316,7 @@ class Ingress:
                                                          req.add_generation_prompt))
         return JSONResponse(result)
 
-    async def _detokenize(self, body: bytes, request_id: str) -> Response:
+    async def _detokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = DetokenizeRequest.model_validate_json(body)
         _, handle = self._model(req.model)
         return JSONResponse(await self._call(handle.detokenize.remote(req.tokens)))
@@ -277,16 +324,23 @@ class Ingress:
     # ---- operations ---------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
+        """200 "ok" when every replica is healthy, 200 "degraded" when some are not but every model has one that
+        is, 503 when a model has none."""
         try:
-            for name in self.models:
-                results = await self._broadcast(name, "check_health")
-                if all(isinstance(r, Exception) for r in results):
-                    raise errors.ServiceUnavailableError(f"no healthy replica of {name!r}: {results[0]}")
+            models = {}
+            for name in dict.fromkeys(self.models.values()):  # aliases share one deployment
+                results = await self._broadcast_handle(name, "check_health")
+                healthy = sum(not isinstance(r, Exception) for r in results)
+                models[self._name_of(name)] = {"replicas": len(results), "healthy": healthy}
+                if not healthy:
+                    logger.warning("no healthy replica of %s: %s", self._name_of(name), results or "none")
+                    raise errors.ServiceUnavailableError(f"no healthy replica of {self._name_of(name)!r}")
         except Exception as e:
             return _error_response(e, None)
-        return JSONResponse({"status": "ok"})
+        degraded = any(m["healthy"] < m["replicas"] for m in models.values())
+        return JSONResponse({"status": "degraded" if degraded else "ok", "models": models})
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     async def metrics(self):
         snapshots = []
         for name in self.models:
@@ -296,34 +350,40 @@ class Ingress:
                 logger.warning("metrics of %s unavailable: %s", name, e)
         return Response(merge_families(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/debug/integrity")
+    @app.get("/debug/integrity", include_in_schema=False)
     async def integrity(self, request: Request):
         return await self._serve(request, "debug", self._integrity, read_body=False)
 
-    async def _integrity(self, body: bytes, request_id: str) -> Response:
+    async def _integrity(self, request: Request, body: bytes, request_id: str) -> Response:
+        self._require_debug(request)
         reports = {name: [r if isinstance(r, dict) else {"ok": False, "error": repr(r)}
                           for r in await self._broadcast(name, "check_integrity")] for name in self.models}
         ok = all(r["ok"] for rs in reports.values() for r in rs)
         return JSONResponse({"ok": ok, "models": reports})
 
-    @app.post("/debug/fail_engine")
+    @app.post("/debug/fail_engine", include_in_schema=False)
     async def fail_engine(self, request: Request):
         return await self._serve(request, "debug", self._fail_engine)
 
-    async def _fail_engine(self, body: bytes, request_id: str) -> Response:
-        if not self.config.debug:
-            raise errors.NotFoundError("POST /debug/fail_engine: Not Found (start with debug: true)")
-        name, _ = self._model(json.loads(body or b"{}").get("model"))
+    async def _fail_engine(self, request: Request, body: bytes, request_id: str) -> Response:
+        self._require_debug(request)
+        try:
+            model = json.loads(body or b"{}").get("model")
+        except (ValueError, AttributeError):
+            raise errors.InvalidRequestError("the body must be a JSON object with 'model'")
+        name, _ = self._model(model)
         return JSONResponse({"replicas": await self._broadcast(name, "fail_engine")})
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
-    async def _serve(self, request: Request, kind: str, handler: Callable[[bytes, str], Awaitable[Response]],
-                     read_body: bool = True) -> Response:
+    async def _serve(self, request: Request, kind: str,
+                     handler: Callable[[Request, bytes, str], Awaitable[Response]], read_body: bool = True) -> Response:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
             self._authorize(request)
             body = await self._read_body(request) if read_body else b""
-            return await handler(body, request_id)
+            return await handler(request, body, request_id)
+        except errors.ClientDisconnectedError:
+            return Response(status_code=499)  # nobody reads it
         except Exception as e:
             return _error_response(e, request_id)
 
@@ -333,6 +393,10 @@ class Ingress:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
             raise errors.AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+    def _require_debug(self, request: Request) -> None:
+        if not self.config.debug:
+            raise errors.NotFoundError(f"{request.method} {request.url.path}: Not Found (start with debug: true)")
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -357,7 +421,18 @@ class Ingress:
             raise errors.ModelNotFoundError(model, list(self.models))
         return model, self.models[model]
 
-    async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int) -> _Run:
+    async def _check_length(self, name: str, handle, texts: list[str], param: str) -> None:
+        """A prompt longer than any the model can hold is refused here, before it travels or is tokenized."""
+        if name not in self._limits:
+            info = await self._call(handle.model_info.remote())
+            self._limits[name] = info["max_prompt_chars"]
+        limit = self._limits[name]
+        for text in texts:
+            if len(text) > limit:
+                raise errors.InvalidRequestError(f"{param} is {len(text)} characters, more than this model's context "
+                                                 f"can hold", param)
+
+    async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> _Run:
         """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request."""
         gens = [handle.options(stream=True).generate.remote(r) for r in requests]
         try:
@@ -368,9 +443,10 @@ class Ingress:
                 except asyncio.TimeoutError:
                     raise errors.ServiceUnavailableError(
                         f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
-                _raise_if_error(first)
+                if isinstance(first, ErrorInfo):
+                    raise first.to_exception()
                 accepted.append(first)
-            return _Run(gens, accepted, n)
+            return _Run(gens, accepted, n, request_id)
         except BaseException:
             for gen in gens:
                 gen.cancel()
@@ -386,5 +462,11 @@ class Ingress:
         return result
 
     async def _broadcast(self, name: str, method: str) -> list:
-        return await self.models[name].broadcast(method).results_async(
-            timeout_s=self.config.control_timeout_s, return_exceptions=True)
+        return await self._broadcast_handle(self.models[name], method)
+
+    async def _broadcast_handle(self, handle, method: str) -> list:
+        return await handle.broadcast(method).results_async(timeout_s=self.config.control_timeout_s,
+                                                            return_exceptions=True)
+
+    def _name_of(self, handle) -> str:
+        return next(name for name, h in self.models.items() if h is handle)

@@ -24,6 +24,10 @@ _ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                   40.0, 80.0)
 _E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                   480.0, 960.0, 1920.0, 7680.0)
+_PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ("model_name", "replica")
 
@@ -40,7 +44,20 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
     "pagoda:request_success": ("counter", "Finished requests by finish reason.", ("finished_reason",), None),
     "pagoda:time_to_first_token_seconds": ("histogram", "Time to first token.", (), _TTFT_BUCKETS_S),
     "pagoda:inter_token_latency_seconds": ("histogram", "Time between output tokens.", (), _ITL_BUCKETS_S),
-    "pagoda:e2e_request_latency_seconds": ("histogram", "Request latency, arrival to finish.", (), _E2E_BUCKETS_S),
+    "pagoda:e2e_request_latency_seconds": ("histogram", "Request latency, arrival at the server to finish.", (),
+                                           _E2E_BUCKETS_S),
+    "pagoda:request_queue_time_seconds": ("histogram", "Time a request waited before its first step.", (),
+                                          _PHASE_BUCKETS_S),
+    "pagoda:request_prefill_time_seconds": ("histogram", "First step to first token.", (), _PHASE_BUCKETS_S),
+    "pagoda:request_decode_time_seconds": ("histogram", "First token to finish.", (), _PHASE_BUCKETS_S),
+    "pagoda:request_time_per_output_token_seconds": ("histogram", "Decode time per output token after the first.",
+                                                     (), _TPOT_BUCKETS_S),
+    "pagoda:request_prompt_tokens": ("histogram", "Prompt tokens per finished request.", (), _TOKEN_BUCKETS),
+    "pagoda:request_generation_tokens": ("histogram", "Generated tokens per finished request.", (), _TOKEN_BUCKETS),
+    "pagoda:iteration_tokens_total": ("histogram", "Tokens per engine step.", (), _STEP_TOKEN_BUCKETS),
+    "pagoda:gpu_memory_used_bytes": ("gauge", "Device memory in use by the replica's engine (all its ranks).", (),
+                                     None),
+    "pagoda:gpu_utilization_perc": ("gauge", "Device utilization of the replica's GPUs (1 = busy).", (), None),
 }
 
 # EngineStats field -> counter fed by its growth.
@@ -48,7 +65,9 @@ _ENGINE_COUNTERS = {name: f"pagoda:{name}" for name in
                     ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
                      "generation_tokens")}
 _ENGINE_GAUGES = {"num_running": "pagoda:num_requests_running", "num_waiting": "pagoda:num_requests_waiting",
-                  "kv_cache_usage": "pagoda:kv_cache_usage_perc"}
+                  "kv_cache_usage": "pagoda:kv_cache_usage_perc",
+                  "device_memory_used_bytes": "pagoda:gpu_memory_used_bytes",
+                  "device_utilization": "pagoda:gpu_utilization_perc"}
 
 
 def ray_metric_name(name: str) -> str:
@@ -110,10 +129,27 @@ class ReplicaMetrics:
     def observe_inter_token(self, itl_s: float) -> None:
         self._observe("pagoda:inter_token_latency_seconds", itl_s)
 
-    def observe_finished(self, finished_reason: str, e2e_s: float | None) -> None:
+    def observe_finished(self, finished_reason: str, e2e_s: float | None, metrics=None) -> None:
+        """A finished request: its reason, its latency from the server's arrival, and the engine's RequestMetrics
+        (phases and token counts) when it got that far."""
         self._inc("pagoda:request_success", 1.0, finished_reason=finished_reason)
         if e2e_s is not None:
             self._observe("pagoda:e2e_request_latency_seconds", e2e_s)
+        if metrics is None:
+            return
+        for name, value in (("queue", metrics.queue_time_s), ("prefill", metrics.prefill_time_s),
+                            ("decode", metrics.decode_time_s)):
+            if value is not None:
+                self._observe(f"pagoda:request_{name}_time_seconds", value)
+        if metrics.decode_time_s is not None and metrics.num_output_tokens > 1:
+            self._observe("pagoda:request_time_per_output_token_seconds",
+                          metrics.decode_time_s / (metrics.num_output_tokens - 1))
+        self._observe("pagoda:request_prompt_tokens", metrics.num_prompt_tokens)
+        self._observe("pagoda:request_generation_tokens", metrics.num_output_tokens)
+
+    def observe_steps(self, step_tokens: list[int]) -> None:
+        for num_tokens in step_tokens:
+            self._observe("pagoda:iteration_tokens_total", num_tokens)
 
     def snapshot(self) -> list[MetricFamily]:
         return [MetricFamily(f.name, f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples])

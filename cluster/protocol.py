@@ -1,21 +1,29 @@
-"""The two wire formats of the serving path.
+"""The serving path's wire formats.
 
-    client ──OpenAI JSON (pydantic models below)──► Ingress ──GenerateRequest──► LLMServer replica
-    client ◄──OpenAI JSON / SSE (ingress builds)─── Ingress ◄──StepDelta (per step)── LLMServer replica
+    client ──OpenAI JSON (the pydantic request models below)──► Ingress ──GenerateRequest──► LLMServer replica
+    client ◄──OpenAI JSON / SSE (ingress builds them) ◄─ Ingress ◄── Accepted, then list[RequestDelta] ── replica
 
-HTTP bodies are validated by pydantic at the edge; what crosses the Serve boundary is plain dataclasses (picklable,
-no FastAPI objects). A `StepDelta` carries only what is new since the previous one, never the cumulative output.
+HTTP bodies are validated at the edge, strictly (no coercion: `echo: 0` or a boolean token id is a 400) and
+completely (a field Pagoda does not implement is a 400 naming it). Between the deployments only plain dataclasses
+cross: the engine's own `RequestDelta`s (engine/request_output.py), forwarded as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Annotated
 
-from cluster.errors import ErrorInfo, InvalidRequestError, param_from_message
-from engine.sampling_params import SamplingParams
+from cluster.errors import ErrorInfo, InvalidRequestError
+from engine.errors import ParamError
+from engine.request_output import TokenLogprob
+from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, SamplingParams
+
+_INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 # ---- replica wire format -------------------------------------------------------------------------------------------
@@ -29,97 +37,62 @@ class GenerateRequest:
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    stream: bool = True  # False: the replica yields the accepted delta, then one final delta
-    echo: bool = False  # return the prompt text in the first delta
+    stream: bool = True  # False: the replica yields Accepted, then one list holding the final delta
+    echo: bool = False  # return the prompt text in Accepted
     routing_key: str = ""  # prompt text the router hashes for prefix-cache affinity (see cluster/router.py)
+    arrival_time: float | None = None  # time.time() when the ingress received the request (TTFT, E2E)
 
 
 @dataclass
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]  # the top-k alternatives, best first
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    text: str = ""
-    num_tokens: int = 0  # new output tokens in this delta
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def merge(self, later: ChoiceDelta) -> None:
-        """Appends a later delta of the same choice."""
-        self.text += later.text
-        self.num_tokens += later.num_tokens
-        if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        if later.finish_reason is not None:
-            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
-
-
-@dataclass
-class StepDelta:
-    """What a replica yields per engine step. The first one of a request is `accepted`: the prompt passed
-    validation (prompt_tokens set, no choices yet); or it carries an `error` and is the last one."""
+class Accepted:
+    """A replica's first answer: the prompt passed validation (else it answers an ErrorInfo and stops)."""
 
     replica: str
-    prompt_tokens: int = 0
-    choices: list[ChoiceDelta] = field(default_factory=list)
-    finished: bool = False
-    accepted: bool = False
-    prompt_text: str | None = None
-    error: ErrorInfo | None = None
+    num_prompt_tokens: int
+    prompt_text: str | None = None  # with echo
 
 
 # ---- OpenAI request bodies -----------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: str | None = None
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI-compatible servers do
+class _Request(_Strict):
+    """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=1e4)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=_INT32)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e4)
+    seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    max_tokens: int | None = Field(None, ge=1, le=_INT32)
+    min_tokens: int = Field(0, ge=0, le=_INT32)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: str | None = None  # OpenAI's: no effect by nature, so accepted
+    metadata: dict[str, str] | None = None  # likewise
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
-        chosen = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                  "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                  "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                  "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                  "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias()}
-        return {k: v for k, v in chosen.items() if v is not None}
+    def _sampling_kwargs(self, **overrides) -> dict[str, Any]:
+        """The fields the request shares with SamplingParams (by name) that it set, then `overrides` as given."""
+        chosen = {name: getattr(self, name) for name in self.model_fields_set & _SAMPLING_FIELDS}
+        chosen |= {"n": self.n, "min_tokens": self.min_tokens, "logit_bias": self._logit_bias()}
+        return {k: v for k, v in chosen.items() if v is not None} | overrides
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -133,11 +106,15 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=_INT32)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -152,43 +129,54 @@ class CompletionRequest(_Request):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        self.check_stream_options()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        return _make_params(max_tokens=self.max_tokens, logprobs=self.logprobs, **self._sampling_kwargs())
+        return make_params(self._sampling_kwargs(max_tokens=self.max_tokens, logprobs=self.logprobs))
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template unchanged
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
 
-    role: str
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError("only response_format type 'text' is supported", "response_format")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", "tools")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return _make_params(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        try:
+            return make_params(self._sampling_kwargs(max_tokens=max_tokens, logprobs=logprobs))
+        except InvalidRequestError as e:
+            e.param = self.param_name(e.param)
+            raise
 
     def message_dicts(self) -> list[dict]:
         return message_dicts(self.messages)
@@ -207,9 +195,7 @@ class ChatCompletionRequest(_Request):
         return engine_param
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -217,11 +203,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -230,29 +214,26 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     for message in messages:
         entry = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            for part in message.content:
-                if part.type != "text":
-                    raise InvalidRequestError(f"content part type {part.type!r} is not supported", "messages")
-            entry["content"] = "".join(part.text or "" for part in message.content)
+            entry["content"] = "".join(part.text for part in message.content)
         elif message.content is None:
             entry["content"] = ""
         out.append(entry)
     return out
 
 
-def _make_params(**kwargs) -> SamplingParams:
-    """SamplingParams validates itself; its ValueError names the field (mapped to `param` by cluster/errors)."""
+def make_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """SamplingParams validates itself; its ParamError names the field."""
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param_from_message(str(e))) from e
-    except TypeError as e:
-        raise InvalidRequestError(str(e)) from e
-
-
+    except ParamError as e:
+        raise InvalidRequestError(str(e), e.param) from e
 
 
 # ---- OpenAI response pieces ----------------------------------------------------------------------------------------
+def error_info(e: ParamError) -> ErrorInfo:
+    return ErrorInfo(400, str(e), e.param)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -265,11 +246,12 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict:
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [dict(lp.top) or {lp.token: lp.logprob} for lp in logprobs],
+            "top_logprobs": [{t: v for _, t, v in lp.top} or {lp.token: lp.logprob} for lp in logprobs],
             "text_offset": offsets}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
     return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.top]}
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                          for _, t, v in lp.top]}
                         for lp in logprobs]}

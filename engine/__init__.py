@@ -6,10 +6,13 @@ Names are resolved lazily so that `import engine` stays light (no torch, no tran
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
+    "EngineArgs": "engine.config",
     "LLMEngine": "engine.llm_engine",
     "AsyncLLMEngine": "engine.async_engine",
+    "RequestDelta": "engine.request_output",
     "RequestOutput": "engine.request_output",
     "CompletionOutput": "engine.request_output",
+    "ParamError": "engine.errors",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,39 +1,65 @@
-"""Command-line flags for the engine's settings, shared by `pagoda` and the benchmarks (argparse only)."""
+"""Command-line flags for `EngineArgs`, shared by `pagoda` and the benchmarks (argparse only).
+
+Flags carry vLLM's names where they mean what vLLM's mean; their defaults are EngineArgs' (engine/config.py), so a
+flag left out is the same as the field left out.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+
+from engine.config import EngineArgs
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine knobs shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in tiny)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Engine knobs shared by every command that builds an engine. model_positional: `pagoda serve MODEL` as
+    `vllm serve MODEL` (the --model flag works too)."""
+    if model_positional:
+        parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                            help="the model (same as --model)")
+    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (default: built-in)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"])
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"])
+    parser.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"])
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                        default=_DEFAULTS["enable_prefix_caching"])
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help=argparse.SUPPRESS)  # the older spelling
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"])
+    parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
     parser.add_argument("--preset", default=None,
                         help="a real-sized shape with random weights instead of --model (e.g. llama-3-8b)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="refused: Pagoda runs only its own model code (see the README's model list)")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    model, load_format = args.model, args.load_format
+def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
+    """The parsed flags as EngineArgs; ValueError for a flag Pagoda cannot honour."""
+    if getattr(args, "trust_remote_code", False):
+        raise ValueError("--trust-remote-code: Pagoda does not run model code from checkpoints; it serves the "
+                         "architectures it implements itself (the README lists them)")
+    model = getattr(args, "model_arg", None) or args.model
+    load_format = args.load_format
     if getattr(args, "preset", None):
         from workers.presets import preset_dir  # lazy: engine imports no other package at import time
 
         model, load_format = preset_dir(args.preset), "random"
-    return dict(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=load_format,
-                enforce_eager=args.enforce_eager)
+    values = dict(model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                  seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager)
+    return EngineArgs(**(values | overrides))

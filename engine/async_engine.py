@@ -1,402 +1,261 @@
-"""`AsyncLLMEngine`: the engine behind an asyncio server.
+"""`AsyncLLMEngine`: the one serving-engine interface, for an asyncio server (a Serve replica).
 
-Steps run in one background thread (they block on the model); the event loop only queues additions and aborts,
-which the step thread applies between steps, so the scheduler is only ever touched by one thread. Each request's
-outputs reach its `generate()` caller through an asyncio queue.
+    generate() ──AddRequest──► sender (one ordered batch per event-loop turn) ──► EngineCore (engine/core.py)
+    per-request queue ◄── pump: poll() ──► PollResult(deltas) ◄──────────────────── its outbox
 
-    generate() ──add──► pending ops ──► [step thread: apply ops, engine.step()] ──outputs──► per-request queues
+The engine core runs where its `CoreConnection` puts it: `LocalConnection` in this process (its step thread beside
+the event loop), or cluster.engine_core's `RayConnection` in a Ray actor of its own (own process, own GIL). Either
+way the replica sees the same calls and the same `RequestDelta`s, which it forwards as they are.
 
-The two halves are separate so that the step thread can also live in another process: `EngineLoop` is the step
-thread (it hands each step's outputs to a callback), `OutputStreams` the per-request queues behind `generate()`.
-`AsyncLLMEngine` joins them in one process; `cluster.engine_core` puts an `EngineLoop` in a Ray actor of its own.
+Two rules keep one request from hurting the others: the adds and aborts of every request and the poll loop are
+sent from a context of their own (never a request's, whose cancellation would cancel a batched call holding other
+requests' adds), and a replica whose engine has requests but makes no step for `stall_timeout_s` fails its health
+check (a lost message or a hung device is then a replaced replica, not a hang).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-import os
-import sys
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 
-from engine.llm_engine import EngineStats, LLMEngine, Prompt
-from engine.request_output import RequestOutput
+from engine.config import EngineConfig
+from engine.core import AbortRequest, AddRequest, EngineCore, EngineInfo, PollResult
+from engine.errors import EngineDeadError
+from engine.llm_engine import EngineStats
+from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
+from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SWITCH_INTERVAL_S = 0.0005
+POLL_TIMEOUT_S = 1.0  # an idle poll returns after this long (stats stay fresh, a dead core is noticed)
+DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (a worker died or a step crashed); the replica must be restarted."""
+class CoreConnection(ABC):
+    """How an AsyncLLMEngine reaches its EngineCore. Every call but `poll` and `check_integrity` is synchronous;
+    `send` returns at once and delivers its messages in the order of the calls."""
+
+    @abstractmethod
+    def start(self) -> EngineInfo:
+        """Waits until the core has loaded the model; its start-up values."""
+
+    @abstractmethod
+    def send(self, messages: list[AddRequest | AbortRequest]) -> None:
+        """Queues adds and aborts for the core (one way)."""
+
+    @abstractmethod
+    async def poll(self, timeout_s: float) -> PollResult:
+        """Every delta since the last poll; raises when the core is gone."""
+
+    @abstractmethod
+    async def check_integrity(self) -> None:
+        """The block manager's invariants, checked between two steps."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Blocking: raises when the core or one of its workers is dead."""
+
+    @abstractmethod
+    def fail(self, reason: str) -> None:
+        """Stops the core's loop as a crashed step would (debugging)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the core and releases its devices."""
 
 
-class EngineLoop:
-    """The step thread: applies queued operations between steps and hands every step's outputs to `on_outputs`
-    (called from the step thread). When a step or a worker fails for good, every request gets an error output
-    and `on_dead(error)` is called."""
+class LocalConnection(CoreConnection):
+    """The core in this process: its step thread shares this process's GIL with the event loop."""
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 on_dead: Callable[[str], None] | None = None):
-        self.engine = engine
-        self.on_outputs = on_outputs
-        self.on_dead = on_dead
-        self._ops: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.dead_error: str | None = None
-        self.stats = engine.get_stats()
+    def __init__(self, config: EngineConfig):
+        self.core = EngineCore(config)
 
-    def start(self) -> None:
-        if self._thread is None:
-            # The step thread shares this process's GIL with an event loop (in a replica) or with the threads that
-            # answer polls (in the engine actor). Python hands the GIL to a waiting thread only every switch
-            # interval, 5 ms by default: the step thread, back from waiting on the device, would wait that long
-            # to launch the next step while the GPU idles.
-            sys.setswitchinterval(float(os.environ.get("PAGODA_GIL_SWITCH_INTERVAL_S", SWITCH_INTERVAL_S)))
-            self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
-            self._thread.start()
+    def start(self) -> EngineInfo:
+        return self.core.info()
 
-    def submit(self, op: Callable[[], None]) -> None:
-        """Runs `op` in the step thread before the next step."""
-        with self._lock:
-            self._ops.append(op)
-        self._wakeup.set()
+    def send(self, messages: list[AddRequest | AbortRequest]) -> None:
+        self.core.apply(messages)
 
-    def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-            on_error: Callable[[Exception], None]) -> None:
-        def add():
-            try:
-                self.engine.add_processed(request_id, text, token_ids, params)
-            except Exception as e:  # reaches the caller instead of the log
-                on_error(e)
+    async def poll(self, timeout_s: float) -> PollResult:
+        return await asyncio.to_thread(self.core.poll, timeout_s)
 
-        self.submit(add)
-
-    def abort(self, request_id: str) -> None:
-        self.submit(lambda: self.engine.abort_request(request_id))
+    async def check_integrity(self) -> None:
+        await asyncio.to_thread(self.core.check_integrity)
 
     def check_health(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
-        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
-            raise EngineDeadError("engine loop is not running")
+        self.core.check_health()
+
+    def fail(self, reason: str) -> None:
+        self.core.loop.fail(reason)
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self.engine.shutdown()
-
-    def _run(self) -> None:
-        _configure_step_thread(self.engine.config.parallel.device)
-        report = _StepReport(self.engine)
-        try:
-            while not self._stopping:
-                self._apply_ops()
-                if not self.engine.has_unfinished_requests():
-                    self.stats = self.engine.get_stats()
-                    if not self._wakeup.wait(timeout=1.0):
-                        self._check_executor()  # idle: a worker that died now is noticed within a second
-                    self._wakeup.clear()
-                    continue
-                report.before_step()
-                outputs = self.engine.step()
-                self.stats = self.engine.get_stats()
-                if outputs:
-                    self.on_outputs(outputs)
-                self._check_executor()
-                report.after_step(self.stats)
-        except BaseException as e:  # the loop is the replica's heart: report, fail everyone, stop
-            logger.exception("engine loop died")
-            self.dead_error = f"{type(e).__name__}: {e}"
-            self.on_outputs(self.engine.fail_all(self.dead_error))
-            if self.on_dead is not None:
-                self.on_dead(self.dead_error)
-
-    def _check_executor(self) -> None:
-        try:
-            self.engine.executor.check_health()
-        except Exception as e:
-            raise EngineDeadError(f"worker failed: {e}") from e
-
-    def _apply_ops(self) -> None:
-        with self._lock:
-            ops, self._ops = self._ops, []
-        for op in ops:
-            try:
-                op()
-            except Exception:
-                logger.exception("engine op failed")
+        self.core.shutdown()
 
 
-class OutputStreams:
-    """The asyncio side: one queue per request, filled with its cumulative outputs, drained by `generate()`.
+class AsyncLLMEngine:
+    """Requests in, `RequestDelta` batches out. Build it on the event loop's thread; `generate` runs there."""
 
-    Subclasses say how a request reaches the engine (`_add`, `abort`) and call `_put_all` / `_fail_all` on the
-    event loop as outputs or failures come."""
+    def __init__(self, config: EngineConfig, connection: CoreConnection | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
+        from engine.tokenizer import load_tokenizer
 
-    def __init__(self):
+        self.config = config
+        self.connection = connection or LocalConnection(config)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path)  # while a remote core loads its model
+        info = self.connection.start()
+        self.max_model_len = info.max_model_len
+        self.vocab_size = config.model.vocab_size
+        self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,
+                                                  config.scheduler.max_num_seqs)
+        self.stall_timeout_s = stall_timeout_s
+        self._stats: EngineStats = info.stats
+        self._step_tokens: list[int] = []
         self._queues: dict[str, asyncio.Queue] = {}
-        self._final_only: set[str] = set()  # requests that want only their finished output
-        self._wakers: dict[str, asyncio.Future] = {}  # requests waiting out their interval: woken by the end
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        raise NotImplementedError
-
-    def check_health(self) -> None:
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
-        raise NotImplementedError
-
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       final_only: bool = False, interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs as tokens arrive; the last has finished=True (with final_only, only that one:
-        the caller is not woken at every step). With interval_s, outputs come at most once per interval (each
-        carrying all tokens since the last), except that the final one comes at once. Invalid input raises
-        ValueError before anything is queued. Cancelling the iteration (a client that went away) aborts the
-        request."""
-        self.check_health()
-        text, token_ids = self.process_prompt(prompt, params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        loop = self._loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        if final_only:
-            self._final_only.add(request_id)
-        self._add(request_id, text, token_ids, params)
-        finished, last_yield = False, -float("inf")
-        try:
-            while not finished:
-                item = _newest(queue, await queue.get())
-                wait = last_yield + interval_s - loop.time()
-                if wait > 0 and not _is_last(item):  # let tokens gather; the end wakes us early
-                    waker = self._wakers[request_id] = loop.create_future()
-                    try:
-                        await asyncio.wait([waker], timeout=wait)
-                    finally:
-                        self._wakers.pop(request_id, None)
-                    item = _newest(queue, item)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                last_yield = loop.time()
-        finally:
-            self._queues.pop(request_id, None)
-            self._final_only.discard(request_id)
-            if not finished:
-                self.abort(request_id)
-
-    def _error_to(self, request_id: str) -> Callable[[Exception], None]:
-        """A thread-safe callback that fails one request's generate() with the given exception."""
-        loop = self._loop
-
-        def fail(e: Exception) -> None:
-            if loop is not None:
-                loop.call_soon_threadsafe(self._put_error, request_id, e)
-
-        return fail
-
-    def _put_error(self, request_id: str, error: BaseException) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
-            self._wake(request_id)
-
-    def _put_all(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None and (out.finished or out.request_id not in self._final_only):
-                queue.put_nowait(out)
-                if out.finished:
-                    self._wake(out.request_id)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(error)
-            self._wake(request_id)
-
-    def _wake(self, request_id: str) -> None:
-        waker = self._wakers.get(request_id)
-        if waker is not None and not waker.done():
-            waker.set_result(None)
-
-
-def _newest(queue: asyncio.Queue, item):
-    """Outputs are cumulative: a consumer that fell behind skips to the newest (never past the last or an error)."""
-    while not queue.empty() and not _is_last(item):
-        item = queue.get_nowait()
-    return item
-
-
-def _is_last(item) -> bool:
-    return isinstance(item, BaseException) or item.finished
-
-
-class AsyncLLMEngine(OutputStreams):
-    """The engine and its step thread in this process."""
-
-    def __init__(self, engine: LLMEngine):
-        super().__init__()
-        self.engine = engine
-        self.loop = EngineLoop(engine, self._deliver, self._on_dead)
+        self._outgoing: list[AddRequest | AbortRequest] = []
+        self._pump: asyncio.Task | None = None
+        self._dead_error: str | None = None
+        self._closed = False
+        self._last_progress = (self._stats.num_steps, time.monotonic())
 
     @classmethod
     def from_args(cls, **kwargs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_args(**kwargs))
+        from engine.config import EngineArgs
+
+        return cls(EngineArgs(**kwargs).create_engine_config())
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Validates as the engine would (tokenizing text): (text, token ids), or a ParamError. Blocking."""
+        return process_prompt(prompt, params, self.tokenizer, self.limits)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       stream: bool = True, arrival_time: float | None = None,
+                       ) -> AsyncIterator[list[RequestDelta]]:
+        """Yields the request's deltas, in batches as polls bring them; the last one has finished=True. With
+        stream=False that is the only one. Closing the iteration early (a client that went away) aborts it."""
+        self.check_health()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._send(AddRequest(request_id, prompt_token_ids, params, stream, arrival_time))
+        finished = False
+        try:
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                if isinstance(batch[-1], BaseException):
+                    raise batch[-1]
+                finished = batch[-1].finished
+                yield batch
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._send(AbortRequest(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._send(AbortRequest(request_id))
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def num_requests(self) -> int:
+        return len(self._queues)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    # ---- health and stats ----------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return self._stats
 
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
+    def take_step_tokens(self) -> list[int]:
+        tokens, self._step_tokens = self._step_tokens, []
+        return tokens
 
     @property
     def dead_error(self) -> str | None:
-        return self.loop.dead_error
-
-    @dead_error.setter
-    def dead_error(self, reason: str | None) -> None:
-        self.loop.dead_error = reason
-
-    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        return self.engine.process_prompt(prompt, params)
-
-    def abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)
-
-    def get_stats(self) -> EngineStats:
-        """The latest stats, as of the last step (safe to read from the event loop)."""
-        return self.loop.stats
+        return self._dead_error
 
     def check_health(self) -> None:
-        self.loop.check_health()
+        """Raises EngineDeadError when the engine is dead, the poll loop stopped, or the engine has requests but
+        made no step for stall_timeout_s."""
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        if self._pump is not None and self._pump.done() and not self._closed:
+            raise EngineDeadError("the replica stopped polling its engine")
+        steps, since = self._last_progress
+        if self._queues and time.monotonic() - since > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine made no step for {self.stall_timeout_s:.0f} s with "
+                                  f"{len(self._queues)} requests in flight")
 
     def check_executor(self) -> None:
-        """Pings the workers (blocking: call it in a thread); raises if one is gone."""
-        self.engine.executor.check_health()
+        """Pings the engine and its workers (blocking: call it in a thread); raises if one is gone."""
+        self.connection.check_health()
 
     async def check_integrity(self) -> None:
-        """Runs the block manager's invariants in the step thread (between steps)."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        self._flush()  # the adds and aborts queued before it go first
+        await self.connection.check_integrity()
 
-        def run():
-            try:
-                self.engine.check_integrity()
-                loop.call_soon_threadsafe(done.set_result, None)
-            except BaseException as e:  # reported to the caller
-                loop.call_soon_threadsafe(done.set_exception, e)
-
-        self.loop.start()
-        self.loop.submit(run)
-        await done
+    def fail(self, reason: str) -> None:
+        """Debugging: the engine dies as if a step had crashed; its requests fail, the health check fails."""
+        self.connection.fail(reason)
 
     def shutdown(self) -> None:
-        self.loop.shutdown()
+        self._closed = True
+        if self._pump is not None and not self._pump.get_loop().is_closed():
+            self._pump.get_loop().call_soon_threadsafe(self._pump.cancel)
+        try:
+            self.connection.shutdown()
+        except Exception:  # noqa: BLE001 - it may be gone already
+            logger.warning("engine did not shut down cleanly", exc_info=True)
 
-    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
-        self.loop.start()
-        self.loop.add(request_id, text, token_ids, params, self._error_to(request_id))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._put_all, outputs)
-
-    def _on_dead(self, error: str) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(error))
-
-
-class _StepReport:
-    """Diagnostics of the step loop, on stderr. PAGODA_LOG_STEPS_S=T: a line every T seconds of work (steps, time
-    per step, the part of it spent waiting for the device, the batch); a loop whose device wait is near zero is
-    host-bound. PAGODA_PROFILE_STEPS=FIRST:COUNT: a cProfile of those steps of the loop (where the host's time
-    goes), printed once they are done."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.interval_s = _float_env("PAGODA_LOG_STEPS_S")
-        self.last, self.last_time = replace(engine.timing), time.monotonic()
-        self.profile_steps = _step_range(os.environ.get("PAGODA_PROFILE_STEPS", ""))
-        self.profiler = None
-        self.num_steps = 0
-
-    def before_step(self) -> None:
-        if self.num_steps == self.profile_steps.start and self.profile_steps:
-            import cProfile
-
-            self.profiler = cProfile.Profile()
-            self.profiler.enable()
-
-    def after_step(self, stats: EngineStats) -> None:
-        self.num_steps += 1
-        if self.profiler is not None and self.num_steps == self.profile_steps.stop:
-            import pstats
-
-            self.profiler.disable()
-            print(f"pagoda engine: profile of steps {self.profile_steps.start}-{self.profile_steps.stop - 1}, "
-                  f"running {stats.num_running}", file=sys.stderr)
-            pstats.Stats(self.profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
-            self.profiler = None
-        if self.interval_s <= 0 or time.monotonic() - self.last_time < self.interval_s:
+    # ---- plumbing ------------------------------------------------------------------------------------------------
+    def _send(self, message: AddRequest | AbortRequest) -> None:
+        """Queues a message; the queue goes out, in order, at the end of this turn of the event loop (a call per
+        request would make admitting a burst the replica's bottleneck), from a context of its own."""
+        if self._closed:
             return
-        t = self.engine.timing.since(self.last)
-        print(f"pagoda engine: {t['steps']} steps, {t['ms_per_step']:.2f} ms/step, device wait "
-              f"{t['device_wait_ms_per_step']:.2f} ms/step, running {stats.num_running}, waiting {stats.num_waiting}",
-              file=sys.stderr, flush=True)
-        self.last, self.last_time = replace(self.engine.timing), time.monotonic()
+        self._outgoing.append(message)
+        if len(self._outgoing) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush, context=contextvars.Context())
+            if self._pump is None:
+                self._pump = loop.create_task(self._pump_deltas(), context=contextvars.Context())
 
+    def _flush(self) -> None:
+        messages, self._outgoing = self._outgoing, []
+        if messages and not self._closed:
+            self.connection.send(messages)
 
-def _float_env(name: str) -> float:
-    try:
-        return float(os.environ.get(name, "0"))
-    except ValueError:
-        logger.warning("%s=%r is not a number: ignored", name, os.environ[name])
-        return 0.0
+    async def _pump_deltas(self) -> None:
+        while not self._closed:
+            try:
+                result = await self.connection.poll(POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the core is gone: nothing more will come
+                if not self._closed:
+                    logger.error("engine failed: %s", e)
+                    self._die(f"the engine process failed: {type(e).__name__}: {e}")
+                return
+            self._stats = result.stats
+            self._step_tokens.extend(result.step_tokens)
+            if result.stats.num_steps != self._last_progress[0] or not self._queues:
+                self._last_progress = (result.stats.num_steps, time.monotonic())
+            for delta in result.deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:  # else: aborted here already
+                    queue.put_nowait(delta)
+            if result.dead_error is not None:
+                self._die(result.dead_error)
+                return
 
-
-def _step_range(spec: str) -> range:
-    """"FIRST:COUNT" (or "FIRST": one step) as a range of step numbers; empty when unset or malformed."""
-    if not spec:
-        return range(0)
-    first, _, count = spec.partition(":")
-    try:
-        return range(int(first), int(first) + int(count or 1))
-    except ValueError:
-        logger.warning("PAGODA_PROFILE_STEPS=%r is not FIRST:COUNT: ignored", spec)
-        return range(0)
-
-
-def _configure_step_thread(device: str) -> None:
-    """On CPU, torch's multi-threaded ops started from a thread other than the main one pay for a new OpenMP team
-    on every op (a 64x128 matmul: 60 us instead of 11 us on the CI machine): the step thread runs its ops on
-    PAGODA_TORCH_THREADS threads (default 1)."""
-    from engine.config import resolve_device
-
-    if resolve_device(device) == "cpu":
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("PAGODA_TORCH_THREADS", "1")))
+    def _die(self, reason: str) -> None:
+        self._dead_error = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))

@@ -1,14 +1,21 @@
-"""Engine configuration: small frozen dataclasses, composed into one `EngineConfig`.
+"""Engine configuration: what users ask for (`EngineArgs`) and what the engine runs with (`EngineConfig`).
+
+    EngineArgs (frozen, the one place for defaults; pure values: crosses processes, YAML, CLI flags)
+        └── create_engine_config() on the node that has the model: reads config.json ──► EngineConfig
+            = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig (+ stream_interval_s)
 
 Each part of the system receives only the piece it needs: the scheduler a `SchedulerConfig`, the block manager a
-`CacheConfig`, the workers a `ModelConfig` and a `ParallelConfig`.
+`CacheConfig`, the workers a `ModelConfig` and a `ParallelConfig`. The CLI flags (engine/arg_utils.py), `LLM(...)`
+and the Serve app's per-model args (cluster/app.py) are all made from `EngineArgs`' fields.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+
+from engine.errors import ParamError
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "random")
@@ -28,24 +35,27 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise ParamError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+            raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+            raise ParamError("max_model_len", f"must be >= 0, got {self.max_model_len}")
 
     @classmethod
     def from_path(cls, model: str, **kwargs) -> "ModelConfig":
         """Reads `config.json` and fills `max_model_len` from it when not given."""
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"model {model!r} is not a checkpoint directory (no config.json)")
+            raise ParamError("model", f"{model!r} is not a checkpoint directory (no config.json)")
         with open(path) as f:
             hf_config = json.load(f)
         config = cls(model=model, hf_config=hf_config, **kwargs)
-        limit = int(hf_config.get("max_position_embeddings", 2048))
+        limit = model_context_length(hf_config)
         if config.max_model_len == 0:
             return replace(config, max_model_len=limit)
+        if config.max_model_len > limit:  # as vLLM: positions past what the model was built for are refused
+            raise ParamError("max_model_len", f"{config.max_model_len} is longer than this model's context of "
+                                              f"{limit} tokens")
         return config
 
     @property
@@ -64,6 +74,17 @@ class ModelConfig:
         return int(self.hf_config["vocab_size"])
 
 
+def model_context_length(hf_config: dict) -> int:
+    """The longest sequence a checkpoint supports: max_position_embeddings, stretched by a RoPE scaling that
+    extends the context past it (linear, dynamic NTK, YaRN: factor x the original length)."""
+    limit = int(hf_config.get("max_position_embeddings", 2048))
+    scaling = hf_config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) in ("linear", "dynamic", "yarn"):
+        base = int(scaling.get("original_max_position_embeddings") or limit)
+        limit = max(limit, int(base * float(scaling.get("factor", 1.0))))
+    return limit
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool. `num_kv_blocks=None` sizes the pool from free memory."""
@@ -76,11 +97,11 @@ class CacheConfig:
 
     def __post_init__(self):
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ParamError("block_size", f"must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise ParamError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -94,9 +115,9 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ParamError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ParamError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -110,9 +131,9 @@ class ParallelConfig:
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            raise ParamError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+            raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,82 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    # A streaming request's deltas come at most this often (its first token and its end at once): with many
+    # streams, fewer and larger messages from the engine to the socket. 0: a delta at every step that moved it.
+    stream_interval_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting a user can give, with its default: `LLM(**kwargs)`, the CLI flags and the Serve app's
+    per-model args are made from these fields. Pure values, so it crosses process boundaries and YAML as is;
+    `create_engine_config()` runs where the model is (it reads the checkpoint's config.json)."""
+
+    model: str | None = None  # a checkpoint directory; None: the built-in model
+    tokenizer: str | None = None  # default: the model's
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: sized from free memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    use_ray: bool = False
+    stream_interval_s: float = 0.0
+
+    def __post_init__(self):
+        if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
+            object.__setattr__(self, "dtype", _DTYPE_ALIASES[self.dtype])
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not 0.0 <= self.stream_interval_s <= 60.0:
+            raise ParamError("stream_interval_s", f"must be in [0, 60], got {self.stream_interval_s}")
+        # The parts validate the rest; build them now so a bad value fails here, where the user gave it.
+        self._parts()
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def _parts(self) -> tuple[CacheConfig, SchedulerConfig, ParallelConfig]:
+        if self.dtype not in _DTYPES:
+            raise ParamError("dtype", f"must be one of {_DTYPES + tuple(_DTYPE_ALIASES)}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        return (CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization,
+                            self.cpu_kv_cache_bytes, self.enable_prefix_caching),
+                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 2048),
+                ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
+
+    def create_engine_config(self) -> EngineConfig:
+        model = self.model
+        if model is None or model == "tiny":
+            from workers.tiny_model import default_tiny_model_path  # lazy: engine imports nothing at import time
+
+            model = default_tiny_model_path()
+        model_config = ModelConfig.from_path(model, dtype=self.dtype, max_model_len=self.max_model_len or 0,
+                                             load_format=self.load_format, seed=self.seed, tokenizer=self.tokenizer)
+        cache, scheduler, parallel = self._parts()
+        return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
+                            parallel, self.stream_interval_s)
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ParamError(name, f"must be a positive integer, got {value!r}")
 
 
 def resolve_device(device: str) -> str:

@@ -33,6 +33,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""
 
+    def device_stats(self) -> tuple[int, float]:
+        """(device memory in use, in bytes; utilization, 0..1), summed / averaged over the ranks; (0, 0.0) on CPU."""
+        return 0, 0.0
+
     def describe(self) -> list[dict]:
         """What each rank runs on (device, all-reduce), for benchmarks and logs."""
         return []

@@ -1,6 +1,6 @@
 """`LLM`: the offline API, as vLLM's users know it.
 
-    llm = LLM()                                   # the built-in tiny model
+    llm = LLM()                                   # the built-in model
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
     outs[0].outputs[0].text
 """
@@ -8,27 +8,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from engine.llm_engine import LLMEngine, Prompt, build_engine_config
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.prompts import Prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
-                 load_format: str = "auto", **kwargs):
-        config = build_engine_config(
-            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size, seed=seed,
-            load_format=load_format, **kwargs)
-        self.engine = LLMEngine(config)
-        self.engine.stream_outputs = False  # generate() returns whole outputs: skip the per-step ones
+    def __init__(self, model: str | None = None, **kwargs):
+        """`model` and every other `EngineArgs` field (engine/config.py) as keyword arguments."""
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -37,7 +30,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order. A prompt that is invalid raises
-        ValueError before any work starts."""
+        a ParamError (a ValueError) before any work starts."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -50,9 +43,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params_list)]
-        ids = [self.engine.add_processed(None, text, token_ids, _copy(sp))
-               for (text, token_ids), sp in zip(processed, params_list)]
-        return self._run(ids, use_tqdm)
+        # Each request gets its own params object (the engine fills in its stop ids); stream=False: the engine
+        # reports each request once, finished, with its whole output.
+        ids = [self.engine.add_processed(None, token_ids, replace(sp), stream=False)
+               for (_, token_ids), sp in zip(processed, params_list)]
+        return self._run(ids, processed, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,7 +59,9 @@ class LLM:
                     "add_special_tokens": False} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], processed: list[tuple[str | None, list[int]]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        prompts = dict(zip(request_ids, processed))
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(request_ids) > 1:
@@ -73,9 +70,10 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+                for delta in self.engine.step():
+                    if delta.finished:
+                        text, token_ids = prompts[delta.request_id]
+                        finished[delta.request_id] = RequestOutput.from_final_delta(delta, text, token_ids)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -94,10 +92,3 @@ class LLM:
             self.engine.shutdown()
         except Exception:
             pass
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    """Each request gets its own params object (the engine fills in per-request stop ids)."""
-    from dataclasses import replace
-
-    return replace(params)

@@ -1,7 +1,7 @@
-"""`LLMEngine`: the driver loop. add_request / step / abort; turns sampled tokens into text and outputs.
+"""`LLMEngine`: the driver loop. add_request / step / abort; turns sampled tokens into text and deltas.
 
     step():  scheduler.schedule() ─► executor.execute_model() ─► scheduler.update_from_output()
-             ─► detokenize, stop strings ─► RequestOutput for each request that moved
+             ─► detokenize, stop strings ─► a RequestDelta for each request due one (engine/request_group.py)
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import time
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.config import EngineArgs, EngineConfig
+from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, create_executor
+from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
 from engine.request import Request, RequestStatus
-from engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request_group import RequestGroup, TokenStrings
+from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int] | dict
 
 
 @dataclass
@@ -36,6 +36,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # counters since start
     generation_tokens: int
+    num_steps: int = 0
+    num_finished: dict[str, int] | None = None  # finish reason -> requests
+    device_memory_used_bytes: int = 0  # set by the engine loop from the executor (0 on CPU)
+    device_utilization: float = 0.0  # 0..1, where the device reports it
 
 
 @dataclass
@@ -52,65 +56,6 @@ class StepTiming:
         busy, wait = self.busy_s - earlier.busy_s, self.wait_s - earlier.wait_s
         return {"steps": steps, "ms_per_step": 1e3 * busy / max(steps, 1),
                 "device_wait_ms_per_step": 1e3 * wait / max(steps, 1)}
-
-
-class RequestGroup:
-    """One user request: its n sequences, their detokenizers and what has been reported."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Request], tokenizer):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.seqs = seqs
-        self.detokenizers = [
-            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                                   params.include_stop_str_in_output) for _ in seqs]
-        self.arrival_time = time.monotonic()
-        self.last_emit: float | None = None  # when step() last returned an output of it
-        self.num_sent_tokens = [0] * len(seqs)  # per sequence, for delta outputs
-        self.sent_logprob_sums = [0.0] * len(seqs)
-
-    @property
-    def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
-
-    def make_output(self, error: str | None = None, delta: bool = False) -> RequestOutput:
-        """The request's output so far; with delta, only what is new since the last delta output (text, tokens,
-        logprobs), so that streaming costs per step what the step added, not the whole output again."""
-        outputs = [self._completion(seq, det, delta) for seq, det in zip(self.seqs, self.detokenizers)]
-        firsts = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
-        metrics = RequestMetrics(
-            arrival_time=self.arrival_time, first_token_time=min(firsts) if firsts else None,
-            finish_time=time.monotonic() if self.is_finished else None,
-            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
-            num_preemptions=sum(s.num_preemptions for s in self.seqs))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished,
-                             metrics, error)
-
-    def _completion(self, seq: Request, det: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
-        start = self.num_sent_tokens[seq.index] if delta else 0
-        token_ids = seq.output_token_ids[start:]
-        logprobs = cumulative = None
-        if self.params.logprobs is not None:
-            logprobs = []
-            cumulative = self.sent_logprob_sums[seq.index] if delta else 0.0
-            for token_id, lp in zip(token_ids, seq.output_logprobs[start:]):
-                entry = dict(zip(lp.top_token_ids, lp.top_logprobs)) if lp else {}
-                entry[token_id] = lp.sampled_logprob if lp else float("nan")
-                logprobs.append(entry)
-                if lp:
-                    cumulative += lp.sampled_logprob
-        if delta:
-            self.num_sent_tokens[seq.index] = len(seq.output_token_ids)
-            if cumulative is not None:
-                self.sent_logprob_sums[seq.index] = cumulative
-            text = det.flush(seq.is_finished)
-        else:
-            text = det.stable_text(seq.is_finished)
-        return CompletionOutput(seq.index, text, token_ids, logprobs, seq.status.finish_reason, seq.stop_reason,
-                                cumulative)
 
 
 class LLMEngine:
@@ -130,65 +75,75 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
+        self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,
+                                                  config.scheduler.max_num_seqs)
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_finished: dict[str, int] = {}  # finish reason -> requests
+        self.step_tokens: list[int] = []  # tokens of each step since the last take_step_tokens() (bounded)
         self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
-        self.stream_outputs = True  # False: step() returns finished requests only (the offline LLM)
-        self.delta_outputs = False  # True: each output holds only what is new since the request's last one
-        self.output_interval_s = 0.0  # > 0 (delta outputs): a running request's outputs come at most this often
         self.timing = StepTiming()
         self._ids = itertools.count()
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
-        return cls(build_engine_config(**kwargs))
+        return cls(EngineArgs(**kwargs).create_engine_config())
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Validates a prompt and its params against the model; returns (text, token ids). Raises ValueError."""
-        return process_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len,
-                              self.config.scheduler.max_num_seqs)
+        """Validates a prompt and its params against the model; returns (text, token ids). Raises ParamError."""
+        return process_prompt(prompt, params, self.tokenizer, self.limits)
 
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> str:
-        text, token_ids = self.process_prompt(prompt, params)
-        return self.add_processed(request_id, text, token_ids, params)
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams, stream: bool = True) -> str:
+        _, token_ids = self.process_prompt(prompt, params)
+        return self.add_processed(request_id, token_ids, params, stream)
 
-    def add_processed(self, request_id: str | None, text: str | None, token_ids: list[int],
-                      params: SamplingParams) -> str:
+    def add_processed(self, request_id: str | None, token_ids: list[int], params: SamplingParams,
+                      stream: bool = True, arrival_time: float | None = None) -> str:
+        """Adds a validated prompt. stream=False: the request's only delta is its last (the whole output)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ParamError(None, f"request id {request_id!r} is already in use")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         params.all_stop_token_ids = tuple(sorted(stop_ids))
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        arrival_time = arrival_time or time.time()
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i
             seqs.append(Request(seq_id, token_ids, params, max_tokens, parent_id=request_id, index=i,
-                                leader=seqs[0] if i else None, sample_seed=seed))
-        self.groups[request_id] = RequestGroup(request_id, text, token_ids, params, seqs, self.tokenizer)
+                                leader=seqs[0] if i else None, sample_seed=seed, arrival_time=arrival_time))
+        self.groups[request_id] = RequestGroup(request_id, token_ids, params, seqs, self.tokenizer,
+                                               self.token_strings, stream, arrival_time)
         for seq in seqs:
             self.scheduler.add_request(seq)
         self.num_prompt_tokens += len(token_ids)
         return request_id
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestDelta]:
+        """Ends requests at once, freeing their blocks; returns their last deltas (finish_reason "abort")."""
+        deltas = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self.groups.pop(request_id, None)
-            for seq in group.seqs if group else []:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            for seq in group.seqs:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_ABORTED)
+            deltas.append(self._emit(group, time.monotonic()))
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or self._pending is not None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """One scheduling step. With overlap, step N+1 is scheduled and launched before step N's tokens are read
-        back, so the host's work hides behind the device's; the outputs returned are then step N's."""
+        back, so the host's work hides behind the device's; the deltas returned are then step N's."""
         start = time.perf_counter()
         try:
             return self._step()
@@ -196,7 +151,7 @@ class LLMEngine:
             self.timing.num_steps += 1
             self.timing.busy_s += time.perf_counter() - start
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestDelta]:
         if not self._can_overlap():
             if self._pending is not None:
                 return self._finish_pending()  # leaving overlap: drain the step in flight first
@@ -228,7 +183,7 @@ class LLMEngine:
     def _is_idle(sched) -> bool:
         return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
 
-    def _finish_pending(self) -> list[RequestOutput]:
+    def _finish_pending(self) -> list[RequestDelta]:
         if self._pending is None:
             return []
         sched, handle = self._pending
@@ -242,12 +197,20 @@ class LLMEngine:
             self.timing.wait_s += time.perf_counter() - start
         return self._process(sched, result)
 
-    def _fail_step(self, sched, error: ExecutorError) -> list[RequestOutput]:
-        logger.error("step failed, failing %d requests: %s", len(sched.num_scheduled_tokens), error)
-        reqs = (self.scheduler.requests.get(seq_id) for seq_id in sched.num_scheduled_tokens)
-        return self._fail_requests([r.parent_id for r in reqs if r is not None], str(error))
+    def _fail_step(self, sched, error: ExecutorError) -> list[RequestDelta]:
+        """A fatal error fails every request of the step (the engine stops next). Otherwise a step of one request
+        fails that request; the requests of a larger step are isolated (Scheduler.isolate) and retried one by one,
+        so a request that breaks the step on its own fails alone and the others go on."""
+        seqs = [r for r in (self.scheduler.requests.get(i) for i in sched.num_scheduled_tokens) if r is not None]
+        if not error.is_fatal and len(seqs) > 1:
+            logger.warning("step of %d requests failed (%s): retrying them one at a time", len(seqs), error)
+            self.scheduler.isolate([r.req_id for r in seqs])
+            return []
+        logger.error("step failed, failing %d requests: %s", len(seqs), error)
+        return self._fail_requests([r.parent_id for r in seqs], str(error))
 
-    def _process(self, sched, result) -> list[RequestOutput]:
+    def _process(self, sched, result) -> list[RequestDelta]:
+        self._record_step_tokens(sched.total_num_scheduled_tokens)
         touched: dict[str, RequestGroup] = {}
         for seq in self.scheduler.update_from_output(sched, result):
             group = self.groups.get(seq.parent_id)
@@ -259,45 +222,46 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_STOPPED)
                 seq.stop_reason = stop
             touched[group.request_id] = group
-        if not self.stream_outputs:
-            return [self._emit(group) for group in touched.values() if group.is_finished]
-        if self.output_interval_s <= 0:
-            return [self._emit(group) for group in touched.values()]
-        now = time.monotonic()
-        outputs = []
-        for group in touched.values():
-            # The first token and the end go out at once; between them, at most one output per interval (delta
-            # outputs lose nothing by waiting: the next carries everything since the last).
-            if group.is_finished or group.last_emit is None or now - group.last_emit >= self.output_interval_s:
-                group.last_emit = now
-                outputs.append(self._emit(group))
-        return outputs
+        now, interval = time.monotonic(), self.config.stream_interval_s
+        return [self._emit(group, now) for group in touched.values() if group.wants_delta(now, interval)]
 
-    def _emit(self, group: RequestGroup, error: str | None = None) -> RequestOutput:
-        out = group.make_output(error, self.delta_outputs)
-        if out.finished:
+    def _record_step_tokens(self, num_tokens: int) -> None:
+        if len(self.step_tokens) < 100_000:  # nobody takes them (offline): stop recording
+            self.step_tokens.append(num_tokens)
+
+    def take_step_tokens(self) -> list[int]:
+        """The number of tokens of each step since the last call (the iteration-tokens histogram)."""
+        tokens, self.step_tokens = self.step_tokens, []
+        return tokens
+
+    def _emit(self, group: RequestGroup, now: float, error: str | None = None) -> RequestDelta:
+        delta = group.make_delta(now, error)
+        if delta.finished:
             del self.groups[group.request_id]
-        return out
+            reason = "error" if error else next((s.status.finish_reason for s in group.seqs), None) or "stop"
+            self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+        return delta
 
-    def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
-        outputs = []
+    def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestDelta]:
+        deltas, now = [], time.monotonic()
         for parent_id in dict.fromkeys(request_ids):
             group = self.groups.get(parent_id)
             if group is None:
                 continue
             for seq in group.seqs:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._emit(group, error))
-        return outputs
+            deltas.append(self._emit(group, now, error))
+        return deltas
 
-    def fail_all(self, error: str) -> list[RequestOutput]:
+    def fail_all(self, error: str) -> list[RequestDelta]:
         return self._fail_requests(list(self.groups), error)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
-                           self.num_prompt_tokens, self.num_generation_tokens)
+                           self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
+                           dict(self.num_finished))
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
@@ -312,67 +276,11 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def process_prompt(prompt: Prompt, params: SamplingParams, tokenizer, vocab_size: int, max_model_len: int,
-                   max_num_seqs: int) -> tuple[str | None, list[int]]:
-    """Validates a prompt and its params against a model; returns (text, token ids). Raises ValueError.
-
-    A function of the model's limits, so a process without the engine (a Serve replica whose engine runs in
-    another process) validates requests exactly as the engine would."""
-    add_special_tokens = True
-    if isinstance(prompt, dict):
-        add_special_tokens = bool(prompt.get("add_special_tokens", True))
-        if "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif "prompt" in prompt:
-            text, token_ids = prompt["prompt"], None
-        else:
-            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-    elif isinstance(prompt, str):
-        text, token_ids = prompt, None
-    elif isinstance(prompt, (list, tuple)):
-        text, token_ids = None, list(prompt)
-    else:
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-    if token_ids is None:
-        if not isinstance(text, str):
-            raise ValueError("prompt must be a string")
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if not token_ids:
-        raise ValueError("prompt is empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(f"prompt is {len(token_ids)} tokens, but this model's maximum context length is "
-                         f"{max_model_len} tokens (prompt and at least one output token)")
-    params.validate()
-    params.validate_for_model(vocab_size)
-    if params.n > max_num_seqs:
-        raise ValueError(f"n must be at most max_num_seqs={max_num_seqs}, got {params.n}")
-    return text, token_ids
-
-
 def _tokenizer_eos(tokenizer) -> set[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return {eos} if isinstance(eos, int) else set()
 
 
-def build_engine_config(model: str | None = None, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                        num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                        cpu_kv_cache_bytes: int = 1 << 30, max_num_seqs: int = 256,
-                        max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                        enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
-                        load_format: str = "auto", tokenizer: str | None = None, enforce_eager: bool = False,
-                        use_ray: bool = False) -> EngineConfig:
-    """The one place where user-facing arguments become the frozen config."""
-    if model is None:
-        from workers.tiny_model import default_tiny_model_path  # lazy: engine imports nothing at import time
-
-        model = default_tiny_model_path()
-    model_config = ModelConfig.from_path(model, dtype=dtype, max_model_len=max_model_len or 0,
-                                         load_format=load_format, seed=seed, tokenizer=tokenizer)
-    return EngineConfig(
-        model=model_config,
-        cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_bytes,
-                          enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
-        parallel=ParallelConfig(tensor_parallel_size, device, enforce_eager, use_ray))
+def build_engine_config(**kwargs) -> EngineConfig:
+    """`EngineArgs(**kwargs).create_engine_config()`: user-facing arguments -> the frozen config."""
+    return EngineArgs(**kwargs).create_engine_config()

@@ -60,7 +60,7 @@ class Request:
     index: int = 0  # which of the n completions
     leader: Request | None = None  # for n > 1: the sequence whose prompt blocks this one shares
     sample_seed: int | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -70,8 +70,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks
+    first_scheduled_time: float | None = None  # time.time() of its first step
     first_token_time: float | None = None
-    finish_time: float | None = None
+    is_suspect: bool = False  # in a step that failed: runs alone until it samples again (Scheduler.isolate)
 
     def __post_init__(self):
         if not self.parent_id:
@@ -105,6 +106,6 @@ class Request:
 
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = time.time()
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)

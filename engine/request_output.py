@@ -1,4 +1,14 @@
-"""What users get back: one `RequestOutput` per request, with one `CompletionOutput` per completion (n)."""
+"""What the engine reports about a request: `RequestDelta`s, the one representation of progress from the engine
+step to the HTTP socket.
+
+    engine step ──RequestDelta (new tokens, text, logprobs, finish)──► engine actor's outbox ──poll (a batch)──►
+    replica ──forwarded as is──► ingress ──► one SSE chunk per delta, or the response of the final one
+
+A delta carries only what is new since the request's previous delta. A request that does not stream gets a single
+delta, its last, which then holds the whole output. The offline `LLM` builds the vLLM-style cumulative
+`RequestOutput` from that last delta (`RequestOutput.from_final_delta`); nothing on the serving path rebuilds
+cumulative outputs or diffs them again.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +16,85 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One output token: its log-probability and the top alternatives (best first), with the strings the API
+    shows for them."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, token string, logprob)
+
+
+@dataclass
+class SequenceDelta:
+    """What one of the request's n sequences produced since the last delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one entry per new token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; set once, on its last delta
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """Engine-side timestamps (time.time(), so that another process on the node can compare them) and counts."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def queue_time_s(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time_s(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time_s(self) -> float | None:
+        return _span(self.first_token_time, self.finish_time)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(end - start, 0.0)
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    seqs: list[SequenceDelta] = field(default_factory=list)  # the sequences that moved
+    finished: bool = False
+    error: str | None = None  # the engine failed the request (it is finished)
+    metrics: RequestMetrics | None = None  # on the last delta
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+# ---- the offline API's cumulative shape (vLLM's) --------------------------------------------------------------------
+@dataclass
 class CompletionOutput:
     index: int
-    text: str  # cumulative; while unfinished, without a tail that a stop string could still cut away
+    text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # per token: sampled id and the top-k ids -> log-probability
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None  # per token: the sampled id and the top-k ids -> log-probability
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -37,4 +105,18 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
-    error: str | None = None  # set when the engine failed the request
+    error: str | None = None
+
+    @classmethod
+    def from_final_delta(cls, delta: RequestDelta, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        """A request's whole output from the only delta of a request that did not stream."""
+        outputs = []
+        for seq in sorted(delta.seqs, key=lambda s: s.index):
+            logprobs = cumulative = None
+            if seq.logprobs is not None:
+                logprobs = [{t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob}
+                            for entry in seq.logprobs]
+                cumulative = sum(entry.logprob for entry in seq.logprobs)
+            outputs.append(CompletionOutput(seq.index, seq.text, list(seq.token_ids), logprobs, seq.finish_reason,
+                                            seq.stop_reason, cumulative))
+        return cls(delta.request_id, prompt, prompt_token_ids, outputs, delta.finished, delta.metrics, delta.error)

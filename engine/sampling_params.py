@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from engine.errors import ParamError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 1024
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 64
 
 
 @dataclass
@@ -36,39 +42,48 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        try:
+            self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        except (TypeError, ValueError):
+            raise ParamError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}") from None
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ParamError("logit_bias", "keys must be token ids and values numbers") from None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError naming the first invalid field."""
-        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be greater than zero, got {self.repetition_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        """Raises ParamError naming the first invalid field. Every number is range-checked, so that no value that
+        passes can overflow the sampler (one bad request must not fail the batch it runs in)."""
+        _check_int(self.n, "n", 1, MAX_N)
+        _check_float(self.temperature, "temperature", 0.0, 1e4)
+        _check(0.0 < _finite(self.top_p, "top_p") <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int(self.top_k, "top_k", 0, 2**31 - 1, "must be -1 (disable), 0 (disable) or at least 1")
+        _check_float(self.min_p, "min_p", 0.0, 1.0)
+        _check(0.0 < _finite(self.repetition_penalty, "repetition_penalty") <= 1e4, "repetition_penalty",
+               f"must be in (0, 10000], got {self.repetition_penalty}")
+        _check_float(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _check_float(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        if self.max_tokens is not None:
+            _check_int(self.max_tokens, "max_tokens", 1, 2**31 - 1)
+        _check_int(self.min_tokens, "min_tokens", 0, 2**31 - 1)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        for token_id in self.stop_token_ids:
+            _check_int(token_id, "stop_token_ids", 0, 2**31 - 1, "must be non-negative token ids")
+        if self.seed is not None:
+            _check_int(self.seed, "seed", -MAX_SEED, MAX_SEED)
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, "logit_bias", f"token id {token_id} is negative")
-            _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias {bias} for token {token_id} not in [-100, 100]")
+            _check(-100.0 <= _finite(bias, "logit_bias") <= 100.0, "logit_bias",
+                   f"bias {bias} for token {token_id} not in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
@@ -76,11 +91,29 @@ class SamplingParams:
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must lie in the vocabulary."""
-        for token_id in list(self.logit_bias or {}) + list(self.stop_token_ids):
-            _check(token_id < vocab_size, "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids",
-                   f"token id {token_id} is out of the vocabulary (size {vocab_size})")
+        for token_id in self.logit_bias or {}:
+            _check(token_id < vocab_size, "logit_bias", f"token id {token_id} is out of the vocabulary "
+                                                        f"(size {vocab_size})")
+        for token_id in self.stop_token_ids:
+            _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of the vocabulary "
+                                                            f"(size {vocab_size})")
 
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {message}")
+        raise ParamError(name, message)
+
+
+def _finite(value, name: str) -> float:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+           f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_float(value, name: str, low: float, high: float) -> None:
+    _check(low <= _finite(value, name) <= high, name, f"must be in [{low:g}, {high:g}], got {value}")
+
+
+def _check_int(value, name: str, low: int, high: int, what: str | None = None) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+    _check(low <= value <= high, name, f"{what or f'must be in [{low}, {high}]'}, got {value}")

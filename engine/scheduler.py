@@ -3,10 +3,15 @@ chunked prefills), then new or preempted requests, under `max_num_seqs`.
 
 When blocks run out the newest running request is preempted: its blocks are freed and it goes back to the front of
 the waiting queue, to be recomputed later (prefix-cache hits make that cheap). Never an error.
+
+A step that fails (not fatally) fails no request by itself: its requests are preempted as suspects (`isolate`), and
+a suspect then runs alone in its steps until it samples again, so that only a request that fails on its own is
+failed (LLMEngine._fail_step).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -23,6 +28,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_since_last_step: list[str] = []  # the workers must drop these
+        self.isolated_since_last_step: list[str] = []  # preempted by isolate(): the workers must drop these too
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------------------------
@@ -60,11 +66,21 @@ class Scheduler:
 
     # ---- schedule ------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self.finished_since_last_step)
-        self.finished_since_last_step = []
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+        out = SchedulerOutput(finished_req_ids=self.finished_since_last_step,
+                              preempted_req_ids=self.isolated_since_last_step)
+        self.finished_since_last_step, self.isolated_since_last_step = [], []
+        budget = self.config.max_num_batched_tokens
+        suspect = next((r for r in self.running if r.is_suspect), None)
+        if suspect is not None:  # it runs alone until it samples
+            self._schedule_running(out, budget, [suspect])
+        elif any(r.is_suspect for r in self.waiting):
+            self._schedule_waiting(out, budget, suspect_only=True)
+            if not out.num_scheduled_tokens:  # no room for it yet: the others run (and free blocks) meanwhile
+                self._schedule_running(out, budget, self.running)
+        else:
+            budget = self._schedule_running(out, budget, self.running)
+            if not out.preempted_req_ids:
+                self._schedule_waiting(out, budget)
         out.block_copies = self.block_manager.take_copies()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
@@ -73,10 +89,10 @@ class Scheduler:
             req.num_computed_tokens += num_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, candidates: list[Request]) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(candidates) and budget > 0:
+            req = candidates[i]
             num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
             if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1
@@ -97,10 +113,13 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, suspect_only: bool = False) -> None:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
+            if suspect_only and (not req.is_suspect or out.new_reqs):
+                skipped.append(req)
+                continue
             if not self._try_fork(req):
                 skipped.append(req)  # its leader's prompt is not in the cache yet
                 continue
@@ -121,6 +140,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
                 req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
@@ -152,7 +173,17 @@ class Scheduler:
             req.num_cached_tokens = num_shared
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def isolate(self, req_ids: list[str]) -> None:
+        """The requests of a failed step go back to the waiting queue as suspects (their blocks freed, to be
+        recomputed); each then runs alone until it samples a token, so a request that fails on its own is found."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            self._preempt(req, None)
+            req.is_suspect = True
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -161,7 +192,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted_req_ids.append(req.req_id)
+        (out.preempted_req_ids if out is not None else self.isolated_since_last_step).append(req.req_id)
 
     # ---- results -------------------------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -177,6 +208,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since the step was scheduled
             req.num_pending_tokens -= 1
+            req.is_suspect = False
             req.append_output(token_id, logprobs)
             status = self._check_stop(req, token_id)
             if status is not None:

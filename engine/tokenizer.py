@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
+from engine.errors import ParamError
+
+# Template variables the server sets itself; a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize",
+                                      "return_dict", "chat_template", "tools", "documents"})
+
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
@@ -10,17 +19,53 @@ def load_tokenizer(path: str):
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, **kwargs) -> str:
-    """Renders a conversation to prompt text with the tokenizer's template. Raises ValueError on bad messages."""
+                        chat_template: str | None = None, time_limit_s: float | None = None, **kwargs) -> str:
+    """Renders a conversation to prompt text with the tokenizer's template (or `chat_template`). Raises ParamError
+    on bad messages, a template that rejects them, or one that runs past `time_limit_s`."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise ParamError("messages", "must be a non-empty list")
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError("each message needs a 'role'")
+            raise ParamError("messages", "each message needs a 'role'")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template")
+        raise ParamError("messages", "this model's tokenizer has no chat template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, **kwargs)
+        with _deadline(time_limit_s):
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, **kwargs)
+    except _TemplateTimeout:
+        raise ParamError("chat_template", f"rendering ran past its limit of {time_limit_s:g} s") from None
     except Exception as e:  # jinja errors: the template rejected the conversation
-        raise ValueError(f"chat template failed: {e}") from e
+        raise ParamError("messages", f"the chat template failed: {e}") from e
+
+
+class _TemplateTimeout(BaseException):  # not an Exception: jinja must not catch it
+    pass
+
+
+class _deadline:
+    """Stops the Python code this thread runs (jinja compiles templates to Python) once `limit_s` has passed: a
+    trace function checks the clock at every line. Costs a few times the render's speed, so it is for templates
+    that are not the operator's own."""
+
+    def __init__(self, limit_s: float | None):
+        self.limit_s = limit_s
+
+    def __enter__(self):
+        if self.limit_s is None:
+            return self
+        end = time.monotonic() + self.limit_s
+
+        def trace(frame, event, arg):
+            if time.monotonic() > end:
+                raise _TemplateTimeout()
+            return trace
+
+        self._previous = sys.gettrace()
+        sys.settrace(trace)
+        return self
+
+    def __exit__(self, *exc):
+        if self.limit_s is not None:
+            sys.settrace(self._previous)
+        return False

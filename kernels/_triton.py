@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from engine import envs  # the one module that reads environment variables (stdlib only)
+
 try:
     import triton
     import triton.language as tl
@@ -49,7 +51,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
     `PAGODA_KERNELS=ref` forces the references everywhere (debugging, bisecting a numerical difference).
     """
-    return HAS_TRITON and tensor.is_cuda and os.environ.get("PAGODA_KERNELS", "").lower() != "ref"
+    return HAS_TRITON and tensor.is_cuda and envs.get("PAGODA_KERNELS").lower() != "ref"
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

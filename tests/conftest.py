@@ -45,7 +45,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        from deploy.cli import ingress_env
+        from deploy.serve_env import ingress_env
 
         # Serve as `pagoda serve` runs it (HAProxy, ingress replicas serving HTTP, gRPC between deployments); its
         # processes read this environment when they start. test_serve_cli covers the Python proxy too.

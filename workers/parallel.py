@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import torch.distributed as dist
+
+from engine import envs
 
 from kernels.linear import linear
 
@@ -100,7 +101,7 @@ def init_symmetric_all_reduce(dtype: torch.dtype, device: torch.device, max_byte
     """Sets up the symmetric-memory all-reduce on every rank (collective: all ranks call it). Returns whether it
     is in use; when it cannot be (no NVLink peer access, ranks that do not see each other's GPUs), NCCL stays."""
     global _symm
-    if _world_size == 1 or device.type != "cuda" or os.environ.get("PAGODA_SYMM_MEM", "1") == "0":
+    if _world_size == 1 or device.type != "cuda" or not envs.get("PAGODA_SYMM_MEM"):
         return False
     try:
         candidate = SymmetricAllReduce(max_bytes, dtype, device)

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+from engine import envs
+
 _COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02}
 _LLAMA_3 = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8,
             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -32,7 +34,7 @@ def preset_dir(name: str) -> str:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     from workers.tiny_model import default_tiny_model_path
 
-    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    root = envs.cache_dir()
     path = os.path.join(root, "presets", name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

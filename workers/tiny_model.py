@@ -16,6 +16,8 @@ import tempfile
 
 import torch
 
+from engine import envs
+
 TINY_MODEL_NAME = "tiny-llama-v1"
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 BOS, EOS, IM_START, IM_END, PAD = SPECIAL_TOKENS
@@ -193,7 +195,7 @@ def default_tiny_model_path() -> str:
 
     Safe when several processes race: each builds into its own temporary directory and renames it into place;
     the first rename wins and the others discard their copy."""
-    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    root = envs.cache_dir()
     final = os.path.join(root, TINY_MODEL_NAME)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final

@@ -7,9 +7,10 @@ Lifecycle (the same in-process and inside a Ray actor):
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from engine import envs
 
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
@@ -131,6 +132,17 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(sched)
 
+    def device_stats(self) -> tuple[int, float]:
+        """(bytes in use on this rank's device, its utilization 0..1); (0, 0.0) on CPU."""
+        if self.device_kind != "cuda":
+            return 0, 0.0
+        free, total = torch.cuda.mem_get_info(self.device)
+        try:
+            utilization = torch.cuda.utilization(self.device) / 100.0  # needs NVML (nvidia-ml-py)
+        except Exception:  # noqa: BLE001 - no NVML: memory only
+            utilization = 0.0
+        return total - free, utilization
+
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "all_reduce": parallel.all_reduce_backend(),
                 "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None)}
@@ -147,8 +159,8 @@ class InProcessExecutor(Executor):
     supports_overlap = True
 
     def __init__(self, config: EngineConfig):
-        if resolve_device(config.parallel.device) == "cpu" and "PAGODA_TORCH_THREADS" in os.environ:
-            torch.set_num_threads(int(os.environ["PAGODA_TORCH_THREADS"]))
+        if resolve_device(config.parallel.device) == "cpu":
+            torch.set_num_threads(envs.get("PAGODA_TORCH_THREADS"))
         self.worker = Worker(config)
         self.worker.init_device()
         self.worker.load_model()
@@ -161,6 +173,9 @@ class InProcessExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output)
         return StepHandle(wait=lambda: _as_executor_error(pending.result))
+
+    def device_stats(self) -> tuple[int, float]:
+        return self.worker.device_stats()
 
     def describe(self) -> list[dict]:
         return [self.worker.describe()]

@@ -1,7 +1,8 @@
 """The Serve app for the serve tests: deployed once per session on the session's Ray cluster, on a free port.
 
-    model "tiny"       2 replicas (router and metrics tests), max_model_len 512
-    model "tiny-solo"  1 replica, health checked every second (the dead-engine test kills and restarts it)
+    model "tiny"        2 replicas (router and metrics tests), max_model_len 512
+    model "tiny-solo"   1 replica, health checked every second (the dead-engine tests kill and restart it)
+    model "tiny-queue"  1 replica that takes 1 request at a time and queues 2 more (back pressure: 429)
 """
 
 import pytest
@@ -10,6 +11,7 @@ from tests.ports import free_port
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_TOKENS = 32  # chats that give no max_tokens (the fuzzer's) stop here, not at the context's end
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +27,11 @@ def serve_url(ray_cluster):
     small = {"num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
     app = build_app({
         "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, **small},
-                   {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small}],
-        "api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES, "accept_timeout_s": 20, "debug": True})
+                   {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small},
+                   {"served_model_name": "tiny-queue", "num_replicas": 1, "max_ongoing_requests": 1,
+                    "max_queued_requests": 2, **small}],
+        "api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES, "accept_timeout_s": 20, "debug": True,
+        "default_max_tokens": DEFAULT_MAX_TOKENS})
     serve.run(app, name="pagoda", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete("pagoda")

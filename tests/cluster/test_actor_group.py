@@ -10,8 +10,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import actor_group
-from cluster.actor_group import PLACEMENT_STRATEGY, RayExecutor, local_gpu_index, placement_bundles
-from engine.config import ParallelConfig
+from cluster.actor_group import RayExecutor, local_gpu_index
+from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement
 from engine.executor import ExecutorError
 from engine.llm_engine import LLMEngine, build_engine_config
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -22,13 +22,13 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3"]
 
 def greedy_tokens(engine: LLMEngine, prompts=PROMPTS) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
-    ids = [engine.add_request(None, p, params) for p in prompts]
+    ids = [engine.add_request(None, p, params, stream=False) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.seqs[0].token_ids
     engine.check_integrity()
     return [done[i] for i in ids]
 
@@ -38,9 +38,9 @@ def placement_group_state(pg_id: str) -> str:
 
 
 def test_placement_bundles():
-    assert placement_bundles(ParallelConfig(1), "cuda") == [{"CPU": 1, "GPU": 1}]
-    assert placement_bundles(ParallelConfig(4), "cuda") == [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * 3
-    assert placement_bundles(ParallelConfig(2), "cpu") == [{"CPU": 1}] * 2
+    assert ReplicaPlacement(1, "cuda").bundles() == [{"CPU": 1, "GPU": 1}]
+    assert ReplicaPlacement(4, "cuda").bundles() == [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * 3
+    assert ReplicaPlacement(2, "cpu").bundles() == [{"CPU": 1}] * 2
     assert PLACEMENT_STRATEGY == "STRICT_PACK"
 
 
@@ -138,7 +138,7 @@ def test_executor_in_callers_placement_group(ray_cluster, tiny_checkpoints):
     model_dir = tiny_checkpoints["llama"]
     reference = greedy_tokens(LLMEngine(build_engine_config(model=model_dir, dtype="float32", device="cpu",
                                                             num_kv_blocks=64)))
-    pg = placement_group(placement_bundles(ParallelConfig(2), "cpu"), strategy=PLACEMENT_STRATEGY)
+    pg = placement_group(ReplicaPlacement(2, "cpu").bundles(), strategy=PLACEMENT_STRATEGY)
     ray.get(pg.ready(), timeout=60)
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                 placement_group_capture_child_tasks=True)

@@ -36,13 +36,15 @@ def test_bench_throughput_beside_transformers(tmp_path):
     assert pagoda_row["engine_steps"]["steps"] >= 5
 
 
-@pytest.mark.parametrize("rate", ["inf", "20"])
-def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate):
+@pytest.mark.parametrize("rate, client", [("inf", ["--client", "openai", "--client-processes", "2"]),
+                                          ("20", ["--client", "aiohttp"])])
+def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
     api_key = auth["Authorization"].removeprefix("Bearer ")
     result = _run(tmp_path, "bench", "serve", "--url", serve_url, "--api-key", api_key, "--model", "tiny",
-                  "--num-requests", "6", "--input-len-range", "8", "24", "--output-len", "5",
+                  "--num-prompts", "6", "--input-len-range", "8", "24", "--output-len", "5", *client,
                   "--request-rate", rate, "--max-concurrency", "4", "--vocab-size", "200", "--seed", str(len(rate)))
-    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
+    assert result["client"] == client[1]
     assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert 0 < result[metric]["p50"] <= result[metric]["p99"]
@@ -68,5 +70,5 @@ def test_bench_host_step(tmp_path):
     result = main(parser.parse_args(["--num-seqs", "8", "--steps", "5", "--prompt-len", "20",
                                      "--output-json", str(out)]))
     assert json.loads(out.read_text()) == result
-    assert [r["mode"] for r in result["results"]] == ["final", "cumulative", "delta", "delta+interval"]
+    assert [r["mode"] for r in result["results"]] == ["final", "delta", "delta+interval", "delta+25ms"]
     assert all(r["host_ms_per_step"] > 0 for r in result["results"])

@@ -1,7 +1,8 @@
 """A tensor_parallel_size=2 replica behind Serve (CPU, gloo): the replica's placement group comes from
-`placement_bundles`, the engine's RayExecutor fills it with its ranks, it answers like the tp=1 model, and deleting
-the app drains a request in flight before the replica and its group go away."""
+cluster/placement.py, the engine's RayExecutor fills it with its ranks, it answers like the tp=1 model, and
+deleting the app drains a request in flight before the replica and its group go away."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,14 +19,15 @@ def serve_placement_groups(name: str) -> list[dict]:
             if name in (pg.get("name") or "") and pg["state"] != "REMOVED"]
 
 
-def stream_usage(url: str, max_tokens: int) -> tuple[str, int, float]:
+def stream_usage(url: str, max_tokens: int, started: threading.Event) -> tuple[str, int, float]:
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     finish, usage = None, None
     for chunk in client.completions.create(model="tiny-tp2", prompt="Once upon a time", max_tokens=max_tokens,
                                            stream=True, stream_options={"include_usage": True},
                                            extra_body={"ignore_eos": True}):
+        started.set()
         finish = chunk.choices[0].finish_reason if chunk.choices else finish
         usage = chunk.usage or usage
     return finish, usage.completion_tokens, time.monotonic()
@@ -52,15 +54,19 @@ def test_tp2_replica_uses_its_placement_group_and_matches_tp1(serve_url):
                                 headers={"Authorization": f"Bearer {API_KEY}"})
                 assert tp2.status_code == tp1.status_code == 200, tp2.text
                 assert tp2.json()["choices"][0]["text"] == tp1.json()["choices"][0]["text"]
-            assert http.get(f"{serve_url}/tp/debug/integrity").json()["ok"]
-            assert http.get(f"{serve_url}/tp/health").json() == {"status": "ok"}
+            assert http.get(f"{serve_url}/tp/debug/integrity").status_code == 404  # debug endpoints are off
+            server = serve.get_deployment_handle("LLMServer_tiny-tp2", app_name="pagoda-tp")
+            assert server.check_integrity.remote().result(timeout_s=60)["ok"]
+            assert http.get(f"{serve_url}/tp/health").json() == {"status": "ok", "models": {
+                "tiny-tp2": {"replicas": 1, "healthy": 1}}}
         with ThreadPoolExecutor(1) as pool:  # a request in flight while the app goes away is drained, not cut
-            streaming = pool.submit(stream_usage, f"{serve_url}/tp", 480)
-            time.sleep(0.3)
+            started = threading.Event()
+            streaming = pool.submit(stream_usage, f"{serve_url}/tp", 200, started)
+            assert started.wait(60), "the stream never started"
             deleting_at = time.monotonic()
             serve.delete("pagoda-tp")
-            finish, num_tokens, finished_at = streaming.result(timeout=60)
-            assert (finish, num_tokens) == ("length", 480) and finished_at > deleting_at
+            finish, num_tokens, finished_at = streaming.result(timeout=120)
+            assert (finish, num_tokens) == ("length", 200) and finished_at > deleting_at
     finally:
         serve.delete("pagoda-tp")
     deadline = time.monotonic() + 30  # the replica's shutdown released its workers and the group

@@ -1,5 +1,5 @@
 """The serving layer's pure parts, without a Ray cluster: the routing policy, the error mapping, request
-validation, the delta stream (stop-string holdback), metrics merging, app args and the CLI's flags."""
+validation, metrics merging, app args, placement and the CLI's flags."""
 
 import random
 
@@ -9,10 +9,11 @@ from pydantic import ValidationError
 from cluster import errors
 from cluster.app import ModelArgs, parse_args
 from cluster.metrics import MetricFamily, merge_families
-from cluster.protocol import ChatCompletionRequest, ChoiceDelta, CompletionRequest, completion_logprobs
+from cluster.placement import ReplicaPlacement
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, completion_logprobs
 from cluster.router import PrefixAffinity
-from cluster.server import _ChoiceStream, replica_options
-from engine.request_output import CompletionOutput
+from engine.errors import EngineDeadError, ParamError
+from engine.request_output import TokenLogprob
 
 SHARED = "You are a helpful assistant. Always answer in one short sentence, politely. " * 3
 
@@ -68,15 +69,15 @@ def test_table_is_bounded():
 
 # ---- errors ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("exc, status, param", [
-    (ValueError("temperature must be non-negative, got -1"), 400, "temperature"),
-    (ValueError("prompt is 600 tokens, but this model's maximum context length is 512"), 400, "prompt"),
-    (ValueError("prompt_token_ids must be integers in [0, 1000)"), 400, "prompt"),
-    (ValueError("something else entirely"), 400, None),
+    (ParamError("temperature", "must be non-negative, got -1"), 400, "temperature"),
+    (ParamError("prompt", "is 600 tokens, but this model's maximum context length is 512"), 400, "prompt"),
+    (ParamError(None, "something else entirely"), 400, None),
     (errors.ModelNotFoundError("x", ["tiny"]), 404, "model"),
     (errors.AuthenticationError("no"), 401, None),
     (errors.PayloadTooLargeError("big"), 413, None),
     (TimeoutError(), 503, None),
     (RuntimeError("boom"), 500, None),
+    (ValueError("an engine bug, not the client's input"), 500, None),
 ])
 def test_one_function_maps_exceptions(exc, status, param):
     error = errors.to_http_error(exc)
@@ -85,13 +86,22 @@ def test_one_function_maps_exceptions(exc, status, param):
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["request_id"] == "req-1"
 
 
-def test_serve_and_engine_failures_are_503():
+def test_param_errors_keep_their_field_across_processes():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ParamError("top_k", "must be an integer, got 'x'")))
+    assert error.param == "top_k" and str(error) == "top_k must be an integer, got 'x'"
+
+
+def test_back_pressure_is_429_and_dead_engines_are_503_with_plain_messages():
+    from ray.exceptions import ActorDiedError
     from ray.serve.exceptions import BackPressureError
 
-    from engine.async_engine import EngineDeadError
-
-    assert errors.to_http_error(BackPressureError(10, 10)).status_code == 503
-    assert errors.to_http_error(EngineDeadError("worker died")).status_code == 503
+    assert errors.to_http_error(BackPressureError(num_queued_requests=10, max_queued_requests=10)).status_code == 429
+    dead = errors.to_http_error(EngineDeadError("worker failed: ActorDiedError pid=1234 ip=10.0.0.7"))
+    assert dead.status_code == 503 and "1234" not in dead.message and "10.0.0.7" not in dead.message
+    gone = errors.to_http_error(ActorDiedError())
+    assert gone.status_code == 503 and "actor" not in gone.message.lower()
 
 
 def test_pydantic_errors_name_the_field():
@@ -104,7 +114,39 @@ def test_pydantic_errors_name_the_field():
     assert errors.to_http_error(info.value).status_code == 400
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "echo": 0}, "echo"),  # no coercion: 0 is not a boolean
+    ({"prompt": [1, True]}, "prompt"),  # nor true a token id
+    ({"prompt": "x", "n": "2"}, "n"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),  # not implemented: refused, not ignored
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "priority": 1}, "priority"),
+])
+def test_requests_are_validated_strictly_and_completely(body, param):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    assert errors.to_http_error(info.value).param == param
+
+
+def test_chat_roles_are_openais_and_no_op_fields_are_accepted():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "hi"}]})
+    assert errors.to_http_error(info.value).param == "messages"
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "developer", "content": "be brief"}],
+                                                "user": "u-1", "metadata": {"k": "v"}})
+    assert req.user == "u-1"
+
+
 # ---- protocol --------------------------------------------------------------------------------------------------
+def edge_error(model, body: dict) -> errors.PagodaHTTPError:
+    """The error the edge answers for `body`: from validation or from building its SamplingParams."""
+    try:
+        model.model_validate(body).to_sampling_params()
+    except Exception as e:  # noqa: BLE001 - mapped as the ingress maps it
+        return errors.to_http_error(e)
+    raise AssertionError(f"{body} was accepted")
+
+
 def test_completion_prompts_and_params():
     assert CompletionRequest(prompt="a").prompts() == ["a"]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
@@ -114,12 +156,11 @@ def test_completion_prompts_and_params():
                                logit_bias={"7": 5.0}).to_sampling_params()
     assert (params.temperature, params.max_tokens, params.stop, params.logprobs, params.seed) == (0, 5, ["x"], 2, 3)
     assert params.logit_bias == {7: 5.0}
-    with pytest.raises(errors.InvalidRequestError) as info:
-        CompletionRequest(prompt="a", top_p=2.0).to_sampling_params()
-    assert info.value.param == "top_p"
-    with pytest.raises(errors.InvalidRequestError) as info:
-        CompletionRequest(prompt="a", logit_bias={"x": 1.0}).to_sampling_params()
-    assert info.value.param == "logit_bias"
+    assert CompletionRequest(prompt="a").to_sampling_params().temperature == 1.0  # unset: SamplingParams' default
+    for body, param in (({"top_p": 2.0}, "top_p"), ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+                        ({"top_k": 2**63}, "top_k"), ({"seed": 2**70}, "seed"), ({"n": 10**6}, "n"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options")):
+        assert edge_error(CompletionRequest, {"prompt": "a", **body}).param == param
 
 
 def test_chat_params_and_messages():
@@ -129,53 +170,27 @@ def test_chat_params_and_messages():
     params = req.to_sampling_params()
     assert (params.max_tokens, params.logprobs) == (7, 3)
     assert req.message_dicts() == [{"role": "user", "content": "hi there"}]
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
-    with pytest.raises(errors.InvalidRequestError) as info:
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2).to_sampling_params()
-    assert info.value.param == "top_logprobs"
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    assert chat.to_sampling_params().max_tokens is None  # the rest of the context, as OpenAI
+    assert chat.to_sampling_params(default_max_tokens=64).max_tokens == 64  # unless the server sets a default
+    messages = [{"role": "user", "content": "x"}]
+    assert edge_error(ChatCompletionRequest, {"messages": messages, "top_logprobs": 2}).param == "top_logprobs"
+    assert edge_error(ChatCompletionRequest, {"messages": messages, "max_completion_tokens": 0}).param == \
+        "max_completion_tokens"
 
 
 def test_legacy_logprobs_shape():
-    from cluster.protocol import TokenLogprob
-
-    out = completion_logprobs([TokenLogprob("ab", -0.5, [("ab", -0.5), ("c", -1.0)]), TokenLogprob("d", -2.0, [])], 3)
+    out = completion_logprobs([TokenLogprob(5, "ab", -0.5, [(5, "ab", -0.5), (6, "c", -1.0)]),
+                               TokenLogprob(7, "d", -2.0, [])], 3)
     assert out == {"tokens": ["ab", "d"], "token_logprobs": [-0.5, -2.0],
                    "top_logprobs": [{"ab": -0.5, "c": -1.0}, {"d": -2.0}], "text_offset": [3, 5]}
-
-
-# ---- deltas ----------------------------------------------------------------------------------------------------
-def test_choice_stream_holds_back_what_a_stop_string_may_cut():
-    from engine.detokenizer import IncrementalDetokenizer
-
-    # The engine's stable text with stop="END": the last 2 characters wait while the request runs.
-    det = IncrementalDetokenizer(None, [], stop=["END"], use_stream=False)
-    shown = []
-    for text, finished in (("Hello E", False), ("Hello EN", False), ("Hello ", True)):
-        det.text = text
-        shown.append(det.stable_text(finished))
-    assert shown == ["Hello", "Hello ", "Hello "]
-    stream = _ChoiceStream(0, num_logprobs=None)
-    outs = [CompletionOutput(0, shown[0], [1, 2], None), CompletionOutput(0, shown[1], [1, 2, 3], None),
-            CompletionOutput(0, shown[2], [1, 2, 3, 4], None, "stop", "END")]
-    deltas = [stream.advance(o, str) for o in outs]
-    assert deltas[0].text == "Hello" and deltas[0].num_tokens == 2
-    assert deltas[1].text == " " and deltas[1].num_tokens == 1
-    assert deltas[2].text == "" and deltas[2].finish_reason == "stop" and deltas[2].num_tokens == 1
-    assert "".join(d.text for d in deltas) == "Hello "
-    assert stream.advance(outs[-1], str) is None
-
-
-def test_choice_deltas_merge():
-    merged = ChoiceDelta(0)
-    merged.merge(ChoiceDelta(0, "a", 1, None))
-    merged.merge(ChoiceDelta(0, "b", 2, None, "length"))
-    assert (merged.text, merged.num_tokens, merged.finish_reason) == ("ab", 3, "length")
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
 def test_metrics_merge_across_replicas():
     from cluster.metrics import ReplicaMetrics
     from engine.llm_engine import EngineStats
+    from engine.request_output import RequestMetrics
 
     snapshots = []
     for replica, hits in (("r0", 32), ("r1", 0)):
@@ -183,7 +198,8 @@ def test_metrics_merge_across_replicas():
         metrics.sync_engine_stats(EngineStats(1, 0, 0.25, 64, 48, hits, 0, 48, 10))
         metrics.sync_engine_stats(EngineStats(0, 0, 0.0, 64, 64, hits + 16, 0, 64, 12))
         metrics.observe_first_token(0.01)
-        metrics.observe_finished("length", 0.2)
+        metrics.observe_finished("length", 0.2, RequestMetrics(100.0, 100.5, 101.0, 103.0, 7, 21))
+        metrics.observe_steps([16, 300])
         snapshots.append(metrics.snapshot())
     text = merge_families(snapshots).decode()
     assert 'pagoda:prefix_cache_hits_total{model_name="tiny",replica="r0"} 48.0' in text
@@ -191,16 +207,26 @@ def test_metrics_merge_across_replicas():
     assert 'pagoda:kv_cache_usage_perc{model_name="tiny",replica="r0"} 0.0' in text
     assert 'pagoda:request_success_total{finished_reason="length",model_name="tiny",replica="r1"} 1.0' in text
     assert text.count("# TYPE pagoda:time_to_first_token_seconds histogram") == 1
+    assert 'pagoda:request_queue_time_seconds_sum{model_name="tiny",replica="r0"} 0.5' in text
+    assert 'pagoda:request_decode_time_seconds_sum{model_name="tiny",replica="r0"} 2.0' in text
+    assert 'pagoda:request_time_per_output_token_seconds_sum{model_name="tiny",replica="r0"} 0.1' in text
+    assert 'pagoda:request_generation_tokens_sum{model_name="tiny",replica="r1"} 21.0' in text
+    assert 'pagoda:iteration_tokens_total_count{model_name="tiny",replica="r1"} 2.0' in text
     assert merge_families([[MetricFamily("x", "gauge", "d", [("x", {"a": "b"}, 1.0)])]]).decode().count("x{") == 1
 
 
 # ---- app args and placement ------------------------------------------------------------------------------------
 def test_app_args_are_validated_with_clear_errors():
     assert parse_args({}).models[0].served_model_name == "pagoda-tiny"
-    assert ModelArgs(model="/models/llama-3-8b/").served_model_name == "llama-3-8b"
+    assert ModelArgs(model="/models/llama-3-8b/").served_model_name == "/models/llama-3-8b/"  # as vLLM names it
+    assert parse_args({"models": [{"served_model_name": ["a", "b"]}]}).models[0].names == ["a", "b"]
+    args = parse_args({"models": [{"block_size": 32, "num_replicas": 2}]}).models[0]
+    assert args.engine.block_size == 32 and args.engine.stream_interval_s == 0.1 and args.num_replicas == 2
     for bad, where in [({"models": [{"num_replica": 2}]}, "models.0.num_replica"),
+                       ({"models": [{"block_size": 0}]}, "block_size"),
+                       ({"models": [{"dtype": "int3"}]}, "dtype"),
                        ({"models": [{"num_replicas": 1, "autoscaling_config": {}}]}, "not both"),
-                       ({"models": [{"served_model_name": "a"}, {"served_model_name": "a"}]}, "unique"),
+                       ({"models": [{"served_model_name": "a"}, {"served_model_name": ["b", "a"]}]}, "unique"),
                        ({"models": [{"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}]}, "min_replicas"),
                        ({"models": []}, "models")]:
         with pytest.raises(ValueError, match=where):
@@ -217,30 +243,40 @@ def test_deploy_serve_yaml_args_are_valid():
             parse_args(app["args"])
 
 
-def test_replica_placement_is_derived_from_the_parallel_config():
-    assert replica_options(1, "cpu", 0.5) == {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
+def test_replica_placement_is_derived_in_one_place():
+    assert ReplicaPlacement(1, "cpu", 0.5).replica_options() == {"ray_actor_options": {"num_cpus": 0.5,
+                                                                                       "num_gpus": 0}}
     # The engine actor takes the GPU that the replica reserves in its placement group.
-    one_gpu = replica_options(1, "cuda", 1)
+    one_gpu = ReplicaPlacement(1, "cuda", 1).replica_options()
     assert one_gpu["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
     assert one_gpu["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}]
     # With the engine in the replica's process, the replica holds the GPU itself.
-    assert replica_options(1, "cuda", 1, engine_process=False) == {"ray_actor_options": {"num_cpus": 1,
-                                                                                         "num_gpus": 1}}
-    tp4 = replica_options(4, "cuda", 1)
-    assert tp4["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    assert ReplicaPlacement(1, "cuda", 1, engine_process=False).replica_options() == {
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 1}}
+    tp4 = ReplicaPlacement(4, "cuda", 2, accelerator_type="H200", resources={"gpu_slot": 1}).replica_options()
+    assert tp4["placement_group_bundles"] == [{"CPU": 2, "GPU": 1, "gpu_slot": 1, "accelerator_type:H200": 0.001},
+                                              {"GPU": 1}, {"GPU": 1}, {"GPU": 1}]
     assert tp4["placement_group_strategy"] == "STRICT_PACK"
-    assert tp4["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
+    assert tp4["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0}
+    cpu = ReplicaPlacement(1, "cpu", 1, resources={"model_slot": 1}, label_selector={"pool": "a"}).replica_options()
+    assert cpu == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {"model_slot": 1},
+                                         "label_selector": {"pool": "a"}}}
+    cpu_tp2 = ReplicaPlacement(2, "cpu", 0.5).replica_options()  # a core per rank; the replica's CPUs beside rank 0
+    assert cpu_tp2["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1}]
 
 
-def test_cli_flags_become_app_args():
-    from deploy.cli import GPU_INGRESS_REPLICAS, build_parser, serve_app_args
+# ---- the CLI ---------------------------------------------------------------------------------------------------
+def test_cli_flags_become_app_args(capsys):
+    from deploy.cli import GPU_INGRESS_REPLICAS, build_parser, main, serve_app_args
 
-    args = build_parser().parse_args(["serve", "--served-model-name", "m", "--min-replicas", "1",
-                                      "--max-replicas", "3", "--target-ongoing-requests", "8", "--api-key", "k"])
+    args = build_parser().parse_args(["serve", "/models/x", "--served-model-name", "m", "m2", "--min-replicas", "1",
+                                      "--max-replicas", "3", "--target-ongoing-requests", "8", "--api-key", "k",
+                                      "--dtype", "half", "--no-enable-prefix-caching", "--disable-log-requests"])
     app_args = serve_app_args(args)
-    assert app_args["models"][0]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
-                                                            "target_ongoing_requests": 8.0}
-    assert app_args["api_key"] == "k"
+    model = app_args["models"][0]
+    assert model["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0}
+    assert (model["model"], model["dtype"], model["enable_prefix_caching"]) == ("/models/x", "float16", False)
+    assert model["served_model_name"] == ["m", "m2"] and app_args["api_key"] == "k"
     assert app_args["ingress_replicas"] == 1  # no GPU here
     parse_args(app_args)
     on_gpu = serve_app_args(build_parser().parse_args(["serve", "--device", "cuda"]))
@@ -250,28 +286,40 @@ def test_cli_flags_become_app_args():
     args = build_parser().parse_args(["serve", "--num-replicas", "2", "--max-replicas", "3"])
     with pytest.raises(ValueError, match="not both"):
         serve_app_args(args)
+    with pytest.raises(ValueError, match="trust-remote-code"):
+        serve_app_args(build_parser().parse_args(["serve", "--trust-remote-code"]))
+    with pytest.raises(SystemExit):  # an unknown flag: the subcommand's usage, not the top level's
+        main(["serve", "--no-such-flag"])
+    assert "usage: pagoda serve" in capsys.readouterr().err
 
 
-def test_ingress_modes_are_environments_for_the_cluster(monkeypatch):
+def test_ingress_modes_are_environments_for_the_cluster(monkeypatch, tmp_path):
+    import os
     import socket
 
-    import deploy.cli as cli
+    import deploy.serve_env as serve_env
 
-    for name in [*cli.HAPROXY_PORT_ENV, cli.DRAINING_PERIOD_ENV[0]]:  # the session cluster's may be set
+    for name in [*serve_env.HAPROXY_PORT_VARS, *serve_env.HAPROXY_FILE_VARS, serve_env.DRAINING_PERIOD[0],
+                 serve_env.HAPROXY_TIMEOUT_CLIENT[0], serve_env.GRPC_MESSAGE[0]]:  # the session cluster's may be set
         monkeypatch.delenv(name, raising=False)
-    assert cli.ingress_env("proxy") == {name: "0" for name in cli.DIRECT_INGRESS_ENV}
+    proxy = serve_env.ingress_env("proxy")
+    assert {k: proxy[k] for k in serve_env.DIRECT_INGRESS_ENV} == {k: "0" for k in serve_env.DIRECT_INGRESS_ENV}
+    assert int(proxy[serve_env.GRPC_MESSAGE[0]]) > 10 * 1024 * 1024  # a whole request body fits a gRPC message
     with pytest.raises(ValueError, match="direct' or 'proxy"):
-        cli.ingress_env("fast")
-    with socket.socket() as taken:  # a port in use (another cluster's HAProxy) is swapped for a free one
-        taken.bind(("0.0.0.0", 0))
-        port = taken.getsockname()[1]
-        monkeypatch.setitem(cli.HAPROXY_PORT_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", port)
-        env = cli.ingress_env("direct")
-    assert {k: env[k] for k in cli.DIRECT_INGRESS_ENV} == cli.DIRECT_INGRESS_ENV
-    assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (port, 0)
-    assert env["RAY_SERVE_HAPROXY_METRICS_PORT"].isdigit()
+        serve_env.ingress_env("fast")
+    env = serve_env.ingress_env("direct", str(tmp_path))
+    assert {k: env[k] for k in serve_env.DIRECT_INGRESS_ENV} == serve_env.DIRECT_INGRESS_ENV
+    for name in serve_env.HAPROXY_PORT_VARS:
+        with socket.socket() as s:  # free when chosen
+            s.bind(("0.0.0.0", int(env[name])))
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "admin.sock")
+    assert os.stat(tmp_path).st_mode & 0o077 == 0  # nobody else may reach the admin socket
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"  # a stop takes seconds, not 35
+    assert int(env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"]) <= 120
+    made = serve_env.ingress_env("direct")
+    assert serve_env.haproxy_dir(made) and os.path.isdir(serve_env.haproxy_dir(made))
+    os.rmdir(serve_env.haproxy_dir(made))
     monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")  # the caller's choice is kept
-    assert cli.ingress_env("direct")["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy
-    assert cli.ingress_env("direct") == cli.ingress_env("proxy")
+    assert serve_env.ingress_env("direct", str(tmp_path))["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
+    monkeypatch.setattr(serve_env.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy
+    assert serve_env.ingress_env("direct") == serve_env.ingress_env("proxy")

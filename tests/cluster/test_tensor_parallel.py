@@ -13,8 +13,9 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.llm_engine import LLMEngine
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError
 from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 12
@@ -90,38 +91,42 @@ def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
 
 
 def test_dead_worker_fails_requests_then_engine(ray_cluster, tiny_checkpoints):
-    engine = LLMEngine.from_args(model=tiny_checkpoints["llama"], dtype="float32", device="cpu",
-                                 tensor_parallel_size=2, num_kv_blocks=64)
-    actors = list(engine.executor.actors)
-    async_engine = AsyncLLMEngine(engine)
+    config = EngineArgs(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", tensor_parallel_size=2,
+                        num_kv_blocks=64).create_engine_config()
+    async_engine = AsyncLLMEngine(config)
+    executor = async_engine.connection.core.engine.executor
+    actors = list(executor.actors)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     async def consume(prompt: str, kill_after: int | None):
-        last = None
-        async for out in async_engine.generate(prompt, params):
-            last = out
-            if kill_after is not None and len(out.outputs[0].token_ids) == kill_after:
+        _, token_ids = async_engine.process_prompt(prompt, params)
+        deltas = []
+        async for batch in async_engine.generate(token_ids, params):
+            deltas += batch
+            if kill_after is not None and sum(d.num_new_tokens for d in deltas) >= kill_after:
                 ray.kill(actors[1])  # rank 1 dies mid-generation
-        return last
+                kill_after = None
+        return deltas
 
     async def main():
-        finals = await asyncio.gather(*(consume(p, 4 if i == 0 else None) for i, p in enumerate(PROMPTS[:3])))
+        runs = await asyncio.gather(*(consume(p, 4 if i == 0 else None) for i, p in enumerate(PROMPTS[:3])))
         deadline = time.monotonic() + 30  # the step thread marks the engine dead right after failing the step
         while async_engine.dead_error is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         with pytest.raises(EngineDeadError):
             async_engine.check_health()
         with pytest.raises(EngineDeadError):
-            async for _ in async_engine.generate("Hello", params):
+            async for _ in async_engine.generate([5, 6], params):
                 pass
-        return finals
+        return runs
 
-    pg_id = engine.executor.placement_group.id.hex()
-    finals = asyncio.run(main())
-    for out in finals:
-        assert out.finished and out.error
-        assert out.outputs[0].finish_reason == "error"
-        assert len(out.outputs[0].token_ids) < 400
+    pg_id = executor.placement_group.id.hex()
+    runs = asyncio.run(main())
+    for deltas in runs:
+        last = deltas[-1]
+        assert last.finished and last.error
+        assert last.seqs[0].finish_reason == "error"
+        assert sum(d.num_new_tokens for d in deltas) < 400
     async_engine.shutdown()
     assert placement_group_state(pg_id) == "REMOVED"
     assert_dead(actors)

@@ -30,6 +30,15 @@ ENGINE_METRICS = {
     "pagoda:time_to_first_token_seconds": "histogram",
     "pagoda:inter_token_latency_seconds": "histogram",
     "pagoda:e2e_request_latency_seconds": "histogram",
+    "pagoda:request_queue_time_seconds": "histogram",
+    "pagoda:request_prefill_time_seconds": "histogram",
+    "pagoda:request_decode_time_seconds": "histogram",
+    "pagoda:request_time_per_output_token_seconds": "histogram",
+    "pagoda:request_prompt_tokens": "histogram",
+    "pagoda:request_generation_tokens": "histogram",
+    "pagoda:iteration_tokens_total": "histogram",
+    "pagoda:gpu_memory_used_bytes": "gauge",
+    "pagoda:gpu_utilization_perc": "gauge",
 }
 
 # Ray Serve's own metrics that the dashboard reads, each seen in a scrape of Ray 2.60.
@@ -69,13 +78,9 @@ def repo() -> Path:
 def kuberay_schemas() -> dict[str, dict]:
     """The `v1` openAPIV3Schema of each KubeRay CRD, by kind: {"RayService": {...}, "RayCluster": {...}}.
 
-    They live in shared/, beside the repository: ../shared/schemas/kuberay/ from its root (so in CI too,
-    where the repository is cloned elsewhere with a copy of shared/ next to it).
+    They are vendored in k8s/crds/ (k8s/crds/SOURCE.md names the KubeRay commit they come from).
     """
-    folder = REPO.parent / "shared" / "schemas" / "kuberay"
-    if not folder.is_dir():
-        pytest.fail(f"KubeRay CRD schemas not found at {folder}: the manifests in k8s/ are validated "
-                    "against them; put a copy of shared/ beside the repository")
+    folder = REPO / "k8s" / "crds"
     schemas = {}
     for path in sorted(folder.glob("ray.io_*.yaml")):
         crd = yaml.safe_load(path.read_text())

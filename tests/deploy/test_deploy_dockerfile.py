@@ -71,7 +71,31 @@ def test_dependencies_are_pinned_to_the_tested_versions(repo, instructions):
 
 
 def test_image_runs_the_ingress_mode_of_pagoda_serve(instructions):
-    from deploy.cli import DIRECT_INGRESS_ENV
+    from deploy.serve_env import DIRECT_INGRESS_ENV, GRPC_MESSAGE
 
     env = dict(item.split("=", 1) for line in _args(instructions, "ENV") for item in line.split())
     assert {k: env.get(k) for k in DIRECT_INGRESS_ENV} == DIRECT_INGRESS_ENV
+    assert int(env[GRPC_MESSAGE[0]]) >= int(GRPC_MESSAGE[1])  # a whole request body fits between deployments
+
+
+def test_the_cli_starts_from_exactly_the_files_the_image_copies(repo, instructions, tmp_path):
+    """The image's source tree, rebuilt from its COPY lines: `pagoda serve --help` must run from it alone (the
+    repository's editable install is taken out of the import system, so nothing else can fill a gap)."""
+    import shutil
+    import subprocess
+    import sys
+
+    for line in _args(instructions, "COPY"):
+        src, dst = line.split()
+        target = tmp_path / dst.removeprefix("./")
+        if (repo / src).is_dir():
+            shutil.copytree(repo / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(repo / src, target)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+            "from deploy.cli import main; main(['serve', '--help'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: pagoda serve" in out.stdout

@@ -1,6 +1,6 @@
 """The Kubernetes manifests in k8s/: valid against KubeRay's CRDs, and consistent with deploy/.
 
-The CRD schemas are the ones a KubeRay operator installs (shared/schemas/kuberay). jsonschema ignores the
+The CRD schemas are the ones a KubeRay operator installs (vendored in k8s/crds). jsonschema ignores the
 Kubernetes-only keywords (x-kubernetes-*); it is made strict about unknown fields, as `kubectl apply` is by
 default, so that a misspelt field fails here rather than being dropped by the API server.
 """

@@ -49,6 +49,7 @@ def _probe_deployment():
 
         async def __call__(self, request):
             from engine.llm_engine import EngineStats
+            from engine.request_output import RequestMetrics
 
             if request.query_params.get("fail"):
                 raise ValueError("probe failure")
@@ -56,10 +57,12 @@ def _probe_deployment():
             n = self.num_tokens
             self.metrics.sync_engine_stats(EngineStats(
                 num_running=2, num_waiting=1, kv_cache_usage=0.5, num_kv_blocks=64, prefix_cache_queries=n,
-                prefix_cache_hits=n // 2, num_preemptions=n // 8, prompt_tokens=n, generation_tokens=n // 2))
+                prefix_cache_hits=n // 2, num_preemptions=n // 8, prompt_tokens=n, generation_tokens=n // 2,
+                device_memory_used_bytes=1 << 30, device_utilization=0.5))
             self.metrics.observe_first_token(0.05)
             self.metrics.observe_inter_token(0.02)
-            self.metrics.observe_finished("stop", 0.5)
+            self.metrics.observe_finished("stop", 0.5, RequestMetrics(10.0, 10.1, 10.2, 10.5, 8, 4))
+            self.metrics.observe_steps([8, 64])
             self.colon.inc(1, tags={"model_name": MODEL})
             return "ok"
 

@@ -29,6 +29,10 @@ def make_workload(seed: int, num: int = 40):
     return work
 
 
+def by_index(delta):
+    return sorted(delta.seqs, key=lambda s: s.index)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed, overlap):
@@ -44,7 +48,7 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
         for _ in range(rng.randint(0, 3)):  # requests arrive while others run
             if pending:
                 req_id, prompt, params, _ = pending.pop(0)
-                engine.add_request(req_id, prompt, params)
+                engine.add_request(req_id, prompt, params, stream=False)
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
@@ -68,17 +72,18 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
         # Greedy and seeded sampling alike: a request's tokens depend on nothing else in the batch.
         roomy.add_request(req_id, prompt, SamplingParams(n=params.n, temperature=params.temperature,
                                                          seed=params.seed, max_tokens=params.max_tokens,
-                                                         ignore_eos=True, stop=params.stop))
+                                                         ignore_eos=True, stop=params.stop), stream=False)
         alone = None
         while roomy.has_unfinished_requests():
             for out in roomy.step():
                 alone = out
-        for completion, reference in zip(finished[req_id].outputs, alone.outputs):
+        # stream=False: the only delta is the last, with each sequence's whole output
+        for completion, reference in zip(by_index(finished[req_id]), by_index(alone)):
             assert completion.token_ids == reference.token_ids, (req_id, completion.index)
             assert completion.text == reference.text
             if params.is_greedy:  # n > 1 greedy: every completion is the one greedy answer
-                assert completion.token_ids == alone.outputs[0].token_ids
+                assert completion.token_ids == by_index(alone)[0].token_ids
     for out in finished.values():
-        assert len(out.outputs) == work[int(out.request_id[3:])][2].n
+        assert len(out.seqs) == work[int(out.request_id[3:])][2].n
     engine.shutdown()
     roomy.shutdown()

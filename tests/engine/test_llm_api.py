@@ -71,7 +71,7 @@ def test_n_completions_share_the_prompt(llm):
 def test_bad_input_raises_and_the_engine_keeps_serving(llm):
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([[1] * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
+    with pytest.raises(ValueError, match="prompt token ids"):
         llm.generate([{"prompt_token_ids": [10**9]}], SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
@@ -97,37 +97,44 @@ def test_abort_mid_generation_frees_blocks(tiny_model_dir):
     engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=64)
     engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", "Hello", SamplingParams(max_tokens=5, ignore_eos=True))
+    streamed = []
     for _ in range(3):
-        engine.step()
+        streamed += [d for d in engine.step() if d.request_id == "a"]
     assert engine.block_manager.num_free_blocks < 64
-    engine.abort_request("a")
+    (last,) = engine.abort_request("a")
+    assert last.finished and last.seqs[0].finish_reason == "abort"
+    assert sum(d.num_new_tokens for d in streamed + [last]) < 50  # it ended before it could have by itself
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()  # tells the worker to drop the aborted request
     engine.check_integrity()
     assert not engine.executor.worker.runner.requests
+    assert engine.get_stats().num_finished == {"abort": 1, "length": 1}
     engine.shutdown()
+
+
+async def generate(engine, prompt, params, request_id, stream=True):
+    """Every delta of one request, as AsyncLLMEngine yields them (in batches), flattened."""
+    _, token_ids = engine.process_prompt(prompt, params)
+    return [d async for batch in engine.generate(token_ids, params, request_id, stream) for d in batch]
 
 
 def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
     async def main():
         engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
-        seen = []
-        async for out in engine.generate("Hello", SamplingParams(max_tokens=6, ignore_eos=True), "r1"):
-            seen.append(len(out.outputs[0].token_ids))
-        # cumulative outputs, one per step; a consumer that falls behind skips straight to the newest
-        assert seen == sorted(set(seen)) and seen[-1] == 6 and out.finished
-        final = [out async for out in engine.generate("Hello", SamplingParams(max_tokens=6, ignore_eos=True), "r0",
-                                                      final_only=True)]
-        assert len(final) == 1 and final[0].finished and len(final[0].outputs[0].token_ids) == 6
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        deltas = await generate(engine, "Hello", params, "r1")
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert sum(d.num_new_tokens for d in deltas) == 6 and len(deltas) > 1  # each step's news, in order
+        (final,) = await generate(engine, "Hello", params, "r0", stream=False)
+        assert final.finished and final.seqs[0].token_ids == [t for d in deltas for t in d.seqs[0].token_ids]
+        assert final.seqs[0].text == "".join(d.seqs[0].text for d in deltas if d.seqs)
 
         with pytest.raises(ValueError, match="temperature"):
-            async for _ in engine.generate("Hello", SamplingParams(temperature=-1), "bad"):
-                pass
+            engine.process_prompt("Hello", SamplingParams(temperature=-1))
 
         async def consume():
-            async for _ in engine.generate("Once upon", SamplingParams(max_tokens=1000, ignore_eos=True), "r2"):
-                pass
+            await generate(engine, "Once upon", SamplingParams(max_tokens=1000, ignore_eos=True), "r2")
 
         task = asyncio.create_task(consume())
         while engine.get_stats().num_running == 0:
@@ -141,7 +148,9 @@ def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
             if engine.get_stats().num_running == 0:
                 break
         await engine.check_integrity()
-        assert engine.get_stats().kv_cache_usage == 0.0
+        stats = engine.get_stats()
+        assert stats.kv_cache_usage == 0.0 and stats.num_finished["abort"] == 1
+        assert stats.generation_tokens < 6 + 6 + 1000  # r2 ended early
         engine.shutdown()
 
     asyncio.run(main())
@@ -150,12 +159,13 @@ def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
 def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, capfd):
     monkeypatch.setenv("PAGODA_LOG_STEPS_S", "0.000001")  # a line after every step
     monkeypatch.setenv("PAGODA_PROFILE_STEPS", "1:2")
+
     async def main():
         engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
-        before = replace(engine.engine.timing)
-        async for out in engine.generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True), "t"):
-            pass
-        timing = engine.engine.timing.since(before)
+        core_engine = engine.connection.core.engine
+        before = replace(core_engine.timing)
+        await generate(engine, "Hello", SamplingParams(max_tokens=5, ignore_eos=True), "t")
+        timing = core_engine.timing.since(before)
         engine.shutdown()
         return timing
 
@@ -168,29 +178,32 @@ def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, c
     assert "pagoda engine: profile of steps 1-2" in err and "tottime" in err
 
 
-def test_delta_outputs_with_an_interval_lose_nothing(tiny_model_dir):
-    """Delta outputs at most once per (long) interval: the first token and the end come at once, nothing in
-    between, and together they are the whole output the engine gives cumulatively."""
+def test_stream_interval_deltas_lose_nothing(tiny_model_dir):
+    """Deltas at most once per (long) stream interval: the first token and the end come at once, nothing in
+    between, and together they are the whole output a request that does not stream gets in its one delta."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    engines = [LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
-               for _ in range(2)]
-    engines[1].delta_outputs, engines[1].output_interval_s = True, 60.0
     outputs = []
-    for engine in engines:
-        engine.add_request("r", "Once upon a time", params)
+    for interval, stream in ((0.0, False), (0.0, True), (60.0, True)):
+        engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64,
+                                     stream_interval_s=interval)
+        engine.add_request("r", "Once upon a time", params, stream=stream)
         got = []
         while engine.has_unfinished_requests():
             got += engine.step()
         outputs.append(got)
         engine.shutdown()
-    cumulative, deltas = outputs
-    assert len(cumulative) == 12 and len(deltas) == 2  # one per step; first token and end
-    first, last = (d.outputs[0] for d in deltas)
-    whole = cumulative[-1].outputs[0]
-    assert len(first.token_ids) == 1 and last.finish_reason == "length" and deltas[1].finished
-    assert first.token_ids + last.token_ids == whole.token_ids and first.text + last.text == whole.text
-    assert [x.keys() for x in first.logprobs + last.logprobs] == [x.keys() for x in whole.logprobs]
-    assert abs(last.cumulative_logprob - whole.cumulative_logprob) < 1e-5
+    (whole,), every_step, throttled = outputs
+    assert len(every_step) == 12 and len(throttled) == 2  # one per step; first token and end
+    first, last = (d.seqs[0] for d in throttled)
+    whole = whole.seqs[0]
+    assert len(first.token_ids) == 1 and last.finish_reason == "length" and throttled[1].finished
+    for deltas in (every_step, throttled):
+        seqs = [d.seqs[0] for d in deltas]
+        assert [t for s in seqs for t in s.token_ids] == whole.token_ids
+        assert "".join(s.text for s in seqs) == whole.text
+        assert [e.token_id for s in seqs for e in s.logprobs] == whole.token_ids
+        assert [e.top for s in seqs for e in s.logprobs] == [e.top for e in whole.logprobs]
+    assert throttled[-1].metrics is not None and throttled[0].metrics is None
 
 
 def test_malformed_step_report_settings_are_ignored(tiny_model_dir, monkeypatch):
@@ -199,8 +212,8 @@ def test_malformed_step_report_settings_are_ignored(tiny_model_dir, monkeypatch)
 
     async def main():
         engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
-        outs = [out async for out in engine.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True), "m")]
+        deltas = await generate(engine, "Hi", SamplingParams(max_tokens=3, ignore_eos=True), "m")
         engine.shutdown()
-        return outs
+        return deltas
 
     assert asyncio.run(main())[-1].finished  # the loop runs; the settings only warn

@@ -10,8 +10,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("ray")
 
-from cluster.engine_core import RemoteAsyncEngine, core_actor_options  # noqa: E402
+from cluster.engine_core import RayConnection  # noqa: E402
+from cluster.placement import ReplicaPlacement  # noqa: E402
+from cluster.ray_utils import actor_env_vars  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.config import EngineArgs  # noqa: E402
 
 
 def test_engine_actor_on_a_gpu_matches_in_process(tiny_checkpoints, ray_cluster):
@@ -21,19 +25,21 @@ def test_engine_actor_on_a_gpu_matches_in_process(tiny_checkpoints, ray_cluster)
     llm = LLM(**kwargs)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
-    options = core_actor_options(kwargs)
+    options = ReplicaPlacement(1, "cuda").engine_actor_options(actor_env_vars())
     assert options["num_gpus"] == 1
-    remote = RemoteAsyncEngine(kwargs, options)
+    config = EngineArgs(**kwargs).create_engine_config()
+    remote = AsyncLLMEngine(config, RayConnection(config, options))
 
     async def run():
         async def one(i, prompt):
-            return [out async for out in remote.generate(prompt, params, f"r{i}")][-1]
+            _, ids = remote.process_prompt(prompt, params)
+            return [d async for batch in remote.generate(ids, params, f"r{i}", stream=False) for d in batch][-1]
 
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     try:
         outs = asyncio.run(run())
-        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.seqs[0].token_ids for o in outs] == expected
         asyncio.run(remote.check_integrity())
     finally:
         remote.shutdown()

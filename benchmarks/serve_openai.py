@@ -1,0 +1,73 @@
+"""`pagoda bench serve --client openai`: the official `openai` client (AsyncOpenAI, streaming completions), in
+several client processes so that the client's own Python does not set the pace. Each process takes every k-th
+request and keeps its arrival time; the results come back as `benchmarks.serve._send` reports them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import time
+
+import numpy as np
+
+
+def run_clients(args: argparse.Namespace, bodies: list[dict], delays) -> list[dict]:
+    k = max(args.client_processes, 1)
+    start_at = time.time() + 2.0  # every process starts its clock at the same moment, after its imports
+    jobs = [(args.url, args.api_key, args.timeout_s, args.max_concurrency, bodies[i::k],
+             [float(d) for d in delays[i::k]], start_at) for i in range(k)]
+    with multiprocessing.get_context("spawn").Pool(k) as pool:
+        parts = pool.starmap(_client_process, jobs)
+    results = [None] * len(bodies)
+    for i, part in enumerate(parts):
+        results[i::k] = part
+    return results
+
+
+def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, start_at) -> list[dict]:
+    import openai
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0,
+                                    timeout=timeout_s)
+        limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        await asyncio.sleep(max(start_at - time.time(), 0))
+        try:
+            return await asyncio.gather(*(_one(client, body, delay, limit) for body, delay in zip(bodies, delays)))
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+async def _one(client, body: dict, delay_s: float, limit) -> dict:
+    await asyncio.sleep(delay_s)
+    if limit is None:
+        return await _send(client, body)
+    async with limit:
+        return await _send(client, body)
+
+
+async def _send(client, body: dict) -> dict:
+    body = dict(body)
+    extra = {"ignore_eos": body.pop("ignore_eos")}
+    start = time.perf_counter()
+    token_times, usage = [], None
+    try:
+        stream = await client.completions.create(**body, extra_body=extra)
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            if chunk.choices:
+                token_times.append(time.perf_counter())
+    except Exception as e:  # a failed request is counted, not fatal
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    end = time.perf_counter()
+    if not token_times:
+        return {"ok": False, "error": "no tokens"}
+    output_tokens = usage.completion_tokens if usage else len(token_times)
+    ttft = token_times[0] - start
+    return {"ok": True, "ttft": ttft, "e2e": end - start, "output_tokens": output_tokens,
+            "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "tpot": (end - start - ttft) / max(output_tokens - 1, 1), "itl": list(np.diff(token_times))}

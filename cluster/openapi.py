@@ -1,0 +1,196 @@
+"""The OpenAPI document the ingress serves at /openapi.json: the real request models of cluster/protocol.py and
+the shapes of every response, so that clients (and schemathesis, in CI) can check the server against it.
+
+The routes read their bodies themselves (a size limit before parsing), so FastAPI cannot see the request models;
+`openapi_schema` adds them, with the response models below, to what FastAPI generates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from cluster.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+    request_id: str | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion (the last before [DONE] may be an ErrorResponse)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(Completion):
+    """One `data:` event of a streamed completion (the last before [DONE] may be an ErrorResponse): a completion
+    whose choices carry only what is new."""
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelHealth(BaseModel):
+    replicas: int
+    healthy: int
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "degraded"]
+    models: dict[str, ModelHealth]
+
+
+ERROR_STATUSES = (400, 401, 404, 405, 413, 429, 500, 503)
+# path -> (method, request model, JSON response model, SSE event model)
+ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], type[BaseModel] | None]] = {
+    "/v1/completions": ("post", CompletionRequest, Completion, CompletionChunk),
+    "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+    "/v1/models": ("get", None, ModelList, None),
+    "/tokenize": ("post", TokenizeRequest, TokenizeResponse, None),
+    "/detokenize": ("post", DetokenizeRequest, DetokenizeResponse, None),
+    "/health": ("get", None, HealthResponse, None),
+}
+
+
+def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, Any]:
+    """FastAPI's document (`base`) with the request bodies and the responses of ROUTES filled in; a request's
+    `model` is one of the served names (or left out, when one model is served)."""
+    components = base.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = ref(ErrorResponse)
+    for path, (method, request, response, event) in ROUTES.items():
+        operation = base.setdefault("paths", {}).setdefault(path, {}).setdefault(method, {})
+        if request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
+            components[request.__name__]["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
+        ok = {"application/json": {"schema": ref(response)}}
+        if event is not None:
+            ok["text/event-stream"] = {"schema": {"type": "string", "description":
+                                                  f"`data: <{event.__name__} JSON>` events, then `data: [DONE]`"}}
+            ref(event)
+        operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
+            str(code): {"description": "error", "content": {"application/json": {"schema": error}}}
+            for code in ERROR_STATUSES}
+    return base

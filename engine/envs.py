@@ -1,0 +1,70 @@
+"""Every environment variable Pagoda reads, in one place: name, type, default and meaning.
+
+Values are read when asked for (`envs.get("PAGODA_STEP_TIMEOUT_S")`), never at import time, so a test or a
+launcher that sets one before starting an engine is obeyed. A malformed value is a warning and the default, not a
+crash: a typo in a tuning knob must not take a replica down. This module imports only the standard library, so
+every package (kernels/ too) may read its variables through it. The README lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: type  # int, float, str or bool
+    default: object
+    help: str
+
+
+_VARS = [
+    EnvVar("PAGODA_CACHE", str, "", "where built-in models and preset configs are prepared (default ~/.cache/pagoda)"),
+    EnvVar("PAGODA_API_KEY", str, "", "`pagoda serve`: the API key when --api-key is not given"),
+    EnvVar("PAGODA_TORCH_THREADS", int, 1, "CPU only: torch threads of the step thread and of each worker actor"),
+    EnvVar("PAGODA_GIL_SWITCH_INTERVAL_S", float, 0.0005,
+           "the engine process's GIL switch interval (the step thread waits no longer than this for the GIL)"),
+    EnvVar("PAGODA_LOG_STEPS_S", float, 0.0, "> 0: a line on stderr every that many seconds of steps (time, batch)"),
+    EnvVar("PAGODA_PROFILE_STEPS", str, "", "FIRST:COUNT: a cProfile of those steps of the engine loop, on stderr"),
+    EnvVar("PAGODA_ENGINE_STALL_S", float, 120.0,
+           "a replica whose engine has requests but made no step for this long fails its health check"),
+    EnvVar("PAGODA_PLACEMENT_TIMEOUT_S", float, 300.0, "waiting for a placement group (an autoscaler may add a node)"),
+    EnvVar("PAGODA_WORKER_INIT_TIMEOUT_S", float, 1200.0, "loading and profiling one rank's shard"),
+    EnvVar("PAGODA_STEP_TIMEOUT_S", float, 300.0, "one step on the worker actors (first steps may compile kernels)"),
+    EnvVar("PAGODA_DISABLE_COMPILED_GRAPH", bool, False, "1: one actor call per rank per step, no Ray compiled graph"),
+    EnvVar("PAGODA_SYMM_MEM", bool, True, "0: NCCL for every all-reduce (no symmetric-memory one-shot kernel)"),
+    EnvVar("PAGODA_KERNELS", str, "", "`ref`: the torch reference of every kernel, also on a GPU (debugging)"),
+]
+VARS = {v.name: v for v in _VARS}
+
+
+def get(name: str):
+    """The variable's value, typed; its default when unset, empty or malformed."""
+    var = VARS[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return var.default
+    try:
+        if var.kind is bool:
+            if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return var.kind(raw)
+    except ValueError:
+        logger.warning("%s=%r is not a valid %s: using %r", name, raw, var.kind.__name__, var.default)
+        return var.default
+
+
+def cache_dir() -> str:
+    """$PAGODA_CACHE, or ~/.cache/pagoda."""
+    return get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+
+
+def forwarded() -> dict[str, str]:
+    """The PAGODA_* variables set in this process, to pass on to the actors it starts."""
+    return {name: os.environ[name] for name in VARS if os.environ.get(name)}

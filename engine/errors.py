@@ -1,0 +1,26 @@
+"""The engine's typed errors. They are values the HTTP edge maps to status codes (cluster/errors.py), so each says
+what it is instead of being parsed out of a message."""
+
+from __future__ import annotations
+
+
+class ParamError(ValueError):
+    """Invalid input, naming the request field at fault: `ParamError("top_p", "must be in (0, 1], got 0")` reads
+    "top_p must be in (0, 1], got 0". `param` is None when no single field is to blame."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(f"{param} {message}" if param else message)
+        self.param = param
+
+    def __reduce__(self):  # crosses Ray's process boundaries intact
+        return _rebuild_param_error, (self.param, str(self))
+
+
+def _rebuild_param_error(param: str | None, text: str) -> ParamError:
+    error = ParamError(None, text)
+    error.param = param
+    return error
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a worker died or a step crashed); the replica must be replaced."""
