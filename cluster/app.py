@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.autoscaling import POLICY_PATH
 from cluster.ingress import Ingress
 from cluster.placement import ReplicaPlacement, ingress_options
 from cluster.ray_utils import resolve_cluster_device
@@ -30,11 +31,25 @@ DEFAULT_STREAM_INTERVAL_S = 0.1
 
 
 class AutoscalingArgs(BaseModel):
+    """Serve's autoscaling_config, and which policy decides (cluster/autoscaling.py): "pagoda" scales on the
+    engines' KV-cache usage and waiting requests as well as ongoing requests; "ongoing_requests" is Serve's own."""
+
     model_config = ConfigDict(extra="allow")  # any other Serve autoscaling option passes through
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(16, gt=0)
+    policy: Literal["pagoda", "ongoing_requests"] = "pagoda"
+    target_kv_cache_usage: float = Field(0.75, gt=0, le=1)
+    target_waiting_requests: float = Field(0.0, ge=0)
+
+    def serve_config(self) -> dict[str, Any]:
+        config = self.model_dump(exclude={"policy", "target_kv_cache_usage", "target_waiting_requests"})
+        if self.policy == "pagoda":
+            config["policy"] = {"policy_function": POLICY_PATH, "policy_kwargs": {
+                "target_kv_cache_usage": self.target_kv_cache_usage,
+                "target_waiting_requests": self.target_waiting_requests}}
+        return config
 
     @model_validator(mode="after")
     def _check(self):
@@ -176,7 +191,7 @@ def build_app(args: dict | None = None) -> serve.Application:
 def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]:
     options = placement.replica_options()
     if m.autoscaling_config is not None:
-        options["autoscaling_config"] = m.autoscaling_config.model_dump()
+        options["autoscaling_config"] = m.autoscaling_config.serve_config()
     else:
         options["num_replicas"] = m.num_replicas or 1
     options.update(

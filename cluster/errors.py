@@ -108,7 +108,7 @@ def to_http_error(exc: BaseException) -> PagodaHTTPError:
     """The one mapping from any exception to an HTTP error (status, OpenAI type, param)."""
     from pydantic import ValidationError
 
-    cause = _unwrap(exc)
+    cause = unwrap(exc)
     if isinstance(cause, PagodaHTTPError):
         return cause
     if isinstance(cause, ValidationError):
@@ -152,7 +152,7 @@ def _from_validation_error(e) -> InvalidRequestError:
     return InvalidRequestError(f"{where}: {message}" if where else message, param)
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def unwrap(exc: BaseException) -> BaseException:
     """Ray wraps exceptions raised in another process (RayTaskError); the cause is what matters."""
     cause = getattr(exc, "cause", None)
     if cause is not None and type(exc).__name__.startswith("RayTaskError"):

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -61,44 +61,62 @@ class IngressConfig:
 
 
 class _Run:
-    """The replica streams of one HTTP request, one per prompt, each already accepted."""
+    """The replica streams of one HTTP request, one per prompt, each already accepted. A stream whose replica is
+    lost before it produced anything is started again once, on another replica (`restart`): its client sees
+    nothing of it; one lost after its first token ends with an error."""
 
-    def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str):
+    def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str, restart=None):
         self.gens, self.accepted, self.n, self.request_id = gens, accepted, n, request_id
+        self.restart = restart  # async (prompt index) -> a new, accepted stream
         self.prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
         self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted)),
                         "X-Pagoda-Request-Id": request_id}
 
+    async def _stream(self, i: int) -> AsyncIterator[RequestDelta]:
+        produced = False
+        while True:
+            try:
+                async for item in self.gens[i]:
+                    for delta in _checked(item, self.request_id):
+                        produced = produced or bool(delta.num_new_tokens) or delta.finished
+                        yield delta
+                return
+            except Exception as e:
+                if produced or self.restart is None or not _is_replica_loss(e):
+                    raise
+                logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
+                               self.request_id, type(e).__name__)
+                restart, self.restart = self.restart, None
+                self.gens[i] = await restart(i)
+
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta) as they arrive from every stream; an error item raises."""
         if len(self.gens) == 1:
-            async for item in self.gens[0]:
-                for delta in _checked(item, self.request_id):
-                    yield 0, delta
+            async for delta in self._stream(0):
+                yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i, gen):
+        async def pump(i):
             try:
-                async for item in gen:
-                    queue.put_nowait((i, item))
+                async for delta in self._stream(i):
+                    queue.put_nowait((i, delta))
             except Exception as e:
                 queue.put_nowait((i, e))
             finally:
                 queue.put_nowait((i, None))
 
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.gens)]
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.gens))]
         try:
             remaining = len(tasks)
             while remaining:
                 i, item = await queue.get()
                 if item is None:
                     remaining -= 1
-                    continue
-                if isinstance(item, Exception):
+                elif isinstance(item, Exception):
                     raise item
-                for delta in _checked(item, self.request_id):
-                    yield i, delta
+                else:
+                    yield i, item
         finally:
             for task in tasks:
                 task.cancel()
@@ -115,6 +133,19 @@ class _Run:
     def cancel(self) -> None:
         for gen in self.gens:
             gen.cancel()
+
+
+def _is_replica_loss(e: BaseException) -> bool:
+    """The replica (or its engine) went away: the request itself is not at fault."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    cause = errors.unwrap(e)
+    return isinstance(cause, (ActorDiedError, ActorUnavailableError, RayActorError)) or (
+        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
+
+
+class _AcceptTimeout(errors.ServiceUnavailableError):
+    """No replica took the request in time: waiting again would only double the wait."""
 
 
 def _checked(item, request_id: str) -> list[RequestDelta]:
@@ -433,24 +464,48 @@ class Ingress:
                                                  f"can hold", param)
 
     async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> _Run:
-        """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request."""
+        """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request.
+        A replica lost before it accepted is retried once (on another replica)."""
         gens = [handle.options(stream=True).generate.remote(r) for r in requests]
         try:
             accepted = []
-            for gen in gens:
+            for i, gen in enumerate(gens):
                 try:
-                    first = await asyncio.wait_for(gen.__anext__(), self.config.accept_timeout_s)
-                except asyncio.TimeoutError:
-                    raise errors.ServiceUnavailableError(
-                        f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
-                if isinstance(first, ErrorInfo):
-                    raise first.to_exception()
+                    first = await self._accepted(name, gen)
+                except Exception as e:
+                    if not _is_replica_loss(e):
+                        raise
+                    gens[i], first = await self._resend(name, handle, requests[i])
                 accepted.append(first)
-            return _Run(gens, accepted, n, request_id)
         except BaseException:
             for gen in gens:
                 gen.cancel()
             raise
+
+        async def restart(i: int):
+            gen, _ = await self._resend(name, handle, requests[i])
+            return gen
+
+        return _Run(gens, accepted, n, request_id, restart)
+
+    async def _resend(self, name: str, handle, request: GenerateRequest):
+        retry = replace(request, request_id=f"{request.request_id}-retry")
+        gen = handle.options(stream=True).generate.remote(retry)
+        try:
+            return gen, await self._accepted(name, gen)
+        except BaseException:
+            gen.cancel()
+            raise
+
+    async def _accepted(self, name: str, gen) -> Accepted:
+        try:
+            first = await asyncio.wait_for(gen.__anext__(), self.config.accept_timeout_s)
+        except asyncio.TimeoutError:
+            raise _AcceptTimeout(
+                f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
+        if isinstance(first, ErrorInfo):
+            raise first.to_exception()
+        return first
 
     async def _call(self, response):
         try:

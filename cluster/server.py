@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from ray import serve
 
+from cluster.autoscaling import autoscaling_stats
 from cluster.errors import ErrorInfo
 from cluster.metrics import ReplicaMetrics
 from cluster.placement import ReplicaPlacement
@@ -209,6 +210,10 @@ class LLMServer:
             return {"replica": self.replica_id, "failed": False}
         self.engine.fail(reason)
         return {"replica": self.replica_id, "failed": True}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (cluster/autoscaling.py reads them)."""
+        return autoscaling_stats(self.engine.get_stats())
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica. Besides a dead engine, it catches

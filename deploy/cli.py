@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -49,7 +50,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
     if args.served_model_name:
         model["served_model_name"] = args.served_model_name[0] if len(args.served_model_name) == 1 \
             else args.served_model_name
-    for name in ("replica_num_cpus", "stream_interval_s", "max_queued_requests", "accelerator_type"):
+    for name in ("replica_num_cpus", "stream_interval_s", "max_queued_requests", "accelerator_type",
+                 "replica_resources"):
         if getattr(args, name) is not None:
             model[name] = getattr(args, name)
     if args.engine_in_replica:
@@ -60,6 +62,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         raise ValueError("give --num-replicas or --min-replicas/--max-replicas/--target-ongoing-requests, not both")
     if scaling:
         scaling.setdefault("max_replicas", max(scaling.get("min_replicas", 1), 1))
+        if args.autoscaling_policy:
+            scaling["policy"] = args.autoscaling_policy
         model["autoscaling_config"] = scaling
     else:
         model["num_replicas"] = args.num_replicas or 1
@@ -72,6 +76,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
            "ingress_replicas": ingress_replicas}
     if args.default_max_tokens is not None:
         app["default_max_tokens"] = args.default_max_tokens
+    if args.ingress_resources:
+        app["ingress_resources"] = args.ingress_resources
     return app
 
 
@@ -162,6 +168,12 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling: per replica")
     srv.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
     srv.add_argument("--accelerator-type", default=None, help="replicas only on nodes with this accelerator")
+    srv.add_argument("--replica-resources", type=json.loads, default=None, metavar="JSON",
+                     help='custom Ray resources each replica needs, e.g. \'{"model_slot": 1}\'')
+    srv.add_argument("--ingress-resources", type=json.loads, default=None, metavar="JSON",
+                     help='custom Ray resources of the ingress replicas, e.g. \'{"head": 1}\' to pin them to the head')
+    srv.add_argument("--autoscaling-policy", choices=["pagoda", "ongoing_requests"], default=None,
+                     help="pagoda (default): scale on KV-cache use and waiting requests too; ongoing_requests: Serve's")
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="requests that may wait for a replica (default 1024); beyond: 429 with Retry-After")
     srv.add_argument("--default-max-tokens", type=int, default=None,

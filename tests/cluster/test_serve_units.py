@@ -323,3 +323,47 @@ def test_ingress_modes_are_environments_for_the_cluster(monkeypatch, tmp_path):
     assert serve_env.ingress_env("direct", str(tmp_path))["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
     monkeypatch.setattr(serve_env.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy
     assert serve_env.ingress_env("direct") == serve_env.ingress_env("proxy")
+
+
+# ---- autoscaling ---------------------------------------------------------------------------------------------
+def _context(replicas: int, ongoing: float, kv: list[float], waiting: list[float], target_ongoing: float = 16):
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    ids = [f"r{i}" for i in range(replicas)]
+    return AutoscalingContext(
+        deployment_id=None, deployment_name="LLMServer_x", app_name="pagoda", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=ongoing, total_queued_requests=0,
+        aggregated_metrics={"kv_cache_usage": dict(zip(ids, kv)), "num_waiting": dict(zip(ids, waiting))},
+        raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+        config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=target_ongoing))
+
+
+def test_the_pagoda_policy_scales_on_kv_usage_and_waiting_requests():
+    import math
+
+    from cluster.autoscaling import PagodaAutoscalingPolicy
+
+    policy = PagodaAutoscalingPolicy(target_kv_cache_usage=0.75)
+    decide = lambda ctx: math.ceil(policy(ctx)[0])  # noqa: E731 - Serve rounds up
+    assert decide(_context(2, 16, [0.2, 0.2], [0, 0])) == 1  # little load: one replica would do
+    assert decide(_context(2, 64, [0.2, 0.2], [0, 0])) == 4  # Serve's signal: 64 ongoing at 16 per replica
+    # Few requests, but long ones: the caches fill (1.7 of 2 replicas' worth) before anything queues.
+    assert decide(_context(2, 8, [0.85, 0.85], [0, 0])) == 3
+    assert decide(_context(2, 8, [0.3, 0.3], [5, 0])) == 3  # requests wait already: one more now
+    assert decide(_context(3, 20, [0.5, 0.4, 0.1], [0, 0, 0])) == 2  # it all fits in two at the targets
+
+
+def test_autoscaling_args_pick_the_policy():
+    from cluster.autoscaling import POLICY_PATH
+
+    pagoda = parse_args({"models": [{"autoscaling_config": {"max_replicas": 4, "target_kv_cache_usage": 0.6}}]})
+    config = pagoda.models[0].autoscaling_config.serve_config()
+    assert config["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {"target_kv_cache_usage": 0.6,
+                                                                                   "target_waiting_requests": 0.0}}
+    assert "target_kv_cache_usage" not in config and config["max_replicas"] == 4
+    serve_own = parse_args({"models": [{"autoscaling_config": {"policy": "ongoing_requests"}}]})
+    assert "policy" not in serve_own.models[0].autoscaling_config.serve_config()
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**config)  # Serve accepts what Pagoda builds
