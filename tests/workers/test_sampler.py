@@ -16,8 +16,8 @@ PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = PROBS.log()
 
 
-def _row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+def _row(prompt=(), output=(), seed=None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), seed)
 
 
 def _draw(num: int, logits: torch.Tensor = LOGITS, seed: int = 0, **params) -> Counter:
@@ -112,11 +112,10 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
 
     def seeded_tokens(rows_before: int, steps: int = 20) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
         tokens = []
-        for _ in range(steps):
+        for step in range(steps):
             rows = [_row(temperature=0.8) for _ in range(rows_before)]
-            rows.append(_row(temperature=0.8, top_p=0.9, generator=gen))
+            rows.append(_row(temperature=0.8, top_p=0.9, seed=1234 * 1000 + step))
             rows.append(_row(temperature=0.0))
             batch = torch.cat([logits[:rows_before], logits[4:5], logits[:1]])
             tokens.append(sample(batch, rows)[0][rows_before])

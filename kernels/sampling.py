@@ -1,0 +1,231 @@
+"""One token per row of float32 logits, drawn without sorting the vocabulary.
+
+Each row has its own knobs. With z = x * inv_temperature:
+
+    candidates   x >= kth                        top-k (kth: the row's k-th largest logit; -inf: every token)
+                 z >= max(z) + log_min_p         min-p, relative to the most likely token (-inf: off)
+    nucleus      mass of the tokens above t      top-p over the top-k candidates, renormalized: t stays while the
+                 (larger z) < top_p              probability of the tokens ranked above it is below top_p
+
+The draw is the Gumbel-max trick: the argmax over the candidates of z + g, g = -log(-log u), picks t with probability
+softmax(z)[t]. u comes from a counter-based hash of (the row's 64-bit key, the round, the token id), so a key gives the
+same token whatever else is in the batch, on any device (the reference computes the very same bits). A row with
+noise_scale 0 is greedy: the first argmax.
+
+Top-p by rejection, no sort: a drawn token outside the nucleus becomes the pivot (every token with a smaller z is
+outside too) and the row draws again among the tokens above it. The nucleus always lies above the pivot, so the
+token accepted follows the nucleus' renormalized distribution exactly, and each round accepts with probability at
+least top_p (usually far more: a rejection cuts the candidates below a random one). The last of MAX_ROUNDS rounds
+takes the argmax, which is always in the nucleus.
+
+    per round   draw: argmax over the vocabulary (one read of the row)
+                top-p rows: the mass above the drawn token (one more read; max and sum computed online)
+    min-p rows  one read first, for the max
+"""
+
+import torch
+
+from kernels._triton import check_dtype, check_launchable, next_power_of_2, tl, triton, use_triton
+
+BLOCK = 2048
+MAX_ROUNDS = 32
+_MASK32 = 0xFFFFFFFF
+_U24 = 5.960464477539063e-08  # 2 ** -24
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 (C. Wellons' hash prospector): a uint32 -> uint32 hash with full avalanche."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel(key_lo, key_hi, counter):
+    h = _hash32(_hash32(counter ^ key_lo) + key_hi)
+    u = ((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08  # in (0, 1), 24 random bits
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _row_max(base, vocab, inv_t, kth, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
+        best = tl.maximum(best, tl.where((idx < vocab) & (x >= kth), x * inv_t, float("-inf")))
+    return tl.max(best, 0)
+
+
+@triton.jit
+def _draw(base, vocab, inv_t, kth, floor, pivot, noise, key_lo, key_hi, counter0, BLOCK: tl.constexpr):
+    """The first argmax of z + noise * gumbel over the candidates with z > pivot."""
+    cols = tl.arange(0, BLOCK)
+    best_q = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
+        z = x * inv_t
+        ok = (idx < vocab) & (x >= kth) & (z >= floor) & (z > pivot)
+        g = _gumbel(key_lo, key_hi, (counter0 + idx).to(tl.uint32))
+        q = tl.where(ok, z + noise * g, float("-inf"))
+        better = q > best_q  # strict: a lane keeps its first maximum
+        best_i = tl.where(better, idx, best_i)
+        best_q = tl.where(better, q, best_q)
+    top = tl.max(best_q, 0)
+    return tl.min(tl.where(best_q == top, best_i, vocab), 0)
+
+
+@triton.jit
+def _mass_above(base, vocab, inv_t, kth, z_t, BLOCK: tl.constexpr):
+    """Probability of the top-k candidates with z > z_t, renormalized over the candidates (online softmax)."""
+    cols = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    total = tl.zeros([BLOCK], tl.float32)
+    above = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
+        z = tl.where((idx < vocab) & (x >= kth), x * inv_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf: nothing seen yet weighs 0
+        alpha = tl.exp(m - shift)
+        p = tl.exp(z - shift)
+        total = total * alpha + p
+        above = above * alpha + tl.where(z > z_t, p, 0.0)
+        m = m_new
+    return tl.sum(above, 0) / tl.sum(total, 0)
+
+
+@triton.jit
+def _sample_kernel(x_ptr, stride_x, out_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, log_min_p_ptr, noise_ptr, key_ptr,
+                   vocab, BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    inv_t = tl.load(inv_temp_ptr + row)
+    kth = tl.load(kth_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    log_min_p = tl.load(log_min_p_ptr + row)
+    noise = tl.load(noise_ptr + row)
+    key = tl.load(key_ptr + row)
+    key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    floor = log_min_p  # -inf: no min-p
+    if log_min_p > float("-inf"):
+        floor = _row_max(base, vocab, inv_t, kth, BLOCK) + log_min_p
+    pivot = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
+    token = tl.min(tl.zeros([1], tl.int32), 0)
+    done = tl.min(tl.zeros([1], tl.int32), 0)
+    for r in range(MAX_ROUNDS):
+        if done == 0:
+            is_last = r == MAX_ROUNDS - 1
+            token = _draw(base, vocab, inv_t, kth, floor, pivot, tl.where(is_last, 0.0, noise), key_lo, key_hi,
+                          r * vocab, BLOCK)
+            pivot = tl.load(base + token) * inv_t
+            done = 1
+            if (top_p < 1.0) & (r < MAX_ROUNDS - 1):
+                if _mass_above(base, vocab, inv_t, kth, pivot, BLOCK) >= top_p:
+                    done = 0  # outside the nucleus: it is the new pivot
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
+    check_dtype("x", x, (torch.float32,))
+    for name, t in (("inv_temperature", inv_temperature), ("kth", kth), ("top_p", top_p),
+                    ("log_min_p", log_min_p), ("noise_scale", noise_scale)):
+        if t.shape != (x.shape[0],):
+            raise ValueError(f"{name} must be [rows={x.shape[0]}], got {tuple(t.shape)}")
+        check_dtype(name, t, (torch.float32,))
+    if keys.shape != (x.shape[0],):
+        raise ValueError(f"keys must be [rows={x.shape[0]}], got {tuple(keys.shape)}")
+    check_dtype("keys", keys, (torch.int64,))
+
+
+def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, block: int = BLOCK,
+                  max_rounds: int = MAX_ROUNDS):
+    """Triton launcher of `sample_tokens`: one program per row, which streams its row once per pass."""
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+    check_launchable(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+    if x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous in its last dimension, got strides {tuple(x.stride())}")
+    scalars = [t.contiguous() for t in (inv_temperature, kth, top_p, log_min_p, noise_scale, keys)]
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows:
+        block = min(block, next_power_of_2(vocab))
+        _sample_kernel[(rows,)](x, x.stride(0), out, *scalars, vocab, BLOCK=block, MAX_ROUNDS=max_rounds,
+                                num_warps=8 if block >= 2048 else 4)
+    return out
+
+
+def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
+    """`_hash32` on int64 tensors holding uint32 values: the same bits (products split so nothing overflows)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def gumbel_ref(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [R, C] of row keys [R] (int64) at counters [R or 1, C]: the kernel's `_gumbel` bit for bit
+    up to the rounding of the two logarithms."""
+    key_lo, key_hi = (keys & _MASK32)[:, None], ((keys >> 32) & _MASK32)[:, None]
+    h = _hash32_ref((_hash32_ref(counters ^ key_lo) + key_hi) & _MASK32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * _U24
+    return -torch.log(-torch.log(u))
+
+
+def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, max_rounds: int = MAX_ROUNDS):
+    """Torch reference of `sample_tokens` (and its CPU implementation): the same rounds, all rows at once."""
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+    rows, vocab = x.shape
+    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    z = x * inv_temperature[:, None]
+    z_k = torch.where(x >= kth[:, None], z, neg_inf)  # the top-k candidates
+    row_max = z_k.max(dim=-1, keepdim=True).values
+    floor = (row_max.squeeze(-1) + log_min_p)[:, None]  # -inf without min-p
+    p_k = torch.exp(z_k - row_max)  # unnormalized candidate probabilities (0 off the candidates)
+    total = p_k.sum(dim=-1)
+    cols = torch.arange(vocab, device=x.device)[None, :]
+    token = torch.zeros(rows, dtype=torch.int64, device=x.device)
+    pivot = neg_inf.expand(rows).clone()
+    done = torch.zeros(rows, dtype=torch.bool, device=x.device)
+    for r in range(max_rounds):
+        is_last = r == max_rounds - 1
+        noise = torch.zeros_like(noise_scale) if is_last else noise_scale
+        g = gumbel_ref(keys, cols + r * vocab)
+        q = torch.where((z_k >= floor) & (z_k > pivot[:, None]), z + noise[:, None] * g, neg_inf)
+        drawn = q.argmax(dim=-1)
+        z_t = z.gather(1, drawn[:, None])
+        accept = torch.ones_like(done) if is_last else (top_p >= 1.0)
+        if not is_last and bool((top_p < 1.0).any()):
+            accept = accept | ((p_k * (z_k > z_t)).sum(dim=-1) / total < top_p)
+        new = ~done
+        token = torch.where(new, drawn, token)
+        pivot = torch.where(new, z_t.squeeze(-1), pivot)
+        done = done | accept
+        if bool(done.all()):
+            break
+    return token
+
+
+def sample_tokens(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys):
+    """One token id per row of logits x [R, V] (float32): see the module docstring for the knobs.
+
+    inv_temperature, kth, top_p, log_min_p, noise_scale: float32 [R]; keys: int64 [R] (a row's noise depends only
+    on its key). Greedy rows: noise_scale 0 (with inv_temperature 1, kth and log_min_p -inf, top_p 1)."""
+    if use_triton(x):
+        return sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+    return sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
