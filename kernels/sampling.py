@@ -166,7 +166,7 @@ def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, 
 
 
 def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
-    """`_hash32` on int64 tensors holding uint32 values: the same bits (products split so nothing overflows)."""
+    """`_hash32` on int64 tensors holding uint32 values: the same bits."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -175,11 +175,14 @@ def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+    """x * c mod 2^32 for x < 2^32 with no int64 overflow: c's top bit only adds (x & 1) << 31."""
+    if c >> 31:
+        return (x * (c & 0x7FFFFFFF) + ((x & 1) << 31)) & _MASK32
+    return (x * c) & _MASK32
 
 
 def gumbel_ref(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise [R, C] of row keys [R] (int64) at counters [R or 1, C]: the kernel's `_gumbel` bit for bit
+    """Gumbel noise [R, C] of row keys [R] (int64) at counters [R or 1, C]: the kernel's `_gumbel`, the same bits
     up to the rounding of the two logarithms."""
     key_lo, key_hi = (keys & _MASK32)[:, None], ((keys >> 32) & _MASK32)[:, None]
     h = _hash32_ref((_hash32_ref(counters ^ key_lo) + key_hi) & _MASK32)
@@ -188,35 +191,39 @@ def gumbel_ref(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, max_rounds: int = MAX_ROUNDS):
-    """Torch reference of `sample_tokens` (and its CPU implementation): the same rounds, all rows at once."""
+    """Torch reference of `sample_tokens` (and its CPU implementation): the kernel's rounds, each over the rows
+    that have not accepted a token yet, and over the top-k candidates only when every row has a top-k."""
     _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
     rows, vocab = x.shape
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    ids = torch.arange(vocab, device=x.device)[None, :]  # token ids of the columns worked on: [1 or R, C]
+    num_candidates = int((x >= kth[:, None]).sum(dim=-1).max()) if rows else 0
+    if num_candidates < vocab // 2:  # the others never win; their noise is never looked at
+        ids = x.topk(num_candidates, dim=-1).indices
+        x = x.gather(1, ids)
     z = x * inv_temperature[:, None]
-    z_k = torch.where(x >= kth[:, None], z, neg_inf)  # the top-k candidates
+    z_k = torch.where(x >= kth[:, None], z, float("-inf"))  # the top-k candidates
     row_max = z_k.max(dim=-1, keepdim=True).values
-    floor = (row_max.squeeze(-1) + log_min_p)[:, None]  # -inf without min-p
+    floor = row_max + log_min_p[:, None]  # -inf without min-p
     p_k = torch.exp(z_k - row_max)  # unnormalized candidate probabilities (0 off the candidates)
     total = p_k.sum(dim=-1)
-    cols = torch.arange(vocab, device=x.device)[None, :]
     token = torch.zeros(rows, dtype=torch.int64, device=x.device)
-    pivot = neg_inf.expand(rows).clone()
-    done = torch.zeros(rows, dtype=torch.bool, device=x.device)
+    pivot = torch.full((rows, 1), float("-inf"), device=x.device)
+    active = torch.arange(rows, device=x.device)
     for r in range(max_rounds):
         is_last = r == max_rounds - 1
-        noise = torch.zeros_like(noise_scale) if is_last else noise_scale
-        g = gumbel_ref(keys, cols + r * vocab)
-        q = torch.where((z_k >= floor) & (z_k > pivot[:, None]), z + noise[:, None] * g, neg_inf)
-        drawn = q.argmax(dim=-1)
-        z_t = z.gather(1, drawn[:, None])
-        accept = torch.ones_like(done) if is_last else (top_p >= 1.0)
-        if not is_last and bool((top_p < 1.0).any()):
-            accept = accept | ((p_k * (z_k > z_t)).sum(dim=-1) / total < top_p)
-        new = ~done
-        token = torch.where(new, drawn, token)
-        pivot = torch.where(new, z_t.squeeze(-1), pivot)
-        done = done | accept
-        if bool(done.all()):
+        z_a, zk_a, ids_a = z[active], z_k[active], ids[active] if ids.shape[0] > 1 else ids
+        noise = noise_scale[active] * (0.0 if is_last else 1.0)
+        g = gumbel_ref(keys[active], ids_a + r * vocab)
+        q = torch.where((zk_a >= floor[active]) & (zk_a > pivot[active]), z_a + noise[:, None] * g, float("-inf"))
+        drawn = q.argmax(dim=-1, keepdim=True)
+        z_t = z_a.gather(1, drawn)
+        token[active] = ids_a.expand_as(z_a).gather(1, drawn).squeeze(1)
+        pivot[active] = z_t
+        if is_last:
+            break
+        mass_above = (p_k[active] * (zk_a > z_t)).sum(dim=-1) / total[active]
+        active = active[(top_p[active] < 1.0) & (mass_above >= top_p[active])]  # outside the nucleus: again
+        if active.numel() == 0:
             break
     return token
 
