@@ -46,6 +46,14 @@ def test_bench_throughput_sampling_sweep_on_one_engine(tmp_path):
     assert seed["output_tokens"] == 16 and result["prefix_caching"] is False
 
 
+def test_bench_sampler(tmp_path):
+    result = _run(tmp_path, "bench", "sampler", "--batch-sizes", "3", "--vocab", "300", "--history-len", "16",
+                  "--settings", "greedy", "top_p", "seed", "--repeats", "2")
+    assert [(r["setting"], r["impl"]) for r in result["results"]] == [
+        ("greedy", "pagoda"), ("top_p", "pagoda"), ("top_p", "full sort"), ("seed", "pagoda")]
+    assert all(r["host_ms"] > 0 for r in result["results"])
+
+
 @pytest.mark.parametrize("rate, client", [("inf", ["--client", "openai", "--client-processes", "2"]),
                                           ("20", ["--client", "aiohttp"])])
 def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
