@@ -18,7 +18,10 @@ token accepted follows the nucleus' renormalized distribution exactly, and each 
 least top_p (usually far more: a rejection cuts the candidates below a random one). The last of MAX_ROUNDS rounds
 takes the argmax, which is always in the nucleus.
 
-    per round   draw: argmax over the vocabulary (one read of the row)
+x may hold a subset of each row's columns (its top-k logits) with their token ids: the noise follows token ids, so the
+draw is the same from any subset that holds the row's candidates.
+
+    per round   draw: argmax over the row (one read of it)
                 top-p rows: the mass above the drawn token (one more read; max and sum computed online)
     min-p rows  one read first, for the max
 """
@@ -51,47 +54,51 @@ def _gumbel(key_lo, key_hi, counter):
 
 
 @triton.jit
-def _row_max(base, vocab, inv_t, kth, BLOCK: tl.constexpr):
+def _row_max(base, num_cols, inv_t, kth, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, num_cols, BLOCK):
         idx = start + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
-        best = tl.maximum(best, tl.where((idx < vocab) & (x >= kth), x * inv_t, float("-inf")))
+        x = tl.load(base + idx, mask=idx < num_cols, other=float("-inf"))
+        best = tl.maximum(best, tl.where((idx < num_cols) & (x >= kth), x * inv_t, float("-inf")))
     return tl.max(best, 0)
 
 
 @triton.jit
-def _draw(base, vocab, inv_t, kth, floor, pivot, noise, key_lo, key_hi, counter0, BLOCK: tl.constexpr):
-    """The first argmax of z + noise * gumbel over the candidates with z > pivot."""
+def _draw(base, ids_base, num_cols, inv_t, kth, floor, pivot, noise, key_lo, key_hi, counter0,
+          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """The column of the first argmax of z + noise * gumbel over the candidates with z > pivot."""
     cols = tl.arange(0, BLOCK)
     best_q = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, num_cols, BLOCK):
         idx = start + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
+        x = tl.load(base + idx, mask=idx < num_cols, other=float("-inf"))
         z = x * inv_t
-        ok = (idx < vocab) & (x >= kth) & (z >= floor) & (z > pivot)
-        g = _gumbel(key_lo, key_hi, (counter0 + idx).to(tl.uint32))
+        ok = (idx < num_cols) & (x >= kth) & (z >= floor) & (z > pivot)
+        token = idx
+        if HAS_IDS:
+            token = tl.load(ids_base + idx, mask=idx < num_cols, other=0).to(tl.int32)
+        g = _gumbel(key_lo, key_hi, (counter0 + token).to(tl.uint32))  # noise follows the token, not the column
         q = tl.where(ok, z + noise * g, float("-inf"))
         better = q > best_q  # strict: a lane keeps its first maximum
         best_i = tl.where(better, idx, best_i)
         best_q = tl.where(better, q, best_q)
     top = tl.max(best_q, 0)
-    return tl.min(tl.where(best_q == top, best_i, vocab), 0)
+    return tl.min(tl.where(best_q == top, best_i, num_cols), 0)
 
 
 @triton.jit
-def _mass_above(base, vocab, inv_t, kth, z_t, BLOCK: tl.constexpr):
+def _mass_above(base, num_cols, inv_t, kth, z_t, BLOCK: tl.constexpr):
     """Probability of the top-k candidates with z > z_t, renormalized over the candidates (online softmax)."""
     cols = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     total = tl.zeros([BLOCK], tl.float32)
     above = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, num_cols, BLOCK):
         idx = start + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
-        z = tl.where((idx < vocab) & (x >= kth), x * inv_t, float("-inf"))
+        x = tl.load(base + idx, mask=idx < num_cols, other=float("-inf"))
+        z = tl.where((idx < num_cols) & (x >= kth), x * inv_t, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf: nothing seen yet weighs 0
         alpha = tl.exp(m - shift)
@@ -103,10 +110,12 @@ def _mass_above(base, vocab, inv_t, kth, z_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(x_ptr, stride_x, out_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, log_min_p_ptr, noise_ptr, key_ptr,
-                   vocab, BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+def _sample_kernel(x_ptr, stride_x, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, log_min_p_ptr,
+                   noise_ptr, key_ptr, num_cols, vocab, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr,
+                   MAX_ROUNDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
+    ids_base = ids_ptr + row * stride_ids
     inv_t = tl.load(inv_temp_ptr + row)
     kth = tl.load(kth_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -117,26 +126,29 @@ def _sample_kernel(x_ptr, stride_x, out_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, l
     key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     floor = log_min_p  # -inf: no min-p
     if log_min_p > float("-inf"):
-        floor = _row_max(base, vocab, inv_t, kth, BLOCK) + log_min_p
+        floor = _row_max(base, num_cols, inv_t, kth, BLOCK) + log_min_p
     pivot = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
     token = tl.min(tl.zeros([1], tl.int32), 0)
     done = tl.min(tl.zeros([1], tl.int32), 0)
     for r in range(MAX_ROUNDS):
         if done == 0:
             is_last = r == MAX_ROUNDS - 1
-            token = _draw(base, vocab, inv_t, kth, floor, pivot, tl.where(is_last, 0.0, noise), key_lo, key_hi,
-                          r * vocab, BLOCK)
+            token = _draw(base, ids_base, num_cols, inv_t, kth, floor, pivot, tl.where(is_last, 0.0, noise),
+                          key_lo, key_hi, r * vocab, HAS_IDS, BLOCK)
             pivot = tl.load(base + token) * inv_t
             done = 1
             if (top_p < 1.0) & (r < MAX_ROUNDS - 1):
-                if _mass_above(base, vocab, inv_t, kth, pivot, BLOCK) >= top_p:
+                if _mass_above(base, num_cols, inv_t, kth, pivot, BLOCK) >= top_p:
                     done = 0  # outside the nucleus: it is the new pivot
-    tl.store(out_ptr + row, token.to(tl.int64))
+    if HAS_IDS:
+        tl.store(out_ptr + row, tl.load(ids_base + token))
+    else:
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys) -> None:
+def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids) -> None:
     if x.dim() != 2:
-        raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
+        raise ValueError(f"x must be [rows, columns], got shape {tuple(x.shape)}")
     check_dtype("x", x, (torch.float32,))
     for name, t in (("inv_temperature", inv_temperature), ("kth", kth), ("top_p", top_p),
                     ("log_min_p", log_min_p), ("noise_scale", noise_scale)):
@@ -146,22 +158,30 @@ def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys) 
     if keys.shape != (x.shape[0],):
         raise ValueError(f"keys must be [rows={x.shape[0]}], got {tuple(keys.shape)}")
     check_dtype("keys", keys, (torch.int64,))
+    if token_ids is not None:
+        if token_ids.shape != x.shape:
+            raise ValueError(f"token_ids must be shaped like x {tuple(x.shape)}, got {tuple(token_ids.shape)}")
+        check_dtype("token_ids", token_ids, (torch.int64,))
 
 
-def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, block: int = BLOCK,
-                  max_rounds: int = MAX_ROUNDS):
+def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
+                  vocab_size: int | None = None, block: int = BLOCK, max_rounds: int = MAX_ROUNDS):
     """Triton launcher of `sample_tokens`: one program per row, which streams its row once per pass."""
-    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids)
     check_launchable(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
-    if x.stride(1) != 1:
-        raise ValueError(f"x must be contiguous in its last dimension, got strides {tuple(x.stride())}")
+    has_ids = token_ids is not None
+    for name, t in (("x", x), ("token_ids", token_ids if has_ids else x)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
     scalars = [t.contiguous() for t in (inv_temperature, kth, top_p, log_min_p, noise_scale, keys)]
-    rows, vocab = x.shape
+    rows, num_cols = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        block = min(block, next_power_of_2(vocab))
-        _sample_kernel[(rows,)](x, x.stride(0), out, *scalars, vocab, BLOCK=block, MAX_ROUNDS=max_rounds,
-                                num_warps=8 if block >= 2048 else 4)
+        block = min(block, next_power_of_2(num_cols))
+        ids = token_ids if has_ids else keys  # a placeholder pointer when absent
+        _sample_kernel[(rows,)](x, x.stride(0), ids, ids.stride(0) if has_ids else 0, out, *scalars, num_cols,
+                                vocab_size or num_cols, HAS_IDS=has_ids, BLOCK=block, MAX_ROUNDS=max_rounds,
+                                num_warps=max(1, min(8, block // 256)))
     return out
 
 
@@ -190,16 +210,14 @@ def gumbel_ref(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, max_rounds: int = MAX_ROUNDS):
+def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
+               vocab_size: int | None = None, max_rounds: int = MAX_ROUNDS):
     """Torch reference of `sample_tokens` (and its CPU implementation): the kernel's rounds, each over the rows
-    that have not accepted a token yet, and over the top-k candidates only when every row has a top-k."""
-    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
-    rows, vocab = x.shape
-    ids = torch.arange(vocab, device=x.device)[None, :]  # token ids of the columns worked on: [1 or R, C]
-    num_candidates = int((x >= kth[:, None]).sum(dim=-1).max()) if rows else 0
-    if num_candidates < vocab // 2:  # the others never win; their noise is never looked at
-        ids = x.topk(num_candidates, dim=-1).indices
-        x = x.gather(1, ids)
+    that have not accepted a token yet."""
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids)
+    rows, num_cols = x.shape
+    vocab = vocab_size or num_cols
+    ids = token_ids if token_ids is not None else torch.arange(num_cols, device=x.device)[None, :]
     z = x * inv_temperature[:, None]
     z_k = torch.where(x >= kth[:, None], z, float("-inf"))  # the top-k candidates
     row_max = z_k.max(dim=-1, keepdim=True).values
@@ -228,11 +246,15 @@ def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, max
     return token
 
 
-def sample_tokens(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys):
-    """One token id per row of logits x [R, V] (float32): see the module docstring for the knobs.
+def sample_tokens(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
+                  vocab_size: int | None = None):
+    """One token id per row of logits x [R, C] (float32): see the module docstring for the knobs.
 
     inv_temperature, kth, top_p, log_min_p, noise_scale: float32 [R]; keys: int64 [R] (a row's noise depends only
-    on its key). Greedy rows: noise_scale 0 (with inv_temperature 1, kth and log_min_p -inf, top_p 1)."""
+    on its key). Greedy rows: noise_scale 0 (with inv_temperature 1, kth and log_min_p -inf, top_p 1).
+    token_ids [R, C] int64: the token of each column, when x holds a subset of a vocabulary of vocab_size (say the
+    top-k logits); the noise follows token ids, so a row draws the same token from any subset that holds all of
+    its candidates. None: column c is token c."""
     if use_triton(x):
-        return sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
-    return sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
+        return sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids, vocab_size)
+    return sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids, vocab_size)

@@ -7,8 +7,9 @@ builds once and reuses while its batch does not change), so every step is a few 
         │
         ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties, from the
         │  token histories (workers/token_history.py: on the device in the runner, so steps can overlap)
-        └─ kernels/sampling.py, every row at once: temperature, top-k (threshold from torch.topk), min-p, top-p
-           (by rejection: no sort of the vocabulary), a Gumbel-max draw; greedy rows take the argmax
+        └─ kernels/sampling.py, every row at once: temperature, top-k (threshold from torch.topk; when every row
+           has one, only the top-k logits are read), min-p, top-p (by rejection: no sort of the vocabulary), a
+           Gumbel-max draw; greedy rows take the argmax
 
 A row's noise comes from a 64-bit key. A seeded request's key depends only on its seed and the position it samples
 (`SamplingRow.seed`), so it gets the same tokens whatever else is in the batch; the other rows draw a key each step
@@ -54,6 +55,7 @@ class SamplingTensors:
     log_min_p: torch.Tensor  # [N] -inf: no min-p
     top_k: torch.Tensor  # [N] float32 holding k (0: off)
     max_top_k: int
+    all_top_k: bool  # every row has a top-k: sampling needs only the top-k logits
     is_random: bool  # any row that samples
     penalty_rows: list[int]  # rows with a penalty
     penalties: torch.Tensor  # [3, P] repetition, frequency, presence of those rows
@@ -71,7 +73,7 @@ class SamplingTensors:
         penalties = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                [p.presence_penalty for p in params]], torch.float32, device)
         return cls(*packed, max_top_k=int(max((k[4] for k in knobs), default=0)),
-                   is_random=any(not row.params.is_greedy for row in rows), penalty_rows=penalty_rows,
+                   all_top_k=all(k[4] > 0 for k in knobs), is_random=any(not row.params.is_greedy for row in rows), penalty_rows=penalty_rows,
                    penalties=penalties, penalty_index=to_device(penalty_rows, torch.long, device),
                    use_repetition=any(p.repetition_penalty != 1.0 for p in params),
                    use_frequency_presence=any(p.frequency_penalty or p.presence_penalty for p in params))
@@ -146,9 +148,10 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
     apply_penalties(x, rows, tensors, penalties)
-    kth = _top_k_threshold(x, tensors)
-    tokens = sample_tokens(x, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p, tensors.noise_scale,
-                           _noise_keys(rows, tensors, default_generator, x.device))
+    columns, kth, token_ids = _candidates(x, tensors)
+    tokens = sample_tokens(columns, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p,
+                           tensors.noise_scale, _noise_keys(rows, tensors, default_generator, x.device), token_ids,
+                           x.shape[1])
     return _with_logprobs(tokens, logprobs)
 
 
@@ -172,14 +175,17 @@ def _is_plain(row: SamplingRow) -> bool:
     return not params.logit_bias and not uses_penalties(params) and row.num_outputs >= params.min_tokens
 
 
-def _top_k_threshold(x: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """[N] the k-th largest logit of each top-k row (-inf for the others): the kernel keeps x >= it."""
+def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logits to sample from, [N] top-k threshold (-inf: none), their token ids or None for the whole vocabulary).
+
+    The threshold is the row's k-th largest logit (torch.topk: no sort of the vocabulary). When every row has a
+    top-k, the kernel reads only the max-k largest logits of each row, which hold all of its candidates."""
     if tensors.max_top_k == 0:
-        return torch.full_like(tensors.top_k, float("-inf"))
-    values = x.topk(tensors.max_top_k, dim=-1).values  # [N, max k], sorted: no sort of the vocabulary
+        return x, torch.full_like(tensors.top_k, float("-inf")), None
+    values, ids = x.topk(tensors.max_top_k, dim=-1)  # [N, max k], sorted
     k = tensors.top_k.long()
-    kth = values.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
-    return torch.where(k > 0, kth, float("-inf"))
+    kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), float("-inf"))
+    return (values, kth, ids) if tensors.all_top_k else (x, kth, None)
 
 
 def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, device) -> torch.Tensor:

@@ -60,6 +60,18 @@ def test_triton_single_block_and_one_round(device):
     assert torch.equal(last, x.argmax(dim=-1))
 
 
+def test_a_subset_holding_the_candidates_draws_the_same_token(device):
+    """Rows that all have a top-k: their top max-k logits and token ids draw what the whole vocabulary draws."""
+    settings = [s for s in SETTINGS if s[0] and s[1]] * 4
+    x = logits(len(settings), 400, device, seed=5)
+    args = knobs(settings, x, seed=5)
+    full = sample_triton(x, *args, block=64)
+    values, ids = x.topk(max(s[1] for s in settings), dim=-1)
+    assert torch.equal(sample_triton(values, *args, ids, 400, block=16), full)
+    assert torch.equal(sample_ref(values, *args, ids, 400), full)
+    assert torch.equal(sample_ref(x, *args), full)
+
+
 def test_inputs_are_checked():
     x = torch.zeros(2, 8)
     args = knobs(SETTINGS[:2], x)
@@ -69,6 +81,8 @@ def test_inputs_are_checked():
         sample_tokens(x, args[0], args[1], args[2][:1], *args[3:])
     with pytest.raises(ValueError, match="keys must have dtype"):
         sample_tokens(x, *args[:5], args[5].int())
+    with pytest.raises(ValueError, match="token_ids must be shaped like x"):
+        sample_tokens(x, *args, torch.zeros(2, 3, dtype=torch.long), 100)
 
 
 def _kept(x: torch.Tensor, temperature: float, k: int, p: float, min_p: float) -> list[int]:
