@@ -101,15 +101,16 @@ def apply_history_penalties(x: torch.Tensor, batch: PenaltyBatch) -> torch.Tenso
     ids = torch.where(is_token, batch.token_ids, batch.token_ids[:, :1])  # padding repeats the first entry
     offset = batch.rows[:, None] * vocab
     if batch.use_repetition:
-        index = offset + ids
-        seen = flat[index]
+        index = (offset + ids).view(-1)
+        seen = flat.gather(0, index).view_as(ids)
         penalty = torch.where(batch.num_tokens > 0, batch.repetition, 1.0)[:, None]  # nothing seen: no penalty
-        flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        flat.scatter_(0, index, torch.where(seen > 0, seen / penalty, seen * penalty).view(-1))
     if batch.use_frequency_presence:
         is_output = is_token & (pos >= batch.num_prompt[:, None])
         first_output = ids.gather(1, batch.num_prompt.clamp(max=width - 1)[:, None])
-        index = offset + torch.where(is_output, ids, first_output)  # padding repeats the first output token
+        index = (offset + torch.where(is_output, ids, first_output)).view(-1)  # padding: the first output token
         has_output = (batch.num_tokens > batch.num_prompt).to(x.dtype)
-        flat[index] = flat[index] - (batch.presence * has_output)[:, None]
-        flat.index_add_(0, index.view(-1), (-batch.frequency[:, None] * is_output).view(-1))
+        presence = (batch.presence * has_output)[:, None].expand_as(ids).reshape(-1)
+        flat.scatter_(0, index, flat.gather(0, index) - presence)
+        flat.index_add_(0, index, (-batch.frequency[:, None] * is_output).view(-1))
     return x
