@@ -144,6 +144,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
         return _with_logprobs(raw.argmax(dim=-1), _top_logprobs(raw, rows))  # nothing to process
     logprobs = _top_logprobs(raw, rows)  # from the raw logits, before anything below changes them
     x = raw if in_place or raw is not logits else raw.clone()
+    x = x.contiguous()  # penalties index the flat logits (a vocabulary padded for tp arrives as a slice)
     tensors = tensors or SamplingTensors.build(rows, x.shape[1], x.device)
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
