@@ -5,7 +5,7 @@ a Llama-3 vocabulary, with penalty histories as the model runner keeps them (pro
 the host's time to launch it. `full sort` rows time the former way for the settings without penalties (sort the
 vocabulary for top-k / top-p, softmax, an exponential race), on the same logits.
 
-    python -m benchmarks.sampler [--batch-sizes 1 64 256] [--vocab 128256] [--output-json sampler.json]
+    pagoda bench sampler [--batch-sizes 1 64 256] [--vocab 128256] [--output-json sampler.json]
 """
 
 from __future__ import annotations
@@ -115,8 +115,3 @@ def main(args: argparse.Namespace) -> dict:
     write_json(args.output_json, result)
     return result
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(parser)
-    main(parser.parse_args())
