@@ -74,7 +74,8 @@ class SamplingTensors:
                                [p.presence_penalty for p in params]], torch.float32, device)
         return cls(*packed, max_top_k=int(max((k[4] for k in knobs), default=0)),
                    all_top_k=all(k[4] > 0 for k in knobs), is_random=any(not row.params.is_greedy for row in rows),
-                   penalty_rows=penalty_rows, penalties=penalties, penalty_index=to_device(penalty_rows, torch.long, device),
+                   penalty_rows=penalty_rows, penalties=penalties,
+                   penalty_index=to_device(penalty_rows, torch.long, device),
                    use_repetition=any(p.repetition_penalty != 1.0 for p in params),
                    use_frequency_presence=any(p.frequency_penalty or p.presence_penalty for p in params))
 
