@@ -25,7 +25,8 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
-from workers.sampler import SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, sample_async
+from workers.sampler import (SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs,
+                             sample_async)
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003
@@ -42,6 +43,7 @@ class RequestState:
     num_computed_tokens: int
     seed: int | None
     history_slot: int | None = None  # its row of the runner's TokenHistory (requests with penalties, rank 0)
+    knobs: tuple | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
     num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
 
     def append(self, token_id: int) -> None:
@@ -97,7 +99,7 @@ class ModelRunner:
             slot = self.history.add(list(new.prompt_token_ids), list(new.output_token_ids))
         return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                             new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, list(new.block_ids),
-                            new.num_computed_tokens, new.sample_seed, slot)
+                            new.num_computed_tokens, new.sample_seed, slot, row_knobs(new.sampling_params))
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -122,7 +124,7 @@ class ModelRunner:
         rows = []
         if self.is_driver:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._sample_seed(s),
-                                s.num_pending) for s in sampling_states]
+                                s.num_pending, s.knobs) for s in sampling_states]
             tensors, penalties = self._sampling_inputs(sampling_states, rows, logits.shape[1])
             batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True)
             if penalties is not None:  # the histories take this step's tokens on the device

@@ -39,53 +39,56 @@ class SamplingRow:
     output_token_ids: list[int]
     seed: int | None = None  # this step's noise key (seeded requests); None: a fresh one
     num_pending: int = 0  # outputs sampled but not yet in output_token_ids (overlapped steps)
+    knobs: tuple | None = None  # row_knobs(params), when the caller keeps them (the runner: once per request)
 
     @property
     def num_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_pending
 
 
+def row_knobs(params: SamplingParams) -> tuple[float, ...]:
+    """(inv_temperature, noise_scale, top_p, log_min_p, top_k, repetition, frequency, presence) of one row;
+    greedy rows have no noise and no filters."""
+    penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    if params.is_greedy:
+        return 1.0, 0.0, 1.0, float("-inf"), 0, *penalties
+    log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
+    return 1.0 / params.temperature, 1.0, params.top_p, log_min_p, params.top_k, *penalties
+
+
 @dataclass
 class SamplingTensors:
-    """The rows' knobs on the device (greedy rows: no noise, no filters), and what the host knows of them."""
+    """The rows' knobs on the device, and what the host knows of them (to pick the ops without asking it)."""
 
     inv_temperature: torch.Tensor  # [N] float32
     noise_scale: torch.Tensor  # [N] 0 (greedy) or 1
     top_p: torch.Tensor  # [N]
     log_min_p: torch.Tensor  # [N] -inf: no min-p
     top_k: torch.Tensor  # [N] float32 holding k (0: off)
+    penalties: torch.Tensor  # [3, P] repetition, frequency, presence of the penalty rows
+    penalty_rows: list[int]  # rows with a penalty
+    penalty_index: torch.Tensor  # [P] int64, those rows on the device
     max_top_k: int
     all_top_k: bool  # every row has a top-k: sampling needs only the top-k logits
     is_random: bool  # any row that samples
-    penalty_rows: list[int]  # rows with a penalty
-    penalties: torch.Tensor  # [3, P] repetition, frequency, presence of those rows
-    penalty_index: torch.Tensor  # [P] int64, the penalty rows on the device
     use_repetition: bool  # any row with repetition_penalty != 1
     use_frequency_presence: bool  # any row with a frequency or presence penalty
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingTensors:
-        """Two host-to-device copies, whatever the batch size."""
-        knobs = [_knobs(row.params, vocab_size) for row in rows]
-        packed = to_device(list(zip(*knobs)), torch.float32, device)  # [5, N]
-        penalty_rows = [i for i, row in enumerate(rows) if uses_penalties(row.params)]
-        params = [rows[i].params for i in penalty_rows]
-        penalties = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                               [p.presence_penalty for p in params]], torch.float32, device)
-        return cls(*packed, max_top_k=int(max((k[4] for k in knobs), default=0)),
-                   all_top_k=all(k[4] > 0 for k in knobs), is_random=any(not row.params.is_greedy for row in rows),
-                   penalty_rows=penalty_rows, penalties=penalties,
-                   penalty_index=to_device(penalty_rows, torch.long, device),
-                   use_repetition=any(p.repetition_penalty != 1.0 for p in params),
-                   use_frequency_presence=any(p.frequency_penalty or p.presence_penalty for p in params))
-
-
-def _knobs(params: SamplingParams, vocab_size: int) -> tuple[float, float, float, float, float]:
-    """(inv_temperature, noise_scale, top_p, log_min_p, top_k) of one row."""
-    if params.is_greedy:
-        return 1.0, 0.0, 1.0, float("-inf"), 0.0
-    log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
-    return 1.0 / params.temperature, 1.0, params.top_p, log_min_p, float(min(params.top_k, vocab_size))
+        """Two host-to-device copies and a pass over the rows' knob tuples, whatever the batch size."""
+        knobs = [row.knobs or row_knobs(row.params) for row in rows]
+        columns = list(zip(*knobs))
+        packed = to_device(columns, torch.float32, device)  # [8, N]
+        packed[4].clamp_(max=vocab_size)  # top-k
+        repetition, frequency, presence = columns[5:]
+        penalty_rows = [i for i, (r, f, p) in enumerate(zip(repetition, frequency, presence))
+                        if r != 1.0 or f or p]
+        penalty_index = to_device(penalty_rows, torch.long, device)
+        return cls(*packed[:5], penalties=packed[5:].index_select(1, penalty_index), penalty_rows=penalty_rows,
+                   penalty_index=penalty_index, max_top_k=min(max(columns[4]), vocab_size), all_top_k=min(columns[4]) > 0,
+                   is_random=max(columns[1]) > 0, use_repetition=any(r != 1.0 for r in repetition),
+                   use_frequency_presence=any(f or p for f, p in zip(frequency, presence)))
 
 
 @dataclass
