@@ -18,8 +18,9 @@ token accepted follows the nucleus' renormalized distribution exactly, and each 
 least top_p (usually far more: a rejection cuts the candidates below a random one). The last of MAX_ROUNDS rounds
 takes the argmax, which is always in the nucleus.
 
-x may hold a subset of each row's columns (its top-k logits) with their token ids: the noise follows token ids, so the
-draw is the same from any subset that holds the row's candidates.
+A top-k row reads only its largest logits when given them (`subset`, from torch.topk) and they hold all of its
+candidates, i.e. the ties at the k-th logit do not run past them; the noise follows token ids, so the draw is the one
+the whole row gives. Other rows, and the rows whose ties run past, read the whole row.
 
     per round   draw: argmax over the row (one read of it)
                 top-p rows: the mass above the drawn token (one more read; max and sum computed online)
@@ -110,12 +111,37 @@ def _mass_above(base, num_cols, inv_t, kth, z_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(x_ptr, stride_x, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, log_min_p_ptr,
-                   noise_ptr, key_ptr, num_cols, vocab, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr,
-                   MAX_ROUNDS: tl.constexpr):
+def _sample_row(base, ids_base, num_cols, vocab, inv_t, kth, top_p, log_min_p, noise, key_lo, key_hi,
+                HAS_IDS: tl.constexpr, BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+    """The token id (int64) drawn from one row's columns, which hold all of its candidates."""
+    floor = log_min_p  # -inf: no min-p
+    if log_min_p > float("-inf"):
+        floor = _row_max(base, num_cols, inv_t, kth, BLOCK) + log_min_p
+    pivot = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
+    column = tl.min(tl.zeros([1], tl.int32), 0)
+    done = tl.min(tl.zeros([1], tl.int32), 0)
+    for r in range(MAX_ROUNDS):
+        if done == 0:
+            is_last = r == MAX_ROUNDS - 1
+            column = _draw(base, ids_base, num_cols, inv_t, kth, floor, pivot, tl.where(is_last, 0.0, noise),
+                           key_lo, key_hi, r * vocab, HAS_IDS, BLOCK)
+            pivot = tl.load(base + column) * inv_t
+            done = 1
+            if (top_p < 1.0) & (r < MAX_ROUNDS - 1):
+                if _mass_above(base, num_cols, inv_t, kth, pivot, BLOCK) >= top_p:
+                    done = 0  # outside the nucleus: it is the new pivot
+    token = column.to(tl.int64)
+    if HAS_IDS:
+        token = tl.load(ids_base + column)
+    return token
+
+
+@triton.jit
+def _sample_kernel(x_ptr, stride_x, sub_ptr, stride_sub, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, kth_ptr,
+                   top_p_ptr, log_min_p_ptr, noise_ptr, key_ptr, vocab, num_sub, HAS_SUBSET: tl.constexpr,
+                   BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_x
-    ids_base = ids_ptr + row * stride_ids
+    x_base = x_ptr + row * stride_x
     inv_t = tl.load(inv_temp_ptr + row)
     kth = tl.load(kth_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -124,31 +150,24 @@ def _sample_kernel(x_ptr, stride_x, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, 
     key = tl.load(key_ptr + row)
     key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
     key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    floor = log_min_p  # -inf: no min-p
-    if log_min_p > float("-inf"):
-        floor = _row_max(base, num_cols, inv_t, kth, BLOCK) + log_min_p
-    pivot = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
-    token = tl.min(tl.zeros([1], tl.int32), 0)
-    done = tl.min(tl.zeros([1], tl.int32), 0)
-    for r in range(MAX_ROUNDS):
-        if done == 0:
-            is_last = r == MAX_ROUNDS - 1
-            token = _draw(base, ids_base, num_cols, inv_t, kth, floor, pivot, tl.where(is_last, 0.0, noise),
-                          key_lo, key_hi, r * vocab, HAS_IDS, BLOCK)
-            pivot = tl.load(base + token) * inv_t
-            done = 1
-            if (top_p < 1.0) & (r < MAX_ROUNDS - 1):
-                if _mass_above(base, num_cols, inv_t, kth, pivot, BLOCK) >= top_p:
-                    done = 0  # outside the nucleus: it is the new pivot
-    if HAS_IDS:
-        tl.store(out_ptr + row, tl.load(ids_base + token))
+    if HAS_SUBSET:
+        sub_base = sub_ptr + row * stride_sub
+        ids_base = ids_ptr + row * stride_ids
+        if tl.load(sub_base + num_sub - 1) < kth:  # every candidate (x >= kth) is in the subset: read only it
+            token = _sample_row(sub_base, ids_base, num_sub, vocab, inv_t, kth, top_p, log_min_p, noise, key_lo,
+                                key_hi, True, SUB_BLOCK, MAX_ROUNDS)
+        else:  # no top-k, or ties at the k-th logit run past the subset
+            token = _sample_row(x_base, x_base, vocab, vocab, inv_t, kth, top_p, log_min_p, noise, key_lo, key_hi,
+                                False, BLOCK, MAX_ROUNDS)
     else:
-        tl.store(out_ptr + row, token.to(tl.int64))
+        token = _sample_row(x_base, x_base, vocab, vocab, inv_t, kth, top_p, log_min_p, noise, key_lo, key_hi,
+                            False, BLOCK, MAX_ROUNDS)
+    tl.store(out_ptr + row, token)
 
 
-def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids) -> None:
+def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset) -> None:
     if x.dim() != 2:
-        raise ValueError(f"x must be [rows, columns], got shape {tuple(x.shape)}")
+        raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
     check_dtype("x", x, (torch.float32,))
     for name, t in (("inv_temperature", inv_temperature), ("kth", kth), ("top_p", top_p),
                     ("log_min_p", log_min_p), ("noise_scale", noise_scale)):
@@ -158,29 +177,33 @@ def _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, 
     if keys.shape != (x.shape[0],):
         raise ValueError(f"keys must be [rows={x.shape[0]}], got {tuple(keys.shape)}")
     check_dtype("keys", keys, (torch.int64,))
-    if token_ids is not None:
-        if token_ids.shape != x.shape:
-            raise ValueError(f"token_ids must be shaped like x {tuple(x.shape)}, got {tuple(token_ids.shape)}")
-        check_dtype("token_ids", token_ids, (torch.int64,))
+    if subset is not None:
+        values, ids = subset
+        if values.dim() != 2 or values.shape[0] != x.shape[0] or ids.shape != values.shape or values.shape[1] < 1:
+            raise ValueError(f"subset must be (values, ids) of one shape [rows={x.shape[0]}, S >= 1], got "
+                             f"{tuple(values.shape)} and {tuple(ids.shape)}")
+        check_dtype("subset values", values, (torch.float32,))
+        check_dtype("subset ids", ids, (torch.int64,))
 
 
-def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
-                  vocab_size: int | None = None, block: int = BLOCK, max_rounds: int = MAX_ROUNDS):
-    """Triton launcher of `sample_tokens`: one program per row, which streams its row once per pass."""
-    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids)
+def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset=None, block: int = BLOCK,
+                  max_rounds: int = MAX_ROUNDS):
+    """Triton launcher of `sample_tokens`: one program per row, which streams its row (or its subset) once per
+    pass."""
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset)
     check_launchable(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys)
-    has_ids = token_ids is not None
-    for name, t in (("x", x), ("token_ids", token_ids if has_ids else x)):
+    values, ids = subset if subset is not None else (x, x)  # placeholders when absent
+    for name, t in (("x", x), ("subset values", values), ("subset ids", ids)):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
     scalars = [t.contiguous() for t in (inv_temperature, kth, top_p, log_min_p, noise_scale, keys)]
-    rows, num_cols = x.shape
+    rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        block = min(block, next_power_of_2(num_cols))
-        ids = token_ids if has_ids else keys  # a placeholder pointer when absent
-        _sample_kernel[(rows,)](x, x.stride(0), ids, ids.stride(0) if has_ids else 0, out, *scalars, num_cols,
-                                vocab_size or num_cols, HAS_IDS=has_ids, BLOCK=block, MAX_ROUNDS=max_rounds,
+        block = min(block, next_power_of_2(vocab))
+        _sample_kernel[(rows,)](x, x.stride(0), values, values.stride(0), ids, ids.stride(0), out, *scalars, vocab,
+                                values.shape[1], HAS_SUBSET=subset is not None, BLOCK=block,
+                                SUB_BLOCK=min(block, next_power_of_2(values.shape[1])), MAX_ROUNDS=max_rounds,
                                 num_warps=max(1, min(8, block // 256)))
     return out
 
@@ -210,14 +233,15 @@ def gumbel_ref(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
-               vocab_size: int | None = None, max_rounds: int = MAX_ROUNDS):
+def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset=None,
+               max_rounds: int = MAX_ROUNDS):
     """Torch reference of `sample_tokens` (and its CPU implementation): the kernel's rounds, each over the rows
-    that have not accepted a token yet."""
-    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids)
-    rows, num_cols = x.shape
-    vocab = vocab_size or num_cols
-    ids = token_ids if token_ids is not None else torch.arange(num_cols, device=x.device)[None, :]
+    that have not accepted a token yet; over the subset when it holds every row's candidates."""
+    _check_inputs(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset)
+    rows, vocab = x.shape
+    ids = torch.arange(vocab, device=x.device)[None, :]  # the token id of each column worked on: [1 or R, C]
+    if subset is not None and rows and bool((subset[0][:, -1] < kth).all()):
+        x, ids = subset
     z = x * inv_temperature[:, None]
     z_k = torch.where(x >= kth[:, None], z, float("-inf"))  # the top-k candidates
     row_max = z_k.max(dim=-1, keepdim=True).values
@@ -246,15 +270,14 @@ def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, tok
     return token
 
 
-def sample_tokens(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids=None,
-                  vocab_size: int | None = None):
-    """One token id per row of logits x [R, C] (float32): see the module docstring for the knobs.
+def sample_tokens(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset=None):
+    """One token id per row of logits x [R, V] (float32): see the module docstring for the knobs.
 
     inv_temperature, kth, top_p, log_min_p, noise_scale: float32 [R]; keys: int64 [R] (a row's noise depends only
     on its key). Greedy rows: noise_scale 0 (with inv_temperature 1, kth and log_min_p -inf, top_p 1).
-    token_ids [R, C] int64: the token of each column, when x holds a subset of a vocabulary of vocab_size (say the
-    top-k logits); the noise follows token ids, so a row draws the same token from any subset that holds all of
-    its candidates. None: column c is token c."""
+    subset: (values, ids) [R, S], each row's S largest logits in descending order and their token ids
+    (torch.topk): a row whose last subset value is below its kth has all of its candidates there and reads only
+    them, drawing the very token the whole row would give (the noise follows token ids)."""
     if use_triton(x):
-        return sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids, vocab_size)
-    return sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, token_ids, vocab_size)
+        return sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset)
+    return sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, subset)

@@ -7,9 +7,9 @@ builds once and reuses while its batch does not change), so every step is a few 
         │
         ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties, from the
         │  token histories (workers/token_history.py: on the device in the runner, so steps can overlap)
-        └─ kernels/sampling.py, every row at once: temperature, top-k (threshold from torch.topk; when every row
-           has one, only the top-k logits are read), min-p, top-p (by rejection: no sort of the vocabulary), a
-           Gumbel-max draw; greedy rows take the argmax
+        └─ kernels/sampling.py, every row at once: temperature, top-k (a threshold from torch.topk; a top-k row
+           reads only its largest logits), min-p, top-p (by rejection: no sort of the vocabulary), a Gumbel-max
+           draw; greedy rows take the argmax
 
 A row's noise comes from a 64-bit key. A seeded request's key depends only on its seed and the position it samples
 (`SamplingRow.seed`), so it gets the same tokens whatever else is in the batch; the other rows draw a key each step
@@ -30,6 +30,7 @@ from workers.inputs import to_device
 from workers.token_history import PenaltyBatch, apply_history_penalties, uses_penalties
 
 _MAX_KEY = 1 << 62
+_TIE_MARGIN = 32  # logits past the largest top-k that a top-k row's subset holds, for ties at its k-th logit
 
 
 @dataclass
@@ -69,7 +70,6 @@ class SamplingTensors:
     penalty_rows: list[int]  # rows with a penalty
     penalty_index: torch.Tensor  # [P] int64, those rows on the device
     max_top_k: int
-    all_top_k: bool  # every row has a top-k: sampling needs only the top-k logits
     is_random: bool  # any row that samples
     use_repetition: bool  # any row with repetition_penalty != 1
     use_frequency_presence: bool  # any row with a frequency or presence penalty
@@ -86,7 +86,7 @@ class SamplingTensors:
                         if r != 1.0 or f or p]
         penalty_index = to_device(penalty_rows, torch.long, device)
         return cls(*packed[:5], penalties=packed[5:].index_select(1, penalty_index), penalty_rows=penalty_rows,
-                   penalty_index=penalty_index, max_top_k=min(max(columns[4]), vocab_size), all_top_k=min(columns[4]) > 0,
+                   penalty_index=penalty_index, max_top_k=min(max(columns[4]), vocab_size),
                    is_random=max(columns[1]) > 0, use_repetition=any(r != 1.0 for r in repetition),
                    use_frequency_presence=any(f or p for f, p in zip(frequency, presence)))
 
@@ -153,10 +153,9 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
     apply_penalties(x, rows, tensors, penalties)
-    columns, kth, token_ids = _candidates(x, tensors)
-    tokens = sample_tokens(columns, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p,
-                           tensors.noise_scale, _noise_keys(rows, tensors, default_generator, x.device), token_ids,
-                           x.shape[1])
+    kth, subset = _candidates(x, tensors)
+    tokens = sample_tokens(x, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p, tensors.noise_scale,
+                           _noise_keys(rows, tensors, default_generator, x.device), subset)
     return _with_logprobs(tokens, logprobs)
 
 
@@ -180,17 +179,17 @@ def _is_plain(row: SamplingRow) -> bool:
     return not params.logit_bias and not uses_penalties(params) and row.num_outputs >= params.min_tokens
 
 
-def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logits to sample from, [N] top-k threshold (-inf: none), their token ids or None for the whole vocabulary).
+def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, tuple | None]:
+    """([N] top-k threshold (-inf: none), the largest logits and their ids, or None without top-k rows).
 
-    The threshold is the row's k-th largest logit (torch.topk: no sort of the vocabulary). When every row has a
-    top-k, the kernel reads only the max-k largest logits of each row, which hold all of its candidates."""
+    The threshold is the row's k-th largest logit (torch.topk: no sort of the vocabulary). The kernel reads a
+    top-k row's subset only (max k plus a margin for ties at the k-th logit), unless its ties run past it."""
     if tensors.max_top_k == 0:
-        return x, torch.full_like(tensors.top_k, float("-inf")), None
-    values, ids = x.topk(tensors.max_top_k, dim=-1)  # [N, max k], sorted
+        return torch.full_like(tensors.top_k, float("-inf")), None
+    values, ids = x.topk(min(x.shape[1], tensors.max_top_k + _TIE_MARGIN), dim=-1)  # [N, S], sorted
     k = tensors.top_k.long()
     kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), float("-inf"))
-    return (values, kth, ids) if tensors.all_top_k else (x, kth, None)
+    return kth, (values, ids)
 
 
 def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, device) -> torch.Tensor:

@@ -173,9 +173,9 @@ def main() -> int:
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]
         sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64))
-        CASE[0] = "sample top-50 of 128256"
-        sampling.sample_triton(empty(4, 50, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64),
-                               torch.zeros(4, 50, dtype=torch.int64), 128256)
+        CASE[0] = "sample 128256, top-82 subsets"
+        sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64),
+                               (empty(4, 82, dtype=torch.float32), torch.zeros(4, 82, dtype=torch.int64)))
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

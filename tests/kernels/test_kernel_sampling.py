@@ -60,16 +60,22 @@ def test_triton_single_block_and_one_round(device):
     assert torch.equal(last, x.argmax(dim=-1))
 
 
-def test_a_subset_holding_the_candidates_draws_the_same_token(device):
-    """Rows that all have a top-k: their top max-k logits and token ids draw what the whole vocabulary draws."""
-    settings = [s for s in SETTINGS if s[0] and s[1]] * 4
+def test_a_subset_holding_the_candidates_draws_what_the_whole_row_draws(device):
+    """Top-k rows read their largest logits only; the others, and a row whose ties at the k-th logit run past the
+    subset, read the whole row: every row draws what it draws without a subset."""
+    settings = SETTINGS * 2
     x = logits(len(settings), 400, device, seed=5)
+    x[4, :60] = 7.0  # row 4 (top_k 50): 60 logits tie at its 50th, past a subset of 56
     args = knobs(settings, x, seed=5)
     full = sample_triton(x, *args, block=64)
-    values, ids = x.topk(max(s[1] for s in settings), dim=-1)
-    assert torch.equal(sample_triton(values, *args, ids, 400, block=16), full)
-    assert torch.equal(sample_ref(values, *args, ids, 400), full)
-    assert torch.equal(sample_ref(x, *args), full)
+    subset = x.topk(56, dim=-1)
+    assert torch.equal(sample_triton(x, *args, subset, block=64), full)
+    assert torch.equal(sample_ref(x, *args, subset), full)  # falls back to the whole rows: one row's ties
+    top_k_rows = [i for i, s in enumerate(settings) if s[0] and s[1] and i != 4]
+    rows = torch.tensor(top_k_rows)
+    only = [a[rows] for a in args]
+    assert torch.equal(sample_ref(x[rows], *only, (subset[0][rows], subset[1][rows])), full[rows])
+    assert subset.values[4, -1].item() == 7.0 and x[4, full[4]].item() >= 7.0  # the whole row, a candidate
 
 
 def test_inputs_are_checked():
@@ -81,8 +87,8 @@ def test_inputs_are_checked():
         sample_tokens(x, args[0], args[1], args[2][:1], *args[3:])
     with pytest.raises(ValueError, match="keys must have dtype"):
         sample_tokens(x, *args[:5], args[5].int())
-    with pytest.raises(ValueError, match="token_ids must be shaped like x"):
-        sample_tokens(x, *args, torch.zeros(2, 3, dtype=torch.long), 100)
+    with pytest.raises(ValueError, match="subset must be"):
+        sample_tokens(x, *args, (torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.long)))
 
 
 def _kept(x: torch.Tensor, temperature: float, k: int, p: float, min_p: float) -> list[int]:
