@@ -63,12 +63,12 @@ def run_engine(model_dir: str, params: SamplingParams, prompts=PARITY_PROMPTS, o
     engine = LLMEngine.from_args(model=model_dir, dtype="float32", device="cpu", **kwargs)
     engine.executor.supports_overlap = overlap
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params, stream=False)  # one delta each: the whole output, at the end
     done, overlapped = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
+                done[out.request_id] = [seq.token_ids for seq in sorted(out.seqs, key=lambda s: s.index)]
         overlapped += engine._pending is not None
     engine.check_integrity()
     return done, engine, overlapped
