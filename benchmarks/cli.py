@@ -9,6 +9,7 @@ BENCHMARKS = {
     "latency": "decode time per token at several batch sizes and prompt lengths",
     "throughput": "offline LLM.generate over synthetic requests (--compare hf: transformers side by side)",
     "serve": "an async HTTP client against a running OpenAI-compatible server",
+    "sampler": "the sampler alone: device and host time of one step for each sampling setting",
     "kernels": "Triton kernels against torch and the H200's ceilings",
 }
 

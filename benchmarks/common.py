@@ -32,6 +32,17 @@ def synthetic_prompts(num: int, input_len_range: tuple[int, int], vocab_size: in
     return [rng.integers(first, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
+# Named sampling settings for the benchmarks' sweeps. "seed": the settings of the issue's seed guide, together.
+SAMPLING_SETTINGS = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 1.0},
+    "top_p": {"temperature": 1.0, "top_p": 0.9},
+    "top_k": {"temperature": 1.0, "top_k": 50},
+    "repetition": {"temperature": 1.0, "repetition_penalty": 1.1},
+    "seed": {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1},
+}
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}

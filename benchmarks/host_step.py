@@ -9,16 +9,25 @@ Modes: `final` (offline `LLM.generate`, or requests that do not stream: one delt
 for every request at every step: stream interval 0), `delta+interval` (the serving default: at most one delta per
 request every 0.1 s, the stream interval), `delta+25ms` (0.025 s).
 
+`--executor runner` puts the real `ModelRunner` and sampler (on CPU) behind the engine, around a stand-in model whose
+forward costs nothing and whose logits are a fixed random table over the tiny model's vocabulary: the time then adds
+the runner's host work (step inputs, sampling rows, penalty state) and the sampler's to the driver's. `--sampling`
+picks named settings (benchmarks/common.py: `seed` is temperature 0.7, top_p 0.9, top_k 50, repetition_penalty 1.1).
+
     .venv/bin/python -m benchmarks.host_step [--num-seqs 256] [--steps 200] [--output-json host.json]
+    .venv/bin/python -m benchmarks.host_step --executor runner --num-seqs 256 --sampling greedy seed --modes delta
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
-from benchmarks.common import print_table, synthetic_prompts, write_json
-from engine.executor import Executor
+import torch
+
+from benchmarks.common import SAMPLING_SETTINGS, print_table, synthetic_prompts, write_json
+from engine.executor import Executor, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 MODES = {"final": (False, 0.0), "delta": (True, 0.0), "delta+interval": (True, 0.1),
@@ -55,27 +64,65 @@ class InstantExecutor(Executor):
         return out
 
 
-def measure(mode: str, num_seqs: int, steps: int, prompt_len: int) -> dict:
+class InstantModel:
+    """Stands in for a model: no forward, and fixed random logits (a different row for each sequence)."""
+
+    def __init__(self, vocab_size: int, max_num_seqs: int):
+        self.table = torch.randn(max_num_seqs, vocab_size, generator=torch.Generator().manual_seed(0))
+
+    def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], 1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.table[:hidden.shape[0]].clone()
+
+
+class RunnerExecutor(Executor):
+    """The real ModelRunner (persistent batch, step inputs, sampler) around an InstantModel, on CPU."""
+
+    supports_overlap = True
+
+    def __init__(self, num_kv_blocks: int, config):
+        from workers.model_runner import ModelRunner
+
+        torch.set_num_threads(1)  # a GPU host runs no torch math; on 2 shared cores more threads only contend
+        self.num_kv_blocks = num_kv_blocks
+        model = InstantModel(config.model.vocab_size, config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(model, [], config.cache.block_size, torch.device("cpu"), config.scheduler)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        return StepHandle(wait=self.runner.execute_model_async(sched).result)
+
+
+def measure(mode: str, num_seqs: int, steps: int, prompt_len: int, executor: str = "instant",
+            sampling: str = "greedy") -> dict:
     from engine.llm_engine import LLMEngine, build_engine_config
     from engine.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(prompt_len + steps + 16) // 16)
+    num_blocks = num_seqs * blocks_per_seq + 16
     stream, interval_s = MODES[mode]
-    config = build_engine_config(model="tiny", device="cpu", num_kv_blocks=num_seqs * blocks_per_seq + 16,
-                                 max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs),
-                                 stream_interval_s=interval_s)
-    engine = LLMEngine(config, executor=InstantExecutor(num_seqs * blocks_per_seq + 16))
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    config = build_engine_config(model="tiny", device="cpu", num_kv_blocks=num_blocks, max_num_seqs=num_seqs,
+                                 max_num_batched_tokens=max(8192, num_seqs), stream_interval_s=interval_s)
+    engine = LLMEngine(config, executor=InstantExecutor(num_blocks) if executor == "instant"
+                       else RunnerExecutor(num_blocks, config))
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING_SETTINGS[sampling])
     for i, prompt in enumerate(synthetic_prompts(num_seqs, (prompt_len, prompt_len), config.model.vocab_size, 0)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, stream=stream)
     while engine.scheduler.num_waiting or any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         engine.step()
-    elapsed = time.perf_counter() - start
+        times.append(time.perf_counter() - start)
+    elapsed = sum(times)
     engine.shutdown()
-    return {"mode": mode, "num_seqs": num_seqs, "host_ms_per_step": 1e3 * elapsed / steps,
+    return {"mode": mode, "num_seqs": num_seqs, "executor": executor, "sampling": sampling,
+            "host_ms_per_step": 1e3 * elapsed / steps, "host_ms_per_step_p50": 1e3 * statistics.median(times),
             "us_per_request_step": 1e6 * elapsed / steps / num_seqs}
 
 
@@ -84,12 +131,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--executor", choices=["instant", "runner"], default="instant",
+                        help="runner: the real ModelRunner and sampler on CPU around a stand-in model")
+    parser.add_argument("--sampling", nargs="+", choices=list(SAMPLING_SETTINGS), default=["greedy"])
     parser.add_argument("--output-json", default=None)
 
 
 def main(args: argparse.Namespace) -> dict:
-    rows = [measure(mode, n, args.steps, args.prompt_len) for n in args.num_seqs for mode in args.modes]
-    print_table(rows, ["mode", "num_seqs", "host_ms_per_step", "us_per_request_step"])
+    rows = [measure(mode, n, args.steps, args.prompt_len, args.executor, sampling)
+            for n in args.num_seqs for sampling in args.sampling for mode in args.modes]
+    print_table(rows, ["mode", "num_seqs", "executor", "sampling", "host_ms_per_step", "host_ms_per_step_p50",
+                       "us_per_request_step"])
     result = {"benchmark": "host_step", "steps": args.steps, "prompt_len": args.prompt_len, "results": rows}
     write_json(args.output_json, result)
     return result

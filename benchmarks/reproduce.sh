@@ -15,6 +15,8 @@ step kernels $PY -m benchmarks.kernels --check --cuda-graph --output-json "$OUT/
 step latency $PY -m deploy.cli bench latency --preset "$PRESET" --profile-steps 8 --output-json "$OUT/latency.json"
 step throughput $PY -m deploy.cli bench throughput --preset "$PRESET" --compare hf \
   --output-json "$OUT/throughput.json"
+step "sampling sweep" $PY -m deploy.cli bench throughput --preset "$PRESET" --no-prefix-caching \
+  --sampling-sweep greedy temperature top_p top_k repetition seed --output-json "$OUT/throughput-sampling.json"
 # Through HTTP: all at once, then 4 requests/s of 1024-token prompts; as `pagoda serve` runs by default, behind
 # Serve's Python proxy, and with the engine in the replica's process (a fresh server, so an empty prefix cache, each).
 for mode in default proxy engine-in-replica; do

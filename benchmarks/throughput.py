@@ -1,7 +1,12 @@
 """Offline throughput: `LLM.generate` over N synthetic requests; `--compare hf` runs transformers' own continuous
 batching (`generate_batch`) on the same weights and requests in the same process and prints the ratio.
 
+Sampling: `--temperature --top-p --top-k --repetition-penalty`, or `--sampling-sweep NAME ...`, which runs each named
+setting (benchmarks/common.py; `seed`: temperature 0.7, top_p 0.9, top_k 50, repetition_penalty 1.1) on one loaded
+engine, one after the other, and prints each one's throughput against the first's.
+
     pagoda bench throughput --preset llama-3-8b --compare hf --output-json out.json
+    pagoda bench throughput --preset llama-3-8b --no-prefix-caching --sampling-sweep greedy seed
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ import tempfile
 import time
 from dataclasses import replace
 
-from benchmarks.common import (add_workload_args, device_name, input_len_range, print_table, synthetic_prompts,
-                               write_json)
+from benchmarks.common import (SAMPLING_SETTINGS, add_workload_args, device_name, input_len_range, print_table,
+                               synthetic_prompts, write_json)
 from workers.presets import resolve_model
 
 
@@ -23,32 +28,52 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_workload_args(parser)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--sampling-sweep", nargs="+", choices=list(SAMPLING_SETTINGS), default=None,
+                        help="named sampling settings, each run on the same loaded engine (replaces the flags above)")
     parser.add_argument("--compare", choices=["hf"], default=None)
     parser.add_argument("--output-json", default=None)
 
 
-def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> dict:
+def sampling_settings(args) -> list[tuple[str, dict]]:
+    """(name, SamplingParams fields) of each setting to run: the sweep's, or the one the flags give."""
+    if args.sampling_sweep:
+        return [(name, SAMPLING_SETTINGS[name]) for name in args.sampling_sweep]
+    return [("flags", {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                       "repetition_penalty": args.repetition_penalty})]
+
+
+def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> list[dict]:
+    """One engine; each sampling setting warms up (its kernels compile) and then runs the whole workload."""
     from dataclasses import asdict
 
     from engine import LLM, SamplingParams
     from engine.arg_utils import engine_args
 
     llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format)))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
-    llm.engine.block_manager.reset_prefix_cache()
-    timing = replace(llm.engine.timing)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    steps = llm.engine.timing.since(timing)
-    num_blocks = llm.engine.block_manager.num_blocks
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    rows = []
+    for name, setting in sampling_settings(args):
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **setting)
+        llm.generate(requests[:4], params, use_tqdm=False)  # warm-up
+        llm.engine.block_manager.reset_prefix_cache()
+        timing = replace(llm.engine.timing)
+        start = time.perf_counter()
+        outs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        num_blocks = llm.engine.block_manager.num_blocks
+        rows.append(_rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
+            "sampling": name, "sampling_params": setting, "num_kv_blocks": num_blocks,
+            "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)})
     llm.shutdown()
     del llm
     _free_memory()
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return _rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
-        "num_kv_blocks": num_blocks, "kv_tokens": num_blocks * args.block_size, "engine_steps": steps}
+    for row in rows:
+        row["vs_first"] = row["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
+    return rows
 
 
 def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> tuple[dict, str]:
@@ -73,9 +98,12 @@ def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         weights_dir = model_dir
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    gen = GenerationConfig(max_new_tokens=args.output_len, do_sample=args.temperature > 0,
-                           temperature=max(args.temperature, 1e-5), top_p=1.0, top_k=0, eos_token_id=None,
-                           pad_token_id=0)
+    name, setting = sampling_settings(args)[0]
+    temperature = setting["temperature"]
+    gen = GenerationConfig(max_new_tokens=args.output_len, do_sample=temperature > 0,
+                           temperature=max(temperature, 1e-5), top_p=setting.get("top_p", 1.0),
+                           top_k=setting.get("top_k", 0), repetition_penalty=setting.get("repetition_penalty", 1.0),
+                           eos_token_id=None, pad_token_id=0)
     batch_kwargs = {}
     if not torch.cuda.is_available():  # its cache is sized from free memory: on CPU, all of the machine's RAM
         from transformers.generation import ContinuousBatchingConfig
@@ -88,7 +116,8 @@ def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> 
     output_tokens = sum(len(r.generated_tokens) for r in results.values())
     del model, results
     _free_memory()
-    return _rates("transformers", len(prompts), sum(map(len, prompts)), output_tokens, elapsed), weights_dir
+    return _rates("transformers", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
+        "sampling": name}, weights_dir
 
 
 def _rates(name: str, num: int, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict:
@@ -123,17 +152,18 @@ def main(args: argparse.Namespace) -> dict:
         hf, weights_dir = run_hf(args, model_dir, load_format, prompts)
         rows.append(hf)
         model_dir, load_format = weights_dir, "auto"
-    rows.append(run_pagoda(args, model_dir, load_format, prompts))
+    rows.extend(run_pagoda(args, model_dir, load_format, prompts))
     result = {"benchmark": "throughput", "device": device_name(), "model": args.preset or args.model or "tiny",
               "num_requests": args.num_requests, "input_len_range": list(input_len_range(args)),
-              "output_len": args.output_len, "results": rows}
+              "output_len": args.output_len, "prefix_caching": args.enable_prefix_caching, "results": rows}
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
-    print_table(rows, ["engine", "requests", "elapsed_s", "requests_per_s", "output_tokens_per_s",
-                       "total_tokens_per_s"])
-    steps = rows[-1]["engine_steps"]
-    print(f"pagoda engine: {steps['steps']} steps, {steps['ms_per_step']:.2f} ms/step, of which waiting for the "
-          f"device {steps['device_wait_ms_per_step']:.2f} ms")
+    print_table(rows, ["engine", "sampling", "requests", "elapsed_s", "requests_per_s", "output_tokens_per_s",
+                       "total_tokens_per_s", "vs_first"])
+    for row in rows[1 if args.compare == "hf" else 0:]:
+        steps = row["engine_steps"]
+        print(f"pagoda engine, {row['sampling']}: {steps['steps']} steps, {steps['ms_per_step']:.2f} ms/step, of "
+              f"which waiting for the device {steps['device_wait_ms_per_step']:.2f} ms")
     if "speedup_total_tokens" in result:
         print(f"pagoda / transformers (total tokens/s): {result['speedup_total_tokens']:.1f}x")
     write_json(args.output_json, result)

@@ -175,9 +175,9 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self) -> bool:
-        if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
-            return False
-        return not any(req.needs_exact_history for req in self.scheduler.running)
+        # Every sampling setting can run a step ahead of its last token: penalties read the token histories that
+        # the workers keep on the device.
+        return self.config.scheduler.async_scheduling and self.executor.supports_overlap
 
     @staticmethod
     def _is_idle(sched) -> bool:

@@ -95,12 +95,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def needs_exact_history(self) -> bool:
-        """Penalties read every output token: such a request cannot run a step ahead of its last token."""
-        p = self.sampling_params
-        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-
-    @property
     def is_finished(self) -> bool:
         return self.status >= _FIRST_FINISHED  # hot: plain int comparison
 

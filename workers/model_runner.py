@@ -1,7 +1,9 @@
 """`ModelRunner`: SchedulerOutput -> input tensors -> forward over the paged KV pool -> sampled tokens.
 
 It keeps a persistent state per request (token ids, block table, where computation stands), updated from the
-step's diffs, and appends the tokens it samples itself, so the driver never sends them back.
+step's diffs, and appends the tokens it samples itself, so the driver never sends them back. On rank 0 the token
+histories of requests with penalties also live on the device (`TokenHistory`), written right behind each step's
+sampling: penalties then need nothing from the host, and steps overlap whatever the sampling settings.
 
 A step's batch is flat: the scheduled tokens of every request packed one after another.
 
@@ -23,7 +25,9 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
-from workers.sampler import SampledBatch, SamplingRow, finish, sample_async
+from workers.sampler import (SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs,
+                             sample_async)
+from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003
 
@@ -38,8 +42,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     seed: int | None
-    generator: torch.Generator | None
-
+    history_slot: int | None = None  # its row of the runner's TokenHistory (requests with penalties, rank 0)
+    knobs: tuple | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
     num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
 
     def append(self, token_id: int) -> None:
@@ -59,6 +63,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.prev_rows: dict[str, int] = {}  # req_id -> row of prev_tokens
+        self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
+                        if is_driver else None)
+        self._sampling: tuple | None = None  # (req ids, SamplingTensors, history slots) of the last sampled batch
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device)
@@ -70,7 +77,11 @@ class ModelRunner:
     # ---- persistent batch ----------------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None and state.history_slot is not None:
+                self.history.remove(state.history_slot)
+        if sched.new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
+            self._sampling = None  # a request id may now name another state (a preempted one came back)
         for new in sched.new_reqs:
             self.requests[new.req_id] = self._new_state(new)
         for cached in sched.cached_reqs:
@@ -83,12 +94,12 @@ class ModelRunner:
         copy_blocks(self.kv_caches, sched.block_copies)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
-        generator = None
-        if new.sample_seed is not None:
-            generator = torch.Generator(device=self.device)
+        slot = None
+        if self.history is not None and uses_penalties(new.sampling_params):
+            slot = self.history.add(list(new.prompt_token_ids), list(new.output_token_ids))
         return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                             new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, list(new.block_ids),
-                            new.num_computed_tokens, new.sample_seed, generator)
+                            new.num_computed_tokens, new.sample_seed, slot, row_knobs(new.sampling_params))
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -112,9 +123,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         rows = []
         if self.is_driver:
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._seeded_generator(s),
-                                s.num_pending) for s in sampling_states]
-            batch = sample_async(logits, rows)
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._sample_seed(s),
+                                s.num_pending, s.knobs) for s in sampling_states]
+            tensors, penalties = self._sampling_inputs(sampling_states, rows, logits.shape[1])
+            batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True)
+            if penalties is not None:  # the histories take this step's tokens on the device
+                self.history.append(self._sampling[2], batch.tokens.index_select(0, tensors.penalty_index))
         else:
             batch = SampledBatch(torch.zeros(len(sampling_states), dtype=torch.long, device=self.device), [])
         from workers import parallel
@@ -127,13 +141,28 @@ class ModelRunner:
         self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
         return PendingStep(self, sampling_states, batch.start_copy(), rows)
 
-    def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
-        """A seeded request's noise depends only on its seed and the position of the token it samples: the same
-        tokens whatever else is in the batch, after preemption, and with overlapped steps."""
-        if state.generator is None:
+    @staticmethod
+    def _sample_seed(state: RequestState) -> int | None:
+        """A seeded request's noise key depends only on its seed and the position of the token it samples: the
+        same tokens whatever else is in the batch, after preemption, and with overlapped steps."""
+        if state.seed is None:
             return None
-        state.generator.manual_seed((state.seed * _SEED_STRIDE + state.num_computed_tokens) % (1 << 63))
-        return state.generator
+        return (state.seed * _SEED_STRIDE + state.num_computed_tokens) % (1 << 62)
+
+    def _sampling_inputs(self, states: list[RequestState], rows: list[SamplingRow], vocab_size: int,
+                         ) -> tuple[SamplingTensors, PenaltyBatch | None]:
+        """The rows' knobs, rebuilt only when the sampled requests change, and the penalized rows' histories."""
+        req_ids = tuple(s.req_id for s in states)
+        if self._sampling is None or self._sampling[0] != req_ids:
+            tensors = SamplingTensors.build(rows, vocab_size, self.device)
+            slots = to_device([states[i].history_slot for i in tensors.penalty_rows], torch.long, self.device)
+            self._sampling = (req_ids, tensors, slots)
+        _, tensors, slots = self._sampling
+        if not tensors.penalty_rows:
+            return tensors, None
+        # Filled lengths: the host's tokens plus the one in flight (already written on the device).
+        max_tokens = max(len(states[i].token_ids) + states[i].num_pending for i in tensors.penalty_rows)
+        return tensors, penalty_batch(tensors, *self.history.read(slots, max_tokens))
 
     def _forward(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches, eager otherwise.

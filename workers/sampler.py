@@ -1,26 +1,36 @@
 """Batched sampling on the device: one `sample` call picks the next token of every row of a logits batch.
 
-Each row has its own `SamplingParams`; the per-row knobs become tensors so every step is one batched op:
+Each row has its own `SamplingParams`; the per-row knobs become tensors (`SamplingTensors`, which the model runner
+builds once and reuses while its batch does not change), so every step is a few batched ops:
 
     raw logits ──► logprobs (log_softmax of the raw logits, when asked)
         │
-        ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties
-        ├─ greedy rows: argmax
-        └─ random rows: temperature ─ top-k ─ top-p ─ min-p ─ softmax ─ exponential race (argmax probs / Exp(1))
+        ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties, from the
+        │  token histories (workers/token_history.py: on the device in the runner, so steps can overlap)
+        └─ kernels/sampling.py, every row at once: temperature, top-k (a threshold from torch.topk; a top-k row
+           reads only its largest logits), min-p, top-p (by rejection: no sort of the vocabulary), a Gumbel-max
+           draw; greedy rows take the argmax
 
-The exponential race draws its noise from the row's own `generator` when it has one, so a seeded request samples
-the same tokens whatever else is in the batch; unseeded rows share `default_generator` (torch's global one if None).
+A row's noise comes from a 64-bit key. A seeded request's key depends only on its seed and the position it samples
+(`SamplingRow.seed`), so it gets the same tokens whatever else is in the batch; the other rows draw a key each step
+from `default_generator` (torch's global one if None).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from kernels.sampling import sample_tokens
 from workers.inputs import to_device
+from workers.token_history import PenaltyBatch, apply_history_penalties, uses_penalties
+
+_MAX_KEY = 1 << 62
+_TIE_MARGIN = 32  # logits past the largest top-k that a top-k row's subset holds, for ties at its k-th logit
 
 
 @dataclass
@@ -28,12 +38,57 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # on the logits' device; set for seeded requests
+    seed: int | None = None  # this step's noise key (seeded requests); None: a fresh one
     num_pending: int = 0  # outputs sampled but not yet in output_token_ids (overlapped steps)
+    knobs: tuple | None = None  # row_knobs(params), when the caller keeps them (the runner: once per request)
 
     @property
     def num_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_pending
+
+
+def row_knobs(params: SamplingParams) -> tuple[float, ...]:
+    """(inv_temperature, noise_scale, top_p, log_min_p, top_k, repetition, frequency, presence) of one row;
+    greedy rows have no noise and no filters."""
+    penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    if params.is_greedy:
+        return 1.0, 0.0, 1.0, float("-inf"), 0, *penalties
+    log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
+    return 1.0 / params.temperature, 1.0, params.top_p, log_min_p, params.top_k, *penalties
+
+
+@dataclass
+class SamplingTensors:
+    """The rows' knobs on the device, and what the host knows of them (to pick the ops without asking it)."""
+
+    inv_temperature: torch.Tensor  # [N] float32
+    noise_scale: torch.Tensor  # [N] 0 (greedy) or 1
+    top_p: torch.Tensor  # [N]
+    log_min_p: torch.Tensor  # [N] -inf: no min-p
+    top_k: torch.Tensor  # [N] float32 holding k (0: off)
+    penalties: torch.Tensor  # [3, P] repetition, frequency, presence of the penalty rows
+    penalty_rows: list[int]  # rows with a penalty
+    penalty_index: torch.Tensor  # [P] int64, those rows on the device
+    max_top_k: int
+    is_random: bool  # any row that samples
+    use_repetition: bool  # any row with repetition_penalty != 1
+    use_frequency_presence: bool  # any row with a frequency or presence penalty
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingTensors:
+        """Two host-to-device copies and a pass over the rows' knob tuples, whatever the batch size."""
+        knobs = [row.knobs or row_knobs(row.params) for row in rows]
+        columns = list(zip(*knobs))
+        packed = to_device(columns, torch.float32, device)  # [8, N]
+        packed[4].clamp_(max=vocab_size)  # top-k
+        repetition, frequency, presence = columns[5:]
+        penalty_rows = [i for i, (r, f, p) in enumerate(zip(repetition, frequency, presence))
+                        if r != 1.0 or f or p]
+        penalty_index = to_device(penalty_rows, torch.long, device)
+        return cls(*packed[:5], penalties=packed[5:].index_select(1, penalty_index), penalty_rows=penalty_rows,
+                   penalty_index=penalty_index, max_top_k=min(max(columns[4]), vocab_size),
+                   is_random=max(columns[1]) > 0, use_repetition=any(r != 1.0 for r in repetition),
+                   use_frequency_presence=any(f or p for f, p in zip(frequency, presence)))
 
 
 @dataclass
@@ -78,25 +133,30 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     return finish(sample_async(logits, rows, default_generator), rows)
 
 
-def sample_async(logits: torch.Tensor, rows: list[SamplingRow],
-                 default_generator: torch.Generator | None = None) -> SampledBatch:
-    """Samples on the device without waiting for the result."""
+def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
+                 tensors: SamplingTensors | None = None, penalties: PenaltyBatch | None = None,
+                 in_place: bool = False) -> SampledBatch:
+    """Samples on the device without waiting for the result.
+
+    tensors: the rows' knobs (built here when None). penalties: the penalized rows' token histories on the device
+    (None: built from the rows' host token lists). in_place: the logits are the caller's to overwrite."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if not rows:
         return SampledBatch(torch.empty(0, dtype=torch.long, device=logits.device), [])
     raw = logits.float()
     if all(row.params.is_greedy and _is_plain(row) for row in rows):
-        tokens = raw.argmax(dim=-1)  # the common fast path: nothing to process, nothing to copy
-        return logprobs_on_device(raw, tokens, rows)
-    x = apply_logit_bias(raw.clone(), rows)  # [N, V]
-    x = apply_min_tokens(x, rows)
-    x = apply_penalties(x, rows)
-    tokens = x.argmax(dim=-1)  # [N]: the greedy rows' answer
-    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-    if random_rows:
-        index = to_device(random_rows, torch.long, x.device)
-        tokens[index] = _sample_random(x[index], [rows[i] for i in random_rows], default_generator)
-    return logprobs_on_device(raw, tokens, rows)
+        return _with_logprobs(raw.argmax(dim=-1), _top_logprobs(raw, rows))  # nothing to process
+    logprobs = _top_logprobs(raw, rows)  # from the raw logits, before anything below changes them
+    x = raw if in_place or raw is not logits else raw.clone()
+    x = x.contiguous()  # penalties index the flat logits (a vocabulary padded for tp arrives as a slice)
+    tensors = tensors or SamplingTensors.build(rows, x.shape[1], x.device)
+    apply_logit_bias(x, rows)
+    apply_min_tokens(x, rows)
+    apply_penalties(x, rows, tensors, penalties)
+    kth, subset = _candidates(x, tensors)
+    tokens = sample_tokens(x, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p, tensors.noise_scale,
+                           _noise_keys(rows, tensors, default_generator, x.device), subset)
+    return _with_logprobs(tokens, logprobs)
 
 
 def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], list[Logprobs | None]]:
@@ -116,29 +176,32 @@ def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], lis
 def _is_plain(row: SamplingRow) -> bool:
     """No logit processing applies to this row at this step."""
     params = row.params
-    return (not params.logit_bias and params.repetition_penalty == 1.0 and not params.frequency_penalty
-            and not params.presence_penalty and row.num_outputs >= params.min_tokens)
+    return not params.logit_bias and not uses_penalties(params) and row.num_outputs >= params.min_tokens
 
 
-def _sample_random(x: torch.Tensor, rows: list[SamplingRow], default_generator) -> torch.Tensor:
-    # x: [R, V] processed logits of the random rows -> [R] token ids
-    # Which filters apply is decided here from the params, on the host: a device-side test would wait for the
-    # device, and so for the step launched before this one (no overlap).
-    temperature = _row_values(rows, lambda p: p.temperature, x)
-    x = x / temperature[:, None]
-    use_k = any(row.params.top_k > 0 for row in rows)
-    use_p = any(row.params.top_p < 1.0 for row in rows)
-    if use_k or use_p:
-        x = apply_top_k_top_p(x, _row_values(rows, lambda p: p.top_k, x, torch.long),
-                              _row_values(rows, lambda p: p.top_p, x), use_k, use_p)
-    if any(row.params.min_p > 0 for row in rows):
-        x = apply_min_p(x, _row_values(rows, lambda p: p.min_p, x), check=False)
-    probs = x.softmax(dim=-1)
-    return exponential_race(probs, [row.generator for row in rows], default_generator)
+def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, tuple | None]:
+    """([N] top-k threshold (-inf: none), the largest logits and their ids, or None without top-k rows).
+
+    The threshold is the row's k-th largest logit (torch.topk: no sort of the vocabulary). The kernel reads a
+    top-k row's subset only (max k plus a margin for ties at the k-th logit), unless its ties run past it."""
+    if tensors.max_top_k == 0:
+        return torch.full_like(tensors.top_k, float("-inf")), None
+    values, ids = x.topk(min(x.shape[1], tensors.max_top_k + _TIE_MARGIN), dim=-1)  # [N, S], sorted
+    k = tensors.top_k.long()
+    kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), float("-inf"))
+    return kth, (values, ids)
 
 
-def _row_values(rows: list[SamplingRow], get, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return to_device([get(row.params) for row in rows], dtype, like.device)
+def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, device) -> torch.Tensor:
+    """[N] int64: each row's noise key for this step (greedy rows ignore theirs)."""
+    if not tensors.is_random:
+        return torch.zeros(len(rows), dtype=torch.int64, device=device)
+    keys = torch.randint(0, _MAX_KEY, (len(rows),), dtype=torch.int64, device=device, generator=generator)
+    seeded = [i for i, row in enumerate(rows) if row.seed is not None]
+    if seeded:
+        keys[to_device(seeded, torch.long, device)] = to_device([rows[i].seed % _MAX_KEY for i in seeded],
+                                                                torch.long, device)
+    return keys
 
 
 def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,86 +235,77 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return x
 
 
-def _token_counts(rows: list[SamplingRow], get_ids, x: torch.Tensor) -> torch.Tensor:
-    """[N, V] occurrence counts of each row's token ids."""
-    row_idx, token_idx = _scatter_index(rows, get_ids, x.device)
-    counts = torch.zeros_like(x)
-    counts.index_put_((row_idx, token_idx), torch.ones_like(row_idx, dtype=x.dtype), accumulate=True)
-    return counts
-
-
-def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition penalty (Hugging Face: over prompt and output tokens, positive logits divided by it, negative
-    multiplied), then frequency and presence penalties (OpenAI: over output tokens,
-    x -= frequency * count + presence * (count > 0))."""
-    if any(row.params.repetition_penalty != 1.0 for row in rows):
-        seen = _token_counts(rows, lambda r: r.prompt_token_ids + r.output_token_ids, x) > 0
-        penalty = _row_values(rows, lambda p: p.repetition_penalty, x)[:, None].expand_as(x)
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    if any(row.params.frequency_penalty or row.params.presence_penalty for row in rows):
-        counts = _token_counts(rows, lambda r: r.output_token_ids, x)
-        frequency = _row_values(rows, lambda p: p.frequency_penalty, x)[:, None]
-        presence = _row_values(rows, lambda p: p.presence_penalty, x)[:, None]
-        x = x - frequency * counts - presence * (counts > 0).to(x.dtype)
-    return x
-
-
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool | None = None,
-                      use_p: bool | None = None) -> torch.Tensor:
-    """Keeps the k largest logits (k = 0: all), then the smallest set of those whose probability reaches top_p.
-
-    x: [R, V]; top_k: int64 [R]; top_p: [R]. Dropped logits become -inf. use_k / use_p: whether any row uses
-    them, when the caller knows (else read from the tensors, which waits for the device)."""
-    vocab = x.shape[-1]
-    use_k = bool((top_k > 0).any()) if use_k is None else use_k
-    use_p = bool((top_p < 1.0).any()) if use_p is None else use_p
-    if not (use_k or use_p):
+def apply_penalties(x: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None,
+                    penalties: PenaltyBatch | None = None) -> torch.Tensor:
+    """Repetition penalty (over prompt and output tokens, positive logits divided by it, negative multiplied),
+    then frequency and presence penalties (over output tokens, x -= frequency * count + presence * (count > 0)),
+    in place. penalties: the histories on the device; None: from the rows' host token lists."""
+    tensors = tensors or SamplingTensors.build(rows, x.shape[1], x.device)
+    if not tensors.penalty_rows:
         return x
+    if penalties is None:
+        penalties = host_penalty_batch(rows, tensors, x.device)
+    return apply_history_penalties(x, penalties)
+
+
+def host_penalty_batch(rows: list[SamplingRow], tensors: SamplingTensors, device) -> PenaltyBatch:
+    """The penalized rows' histories from their host token lists (one copy)."""
+    histories = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in tensors.penalty_rows]
+    width = max(1, *map(len, histories))
+    padded = [h + [h[0] if h else 0] * (width - len(h)) for h in histories]
+    counts = to_device([[len(rows[i].prompt_token_ids) for i in tensors.penalty_rows], list(map(len, histories))],
+                       torch.long, device)
+    return penalty_batch(tensors, to_device(padded, torch.long, device), counts[0], counts[1])
+
+
+def penalty_batch(tensors: SamplingTensors, token_ids: torch.Tensor, num_prompt: torch.Tensor,
+                  num_tokens: torch.Tensor) -> PenaltyBatch:
+    """The penalized rows of `tensors` with their histories (token_ids [P, L], num_prompt [P], num_tokens [P])."""
+    repetition, frequency, presence = tensors.penalties
+    return PenaltyBatch(tensors.penalty_index, token_ids, num_prompt, num_tokens, repetition, frequency, presence,
+                        tensors.use_repetition, tensors.use_frequency_presence)
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-k / top-p masks by definition, with a full sort (the specification the sampling kernel is tested
+    against; sampling itself never sorts): keeps the k largest logits (k = 0: all), then the smallest set of those
+    whose probability reaches top_p. x: [R, V]; top_k: int64 [R]; top_p: [R]. Dropped logits become -inf."""
+    vocab = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
     rank = torch.arange(vocab, device=x.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
-    if use_p:
-        probs = sorted_x.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-        drop[:, 0] = False  # the most likely token always stays
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # the most likely token always stays
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def apply_min_p(x: torch.Tensor, min_p: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """Drops tokens whose probability is below min_p times the top token's: p_t / p_max = exp(x_t - x_max)."""
-    if check and not bool((min_p > 0).any()):
-        return x
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The min-p mask by definition: drops tokens whose probability is below min_p times the top token's,
+    p_t / p_max = exp(x_t - x_max)."""
     threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # -inf where min_p == 0
     return x.masked_fill(x < threshold, float("-inf"))
 
 
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
-                     default_generator: torch.Generator | None = None) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exponential(1) i.i.d. picks token t with probability probs[t].
-
-    probs: [R, V] -> [R]. Rows with a generator draw their own noise; the others share one batched draw."""
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-
-
-def logprobs_on_device(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
-    """Logprobs from the raw logits: the sampled token's, and the top `params.logprobs` alternatives."""
+def _top_logprobs(raw: torch.Tensor, rows: list[SamplingRow]) -> tuple | None:
+    """(rows, index, log_softmax [W, V], top values, top ids) for the rows that asked for logprobs."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return SampledBatch(tokens, [])
+        return None
     index = to_device(wanted, torch.long, raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)  # [W, V]
-    sampled = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1)
     max_k = max(rows[i].params.logprobs for i in wanted)
     top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0].long())
+    return wanted, index, logprobs, top_values, top_ids
+
+
+def _with_logprobs(tokens: torch.Tensor, logprobs: tuple | None) -> SampledBatch:
+    """The step's SampledBatch: the sampled token's logprob and the top alternatives, from the raw logits."""
+    if logprobs is None:
+        return SampledBatch(tokens, [])
+    wanted, index, values, top_values, top_ids = logprobs
+    sampled = values.gather(-1, tokens[index][:, None]).squeeze(-1)
     return SampledBatch(tokens, wanted, sampled, top_values, top_ids)
-
-
-def compute_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[Logprobs | None]:
-    return finish(logprobs_on_device(raw, tokens, rows), rows)[1]

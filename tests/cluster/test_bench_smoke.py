@@ -36,6 +36,24 @@ def test_bench_throughput_beside_transformers(tmp_path):
     assert pagoda_row["engine_steps"]["steps"] >= 5
 
 
+def test_bench_throughput_sampling_sweep_on_one_engine(tmp_path):
+    result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16",
+                  "--output-len", "4", "--no-prefix-caching", "--sampling-sweep", "greedy", "seed")
+    greedy, seed = result["results"]
+    assert (greedy["sampling"], seed["sampling"]) == ("greedy", "seed")
+    assert seed["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+    assert greedy["vs_first"] == 1.0 and seed["vs_first"] == seed["total_tokens_per_s"] / greedy["total_tokens_per_s"]
+    assert seed["output_tokens"] == 16 and result["prefix_caching"] is False
+
+
+def test_bench_sampler(tmp_path):
+    result = _run(tmp_path, "bench", "sampler", "--batch-sizes", "3", "--vocab", "300", "--history-len", "16",
+                  "--settings", "greedy", "top_p", "seed", "--repeats", "2")
+    assert [(r["setting"], r["impl"]) for r in result["results"]] == [
+        ("greedy", "pagoda"), ("top_p", "pagoda"), ("top_p", "full sort"), ("seed", "pagoda")]
+    assert all(r["host_ms"] > 0 for r in result["results"])
+
+
 @pytest.mark.parametrize("rate, client", [("inf", ["--client", "openai", "--client-processes", "2"]),
                                           ("20", ["--client", "aiohttp"])])
 def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
@@ -72,3 +90,7 @@ def test_bench_host_step(tmp_path):
     assert json.loads(out.read_text()) == result
     assert [r["mode"] for r in result["results"]] == ["final", "delta", "delta+interval", "delta+25ms"]
     assert all(r["host_ms_per_step"] > 0 for r in result["results"])
+    runner = main(parser.parse_args(["--num-seqs", "8", "--steps", "5", "--prompt-len", "20", "--executor", "runner",
+                                     "--sampling", "greedy", "seed", "--modes", "delta"]))
+    assert [(r["executor"], r["sampling"]) for r in runner["results"]] == [("runner", "greedy"), ("runner", "seed")]
+    assert all(r["host_ms_per_step_p50"] > 0 for r in runner["results"])

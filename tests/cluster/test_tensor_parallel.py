@@ -1,8 +1,8 @@
 """Tensor parallelism end to end on CPU: real Ray worker actors, gloo all-reduces, the tiny checkpoints.
 
 tensor_parallel_size 2 and 4 must give the same tokens as the in-process single rank (tp=4 replicates the tiny
-models' 2 KV heads), under preemption, chunked prefill and prefix-cache hits; a worker that dies mid-generation
-fails the in-flight requests and then the engine.
+models' 2 KV heads), greedy, seeded and seeded with penalties, under preemption, chunked prefill and prefix-cache
+hits; a worker that dies mid-generation fails the in-flight requests and then the engine.
 """
 
 import asyncio
@@ -25,11 +25,14 @@ PROMPTS = PARITY_PROMPTS
 STRESS = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+# Penalties read the token history that rank 0 keeps on the device (rebuilt after each preemption).
+PENALIZED = SamplingParams(temperature=0.8, top_k=40, seed=11, repetition_penalty=1.3, frequency_penalty=-0.5,
+                           presence_penalty=0.5, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
 
 
 def generate(llm: LLM):
-    params = [GREEDY] * len(PROMPTS) + [SEEDED]
-    outs = llm.generate(PROMPTS + [PROMPTS[1]], params, use_tqdm=False)
+    params = [GREEDY] * len(PROMPTS) + [SEEDED, PENALIZED]
+    outs = llm.generate(PROMPTS + [PROMPTS[1], PROMPTS[3]], params, use_tqdm=False)
     llm.engine.check_integrity()
     return outs
 

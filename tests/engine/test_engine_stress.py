@@ -1,5 +1,5 @@
-"""A randomized workload: shared prefixes, n > 1, stop strings, aborts, a pool small enough to preempt and token
-budgets small enough to chunk, with and without overlapped steps. Block-manager invariants hold after every step,
+"""A randomized workload: shared prefixes, n > 1, stop strings, penalties, aborts, a pool small enough to preempt and
+token budgets small enough to chunk, with and without overlapped steps. Block-manager invariants hold after every step,
 nothing leaks, and every completion (greedy, or sampled with a seed) equals the one the same request gets alone in
 a roomy engine."""
 
@@ -22,9 +22,11 @@ def make_workload(seed: int, num: int = 40):
         prompt = f"{prefix} {body}" if rng.random() < 0.5 else body
         n = rng.choice([1, 1, 1, 2, 3])
         greedy = rng.random() < 0.6  # n > 1 greedy: every completion must be the one greedy answer
+        penalties = rng.choice([{}, {}, {"repetition_penalty": 1.5},
+                                {"frequency_penalty": -1.0, "presence_penalty": 0.5, "repetition_penalty": 0.8}])
         params = SamplingParams(n=n, temperature=0.0 if greedy else 1.0, seed=rng.randint(0, 99),
                                 max_tokens=rng.randint(1, 24), ignore_eos=True,
-                                stop=[rng.choice(WORDS)] if rng.random() < 0.2 else None)
+                                stop=[rng.choice(WORDS)] if rng.random() < 0.2 else None, **penalties)
         work.append((f"req{i}", prompt, params, rng.random() < 0.15))  # the last: abort it mid-way
     return work
 
@@ -61,7 +63,9 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
         assert steps < 2000, "the workload did not finish"
     engine.step()  # the workers drop what finished last
     engine.check_integrity()
-    assert not engine.executor.worker.runner.requests
+    runner = engine.executor.worker.runner
+    assert not runner.requests
+    assert len(runner.history.free_slots) == runner.history.tokens.shape[0]  # every penalty slot came back
     assert engine.scheduler.num_preemptions > 0  # the pool was small enough to matter
     assert set(finished) | aborted == {w[0] for w in work}
 
@@ -70,9 +74,10 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
         if req_id in aborted:
             continue
         # Greedy and seeded sampling alike: a request's tokens depend on nothing else in the batch.
-        roomy.add_request(req_id, prompt, SamplingParams(n=params.n, temperature=params.temperature,
-                                                         seed=params.seed, max_tokens=params.max_tokens,
-                                                         ignore_eos=True, stop=params.stop), stream=False)
+        roomy.add_request(req_id, prompt, SamplingParams(
+            n=params.n, temperature=params.temperature, seed=params.seed, max_tokens=params.max_tokens,
+            ignore_eos=True, stop=params.stop, repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty), stream=False)
         alone = None
         while roomy.has_unfinished_requests():
             for out in roomy.step():

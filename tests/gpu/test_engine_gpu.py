@@ -85,11 +85,38 @@ def _sleep_cycles_for(seconds: float) -> int:
     return int(cycles * seconds * 1000 / start.elapsed_time(end))
 
 
+def test_gpu_greedy_penalties_match_transformers(tiny_checkpoints):
+    """Penalties from the device token histories (the sampling kernel, overlapped steps) against transformers with
+    vLLM's definition as a logits processor, both on the GPU in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+    from tests.engine.test_penalties import vllm_penalties
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, penalties = tiny_checkpoints["llama"], dict(repetition_penalty=1.3, frequency_penalty=-0.6,
+                                                      presence_penalty=0.4)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)], device="cuda")
+        seq = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id,
+                             logits_processor=LogitsProcessorList([vllm_penalties(ids.shape[1], **penalties)]))
+        expected.append(seq[0, ids.shape[1]:].tolist())
+    llm = LLM(model=path, dtype="float32", device="cuda", num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24, **penalties)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    llm.engine.check_integrity()
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3, max_tokens=16, ignore_eos=True,
                    logit_bias={5: 1.0}),
-], ids=["greedy-logprobs", "sampled-filters-seed-bias"])
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1, frequency_penalty=0.2,
+                   presence_penalty=0.1, max_tokens=16, ignore_eos=True),
+], ids=["greedy-logprobs", "sampled-filters-seed-bias", "seed-guide-penalties"])
 def test_gpu_overlapped_step_launches_without_waiting_for_the_device(tiny_checkpoints, params):
     """With the device busy (a 0.5 s spin queued on the stream), a decode step must still return at once: it
     launches step N+1 behind the spin and reads step N, queued before it. Any host-to-device copy from pageable

@@ -74,8 +74,9 @@ import kernels.linear as linear  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
+import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, kv_cache, linear, paged_attention, rms_norm, rotary):
+for module in (activation, kv_cache, linear, paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = lambda *args: False  # as on a GPU
 
@@ -169,6 +170,12 @@ def main() -> int:
             linear.linear_triton(empty(rows, 4096), empty(2 * 14336, 4096), gated=True)
             CASE[0] = f"linear down, {rows} rows"
             linear.linear_triton(empty(rows, 14336), empty(4096, 14336))
+        CASE[0] = "sample 128256"
+        rows = [torch.zeros(4) for _ in range(5)]
+        sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64))
+        CASE[0] = "sample 128256, top-82 subsets"
+        sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64),
+                               (empty(4, 82, dtype=torch.float32), torch.zeros(4, 82, dtype=torch.int64)))
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

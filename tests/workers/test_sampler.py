@@ -9,15 +9,17 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.sampler import SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p, sample
+from workers.sampler import (SamplingRow, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p,
+                             penalty_batch, sample, sample_async)
+from workers.token_history import TokenHistory, apply_history_penalties
 
 # probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04 (ids 0..5)
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = PROBS.log()
 
 
-def _row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+def _row(prompt=(), output=(), seed=None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), seed)
 
 
 def _draw(num: int, logits: torch.Tensor = LOGITS, seed: int = 0, **params) -> Counter:
@@ -96,6 +98,75 @@ def test_penalties_shift_the_distribution():
     assert abs(penalized[0] / 4000 - expected) < 0.015
 
 
+def _dense_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's definition on dense [V] masks and counts, a row at a time (the sampler's former implementation)."""
+    out = x.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        seen = torch.zeros(x.shape[1], dtype=torch.bool)
+        seen[row.prompt_token_ids + row.output_token_ids] = True
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=x.shape[1]).float()
+        r = torch.where(seen, torch.where(out[i] > 0, out[i] / p.repetition_penalty, out[i] * p.repetition_penalty),
+                        out[i])
+        out[i] = r - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def _penalty_rows(vocab: int = 30) -> list[SamplingRow]:
+    """Rows whose prompts and outputs repeat tokens and share them, under every mix of penalties."""
+    gen = torch.Generator().manual_seed(0)
+    settings = [dict(repetition_penalty=1.7), dict(frequency_penalty=0.6), dict(presence_penalty=-0.9), {},
+                dict(repetition_penalty=0.6, frequency_penalty=-0.4, presence_penalty=1.1),
+                dict(frequency_penalty=1.3, presence_penalty=0.2), dict(repetition_penalty=1.2)]
+    rows = []
+    for i, penalties in enumerate(settings):
+        prompt = torch.randint(0, vocab, (1 + 3 * i,), generator=gen).tolist()
+        output = torch.randint(0, vocab // 2, (0 if i == 6 else 9 - i,), generator=gen).tolist()  # repeats
+        rows.append(_row(prompt, output, **penalties))
+    return rows
+
+
+def test_penalties_from_host_lists_and_from_the_device_history_follow_the_definition():
+    rows, vocab = _penalty_rows(), 30
+    x = 3 * torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1))
+    expected = _dense_penalties(x, rows)
+    from_lists = apply_penalties(x.clone(), rows)
+    torch.testing.assert_close(from_lists, expected, rtol=0, atol=1e-5)  # frequency: one subtraction a repeat
+
+    # As the runner keeps them: slots (a freed one reused, stale tokens past its length), prompts copied once,
+    # outputs appended step by step on the device.
+    history = TokenHistory(max_num_seqs=8, max_model_len=40, device=torch.device("cpu"))
+    history.remove(history.add(list(range(39)), [1]))
+    tensors = SamplingTensors.build(rows, vocab, torch.device("cpu"))
+    slots = [history.add(rows[i].prompt_token_ids, []) for i in tensors.penalty_rows]
+    for step in range(max(len(rows[i].output_token_ids) for i in tensors.penalty_rows)):
+        now = [(slot, rows[i].output_token_ids[step]) for slot, i in zip(slots, tensors.penalty_rows)
+               if step < len(rows[i].output_token_ids)]
+        history.append(torch.tensor([s for s, _ in now]), torch.tensor([t for _, t in now]))
+    batch = penalty_batch(tensors, *history.read(torch.tensor(slots), max_tokens=40))
+    assert torch.equal(apply_history_penalties(x.clone(), batch), from_lists)
+
+
+def test_sample_with_device_penalties_and_in_place_logits():
+    rows = _penalty_rows()
+    for row in rows:
+        row.params = SamplingParams(temperature=0.0, repetition_penalty=row.params.repetition_penalty,
+                                    frequency_penalty=row.params.frequency_penalty,
+                                    presence_penalty=row.params.presence_penalty, logprobs=1)
+    x = 3 * torch.randn(len(rows), 30, generator=torch.Generator().manual_seed(2))
+    tokens, logprobs = sample(x, rows)
+    assert tokens == _dense_penalties(x, rows).argmax(dim=-1).tolist()
+    owned = x.clone()
+    tensors = SamplingTensors.build(rows, 30, x.device)
+    batch = sample_async(owned, rows, tensors=tensors, in_place=True)
+    assert batch.tokens.tolist() == tokens
+    assert not torch.equal(owned, x)  # penalized in place...
+    expected = torch.log_softmax(x, -1)  # ...but logprobs still come from the raw logits
+    for i, lp in enumerate(logprobs):
+        assert lp.sampled_logprob == pytest.approx(expected[i, tokens[i]].item(), abs=1e-6)
+    assert batch.sampled_logprobs.tolist() == pytest.approx([lp.sampled_logprob for lp in logprobs], abs=1e-6)
+
+
 def test_logit_bias_forces_a_token():
     assert set(_draw(200, logit_bias={5: 100.0})) == {5}
     assert sample(LOGITS[None], [_row(temperature=0.0, logit_bias={4: 20.0})])[0] == [4]
@@ -112,11 +183,10 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
 
     def seeded_tokens(rows_before: int, steps: int = 20) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
         tokens = []
-        for _ in range(steps):
+        for step in range(steps):
             rows = [_row(temperature=0.8) for _ in range(rows_before)]
-            rows.append(_row(temperature=0.8, top_p=0.9, generator=gen))
+            rows.append(_row(temperature=0.8, top_p=0.9, seed=1234 * 1000 + step))
             rows.append(_row(temperature=0.0))
             batch = torch.cat([logits[:rows_before], logits[4:5], logits[:1]])
             tokens.append(sample(batch, rows)[0][rows_before])
