@@ -60,7 +60,7 @@ def measure(mode: str, num_seqs: int, steps: int, prompt_len: int) -> dict:
     from engine.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(prompt_len + steps + 16) // 16)
-    config = build_engine_config(device="cpu", num_kv_blocks=num_seqs * blocks_per_seq + 16,
+    config = build_engine_config(model="tiny", device="cpu", num_kv_blocks=num_seqs * blocks_per_seq + 16,
                                  max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs))
     engine = LLMEngine(config, executor=InstantExecutor(num_seqs * blocks_per_seq + 16))
     engine.stream_outputs, engine.delta_outputs, engine.output_interval_s = MODES[mode]

@@ -52,7 +52,7 @@ class ModelArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None  # None: the built-in tiny model
+    model: str | None = None  # None: the built-in SmolLM2-135M-Instruct; "tiny": the tiny random model
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = Field(None, ge=1)
@@ -137,7 +137,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         handles[m.served_model_name] = server.bind(m.engine_kwargs(device), m.served_model_name,
                                                    m.graceful_shutdown_timeout_s, app_args.debug, m.stream_interval_s,
                                                    m.engine_process)
-        cards[m.served_model_name] = {"root": m.model or "pagoda-tiny"}
+        cards[m.served_model_name] = {"root": m.model or _default_name(None)}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug}
     ingress = Ingress.options(num_replicas=app_args.ingress_replicas, max_ongoing_requests=10_000,
@@ -160,7 +160,9 @@ def _server_options(m: ModelArgs, device: str) -> dict[str, Any]:
 
 
 def _default_name(model: str | None) -> str:
-    return "pagoda-tiny" if model is None else model.rstrip("/").rsplit("/", 1)[-1]
+    from engine.model_source import default_served_model_name
+
+    return default_served_model_name(model)
 
 
 def _slug(name: str) -> str:

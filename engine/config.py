@@ -16,15 +16,17 @@ _LOAD_FORMATS = ("auto", "safetensors", "random")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to run: a Hugging Face checkpoint directory and how to load it."""
+    """What to run: a Hugging Face checkpoint directory or a GGUF file, and how to load it."""
 
-    model: str  # path to a Hugging Face checkpoint directory
+    model: str  # a Hugging Face checkpoint directory or a .gguf file (engine.model_source resolves user names)
     dtype: str = "auto"  # resolved by `resolve_dtype` once the device is known
     max_model_len: int = 0  # 0: take the checkpoint's max_position_embeddings
     load_format: str = "auto"
     seed: int = 0
-    tokenizer: str | None = None  # defaults to `model`
+    tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
+    chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
+    generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -33,20 +35,34 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.is_gguf and self.load_format == "safetensors":
+            raise ValueError(f"load_format 'safetensors' does not read the GGUF file {self.model!r}")
 
     @classmethod
     def from_path(cls, model: str, **kwargs) -> "ModelConfig":
-        """Reads `config.json` and fills `max_model_len` from it when not given."""
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"model {model!r} is not a checkpoint directory (no config.json)")
-        with open(path) as f:
-            hf_config = json.load(f)
-        config = cls(model=model, hf_config=hf_config, **kwargs)
+        """Reads `config.json` and `generation_config.json` (or a GGUF file's metadata) and fills `max_model_len`
+        from it when not given."""
+        if model.endswith(".gguf"):
+            from workers.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: engine imports no workers at import
+
+            info = read_gguf_model(model)
+            hf_config, generation_config = info.hf_config, info.generation_config
+            if kwargs.get("tokenizer") is None:
+                kwargs["tokenizer"] = gguf_tokenizer_dir(model, info.header_digest)
+        else:
+            hf_config = _read_json(os.path.join(model, "config.json"))
+            if hf_config is None:
+                raise ValueError(f"model {model!r} is not a checkpoint directory (no config.json)")
+            generation_config = _read_json(os.path.join(model, "generation_config.json")) or {}
+        config = cls(model=model, hf_config=hf_config, generation_config=generation_config, **kwargs)
         limit = int(hf_config.get("max_position_embeddings", 2048))
         if config.max_model_len == 0:
             return replace(config, max_model_len=limit)
         return config
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
 
     @property
     def tokenizer_path(self) -> str:
@@ -54,14 +70,24 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.hf_config.get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        ids: list[int] = []
+        for config in (self.hf_config, self.generation_config):  # generation_config.json often lists more
+            eos = config.get("eos_token_id")
+            for token_id in (eos if isinstance(eos, list) else [] if eos is None else [eos]):
+                if int(token_id) not in ids:
+                    ids.append(int(token_id))
+        return tuple(ids)
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 @dataclass(frozen=True)

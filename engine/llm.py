@@ -1,6 +1,6 @@
 """`LLM`: the offline API, as vLLM's users know it.
 
-    llm = LLM()                                   # the built-in tiny model
+    llm = LLM()                                   # the built-in SmolLM2-135M-Instruct; LLM(model="tiny") for tests
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
     outs[0].outputs[0].text
 """
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from engine.llm_engine import LLMEngine, Prompt, build_engine_config
 from engine.request_output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, default_sampling_overrides
 from engine.tokenizer import apply_chat_template
 
 
@@ -33,6 +33,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...)."""
+        return SamplingParams(**default_sampling_overrides(self.engine.config.model))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -42,7 +46,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

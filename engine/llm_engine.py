@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ class RequestGroup:
         self.last_emit: float | None = None  # when step() last returned an output of it
         self.num_sent_tokens = [0] * len(seqs)  # per sequence, for delta outputs
         self.sent_logprob_sums = [0.0] * len(seqs)
+        self.sent_prompt_logprobs = False  # delta outputs: the first output with them carried them
 
     @property
     def is_finished(self) -> bool:
@@ -86,8 +88,12 @@ class RequestGroup:
             finish_time=time.monotonic() if self.is_finished else None,
             num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
             num_preemptions=sum(s.num_preemptions for s in self.seqs))
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):
+            prompt_logprobs = list(self.seqs[0].prompt_logprobs) or [None] * len(self.prompt_token_ids)
+            self.sent_prompt_logprobs = delta
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished,
-                             metrics, error)
+                             metrics, error, prompt_logprobs)
 
     def _completion(self, seq: Request, det: IncrementalDetokenizer, delta: bool) -> CompletionOutput:
         start = self.num_sent_tokens[seq.index] if delta else 0
@@ -118,7 +124,7 @@ class LLMEngine:
         from engine.tokenizer import load_tokenizer
 
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)
         self.executor = executor or create_executor(config)
         block_size = config.cache.block_size
         num_blocks = self.executor.num_kv_blocks
@@ -362,17 +368,33 @@ def build_engine_config(model: str | None = None, dtype: str = "auto", device: s
                         max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                         enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
                         load_format: str = "auto", tokenizer: str | None = None, enforce_eager: bool = False,
-                        use_ray: bool = False) -> EngineConfig:
-    """The one place where user-facing arguments become the frozen config."""
-    if model is None:
-        from workers.tiny_model import default_tiny_model_path  # lazy: engine imports nothing at import time
+                        use_ray: bool = False, chat_template: str | None = None) -> EngineConfig:
+    """The one place where user-facing arguments become the frozen config. `model` is any name
+    `engine.model_source.resolve_model` takes (None: the built-in SmolLM2); `chat_template` a file or the template's
+    text."""
+    from engine.model_source import resolve_model
+    from engine.sampling_params import default_sampling_overrides
 
-        model = default_tiny_model_path()
-    model_config = ModelConfig.from_path(model, dtype=dtype, max_model_len=max_model_len or 0,
-                                         load_format=load_format, seed=seed, tokenizer=tokenizer)
+    source = resolve_model(model)
+    model_config = ModelConfig.from_path(source.path, dtype=dtype, max_model_len=max_model_len or 0,
+                                         load_format=load_format, seed=seed, tokenizer=tokenizer,
+                                         chat_template=read_chat_template(chat_template))
+    default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_bytes,
                           enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
         parallel=ParallelConfig(tensor_parallel_size, device, enforce_eager, use_ray))
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the template itself when it reads as Jinja (as vLLM takes it)."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")

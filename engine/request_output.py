@@ -38,3 +38,6 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed the request
+    # With SamplingParams.prompt_logprobs (vLLM's shape): per prompt token, its id and the top-k ids ->
+    # log-probability; None for the first token. In delta outputs, only the first output carries it.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

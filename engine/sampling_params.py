@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per output token (the sampled token's is always returned)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (and the prompt token's own)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # Filled by the engine, never by users: every token id that ends the request (eos unless ignore_eos, plus
@@ -63,6 +64,8 @@ class SamplingParams:
                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+               f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
@@ -84,3 +87,22 @@ class SamplingParams:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
+
+
+# generation_config.json fields that become sampling defaults (vLLM's set, less max_new_tokens).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling_overrides(model_config) -> dict:
+    """The model's sampling defaults from its generation_config.json, field -> value, for the fields a request does
+    not set (as vLLM applies them; `do_sample` is ignored, as vLLM does). `LLM.generate(sampling_params=None)` uses
+    them; an HTTP layer overlays the request's own fields on them. Raises ValueError for a value SamplingParams
+    rejects."""
+    generation_config = getattr(model_config, "generation_config", None) or {}
+    overrides = {name: generation_config[name] for name in GENERATION_CONFIG_FIELDS
+                 if generation_config.get(name) is not None}
+    try:
+        SamplingParams(**overrides)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json of {model_config.model!r}: {e}") from None
+    return overrides

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -8,6 +8,8 @@ A step's batch is flat: the scheduled tokens of every request packed one after a
     request  a: 5 prompt tokens (prefill)   b: 1 decode token   c: a 3-token chunk of a long prompt
     tokens   [a a a a a | b | c c c]        query_start_loc [0, 5, 6, 9]
     logits for: a (prompt done), b; not c (more chunks to come)
+
+Requests with `prompt_logprobs` also get logits for their prompt positions (workers/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
+from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import SampledBatch, SamplingRow, finish, sample_async
 
 _SEED_STRIDE = 1_000_003
@@ -103,12 +106,14 @@ class ModelRunner:
             return PendingStep(self, [], None, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
+        starts = [state.num_computed_tokens for state in states]
         hidden, sample_rows = self._forward(states, counts)
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, states, starts, counts, self.is_driver)
         sampling_states = [states[i] for i in sample_rows]
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         if not sampling_states:
-            return PendingStep(self, [], None, [])
+            return PendingStep(self, [], None, [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         rows = []
         if self.is_driver:
@@ -125,7 +130,7 @@ class ModelRunner:
             state.num_pending += 1
         self.prev_tokens = batch.tokens
         self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
-        return PendingStep(self, sampling_states, batch.start_copy(), rows)
+        return PendingStep(self, sampling_states, batch.start_copy(), rows, prompt_logprobs)
 
     def _seeded_generator(self, state: RequestState) -> torch.Generator | None:
         """A seeded request's noise depends only on its seed and the position of the token it samples: the same
@@ -183,11 +188,12 @@ class PendingStep:
     ModelRunnerOutput (None on ranks other than 0)."""
 
     def __init__(self, runner: ModelRunner, states: list[RequestState], sampled: SampledBatch | None,
-                 rows: list[SamplingRow]):
+                 rows: list[SamplingRow], prompt_logprobs: PromptLogprobsBatch | None = None):
         self.runner = runner
         self.states = states
         self.sampled = sampled  # SampledBatch (tokens only on ranks other than 0), its host copy started
         self.rows = rows
+        self.prompt_logprobs = prompt_logprobs  # rank 0 only
         self._output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput | None:
@@ -199,6 +205,8 @@ class PendingStep:
             token_ids, logprobs = finish(self.sampled, self.rows)
             self._append(token_ids)
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids, logprobs)
+        if self.prompt_logprobs is not None:
+            self._output.prompt_logprobs = self.prompt_logprobs.outputs()
         return self._output if self.runner.is_driver else None
 
     def _append(self, token_ids: list[int]) -> None:

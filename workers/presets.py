@@ -30,10 +30,10 @@ def preset_dir(name: str) -> str:
     """A checkpoint directory for a preset (config.json + the tiny tokenizer), created once in the cache."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    from engine.model_source import cache_root
     from workers.tiny_model import default_tiny_model_path
 
-    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-    path = os.path.join(root, "presets", name)
+    path = os.path.join(cache_root(), "presets", name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(PRESETS[name], f, indent=2)

@@ -196,7 +196,9 @@ def test_metrics_merge_across_replicas():
 
 # ---- app args and placement ------------------------------------------------------------------------------------
 def test_app_args_are_validated_with_clear_errors():
-    assert parse_args({}).models[0].served_model_name == "pagoda-tiny"
+    assert parse_args({}).models[0].served_model_name == "smollm2-135m-instruct"
+    assert ModelArgs(model="tiny").served_model_name == "pagoda-tiny"
+    assert ModelArgs(model="Qwen/Qwen2.5-7B-Instruct").served_model_name == "Qwen/Qwen2.5-7B-Instruct"
     assert ModelArgs(model="/models/llama-3-8b/").served_model_name == "llama-3-8b"
     for bad, where in [({"models": [{"num_replica": 2}]}, "models.0.num_replica"),
                        ({"models": [{"num_replicas": 1, "autoscaling_config": {}}]}, "not both"),
