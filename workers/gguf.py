@@ -17,6 +17,7 @@ llama.cpp stores the q and k projections of Llama models with each head's rows i
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ class GGUFSlice:
             raise TypeError(f"GGUF tensor {self.name!r}: only [a:b] and [:, a:b] slices are supported, got {key!r}")
         raw = self._rows(rows)
         if len(self.shape) == 1:
-            return torch.from_numpy(np.array(self._dequantize(raw), dtype=np.float32))
+            return _as_tensor(self._dequantize(raw))
         start, stop, _ = cols.indices(self.shape[1])
         if self.data.dtype != np.uint8:  # F32 / F16: elements
             out = self._dequantize(raw[:, start:stop])
@@ -193,7 +194,7 @@ class GGUFSlice:
             out = self._dequantize(raw[:, first:last])
         else:  # a column range inside quantization blocks: whole rows, then cut
             out = self._dequantize(raw)[:, start:stop]
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+        return _as_tensor(out)
 
     def _rows(self, rows: slice) -> np.ndarray:
         start, stop, _ = rows.indices(self.shape[0])
@@ -205,6 +206,11 @@ class GGUFSlice:
         from gguf.quants import dequantize
 
         return dequantize(raw, self.qtype)
+
+
+def _as_tensor(values: np.ndarray) -> torch.Tensor:
+    """float32, contiguous and writable (an F32 tensor's rows are a read-only view of the memory map: copied)."""
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
@@ -219,6 +225,13 @@ def gguf_tokenizer_dir(path: str, digest: str) -> str:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                   gguf_file=os.path.basename(path))
         tokenizer.save_pretrained(tmp)
+        # Reloaded as a model-specific class (Qwen2Tokenizer, ...), transformers rebuilds parts of it (the
+        # pre-tokenizer) from that class's defaults; the generic class takes tokenizer.json as it was built.
+        config_path = os.path.join(tmp, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        with open(config_path, "w") as f:
+            json.dump({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2, sort_keys=True)
 
     return build_once(os.path.join(cache_root(), "gguf-tokenizers", digest[:24]), build,
                       marker="tokenizer_config.json")
