@@ -23,7 +23,7 @@ from cluster.server import LLMServer, replica_options
 
 _ENGINE_FIELDS = ("model", "tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "dtype",
-                  "load_format", "device", "num_kv_blocks", "seed", "enforce_eager", "tokenizer")
+                  "load_format", "device", "num_kv_blocks", "seed", "enforce_eager", "tokenizer", "chat_template")
 
 
 class AutoscalingArgs(BaseModel):
@@ -68,6 +68,7 @@ class ModelArgs(BaseModel):
     seed: int = 0
     enforce_eager: bool = False
     tokenizer: str | None = None
+    chat_template: str | None = None  # a file or the template itself: replaces the tokenizer's
     num_replicas: int | None = Field(None, ge=1)
     autoscaling_config: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(256, ge=1)  # per replica; beyond it the router queues (load signal)

@@ -64,6 +64,7 @@ class EngineCore:
         config = self.engine.config
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
                 "max_num_seqs": config.scheduler.max_num_seqs, "tokenizer_path": config.model.tokenizer_path,
+                "chat_template": config.model.chat_template,
                 "stats": self.loop.stats}
 
     def add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
@@ -226,7 +227,7 @@ class RemoteAsyncEngine(OutputStreams):
 
         self.core = core_actor_class().options(**actor_options).remote(engine_kwargs, output_interval_s)
         info = ray.get(self.core.info.options(concurrency_group="control").remote(), timeout=START_TIMEOUT_S)
-        self.tokenizer = load_tokenizer(info["tokenizer_path"])  # the engine's, resolved once over there
+        self.tokenizer = load_tokenizer(info["tokenizer_path"], info["chat_template"])  # the engine's, resolved there
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
         self.max_num_seqs = info["max_num_seqs"]
         self._stats: EngineStats = info["stats"]

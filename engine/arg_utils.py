@@ -7,7 +7,9 @@ import argparse
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in tiny)")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory, a .gguf file, a Hugging Face repo id in the local cache, or "
+                             "'tiny' (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--block-size", type=int, default=16)
@@ -23,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None,
                         help="a real-sized shape with random weights instead of --model (e.g. llama-3-8b)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) that replaces "
+                                                              "the tokenizer's")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,4 +40,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=load_format,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, chat_template=args.chat_template)

@@ -14,9 +14,13 @@ from engine.sampling_params import SamplingParams
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def engine_kwargs(tiny_model_dir):
-    return {"model": tiny_model_dir, "device": "cpu", "block_size": 4, "num_kv_blocks": 256}
+    return {"model": tiny_model_dir, "device": "cpu", "block_size": 4, "num_kv_blocks": 256,
+            "chat_template": CHAT_TEMPLATE}
 
 
 @pytest.fixture
@@ -45,6 +49,7 @@ def _requests():
 
 def test_remote_engine_gives_the_in_process_outputs(remote, engine_kwargs):
     local = AsyncLLMEngine(LLMEngine.from_args(**engine_kwargs))
+    assert remote.tokenizer.chat_template == local.engine.tokenizer.chat_template == CHAT_TEMPLATE  # the override
     try:
         expected = asyncio.run(_run_all(local, _requests()))
         got = asyncio.run(_run_all(remote, _requests()))
