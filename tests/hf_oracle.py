@@ -10,7 +10,8 @@ import torch
 @torch.no_grad()
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab] float32 log-softmax of transformers' logits; row i predicts token i + 1."""
-    return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+    ids = torch.tensor([token_ids], device=model.device)
+    return torch.log_softmax(model(ids).logits[0].float(), dim=-1).cpu()
 
 
 def assert_matches_hf(model, out, num_top: int, atol: float, greedy: bool = True) -> None:
