@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> dict:
     if load_format != "random":  # a model name as users type it; none: the tiny model (a quick comparison)
         from engine.model_source import resolve_model as resolve_name
 
-        model_dir = resolve_name(model_dir or "tiny").path
+        model_dir = resolve_name(model_dir or "tiny")
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     prompts = synthetic_prompts(args.num_requests, tuple(args.input_len_range), vocab_size, args.seed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -374,9 +373,9 @@ def build_engine_config(model: str | None = None, dtype: str = "auto", device: s
     text."""
     from engine.model_source import resolve_model
     from engine.sampling_params import default_sampling_overrides
+    from engine.tokenizer import read_chat_template
 
-    source = resolve_model(model)
-    model_config = ModelConfig.from_path(source.path, dtype=dtype, max_model_len=max_model_len or 0,
+    model_config = ModelConfig.from_path(resolve_model(model), dtype=dtype, max_model_len=max_model_len or 0,
                                          load_format=load_format, seed=seed, tokenizer=tokenizer,
                                          chat_template=read_chat_template(chat_template))
     default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
@@ -387,14 +386,3 @@ def build_engine_config(model: str | None = None, dtype: str = "auto", device: s
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
         parallel=ParallelConfig(tensor_parallel_size, device, enforce_eager, use_ray))
 
-
-def read_chat_template(chat_template: str | None) -> str | None:
-    """`--chat-template`: a file's contents, or the template itself when it reads as Jinja (as vLLM takes it)."""
-    if chat_template is None:
-        return None
-    if os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            return f.read()
-    if "{{" in chat_template or "{%" in chat_template:
-        return chat_template
-    raise ValueError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")

@@ -19,7 +19,6 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # the served name of the built-in model
 TINY_MODEL = "tiny"
@@ -27,39 +26,27 @@ TINY_MODEL_NAME = "pagoda-tiny"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved `model` argument."""
-
-    path: str  # a checkpoint directory or a .gguf file
-    served_model_name: str  # what clients ask for, unless the user names it
-
-    @property
-    def is_gguf(self) -> bool:
-        return self.path.endswith(".gguf")
-
-
-def resolve_model(model: str | None) -> ModelSource:
-    """Raises ValueError naming what was tried when `model` is none of the forms above."""
-    name = default_served_model_name(model)
+def resolve_model(model: str | None) -> str:
+    """The checkpoint directory or .gguf file to load. Raises ValueError naming what was tried when `model` is none
+    of the forms above."""
     if model is None:
         from workers.default_model import default_model_path  # lazy: engine imports no other package at import
 
-        return ModelSource(default_model_path(), name)
+        return default_model_path()
     if model == TINY_MODEL:
         from workers.tiny_model import default_tiny_model_path
 
-        return ModelSource(default_tiny_model_path(), name)
+        return default_tiny_model_path()
     if model.endswith(".gguf") and not os.path.isfile(model):
         raise ValueError(f"model {model!r}: no such .gguf file")
     if os.path.isfile(model):
         if not model.endswith(".gguf"):
             raise ValueError(f"model {model!r} is a file but not a .gguf file")
-        return ModelSource(model, name)
+        return model
     if os.path.isdir(model):
-        return ModelSource(_checkpoint_in(model), name)
+        return _checkpoint_in(model)
     if _REPO_ID.match(model) and not model.startswith((".", "/")):
-        return ModelSource(_checkpoint_in(find_hf_snapshot(model)), name)
+        return _checkpoint_in(find_hf_snapshot(model))
     raise ValueError(f"model {model!r} is not a checkpoint directory, a .gguf file, {TINY_MODEL!r} or a Hugging Face "
                      "repo id (org/name); no such path exists")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def load_tokenizer(path: str, chat_template: str | None = None):
     """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own."""
@@ -28,3 +30,15 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
                                              chat_template=chat_template, **kwargs)
     except Exception as e:  # jinja errors: the template rejected the conversation
         raise ValueError(f"chat template failed: {e}") from e
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the template itself when it reads as Jinja (as vLLM takes it)."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")

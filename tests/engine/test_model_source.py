@@ -34,8 +34,8 @@ def test_repo_ids_resolve_to_the_local_snapshot(tmp_path, monkeypatch, tiny_mode
     snapshot = fake_hf_cache(tmp_path / "home" / "hub", "Org/Tiny-Instruct", tiny_model_dir)
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    source = resolve_model("Org/Tiny-Instruct")
-    assert (source.path, source.served_model_name) == (snapshot, "Org/Tiny-Instruct")
+    assert resolve_model("Org/Tiny-Instruct") == snapshot
+    assert default_served_model_name("Org/Tiny-Instruct") == "Org/Tiny-Instruct"
     llm = LLM(model="Org/Tiny-Instruct", device="cpu", num_kv_blocks=32)
     assert llm.engine.config.model.model == snapshot
     assert llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
@@ -63,7 +63,7 @@ def test_built_in_names():
     assert default_served_model_name("tiny") == "pagoda-tiny"
     assert default_served_model_name("/models/llama-3-8b/") == "llama-3-8b"
     assert default_served_model_name("/models/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
-    assert resolve_model("tiny").path.endswith("tiny-llama-v1")
+    assert resolve_model("tiny").endswith("tiny-llama-v1")
 
 
 @pytest.fixture
