@@ -385,4 +385,3 @@ def build_engine_config(model: str | None = None, dtype: str = "auto", device: s
                           enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
         parallel=ParallelConfig(tensor_parallel_size, device, enforce_eager, use_ray))
-

@@ -4,7 +4,6 @@ transformers' logits; loaded from the GGUF file directly it gives exactly the co
 
 import os
 
-import pytest
 import torch
 
 from engine import SamplingParams
