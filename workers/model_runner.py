@@ -60,6 +60,7 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
         self.requests: dict[str, RequestState] = {}
+        self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is still being computed
         self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.prev_rows: dict[str, int] = {}  # req_id -> row of prev_tokens
         max_blocks = -(-scheduler_config.max_model_len // block_size)
@@ -74,8 +75,11 @@ class ModelRunner:
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.scoring.discard(req_id)
         for new in sched.new_reqs:
             self.requests[new.req_id] = self._new_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.scoring.add(new.req_id)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replaces_block_ids:
@@ -106,12 +110,16 @@ class ModelRunner:
             return PendingStep(self, [], None, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
-        starts = [state.num_computed_tokens for state in states]
         hidden, sample_rows = self._forward(states, counts)
-        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, states, starts, counts, self.is_driver)
+        prompt_logprobs = None
+        if self.scoring:  # (a set test: decode steps without such requests pay nothing)
+            starts = [state.num_computed_tokens for state in states]
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, states, starts, counts, self.is_driver)
         sampling_states = [states[i] for i in sample_rows]
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
+        if self.scoring:
+            self.scoring -= {s.req_id for s in states if s.num_computed_tokens >= len(s.prompt_token_ids) - 1}
         if not sampling_states:
             return PendingStep(self, [], None, [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
