@@ -8,6 +8,10 @@ the top-k alternatives, from the hidden states the prefill computes anyway.
 A step that computes positions [start, start + count) of a request scores prompt tokens start + 1 ..
 min(start + count, P - 1), so chunked prefill yields them chunk by chunk. The logits are computed a bounded number
 of rows at a time: a long prompt over a large vocabulary never needs a [P, V] float32 tensor at once.
+
+Prefix caching: a request that asks for prompt logprobs takes no prefix-cache hit (the scheduler skips the lookup,
+as vLLM does), since a hit would skip the positions that score its prompt; the blocks it computes still enter the
+cache for the requests after it. A preempted one recomputes its prompt and rewrites the same values.
 """
 
 from __future__ import annotations
