@@ -30,16 +30,16 @@ FACTS = [("The color of the clear daytime sky is", ["blue", "green", "red", "bla
 
 
 def write_tasks(root) -> None:
-    """Two tasks: four-way multiple choice (loglikelihoods) and capital cities (greedy generation)."""
+    """Two tasks: 20 four-way multiple choices (80 loglikelihoods) and 12 capital cities (greedy generation)."""
     cities = [city for _, city in CAPITALS]
     choice_docs = [{"question": f"The capital of {country} is", "choices": [city] + [c for c in cities if c != city][
-        i % 5:i % 5 + 3], "label": 0} for i, (country, city) in enumerate(CAPITALS)]
+        i % 5:i % 5 + 3], "label": 0} for i, (country, city) in enumerate(CAPITALS[:14])]
     choice_docs += [{"question": q, "choices": c, "label": label} for q, c, label in FACTS]
     for doc in choice_docs[::2]:  # not always the first choice
         doc["choices"] = doc["choices"][::-1]
         doc["label"] = len(doc["choices"]) - 1 - doc["label"]
     gen_docs = [{"question": f"Question: What is the capital of {country}?\nAnswer: The capital of {country} is",
-                 "answer": city} for country, city in CAPITALS[:16]]
+                 "answer": city} for country, city in CAPITALS[12:]]
     common = {"dataset_path": "json", "test_split": "test", "output_type": None}
     tasks = {
         "pagoda_mc": (choice_docs, {**common, "output_type": "multiple_choice", "doc_to_text": "{{question}}",
@@ -111,7 +111,8 @@ def evaluate(model, root) -> dict:
     from lm_eval.tasks import TaskManager
 
     results = lm_eval.simple_evaluate(model=model, tasks=["pagoda_mc", "pagoda_gen"], bootstrap_iters=0,
-                                      task_manager=TaskManager(include_path=str(root)), log_samples=True)
+                                      task_manager=TaskManager(include_path=str(root), include_defaults=False),
+                                      log_samples=True)
     return results
 
 
