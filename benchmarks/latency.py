@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> dict:
     engine.shutdown()
     print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s", "min_running",
                        "preemptions"])
-    result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "tiny",
+    result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "smollm2-135m-instruct",
               "workers": workers, "results": rows}
     write_json(args.output_json, result)
     return result

@@ -140,10 +140,10 @@ def main(args: argparse.Namespace) -> dict:
     import os
 
     model_dir, load_format = resolve_model(args.model, args.preset)
-    if model_dir is None:
-        from workers.tiny_model import default_tiny_model_path
+    if load_format != "random":  # a model name as users type it; none: the tiny model (a quick comparison)
+        from engine.model_source import resolve_model as resolve_name
 
-        model_dir = default_tiny_model_path()
+        model_dir = resolve_name(model_dir or "tiny")
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     prompts = synthetic_prompts(args.num_requests, input_len_range(args), vocab_size, args.seed)

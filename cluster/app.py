@@ -174,7 +174,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         handle = server.bind(replace(m.engine, device=device), settings)
         for alias in m.names:
             handles[alias] = handle
-            cards[alias] = {"root": m.engine.model or "pagoda-tiny"}
+            cards[alias] = {"root": m.engine.model or _default_name(None)}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
               "default_max_tokens": app_args.default_max_tokens}
@@ -203,8 +203,9 @@ def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]
 
 
 def _default_name(model: str | None) -> str:
-    """The name clients ask for: the model as given (vLLM serves a path under that path)."""
-    return "pagoda-tiny" if model is None else model
+    from engine.model_source import default_served_model_name
+
+    return default_served_model_name(model)
 
 
 def _slug(name: str) -> str:

@@ -20,7 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     if model_positional:
         parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                             help="the model (same as --model)")
-    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (default: built-in)")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory, a .gguf file, a Hugging Face repo id in the local cache, or "
+                             "'tiny' (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16"])
@@ -43,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="refused: Pagoda runs only its own model code (see the README's model list)")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) that replaces "
+                                                              "the tokenizer's")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -61,5 +65,6 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                  seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager)
+                  seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager,
+                  chat_template=args.chat_template)
     return EngineArgs(**(values | overrides))

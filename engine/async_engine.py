@@ -107,7 +107,7 @@ class AsyncLLMEngine:
 
         self.config = config
         self.connection = connection or LocalConnection(config)
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path)  # while a remote core loads its model
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)  # while a core loads
         info = self.connection.start()
         self.max_model_len = info.max_model_len
         self.vocab_size = config.model.vocab_size

@@ -23,15 +23,17 @@ _LOAD_FORMATS = ("auto", "safetensors", "random")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to run: a Hugging Face checkpoint directory and how to load it."""
+    """What to run: a Hugging Face checkpoint directory or a GGUF file, and how to load it."""
 
-    model: str  # path to a Hugging Face checkpoint directory
+    model: str  # a Hugging Face checkpoint directory or a .gguf file (engine.model_source resolves user names)
     dtype: str = "auto"  # resolved by `resolve_dtype` once the device is known
     max_model_len: int = 0  # 0: take the checkpoint's max_position_embeddings
     load_format: str = "auto"
     seed: int = 0
-    tokenizer: str | None = None  # defaults to `model`
+    tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
+    chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
+    generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -40,16 +42,26 @@ class ModelConfig:
             raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len < 0:
             raise ParamError("max_model_len", f"must be >= 0, got {self.max_model_len}")
+        if self.is_gguf and self.load_format == "safetensors":
+            raise ParamError("load_format", f"'safetensors' does not read the GGUF file {self.model!r}")
 
     @classmethod
     def from_path(cls, model: str, **kwargs) -> "ModelConfig":
-        """Reads `config.json` and fills `max_model_len` from it when not given."""
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise ParamError("model", f"{model!r} is not a checkpoint directory (no config.json)")
-        with open(path) as f:
-            hf_config = json.load(f)
-        config = cls(model=model, hf_config=hf_config, **kwargs)
+        """Reads `config.json` and `generation_config.json` (or a GGUF file's metadata) and fills `max_model_len`
+        from it when not given."""
+        if model.endswith(".gguf"):
+            from workers.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: engine imports no workers at import
+
+            info = read_gguf_model(model)
+            hf_config, generation_config = info.hf_config, info.generation_config
+            if kwargs.get("tokenizer") is None:
+                kwargs["tokenizer"] = gguf_tokenizer_dir(model, info.header_digest)
+        else:
+            hf_config = _read_json(os.path.join(model, "config.json"))
+            if hf_config is None:
+                raise ParamError("model", f"{model!r} is not a checkpoint directory (no config.json)")
+            generation_config = _read_json(os.path.join(model, "generation_config.json")) or {}
+        config = cls(model=model, hf_config=hf_config, generation_config=generation_config, **kwargs)
         limit = model_context_length(hf_config)
         if config.max_model_len == 0:
             return replace(config, max_model_len=limit)
@@ -59,15 +71,22 @@ class ModelConfig:
         return config
 
     @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.hf_config.get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        ids: list[int] = []
+        for config in (self.hf_config, self.generation_config):  # generation_config.json often lists more
+            eos = config.get("eos_token_id")
+            for token_id in (eos if isinstance(eos, list) else [] if eos is None else [eos]):
+                if int(token_id) not in ids:
+                    ids.append(int(token_id))
+        return tuple(ids)
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +102,13 @@ def model_context_length(hf_config: dict) -> int:
         base = int(scaling.get("original_max_position_embeddings") or limit)
         limit = max(limit, int(base * float(scaling.get("factor", 1.0))))
     return limit
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 @dataclass(frozen=True)
@@ -171,6 +197,7 @@ class EngineArgs:
     enforce_eager: bool = False
     use_ray: bool = False
     stream_interval_s: float = 0.0
+    chat_template: str | None = None  # a file, or the template's text: replaces the tokenizer's
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -200,13 +227,16 @@ class EngineArgs:
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 
     def create_engine_config(self) -> EngineConfig:
-        model = self.model
-        if model is None or model == "tiny":
-            from workers.tiny_model import default_tiny_model_path  # lazy: engine imports nothing at import time
+        """`model` is any name engine.model_source.resolve_model takes (None: the built-in SmolLM2)."""
+        from engine.model_source import resolve_model
+        from engine.sampling_params import default_sampling_overrides
+        from engine.tokenizer import read_chat_template
 
-            model = default_tiny_model_path()
-        model_config = ModelConfig.from_path(model, dtype=self.dtype, max_model_len=self.max_model_len or 0,
-                                             load_format=self.load_format, seed=self.seed, tokenizer=self.tokenizer)
+        model_config = ModelConfig.from_path(resolve_model(self.model), dtype=self.dtype,
+                                             max_model_len=self.max_model_len or 0, load_format=self.load_format,
+                                             seed=self.seed, tokenizer=self.tokenizer,
+                                             chat_template=read_chat_template(self.chat_template))
+        default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
         cache, scheduler, parallel = self._parts()
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s)

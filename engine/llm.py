@@ -1,6 +1,6 @@
 """`LLM`: the offline API, as vLLM's users know it.
 
-    llm = LLM()                                   # the built-in model
+    llm = LLM()                                   # the built-in SmolLM2-135M-Instruct; LLM(model="tiny") for tests
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
     outs[0].outputs[0].text
 """
@@ -14,7 +14,7 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.prompts import Prompt
 from engine.request_output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, default_sampling_overrides
 from engine.tokenizer import apply_chat_template
 
 
@@ -26,6 +26,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...)."""
+        return SamplingParams(**default_sampling_overrides(self.engine.config.model))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -35,7 +39,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -63,7 +63,7 @@ class LLMEngine:
         from engine.tokenizer import load_tokenizer
 
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)
         self.executor = executor or create_executor(config)
         block_size = config.cache.block_size
         num_blocks = self.executor.num_kv_blocks

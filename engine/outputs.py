@@ -67,9 +67,22 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """One prefill chunk's prompt logprobs: prompt tokens [start, start + len(token_logprobs)) of a request, each
+    scored from the hidden state of the token before it (so start >= 1), with the top-k alternatives."""
+
+    start: int
+    token_logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class ModelRunnerOutput:
-    """What one step produced: one sampled token for each request whose scheduled tokens reached its end."""
+    """What one step produced: one sampled token for each request whose scheduled tokens reached its end, and the
+    prompt logprobs of the prompt chunks it computed for requests that asked for them."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)  # parallel to req_ids
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req_id -> this step's chunk

@@ -13,7 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import Logprobs
+from engine.outputs import Logprobs, PromptLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -63,6 +63,8 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprobs | None] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (and until computed).
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by a launched step, not yet known here (overlapped scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
@@ -97,6 +99,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= _FIRST_FINISHED  # hot: plain int comparison
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Stores a prefill chunk's prompt logprobs by position (a recompute after preemption rewrites the same)."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        for i, (logprob, ids, values) in enumerate(zip(chunk.token_logprobs, chunk.top_token_ids,
+                                                       chunk.top_logprobs)):
+            position = chunk.start + i
+            self.prompt_logprobs[position] = {**dict(zip(ids, values)), self.prompt_token_ids[position]: logprob}
 
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         if self.first_token_time is None:

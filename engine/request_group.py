@@ -43,6 +43,7 @@ class RequestGroup:
         self.last_emit: float | None = None  # monotonic time of the last delta
         self.num_sent_tokens = [0] * len(seqs)
         self.is_done_sent = [False] * len(seqs)
+        self.sent_prompt_logprobs = False
 
     @property
     def is_finished(self) -> bool:
@@ -63,7 +64,25 @@ class RequestGroup:
         seqs = [d for d in (self._seq_delta(seq, det) for seq, det in zip(self.seqs, self.detokenizers))
                 if d is not None]
         finished = self.is_finished
-        return RequestDelta(self.request_id, seqs, finished, error, self._metrics() if finished else None)
+        return RequestDelta(self.request_id, seqs, finished, error, self._metrics() if finished else None,
+                            self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs, once, on the first delta (the prompt is computed by then)."""
+        k = self.params.prompt_logprobs
+        if k is None or self.sent_prompt_logprobs:
+            return None
+        self.sent_prompt_logprobs = True
+        entries = self.seqs[0].prompt_logprobs or [None] * len(self.prompt_token_ids)
+        strings, out = self.token_strings, []
+        for token_id, entry in zip(self.prompt_token_ids, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            top = sorted(((t, v) for t, v in entry.items()), key=lambda item: -item[1])[:k]
+            out.append(TokenLogprob(token_id, strings(token_id), entry.get(token_id, float("nan")),
+                                    [(t, strings(t), v) for t, v in top]))
+        return out
 
     def _seq_delta(self, seq: Request, det: IncrementalDetokenizer) -> SequenceDelta | None:
         i = seq.index

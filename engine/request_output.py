@@ -75,6 +75,9 @@ class RequestDelta:
     finished: bool = False
     error: str | None = None  # the engine failed the request (it is finished)
     metrics: RequestMetrics | None = None  # on the last delta
+    # With SamplingParams.prompt_logprobs, on the request's first delta: one entry per prompt token (None for the
+    # first, which nothing predicts), its top alternatives among `top`.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -106,6 +109,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs (vLLM's shape): per prompt token, its id and the top-k ids ->
+    # log-probability; None for the first token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_final_delta(cls, delta: RequestDelta, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
@@ -119,4 +125,8 @@ class RequestOutput:
                 cumulative = sum(entry.logprob for entry in seq.logprobs)
             outputs.append(CompletionOutput(seq.index, seq.text, list(seq.token_ids), logprobs, seq.finish_reason,
                                             seq.stop_reason, cumulative))
-        return cls(delta.request_id, prompt, prompt_token_ids, outputs, delta.finished, delta.metrics, delta.error)
+        prompt_logprobs = None if delta.prompt_logprobs is None else [
+            None if entry is None else {t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob}
+            for entry in delta.prompt_logprobs]
+        return cls(delta.request_id, prompt, prompt_token_ids, outputs, delta.finished, delta.metrics, delta.error,
+                   prompt_logprobs)

@@ -32,6 +32,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per output token (the sampled token's is always returned)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (and the prompt token's own)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # Filled by the engine, never by users: every token id that ends the request (eos unless ignore_eos, plus
@@ -75,6 +76,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS} strings")
+        if self.prompt_logprobs is not None:
+            _check_int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for token_id in self.stop_token_ids:
             _check_int(token_id, "stop_token_ids", 0, 2**31 - 1, "must be non-negative token ids")
@@ -117,3 +120,22 @@ def _check_float(value, name: str, low: float, high: float) -> None:
 def _check_int(value, name: str, low: int, high: int, what: str | None = None) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
     _check(low <= value <= high, name, f"{what or f'must be in [{low}, {high}]'}, got {value}")
+
+
+# generation_config.json fields that become sampling defaults (vLLM's set, less max_new_tokens).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling_overrides(model_config) -> dict:
+    """The model's sampling defaults from its generation_config.json, field -> value, for the fields a request does
+    not set (as vLLM applies them; `do_sample` is ignored, as vLLM does). `LLM.generate(sampling_params=None)` uses
+    them; the HTTP layer overlays the request's own fields on them. Raises ParamError for a value SamplingParams
+    rejects."""
+    generation_config = getattr(model_config, "generation_config", None) or {}
+    overrides = {name: generation_config[name] for name in GENERATION_CONFIG_FIELDS
+                 if generation_config.get(name) is not None}
+    try:
+        SamplingParams(**overrides)
+    except ParamError as e:
+        raise ParamError("model", f"generation_config.json of {model_config.model!r}: {e}") from None
+    return overrides

@@ -124,7 +124,9 @@ class Scheduler:
                 skipped.append(req)  # its leader's prompt is not in the cache yet
                 continue
             if req.num_computed_tokens == 0 and not self.block_manager.block_ids(req.req_id):
-                hits = self.block_manager.find_cached_prefix(req)
+                # A request that wants prompt logprobs computes its whole prompt: a hit would skip positions.
+                wants_prompt = req.sampling_params.prompt_logprobs is not None
+                hits = [] if wants_prompt else self.block_manager.find_cached_prefix(req)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = len(hits) * self.block_manager.block_size
                 num_new = min(req.num_tokens - len(hits) * self.block_manager.block_size, budget)
@@ -202,6 +204,10 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
                 self.block_manager.commit(req)
+        for req_id, chunk in result.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.add_prompt_logprobs(chunk)
         updated = []
         for req_id, token_id, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             req = self.requests.get(req_id)

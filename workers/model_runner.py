@@ -10,6 +10,8 @@ A step's batch is flat: the scheduled tokens of every request packed one after a
     request  a: 5 prompt tokens (prefill)   b: 1 decode token   c: a 3-token chunk of a long prompt
     tokens   [a a a a a | b | c c c]        query_start_loc [0, 5, 6, 9]
     logits for: a (prompt done), b; not c (more chunks to come)
+
+Requests with `prompt_logprobs` also get logits for their prompt positions (workers/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
+from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs,
                              sample_async)
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
@@ -61,6 +64,7 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
         self.requests: dict[str, RequestState] = {}
+        self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is still being computed
         self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.prev_rows: dict[str, int] = {}  # req_id -> row of prev_tokens
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
@@ -78,12 +82,15 @@ class ModelRunner:
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             state = self.requests.pop(req_id, None)
+            self.scoring.discard(req_id)
             if state is not None and state.history_slot is not None:
                 self.history.remove(state.history_slot)
         if sched.new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
             self._sampling = None  # a request id may now name another state (a preempted one came back)
         for new in sched.new_reqs:
             self.requests[new.req_id] = self._new_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.scoring.add(new.req_id)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replaces_block_ids:
@@ -115,11 +122,17 @@ class ModelRunner:
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
         hidden, sample_rows = self._forward(states, counts)
+        prompt_logprobs = None
+        if self.scoring:  # (a set test: decode steps without such requests pay nothing)
+            starts = [state.num_computed_tokens for state in states]
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, states, starts, counts, self.is_driver)
         sampling_states = [states[i] for i in sample_rows]
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
+        if self.scoring:
+            self.scoring -= {s.req_id for s in states if s.num_computed_tokens >= len(s.prompt_token_ids) - 1}
         if not sampling_states:
-            return PendingStep(self, [], None, [])
+            return PendingStep(self, [], None, [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         rows = []
         if self.is_driver:
@@ -139,7 +152,7 @@ class ModelRunner:
             state.num_pending += 1
         self.prev_tokens = batch.tokens
         self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
-        return PendingStep(self, sampling_states, batch.start_copy(), rows)
+        return PendingStep(self, sampling_states, batch.start_copy(), rows, prompt_logprobs)
 
     @staticmethod
     def _sample_seed(state: RequestState) -> int | None:
@@ -212,11 +225,12 @@ class PendingStep:
     ModelRunnerOutput (None on ranks other than 0)."""
 
     def __init__(self, runner: ModelRunner, states: list[RequestState], sampled: SampledBatch | None,
-                 rows: list[SamplingRow]):
+                 rows: list[SamplingRow], prompt_logprobs: PromptLogprobsBatch | None = None):
         self.runner = runner
         self.states = states
         self.sampled = sampled  # SampledBatch (tokens only on ranks other than 0), its host copy started
         self.rows = rows
+        self.prompt_logprobs = prompt_logprobs  # rank 0 only
         self._output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput | None:
@@ -228,6 +242,8 @@ class PendingStep:
             token_ids, logprobs = finish(self.sampled, self.rows)
             self._append(token_ids)
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids, logprobs)
+        if self.prompt_logprobs is not None:
+            self._output.prompt_logprobs = self.prompt_logprobs.outputs()
         return self._output if self.runner.is_driver else None
 
     def _append(self, token_ids: list[int]) -> None:

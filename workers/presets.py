@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 
-from engine import envs
 
 _COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02}
 _LLAMA_3 = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8,
@@ -32,10 +31,10 @@ def preset_dir(name: str) -> str:
     """A checkpoint directory for a preset (config.json + the tiny tokenizer), created once in the cache."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    from engine.model_source import cache_root
     from workers.tiny_model import default_tiny_model_path
 
-    root = envs.cache_dir()
-    path = os.path.join(root, "presets", name)
+    path = os.path.join(cache_root(), "presets", name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(PRESETS[name], f, indent=2)

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 
-from engine import envs
 
 TINY_MODEL_NAME = "tiny-llama-v1"
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -191,22 +188,8 @@ def _save_quietly(model, path: str, max_shard_size: str | None) -> None:
 
 
 def default_tiny_model_path() -> str:
-    """Builds the tiny Llama checkpoint once into `$PAGODA_CACHE/tiny-llama-v1` (default `~/.cache/pagoda`).
+    """Builds the tiny Llama checkpoint once into `$PAGODA_CACHE/tiny-llama-v1` (default `~/.cache/pagoda`);
+    safe when several processes race (`engine.model_source.build_once`)."""
+    from engine.model_source import build_once, cache_root
 
-    Safe when several processes race: each builds into its own temporary directory and renames it into place;
-    the first rename wins and the others discard their copy."""
-    root = envs.cache_dir()
-    final = os.path.join(root, TINY_MODEL_NAME)
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}.", dir=root)
-    try:
-        make_tiny_model(tmp, arch="llama", seed=0)
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isfile(os.path.join(final, "config.json")):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(os.path.join(cache_root(), TINY_MODEL_NAME), lambda tmp: make_tiny_model(tmp, "llama", seed=0))

@@ -1,8 +1,8 @@
-"""Loading a model shard: from a Hugging Face safetensors checkpoint, or random weights for benchmarks.
+"""Loading a model shard: from a Hugging Face safetensors checkpoint, a GGUF file, or random weights for benchmarks.
 
 Each rank opens the checkpoint files itself and reads only its slice of each tensor: `iterate_weights` yields lazy
-safetensors slices, and the parameters' weight loaders index them (`slice[a:b]`), so a rank never materializes a
-full tensor it does not need.
+safetensors slices (`workers.gguf.iterate_gguf_weights` lazy GGUF slices that dequantize what they return), and the
+parameters' weight loaders index them (`slice[a:b]`), so a rank never materializes a full tensor it does not need.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
                seed: int = 0, max_model_len: int | None = None) -> nn.Module:
     """Builds this rank's shard of the model on `device` and fills its weights.
 
-    load_format: "auto" / "safetensors" read `model_dir`; "random" draws every weight from
+    load_format: "auto" / "safetensors" read `model_dir` (a .gguf file with "auto"); "random" draws every weight from
     N(0, initializer_range) with `seed` (norm weights 1, biases 0) without reading any checkpoint.
     """
     model_class = get_model_class(hf_config)
@@ -58,7 +58,12 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         init_random_weights(model, std=float(hf_config.get("initializer_range", 0.02)), seed=seed)
     elif load_format in ("auto", "safetensors"):
         assert model_dir is not None, "a checkpoint directory is needed unless load_format='random'"
-        model.load_weights(iterate_weights(model_dir))
+        if model_dir.endswith(".gguf"):
+            from workers.gguf import iterate_gguf_weights
+
+            model.load_weights(iterate_gguf_weights(model_dir, hf_config))
+        else:
+            model.load_weights(iterate_weights(model_dir))
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
     return model.eval()

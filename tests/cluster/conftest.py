@@ -24,7 +24,7 @@ def serve_url(ray_cluster):
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port  # another test module may have started Serve first
-    small = {"num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
+    small = {"model": "tiny", "num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
     app = build_app({
         "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, **small},
                    {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small},

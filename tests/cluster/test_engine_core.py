@@ -19,10 +19,13 @@ from engine.sampling_params import SamplingParams
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
     return EngineArgs(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=256,
-                      stream_interval_s=0.0).create_engine_config()
+                      stream_interval_s=0.0, chat_template=CHAT_TEMPLATE).create_engine_config()
 
 
 @pytest.fixture
@@ -60,6 +63,7 @@ def _joined(deltas):
 
 def test_remote_engine_gives_the_in_process_deltas(remote, config):
     local = AsyncLLMEngine(config)
+    assert remote.tokenizer.chat_template == local.tokenizer.chat_template == CHAT_TEMPLATE  # the override
 
     async def run(engine):
         return await asyncio.gather(*(_collect(engine, *r) for r in _requests()))

@@ -70,7 +70,7 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
     # Not the session cluster's settings (its HAProxy's ports among them): the CLI chooses its own.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_"))}
     env.update(PAGODA_TORCH_THREADS="1", RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "2",
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", "tiny", "--port", str(port), "--num-cpus", "2",
            "--num-kv-blocks", "64", "--replica-num-cpus", "0.5", "--served-model-name", "cli-tiny",
            "--api-key", "cli-key", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "4",
            "--ingress-mode", ingress_mode]

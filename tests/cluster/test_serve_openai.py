@@ -123,7 +123,7 @@ def test_http_matches_offline_llm_greedy_tokens(client, ray_cluster, serve_url):
     from engine import LLM, SamplingParams
 
     prompts = ["Hello, my name is", "def fibonacci(n):"]
-    llm = LLM(num_kv_blocks=256, max_model_len=512, max_num_seqs=32)
+    llm = LLM(model="tiny", num_kv_blocks=256, max_model_len=512, max_num_seqs=32)
     try:
         offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         tokenizer = llm.get_tokenizer()

@@ -38,7 +38,7 @@ def test_tp2_replica_uses_its_placement_group_and_matches_tp1(serve_url):
 
     from cluster.app import build_app
 
-    app = build_app({"models": [{"served_model_name": "tiny-tp2", "tensor_parallel_size": 2, "num_kv_blocks": 256,
+    app = build_app({"models": [{"model": "tiny", "served_model_name": "tiny-tp2", "tensor_parallel_size": 2, "num_kv_blocks": 256,
                                  "max_model_len": 512, "max_num_seqs": 32}]})
     serve.run(app, name="pagoda-tp", route_prefix="/tp")
     try:

@@ -217,7 +217,9 @@ def test_metrics_merge_across_replicas():
 
 # ---- app args and placement ------------------------------------------------------------------------------------
 def test_app_args_are_validated_with_clear_errors():
-    assert parse_args({}).models[0].served_model_name == "pagoda-tiny"
+    assert parse_args({}).models[0].served_model_name == "smollm2-135m-instruct"
+    assert ModelArgs(model="tiny").served_model_name == "pagoda-tiny"
+    assert ModelArgs(model="Qwen/Qwen2.5-7B-Instruct").served_model_name == "Qwen/Qwen2.5-7B-Instruct"
     assert ModelArgs(model="/models/llama-3-8b/").served_model_name == "/models/llama-3-8b/"  # as vLLM names it
     assert parse_args({"models": [{"served_model_name": ["a", "b"]}]}).models[0].names == ["a", "b"]
     args = parse_args({"models": [{"block_size": 32, "num_replicas": 2}]}).models[0]

@@ -8,6 +8,7 @@ hits; a worker that dies mid-generation fails the in-flight requests and then th
 import asyncio
 import functools
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -28,10 +29,12 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_NEW, 
 # Penalties read the token history that rank 0 keeps on the device (rebuilt after each preemption).
 PENALIZED = SamplingParams(temperature=0.8, top_k=40, seed=11, repetition_penalty=1.3, frequency_penalty=-0.5,
                            presence_penalty=0.5, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+SCORED = replace(GREEDY, prompt_logprobs=2)  # prompt logprobs: gathered logits of every chunk's positions
 
 
 def generate(llm: LLM):
     params = [GREEDY] * len(PROMPTS) + [SEEDED, PENALIZED]
+    params[3] = SCORED  # a long prompt: several chunks
     outs = llm.generate(PROMPTS + [PROMPTS[1], PROMPTS[3]], params, use_tqdm=False)
     llm.engine.check_integrity()
     return outs
@@ -43,6 +46,7 @@ def single_rank_reference(model_dir: str):
     llm = LLM(model=model_dir, dtype="float32", device="cpu", **STRESS)
     outs = generate(llm)
     assert llm.engine.scheduler.num_preemptions > 0, "the stress config no longer preempts"
+    assert len(outs[3].prompt_logprobs) == len(outs[3].prompt_token_ids) and outs[3].prompt_logprobs[-1]
     llm.shutdown()
     return outs
 
@@ -52,6 +56,11 @@ def assert_same_outputs(ref_outs, outs):
         ref_c, c = ref.outputs[0], out.outputs[0]
         assert c.token_ids == ref_c.token_ids, f"prompt {ref.prompt!r}"
         assert c.finish_reason == ref_c.finish_reason == "length"
+        assert (ref.prompt_logprobs is None) == (out.prompt_logprobs is None)
+        for ref_entry, entry in zip(ref.prompt_logprobs or [], out.prompt_logprobs or []):
+            assert (ref_entry is None) == (entry is None) and set(entry or {}) == set(ref_entry or {})
+            for token_id, logprob in (ref_entry or {}).items():
+                assert abs(entry[token_id] - logprob) < 1e-4
         for ref_entry, entry in zip(ref_c.logprobs or [], c.logprobs or []):
             assert set(entry) == set(ref_entry)
             for token_id, logprob in ref_entry.items():

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -31,8 +32,14 @@ def _run(path: str, rank: int, world_size: int, init_method: str) -> torch.Tenso
     torch.set_num_threads(1)
     parallel.init_parallel(rank, world_size, backend="gloo", init_method=init_method)
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            model = load_model(json.load(f), path, torch.float32, "cpu")
+        if path.endswith(".gguf"):
+            from workers.gguf import read_gguf_model
+
+            config = read_gguf_model(path).hf_config
+        else:
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+        model = load_model(config, path, torch.float32, "cpu")
         if world_size > 1:
             _check_collectives(rank, world_size)
         seqs = _paged_sequences_class()(model, num_seqs=len(PROMPTS))
@@ -61,9 +68,15 @@ def _rank_main(rank, path, world_size, init_method, out_dir):
     torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_tp2_matches_tp1(tmp_path):
-    # qwen2: tied embeddings and qkv bias also go through the sharded path.
-    path = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=4)
+@pytest.mark.parametrize("arch,fmt", [("qwen2", "safetensors"), ("llama", "gguf")])
+def test_tp2_matches_tp1(tmp_path, arch, fmt):
+    # qwen2: tied embeddings and qkv bias also go through the sharded path. GGUF: each rank dequantizes its rows
+    # and column blocks, the q/k rows of its heads put back in Hugging Face order.
+    path = make_tiny_model(str(tmp_path / arch), arch, seed=4)
+    if fmt == "gguf":
+        from tests.gguf_files import write_gguf
+
+        path = write_gguf(path, str(tmp_path / f"{arch}.Q8_0.gguf"))
     expected = _run(path, 0, 1, None)
     init_method = f"file://{tmp_path / 'rendezvous'}"
     mp.start_processes(_rank_main, args=(path, 2, init_method, str(tmp_path)), nprocs=2, start_method="spawn")

@@ -1,0 +1,237 @@
+"""GGUF checkpoints (llama.cpp's format): metadata -> a config.json dict, tensors -> lazily dequantized slices under
+Hugging Face names, and a tokenizer built once from the metadata.
+
+A GGUF tensor of shape [rows, cols] (Hugging Face order; GGUF lists it reversed) is stored row by row, each row a
+run of quantization blocks of `block_size` elements along the columns:
+
+    row r:  [block 0: scale(s) + block_size codes][block 1] ... [block cols/block_size - 1]
+
+so `GGUFSlice[a:b]` dequantizes only rows a..b, and `GGUFSlice[:, a:b]` only the blocks that cover columns a..b
+when a and b fall on block boundaries (otherwise the whole rows, then the columns are cut). Each tensor-parallel
+rank thus dequantizes only its shard, as it reads only its slice of a safetensors file.
+
+llama.cpp stores the q and k projections of Llama models with each head's rows interleaved for its rotary layout
+(pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...); the slices undo that with a row permutation, read lazily like the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Types `gguf.quants.dequantize` handles and that Pagoda has checked; any other type is an error naming it.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes q/k rows for these architectures only
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+# general.sampling.* (llama.cpp's recommended sampling) -> generation_config.json names
+_SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    hf_config: dict  # config.json equivalent
+    generation_config: dict  # generation_config.json equivalent
+    header_digest: str  # sha256 of the metadata and tensor table (everything before the tensor data)
+
+
+def open_gguf(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def read_gguf_model(path: str) -> GGUFModelInfo:
+    reader = open_gguf(path)
+    return GGUFModelInfo(gguf_hf_config(reader), gguf_generation_config(reader), header_digest(path, reader))
+
+
+def header_digest(path: str, reader) -> str:
+    """Identifies the metadata (tokenizer and chat template included) without hashing gigabytes of weights."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(reader.data_offset)).hexdigest()
+
+
+def _fields(reader) -> dict:
+    """Metadata as Python values, skipping the tokenizer's big arrays (transformers reads those)."""
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
+
+
+def gguf_hf_config(reader) -> dict:
+    """A config.json dict from the GGUF metadata. Raises NotImplementedError for what Pagoda cannot run."""
+    meta = _fields(reader)
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise NotImplementedError("GGUF tensor rope_freqs.weight (llama3-style RoPE scaling) is not supported")
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    num_heads = int(get("attention.head_count"))
+    num_kv_heads = get("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        raise NotImplementedError("GGUF attention.head_count_kv per layer is not supported")
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // num_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise NotImplementedError(f"partial rotary embeddings (rope.dimension_count "
+                                  f"{get('rope.dimension_count')} of head_dim {head_dim}) are not supported")
+    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = {
+        "architectures": [_ARCHITECTURES[arch]], "model_type": arch, "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads, "num_key_value_heads": int(num_kv_heads), "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": int(vocab_size),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise NotImplementedError(f"GGUF rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
+    for key in ("bos", "eos", "padding"):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+    return config
+
+
+def gguf_generation_config(reader) -> dict:
+    """generation_config.json's fields: special token ids and llama.cpp's recommended sampling, where present."""
+    meta = _fields(reader)
+    config = {key: value for key, value in gguf_hf_config(reader).items() if key.endswith("_token_id")}
+    for key, name in _SAMPLING_KEYS.items():
+        if f"general.sampling.{key}" in meta:
+            config[name] = meta[f"general.sampling.{key}"]
+    return config
+
+
+# ---- tensors -----------------------------------------------------------------------------------------------------
+def hf_tensor_name(gguf_name: str) -> str:
+    """token_embd.weight -> model.embed_tokens.weight, blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
+    Raises ValueError for a tensor Pagoda has no parameter for."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 1 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in Pagoda's models")
+
+
+def iterate_gguf_weights(path: str, hf_config: dict | None = None) -> Iterator[tuple[str, GGUFSlice]]:
+    """(Hugging Face name, lazy slice) for every tensor of the file, as `weights.iterate_weights` yields them."""
+    reader = open_gguf(path)
+    hf_config = hf_config or gguf_hf_config(reader)
+    head_dim = hf_config["head_dim"]
+    permuted = hf_config["model_type"] in _PERMUTED_QK
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        rows = None
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            rows = qk_row_order(int(tensor.shape[-1]), head_dim)
+        yield name, GGUFSlice(tensor, rows)
+
+
+def qk_row_order(num_rows: int, head_dim: int) -> np.ndarray:
+    """For each Hugging Face row of a q/k projection, the GGUF row that holds it: within a head, HF row
+    half * d/2 + j is GGUF row 2j + half (llama.cpp's permute, undone)."""
+    i = np.arange(num_rows)
+    head, local = i // head_dim, i % head_dim
+    half = head_dim // 2
+    return head * head_dim + (local % half) * 2 + local // half
+
+
+class GGUFSlice:
+    """A GGUF tensor read like a safetensors slice: `get_shape()`, `[a:b]` (rows), `[:, a:b]` (columns), `[:]`.
+    Indexing dequantizes what it returns to a float32 tensor."""
+
+    def __init__(self, tensor, row_order: np.ndarray | None = None):
+        from gguf import GGML_QUANT_SIZES
+
+        self.name = tensor.name
+        self.qtype = tensor.tensor_type
+        if self.qtype.name not in SUPPORTED_TYPES:
+            raise NotImplementedError(f"GGUF tensor {tensor.name!r} has type {self.qtype.name}, which Pagoda cannot "
+                                      f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
+        self.shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        self.data = tensor.data  # memory-mapped: [rows, bytes per row], or elements for F32 / F16
+        self.block_size, self.type_size = GGML_QUANT_SIZES[self.qtype]
+        self.row_order = row_order
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, cols = (key, slice(None)) if not isinstance(key, tuple) else (key + (slice(None),))[:2]
+        if not (isinstance(rows, slice) and isinstance(cols, slice) and rows.step in (None, 1)
+                and cols.step in (None, 1)):
+            raise TypeError(f"GGUF tensor {self.name!r}: only [a:b] and [:, a:b] slices are supported, got {key!r}")
+        raw = self._rows(rows)
+        if len(self.shape) == 1:
+            return _as_tensor(self._dequantize(raw))
+        start, stop, _ = cols.indices(self.shape[1])
+        if self.data.dtype != np.uint8:  # F32 / F16: elements
+            out = self._dequantize(raw[:, start:stop])
+        elif start % self.block_size == 0 and stop % self.block_size == 0:  # whole blocks: only those
+            first, last = start // self.block_size * self.type_size, stop // self.block_size * self.type_size
+            out = self._dequantize(raw[:, first:last])
+        else:  # a column range inside quantization blocks: whole rows, then cut
+            out = self._dequantize(raw)[:, start:stop]
+        return _as_tensor(out)
+
+    def _rows(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(self.shape[0])
+        if self.row_order is None:
+            return self.data[start:stop]
+        return self.data[self.row_order[start:stop]]  # fancy indexing on the memory map reads only these rows
+
+    def _dequantize(self, raw: np.ndarray) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        return dequantize(raw, self.qtype)
+
+
+def _as_tensor(values: np.ndarray) -> torch.Tensor:
+    """float32, contiguous and writable (an F32 tensor's rows are a read-only view of the memory map: copied)."""
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------------------
+def gguf_tokenizer_dir(path: str, digest: str) -> str:
+    """A tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template) built once from the GGUF
+    metadata by transformers (slow: seconds) and cached under $PAGODA_CACHE/gguf-tokenizers/<digest>."""
+    from engine.model_source import build_once, cache_root
+
+    def build(tmp: str) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                  gguf_file=os.path.basename(path))
+        tokenizer.save_pretrained(tmp)
+        # Reloaded as a model-specific class (Qwen2Tokenizer, ...), transformers rebuilds parts of it (the
+        # pre-tokenizer) from that class's defaults; the generic class takes tokenizer.json as it was built.
+        config_path = os.path.join(tmp, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        with open(config_path, "w") as f:
+            json.dump({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2, sort_keys=True)
+
+    return build_once(os.path.join(cache_root(), "gguf-tokenizers", digest[:24]), build,
+                      marker="tokenizer_config.json")
