@@ -186,10 +186,13 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
             components[request.__name__]["properties"]["model"] = {
                 "anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
         ok = {"application/json": {"schema": ref(response)}}
-        if event is not None:
-            ok["text/event-stream"] = {"schema": {"type": "string", "description":
-                                                  f"`data: <{event.__name__} JSON>` events, then `data: [DONE]`"}}
-            ref(event)
+        if event is not None:  # each SSE event: a chunk (or, last, an error) as JSON, then `data: [DONE]`
+            payload = {"anyOf": [ref(event), error]}
+            ok["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"], "description": f"{event.__name__} events, then [DONE]",
+                "properties": {"data": {"anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}}
         operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
             str(code): {"description": "error", "content": {"application/json": {"schema": error}}}
             for code in ERROR_STATUSES}
