@@ -59,9 +59,12 @@ def _attend_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    window_lo=0, WINDOWED: tl.constexpr = False,
 ):
     """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none (every token of the tile is in range: loads
-    unmasked), 1 tokens < kv_end, 2 causal (q_pos)."""
+    unmasked), 1 tokens < kv_end, 2 causal (q_pos). WINDOWED: also tokens >= window_lo (per row), the first key of
+    each row's sliding window; a row may then see no key of a tile before its first one, so its running max stays
+    -inf and the sums are kept at 0 (not exp2(-inf - -inf) = NaN)."""
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
@@ -77,9 +80,15 @@ def _attend_tile(
         qk = tl.where(in_range[None, :], qk, float("-inf"))
     elif SCORE_MASK == 2:
         qk = tl.where(tokens[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if WINDOWED:
+        qk = tl.where(tokens[None, :] >= window_lo[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: max commutes with the scale
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
+    if WINDOWED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk * qk_scale - m_use[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
     v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
@@ -148,6 +157,7 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,7 +168,12 @@ def _decode_kernel(
     # NUM_SPLITS is sized for the block table's width, in a CUDA graph the longest context: a shorter sequence uses
     # `active` splits of at least MIN_SPLIT_TILES tiles, as if its table were only as wide as it is long; the
     # other programs return at once (fused merge) or report an empty split (for the merge kernel).
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # A sliding window: only the tiles from the one holding the window's first key are split and read.
+    kv_lo = 0
+    if WINDOWED:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    first_tile = kv_lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     active = tl.maximum(tl.minimum(tl.cdiv(num_tiles, MIN_SPLIT_TILES), NUM_SPLITS), 1)
     # With the fused merge, the programs past `active` have nothing to do (the merge reads only active splits);
     # the merge kernel instead reads every split, so there every program writes its (maybe empty) partial.
@@ -167,8 +182,8 @@ def _decode_kernel(
     else:
         has_work = split < NUM_SPLITS
     if has_work:
-        start = split * num_tiles // active * BLOCK_N
-        end = tl.minimum((split + 1) * num_tiles // active * BLOCK_N, seq_len)
+        start = (first_tile + split * num_tiles // active) * BLOCK_N
+        end = tl.minimum((first_tile + (split + 1) * num_tiles // active) * BLOCK_N, seq_len)
 
         rows = tl.arange(0, BLOCK_H)
         heads = kv_head * QUERIES_PER_KV + rows
@@ -182,11 +197,12 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+        window_lo = tl.zeros([BLOCK_H], tl.int32) + kv_lo
         for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window_lo, WINDOWED)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
@@ -242,7 +258,7 @@ def _prefill_kernel(
     stride_bts, stride_ot, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, window=0, WINDOWED: tl.constexpr = False,
 ):
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
     # a block side by side: longest-first scheduling keeps the causal grid's tail short.
@@ -285,7 +301,19 @@ def _prefill_kernel(
     first_pos = context_len + q_block_local * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # keys past the block's last query are never loaded
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of the block sees entirely: no mask
-    for n0 in range(0, full_end, BLOCK_N):
+    # A sliding window (row r sees keys q_pos[r] - window + 1 .. q_pos[r]): tiles before the block's first window
+    # are skipped, those before the last row's window start are masked, and so is the diagonal.
+    window_lo = q_pos - window + 1
+    visible_start = 0  # from here to full_end every row sees every key
+    if WINDOWED:
+        window_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        visible_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        for n0 in range(window_start, visible_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window_lo, True)
+    for n0 in range(visible_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
@@ -294,9 +322,11 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window_lo, WINDOWED)
 
-    out = acc / l_i[:, None]  # every valid row saw at least key 0
+    if WINDOWED:  # rows past the sequence's queries may see no key in their window (never stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]  # every valid row saw at least one key (itself)
     o_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -324,6 +354,11 @@ def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
+
+
+def _check_window(sliding_window) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def _check_triton_layout(q, k_cache, v_cache, block_tables) -> None:
@@ -429,7 +464,7 @@ def _merge_counters(device: torch.device, num_slots: int) -> torch.Tensor:
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None,
-                                  fused_merge=None):
+                                  fused_merge=None, sliding_window=None):
     """Triton launcher of `paged_attention_decode`.
 
     num_splits=None picks it with `decode_num_splits`; any count >= 1 works (the tuner tries others). config overrides
@@ -440,6 +475,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
+    _check_window(sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_size, num_kv_heads = k_cache.shape[1:3]
     if num_seqs == 0:
@@ -448,7 +484,9 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     # a count given by the caller (tuning) is kept down to one tile per split.
     min_split_tokens = MIN_SPLIT_TOKENS if num_splits is None else 1
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        max_context = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, min(max_context, sliding_window or max_context),
+                                       q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device) | (config or {})
@@ -470,6 +508,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, MIN_SPLIT_TILES=cdiv(min_split_tokens, cfg["block_n"]),
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        window=sliding_window or 0, WINDOWED=sliding_window is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
@@ -482,7 +521,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                   max_query_len=None, config=None):
+                                   max_query_len=None, config=None, sliding_window=None):
     """Triton launcher of `paged_attention_prefill`.
 
     max_query_len (optional, no host sync needed) only sizes the query tiles: absent or wrong, results are the
@@ -498,6 +537,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
     check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
+    _check_window(sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -517,6 +557,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        window=sliding_window or 0, WINDOWED=sliding_window is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -529,21 +570,26 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     return cache[blocks].flatten(0, 1)[:seq_len]
 
 
-def _attend_ref(q, k, v, q_pos, scale) -> torch.Tensor:
-    """q [Lq, H, D] at positions q_pos [Lq]; k, v [Lk, Hkv, D]; causal by position; float32 softmax."""
+def _attend_ref(q, k, v, q_pos, scale, sliding_window=None) -> torch.Tensor:
+    """q [Lq, H, D] at positions q_pos [Lq]; k, v [Lk, Hkv, D]; causal by position (within the last sliding_window
+    positions when given); float32 softmax."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     qf = q.float().unflatten(1, (num_kv_heads, group))  # [Lq, Hkv, G, D]
     scores = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = key_pos <= q_pos[:, None]  # [Lq, Lk]
+    if sliding_window is not None:
+        visible &= key_pos > q_pos[:, None] - sliding_window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
     return out.flatten(1, 2).to(q.dtype)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
     """Torch reference of `paged_attention_decode` (and its CPU implementation); seq_len 0 gives zeros."""
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    _check_window(sliding_window)
     out = torch.zeros_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
@@ -551,15 +597,16 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         k = _gather_kv(k_cache, block_tables[s], seq_len)
         v = _gather_kv(v_cache, block_tables[s], seq_len)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
-        out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale)[0]
+        out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale, sliding_window)[0]
     return out
 
 
 def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len=None):
+                                max_query_len=None, sliding_window=None):
     """Torch reference of `paged_attention_prefill` (and its CPU implementation)."""
     num_seqs = seq_lens.shape[0]
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_window(sliding_window)
     starts = query_start_loc.tolist()
     if len(starts) != num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to T={q.shape[0]} over {num_seqs} sequences: {starts}")
@@ -572,33 +619,37 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_l
         k = _gather_kv(k_cache, block_tables[s], seq_len)
         v = _gather_kv(v_cache, block_tables[s], seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale)
+        out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale, sliding_window)
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
     """Attention of one new query per sequence over its paged context.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs], tokens in the cache including the
     current one (already written). Returns [num_seqs, num_heads, head_dim] in q's dtype; a seq_len of 0 (a
-    padding row) gives zeros.
+    padding row) gives zeros. sliding_window W: the query sees only the last W keys (itself included), as
+    transformers' sliding-window mask; the kernel reads no tile before them.
     """
     if use_triton(q):
-        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                             sliding_window=sliding_window)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                            max_query_len=None):
+                            max_query_len=None, sliding_window=None):
     """Causal attention of packed variable-length query chunks over their paged KV.
 
     q [T, num_heads, head_dim] holds sequence b's queries at rows query_start_loc[b] : query_start_loc[b+1]
     (int32 [B+1], from 0 to T). seq_lens int32 [B] is each sequence's KV length including this chunk, whose
     K/V are already in the cache; query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees
-    keys 0..that position. Chunked prefill, prefix-cache hits and decode rows (q_len 1) mix in one batch.
+    keys 0..that position (with sliding_window W, only the last W of them). Chunked prefill, prefix-cache hits and
+    decode rows (q_len 1) mix in one batch.
     """
     if use_triton(q):
         return paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                              max_query_len)
-    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+                                              max_query_len, sliding_window=sliding_window)
+    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       sliding_window=sliding_window)
