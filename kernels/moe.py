@@ -34,7 +34,6 @@ from kernels._triton import (
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
-    next_power_of_2,
     shared_memory_per_block,
     tl,
     triton,
@@ -77,7 +76,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, tile_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
 
 
-@triton.jit
+# num_pairs (T * K) changes with every step's batch: specializing on it (Triton specializes integers that are
+# multiples of 16) would compile new variants while requests wait.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
     N, K, num_pairs, stride_a, stride_we, stride_wn, stride_o,
@@ -147,12 +148,12 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
 @functools.lru_cache(maxsize=None)
 def moe_config(num_pairs: int, num_experts: int, out_features: int, gated: bool, dtype: torch.dtype,
                device: torch.device) -> dict:
-    """Tile sizes: BLOCK_M from the rows an expert gets on average (16, tl.dot's least, for decode batches: each
-    program then streams a weight tile, as kernels/linear's decode kernel; 64 for prefill-sized batches, where
-    the GEMMs become compute-bound). BLOCK_K and the stages shrink until the tiles fit in shared memory. Not yet
-    tuned on a GPU: `python -m benchmarks.kernels --only moe` times these settings."""
-    rows_per_expert = num_pairs / num_experts
-    block_m = min(64, max(16, next_power_of_2(int(rows_per_expert))))
+    """Tile sizes: BLOCK_M from the rows an expert gets on average: 16 (tl.dot's least) up to 16 of them, decode
+    batches, where each program streams a weight tile as kernels/linear's decode kernel does; else 64, where the
+    GEMMs turn compute-bound. Two values only, so that few variants compile. BLOCK_K and the stages shrink until
+    the tiles fit in shared memory. Not yet tuned on a GPU: `python -m benchmarks.kernels --only moe` times these
+    settings against the torch reference."""
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
     block_n = 64 if block_m >= 64 or out_features >= 2048 else 32
     block_k = 64 if block_m >= 64 else 128
     if dtype == torch.float32:

@@ -59,12 +59,12 @@ def _attend_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    window_lo=0, WINDOWED: tl.constexpr = False,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none (every token of the tile is in range: loads
-    unmasked), 1 tokens < kv_end, 2 causal (q_pos). WINDOWED: also tokens >= window_lo (per row), the first key of
-    each row's sliding window; a row may then see no key of a tile before its first one, so its running max stays
-    -inf and the sums are kept at 0 (not exp2(-inf - -inf) = NaN)."""
+    unmasked), 1 tokens < kv_end, 2 causal (q_pos). WINDOWED: also tokens > q_pos - window (per row), the row's
+    sliding window. A row that sees no key of a tile must not have a running max of -inf then (exp2(-inf - -inf)
+    is NaN): prefill starts windowed rows at -1e30 instead; decode's splits never begin with such a tile."""
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
@@ -81,14 +81,10 @@ def _attend_tile(
     elif SCORE_MASK == 2:
         qk = tl.where(tokens[None, :] <= q_pos[:, None], qk, float("-inf"))
     if WINDOWED:
-        qk = tl.where(tokens[None, :] >= window_lo[:, None], qk, float("-inf"))
+        qk = tl.where(tokens[None, :] > q_pos[:, None] - window, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: max commutes with the scale
-    if WINDOWED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk * qk_scale - m_use[:, None])  # one FMA per score
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
     v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
@@ -197,12 +193,12 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
-        window_lo = tl.zeros([BLOCK_H], tl.int32) + kv_lo
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + (seq_len - 1)  # every row is the sequence's last token
         for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, q_pos, kv_head,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window_lo, WINDOWED)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window, WINDOWED)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
@@ -293,7 +289,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if WINDOWED:  # finite: a row's first tiles may all be outside its window (see _attend_tile)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
@@ -301,28 +300,22 @@ def _prefill_kernel(
     first_pos = context_len + q_block_local * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # keys past the block's last query are never loaded
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of the block sees entirely: no mask
-    # A sliding window (row r sees keys q_pos[r] - window + 1 .. q_pos[r]): tiles before the block's first window
-    # are skipped, those before the last row's window start are masked, and so is the diagonal.
-    window_lo = q_pos - window + 1
-    visible_start = 0  # from here to full_end every row sees every key
+    # A sliding window (row r sees keys q_pos[r] - window + 1 .. q_pos[r]): the tiles before the block's first
+    # window are skipped and every tile is masked (a separate unmasked loop for the tiles all rows see whole was
+    # tried: the third copy of the tile code made the 256-row bf16 tile spill 160 bytes a thread on sm_90).
+    window_start = 0
     if WINDOWED:
         window_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-        visible_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
-        for n0 in range(window_start, visible_start, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window_lo, True)
-    for n0 in range(visible_start, full_end, BLOCK_N):
+    for n0 in range(window_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window, WINDOWED)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window_lo, WINDOWED)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window, WINDOWED)
 
     if WINDOWED:  # rows past the sequence's queries may see no key in their window (never stored)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -408,7 +401,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
 
 
 def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
-                   smem_bytes: int = 228 * 1024) -> dict:
+                   smem_bytes: int = 228 * 1024, windowed: bool = False) -> dict:
     """Tile sizes and launch options of the prefill kernel: BLOCK_M rows = BLOCK_Q queries x the GQA group.
 
     Measured on an H200 (`python -m benchmarks.kernels --tune`, Llama-3-8B heads, 8k tokens): 256 x 64 tiles with
@@ -416,12 +409,13 @@ def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype
     and 5 stages (46% and 38% at 2k tokens). Under 1k queries per sequence, 256-row tiles leave SMs idle (512
     tokens: 25 us against 17.5 us with 128 rows), so they are kept for long chunks. The K/V loads depend on
     block-table loads, so the pipeliner spends stages on that chain. With less shared memory, smaller tiles and
-    fewer stages.
+    fewer stages. A sliding window masks every tile: its masks spill 152 bytes a thread of the 256-row tile on
+    sm_90, so windowed prefill keeps 128 rows.
     """
     big_smem = smem_bytes >= 200 * 1024
     if dtype == torch.float32:
         largest = 32
-    elif head_dim <= 128 and big_smem and max_query_len >= 1024:
+    elif head_dim <= 128 and big_smem and max_query_len >= 1024 and not windowed:
         largest = 256
     else:
         largest = 128 if head_dim <= 128 and smem_bytes >= 140 * 1024 else 64
@@ -544,7 +538,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     block_size, num_kv_heads = k_cache.shape[1:3]
     queries_per_kv = num_heads // num_kv_heads
     cfg = prefill_config(max_query_len or num_tokens, queries_per_kv, head_dim, q.dtype,
-                         shared_memory_per_sm(q.device)) | (config or {})
+                         shared_memory_per_sm(q.device), windowed=sliding_window is not None) | (config or {})
     block_q = cfg["block_m"] // queries_per_kv
     if block_q < 1:
         raise ValueError(f"block_m {cfg['block_m']} must hold the {queries_per_kv} query heads of a KV head")

@@ -102,6 +102,7 @@ def test_tile_sizes_never_change_results(block_m, device, poisoned_allocations):
 def test_config_blocks_follow_rows_per_expert():
     cpu = torch.device("cpu")
     assert moe_config(2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 16  # decode: a weight stream
+    assert moe_config(64 * 2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 16  # 16 rows per expert
     assert moe_config(8192 * 2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 64
 
 
