@@ -40,6 +40,7 @@ from kernels._triton import (
     upcast_dot_operands,
     use_triton,
 )
+from kernels.linear import rows_times_weight, silu_mul_rounded
 
 
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,29 +98,13 @@ def _moe_gemm_kernel(
     a_rows = (pairs // ROWS_PER_A).to(tl.int64)
     offs_n = ((tl.program_id(0) % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
-    w_base = w_ptr + expert * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        k_mask = cols < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_base + offs_n[:, None] * stride_wn + cols[None, :], mask=w_mask, other=0.0)
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PRECISION)
-        if GATED:
-            w_up = tl.load(w_base + (N + offs_n)[:, None] * stride_wn + cols[None, :], mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, tl.trans(w_up.to(a.dtype)), input_precision=PRECISION)
-
+    acc, acc_up = rows_times_weight(a_ptr, a_rows, row_mask, stride_a, w_ptr + expert * stride_we, offs_n, n_mask,
+                                    stride_wn, N, K, GATED, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    out = acc.to(dtype)
     if GATED:  # silu(gate) * up, each step rounded as transformers rounds it
-        gate = out.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        out = silu_mul_rounded(acc, acc_up, dtype)
+    else:
+        out = acc.to(dtype)
     if WEIGHTED:
         routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) * routing[:, None]).to(dtype)
