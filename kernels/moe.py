@@ -34,6 +34,7 @@ from kernels._triton import (
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
+    next_power_of_2,
     shared_memory_per_block,
     tl,
     triton,
@@ -53,15 +54,79 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids
 
 
+def _num_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound from the shapes alone: at most min(T * K, E) experts have rows, each padded by < block_m."""
+    return cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
+def _align_kernel(ids_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr, num_pairs, num_tiles,
+                  NUM_EXPERTS: tl.constexpr, PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                  TILES_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`align_by_expert_ref` in one program for decode-sized batches: a [pairs, experts] one-hot, its column sums
+    (counts) and column prefix sums (each pair's rank within its expert)."""
+    pairs = tl.arange(0, PAIRS_PAD)
+    is_pair = pairs < num_pairs
+    experts = tl.load(ids_ptr + pairs, mask=is_pair, other=NUM_EXPERTS).to(tl.int32)
+    onehot = (experts[:, None] == tl.arange(0, EXPERTS_PAD)[None, :]).to(tl.int32)  # [PAIRS_PAD, EXPERTS_PAD]
+    counts = tl.sum(onehot, 0)
+    padded_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded_starts = padded_ends - (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ranks = tl.cumsum(onehot, 0) - onehot  # earlier pairs of the same expert
+    dest = tl.sum(onehot * (padded_starts[None, :] + ranks), 1)
+    fill = tl.arange(0, BLOCK_M)
+    for start in range(0, num_tiles * BLOCK_M, BLOCK_M):
+        tl.store(sorted_ids_ptr + start + fill, tl.full([BLOCK_M], 0, tl.int32) + num_pairs)
+    tl.debug_barrier()  # the padding is written before any pair id over it
+    tl.store(sorted_ids_ptr + dest, pairs, mask=is_pair)
+    tiles = tl.arange(0, TILES_PAD)
+    ends_passed = (padded_ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32)  # [TILES_PAD, EXPERTS_PAD]
+    tile_experts = tl.minimum(tl.sum(ends_passed, 1), NUM_EXPERTS - 1)
+    tl.store(tile_experts_ptr + tiles, tile_experts, mask=tiles < num_tiles)
+    tl.store(num_padded_ptr, tl.max(padded_ends, 0))
+
+
+MAX_ALIGN_ONEHOT = 16384  # pairs x experts (padded) that the one-program alignment holds in registers
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Pair ids sorted by expert, each expert's run padded to a multiple of block_m (padding = T * K).
 
     Returns sorted_ids int32 [num_tiles * block_m], tile_experts int32 [num_tiles], num_padded int32 [1] (rows in
-    use). num_tiles is an upper bound from the shapes alone: at most min(T * K, E) experts have rows, each padded by
-    fewer than block_m. Device ops only (no host sync)."""
+    use), num_tiles from `_num_tiles`. No host sync. On a GPU, one kernel for decode-sized batches (a batch-1 step
+    of a 32-layer model would otherwise run some 600 small torch kernels for it); the torch ops beyond."""
+    if use_triton(topk_ids) and _fits_one_program(topk_ids.numel(), num_experts):
+        return align_by_expert_triton(topk_ids, num_experts, block_m)
+    return align_by_expert_ref(topk_ids, num_experts, block_m)
+
+
+def _fits_one_program(num_pairs: int, num_experts: int) -> bool:
+    return next_power_of_2(num_pairs) * next_power_of_2(num_experts) <= MAX_ALIGN_ONEHOT
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Triton launcher of `align_by_expert` (one program; pairs x experts up to MAX_ALIGN_ONEHOT, padded)."""
+    check_launchable(topk_ids)
+    num_pairs, device = topk_ids.numel(), topk_ids.device
+    if not _fits_one_program(num_pairs, num_experts):
+        raise ValueError(f"{num_pairs} pairs x {num_experts} experts exceed the one-program alignment")
+    pairs_pad, experts_pad = next_power_of_2(num_pairs), next_power_of_2(num_experts)
+    num_tiles = _num_tiles(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, tile_experts, num_padded, num_pairs, num_tiles,
+                        NUM_EXPERTS=num_experts, PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad,
+                        TILES_PAD=next_power_of_2(num_tiles), BLOCK_M=block_m,
+                        num_warps=min(16, max(4, pairs_pad * experts_pad // 1024)))  # no spills on sm_90
+    return sorted_ids, tile_experts, num_padded
+
+
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Torch reference of `align_by_expert` (and its implementation on CPU and for large batches)."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
-    num_tiles = cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+    num_tiles = _num_tiles(num_pairs, num_experts, block_m)
     experts = topk_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
@@ -169,8 +234,9 @@ def _grouped_gemm(a, w, out, aligned, rows_per_a: int, gated: bool, cfg: dict, r
 
 
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config: dict | None = None):
-    """Triton launcher of `fused_moe`: two grouped-GEMM launches (gate/up + SiLU-and-mul, down + routing weight) over
-    one expert alignment, then the slots' sum. config overrides `moe_config`'s keys for both GEMMs (tuning)."""
+    """Triton launcher of `fused_moe`: the expert alignment (one kernel for decode-sized batches), two grouped-GEMM
+    launches (gate/up + SiLU-and-mul, down + routing weight), then the slots' sum. config overrides `moe_config`'s
+    keys for both GEMMs (tuning)."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     check_launchable(x, w13, w2, topk_weights, topk_ids)
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
@@ -184,7 +250,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config: dict | None = N
     cfg_down = {**moe_config(num_pairs, num_experts, hidden, False, x.dtype, x.device), **(config or {})}
     if cfg_down["BLOCK_M"] != cfg_up["BLOCK_M"]:
         raise ValueError("both GEMMs must use one BLOCK_M: they share the expert alignment")
-    aligned = align_by_expert(topk_ids, num_experts, cfg_up["BLOCK_M"])
+    align = align_by_expert_triton if _fits_one_program(num_pairs, num_experts) else align_by_expert_ref
+    aligned = align(topk_ids, num_experts, cfg_up["BLOCK_M"])
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, aligned, top_k, True, cfg_up)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)

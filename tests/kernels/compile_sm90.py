@@ -163,6 +163,9 @@ def main() -> int:
         fused_moe("moe mixtral bf16, 1 token", 1, 4096, 14336, 8, 2)  # 16-row tiles: gate/up + silu, then down
         fused_moe("moe mixtral bf16, 4096 tokens", 4096, 4096, 14336, 8, 2)  # 64-row tiles
         fused_moe("moe qwen3-30b-a3b bf16, 8 tokens", 8, 2048, 768, 128, 8)
+        # The one-program alignment at its limit (MAX_ALIGN_ONEHOT pairs x experts): 16 x 8 of 128, 1024 x 2 of 8.
+        fused_moe("moe qwen3-30b-a3b bf16, 16 tokens", 16, 2048, 768, 128, 8)
+        fused_moe("moe mixtral bf16, 1024 tokens", 1024, 4096, 14336, 8, 2)
         fused_moe("moe fp32", 4, 1024, 512, 4, 2, dtype=torch.float32)
         CASE[0] = "rms_norm+residual 4096"
         x = empty(4, 4096)

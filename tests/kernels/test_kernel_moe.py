@@ -4,7 +4,15 @@ invariants, and the Triton grouped GEMMs against the reference across shapes tha
 import pytest
 import torch
 
-from kernels.moe import align_by_expert, fused_moe, fused_moe_ref, fused_moe_triton, moe_config, topk_route
+from kernels.moe import (
+    align_by_expert_ref,
+    align_by_expert_triton,
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_config,
+    topk_route,
+)
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
 
@@ -54,10 +62,13 @@ def test_router_without_renormalization_is_transformers_qwen2_moe():
     assert (weights.sum(-1) < 1).all()
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (37, 4, 2, 16), (50, 16, 1, 4)])
+ALIGN_CASES = [(1, 8, 2, 16), (37, 4, 2, 16), (50, 16, 1, 4), (3, 128, 8, 16)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES)
 def test_alignment_puts_every_pair_once_in_tiles_of_one_expert(num_tokens, num_experts, top_k, block_m):
     _, _, _, _, ids = make_case(num_tokens, 8, 8, num_experts, top_k, torch.float32, "cpu", skew=2.0)
-    sorted_ids, tile_experts, num_padded = align_by_expert(ids, num_experts, block_m)
+    sorted_ids, tile_experts, num_padded = align_by_expert_ref(ids, num_experts, block_m)
     num_pairs, used = ids.numel(), int(num_padded)
     real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
     assert sorted(real.tolist()) == list(range(num_pairs))  # every pair once
@@ -70,8 +81,20 @@ def test_alignment_puts_every_pair_once_in_tiles_of_one_expert(num_tokens, num_e
         assert rows.numel() > 0 and (ids.flatten()[rows] == tile_experts[tile]).all()
 
 
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES)
+def test_one_program_alignment_equals_the_reference(num_tokens, num_experts, top_k, block_m, device,
+                                                    poisoned_allocations):
+    _, _, _, _, ids = make_case(num_tokens, 8, 8, num_experts, top_k, torch.float32, device, skew=2.0)
+    for got, expected in zip(align_by_expert_triton(ids, num_experts, block_m),
+                             align_by_expert_ref(ids, num_experts, block_m)):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="exceed the one-program alignment"):
+        align_by_expert_triton(torch.zeros(300, 8, dtype=torch.int64, device=device), 128, 16)
+
+
 # Shapes: hidden and intermediate not multiples of the tiles; tokens from decode-sized to several tiles per expert.
-SHAPES = [(1, 64, 48, 8, 2), (3, 96, 80, 4, 2), (37, 64, 48, 4, 1), (130, 32, 96, 8, 2)]
+SHAPES = [(1, 64, 48, 8, 2), (3, 96, 80, 4, 2), (37, 64, 48, 4, 1), (130, 32, 96, 8, 2),
+          (80, 32, 16, 64, 4)]  # the last: too many pairs x experts for the one-program alignment
 
 
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", SHAPES)
