@@ -5,9 +5,10 @@
 
 All experts' weights are stacked: w13 [E, 2 I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I].
 The T * K (token, slot) pairs, pair = t * K + k, are sorted by expert and each expert's run is padded to a multiple
-of BLOCK_M (`align_by_expert`), so that every BLOCK_M-row tile belongs to one expert:
+of BLOCK_M (`align_by_expert`: one small kernel for decode-sized batches), so that every BLOCK_M-row tile belongs
+to one expert (pairs in order within an expert):
 
-    sorted pair ids   [ 4  7  0  - | 1  2  5  6 | 3  -  -  - | ... ]      BLOCK_M = 4, "-" padding (skipped)
+    sorted pair ids   [ 0  4  7  - | 1  2  3  5 | 6  -  -  - | ... ]      BLOCK_M = 4, "-" padding (skipped)
     tile experts      [ 0          | 2          | 2          | ... ]
 
 One launch of `_moe_gemm_kernel` then computes every tile against its expert's weights (grid: tiles x column
