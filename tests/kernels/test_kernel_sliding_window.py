@@ -80,8 +80,10 @@ def test_decode_window_matches_ref(window, num_heads, num_kv_heads, block_size, 
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
-@pytest.mark.parametrize("window,num_heads,num_kv_heads", [(1, 2, 2), (7, 8, 1), (90, 2, 2), (1000, 2, 2)])
+@pytest.mark.parametrize("batch,window,num_heads,num_kv_heads", [
+    ("from_scratch", 1, 2, 2), ("mixed_decode_and_prefill", 1, 2, 2), ("from_scratch", 7, 8, 1),
+    ("prefix_then_chunk", 7, 8, 1), ("prefix_then_chunk", 90, 2, 2), ("mixed_decode_and_prefill", 90, 2, 2),
+    ("from_scratch", 1000, 2, 2)])  # 1000: wider than every sequence
 def test_prefill_window_matches_ref(batch, window, num_heads, num_kv_heads, device, poisoned_allocations):
     seq_lens, q_lens = PREFILL_BATCHES[batch]
     k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, num_kv_heads, 32, 16, torch.float32, device)
