@@ -166,19 +166,25 @@ def test_gpu_mixtral_sizes(num_tokens, cuda):
     torch.testing.assert_close(out, fused_moe_ref(*args), atol=3e-2, rtol=3e-2)
 
 
+QWEN3_30B_A3B = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
+
+
 @pytest.mark.gpu
-def test_gpu_decode_in_a_cuda_graph(cuda):
+@pytest.mark.parametrize("shape,num_tokens", [(MIXTRAL, 8), (QWEN3_30B_A3B, 4), (QWEN3_30B_A3B, 64)],
+                         ids=["mixtral-8", "qwen3-moe-4", "qwen3-moe-64"])  # the last: the torch alignment
+def test_gpu_decode_in_a_cuda_graph(shape, num_tokens, cuda):
     """A decode step's MoE as the engine runs it: captured once, replayed with other routings."""
-    c = MIXTRAL
-    x, w13, w2, weights, ids = make_case(8, c["hidden"], c["inter"], c["num_experts"], 2, torch.bfloat16, cuda)
+    c = shape
+    x, w13, w2, weights, ids = make_case(num_tokens, c["hidden"], c["inter"], c["num_experts"], c["top_k"],
+                                         torch.bfloat16, cuda)
     fused_moe(x, w13, w2, weights, ids)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(x, w13, w2, weights, ids)
     for seed in range(3):
-        _, _, _, new_weights, new_ids = make_case(8, 8, 8, c["num_experts"], 2, torch.float32, cuda, seed=seed + 1,
-                                                  skew=3.0 * seed)
+        _, _, _, new_weights, new_ids = make_case(num_tokens, 8, 8, c["num_experts"], c["top_k"], torch.float32,
+                                                  cuda, seed=seed + 1, skew=3.0 * seed)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
