@@ -14,7 +14,8 @@ engine admits:
     dynamic   NTK-aware base scaling for seq_len = max(max_model_len, max_position_embeddings): none while
               max_model_len <= max_position_embeddings (transformers' result for every sequence that fits), else
               transformers' result for a sequence of exactly max_model_len tokens. vLLM fixes it at
-              max_position_embeddings * factor: the same cache when max_model_len is set to that.
+              max_position_embeddings * factor: the same cache at the default max_model_len of such a config
+              (engine/config.py's model_context_length).
     longrope  the long factors when max_model_len > original_max_position_embeddings, else the short ones (as vLLM
               decides); transformers picks them per forward pass by its longest position, so the two agree on
               every sequence when max_model_len <= original, and on sequences longer than original otherwise.
