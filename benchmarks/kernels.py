@@ -10,7 +10,8 @@ Decode attention is memory-bound: it is scored by the K/V bytes it must read ove
 (under --cuda-graph, which flushes nothing), and a plain read of the same bytes ("read only") shows what any
 kernel can reach at that size. Prefill attention is scored in causal FLOPs (2 * 2 * T * T / 2 * heads * head_dim)
 against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written, the decode-sized
-linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights. Torch's
+linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights; the fused MoE (`--only moe`,
+benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference. Torch's
 scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
 baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
 recorded, and the run goes on.
@@ -46,6 +47,7 @@ from kernels.paged_attention import (  # noqa: E402
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe  # noqa: E402
 
 COPY_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
@@ -502,7 +504,7 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("prefill attn, >= 4k tokens", "prefill attn", lambda case: int(case.split()[0]) >= 4096, 0.50),
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
 ]
-NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear")
+NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe")
 
 
 def print_targets(results: list[dict]) -> None:
@@ -530,11 +532,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
-    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear"], action="append",
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe"], action="append",
                         help="run only these groups (repeatable)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
-                        "--only decode / prefill / linear)")
+                        "--only decode / prefill / linear / moe)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -552,12 +554,14 @@ def main(argv=None) -> int:
           f"bf16 {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s")
     torch.manual_seed(0)
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
+    moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
-              "linear": bench_linear}
+              "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg)}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
-        groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear}
+        groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear,
+                  "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg)}
     start = time.perf_counter()
     for group, bench in groups.items():
         if not args.only or group in args.only:

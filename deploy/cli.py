@@ -13,6 +13,8 @@ from engine import envs
 from engine.arg_utils import add_engine_args, engine_args
 from engine.config import EngineArgs
 
+# workers.tiny_model.TINY_ARCHES' keys (not imported here: it brings torch; a test keeps the two equal)
+TINY_ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 _DEFAULT_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import os\nimport sys\n"]
 
 # One ingress process parses, validates and streams every request; on an H200, 256 streams all at once gave
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="write the built-in tiny checkpoint (random weights) to DIR")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
+    tiny.add_argument("--arch", default="llama", choices=TINY_ARCH_NAMES)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny_model)
 

@@ -42,21 +42,17 @@ MAX_ROWS = 16  # the kernel's batch limit (benchmarks/kernels.py --only linear: 
 
 
 @triton.jit
-def _linear_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_mask = offs_n < N
+def rows_times_weight(a_ptr, a_rows, row_mask, stride_a, w_ptr, offs_n, n_mask, stride_w, up_row, K,
+                      GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc, acc_up) float32 [BLOCK_M, BLOCK_N]: rows a_rows of a against weight rows offs_n (and, GATED, against
+    rows up_row + offs_n), walking K in BLOCK_K steps. Shared by this file's kernel and kernels/moe.py's."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_mask = cols < K
-        xv = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
+        xv = tl.load(a_ptr + a_rows[:, None] * stride_a + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
         if UPCAST:
             xv = xv.to(tl.float32)
@@ -66,17 +62,38 @@ def _linear_kernel(
         if GATED:
             w_up = tl.load(w_ptr + (up_row + offs_n)[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
             acc_up += tl.dot(xv, tl.trans(w_up.to(xv.dtype)), input_precision=PRECISION)
+    return acc, acc_up
 
+
+@triton.jit
+def silu_mul_rounded(acc, acc_up, dtype: tl.constexpr):
+    """silu(gate) * up from float32 accumulators, each step rounded to dtype as silu_and_mul rounds it."""
+    gate = acc.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    acc, acc_up = rows_times_weight(x_ptr, rows, row_mask, stride_x, w_ptr, offs_n, n_mask, stride_w, up_row, K,
+                                    GATED, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(bias_ptr + up_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(dtype)
-    if GATED:  # silu(gate) * up, each rounded as silu_and_mul rounds it
-        gate = out.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    if GATED:
+        out = silu_mul_rounded(acc, acc_up, dtype)
+    else:
+        out = acc.to(dtype)
     tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
 
 

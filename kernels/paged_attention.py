@@ -59,9 +59,12 @@ def _attend_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none (every token of the tile is in range: loads
-    unmasked), 1 tokens < kv_end, 2 causal (q_pos)."""
+    unmasked), 1 tokens < kv_end, 2 causal (q_pos). WINDOWED: also tokens > q_pos - window (per row), the row's
+    sliding window. A row that sees no key of a tile must not have a running max of -inf then (exp2(-inf - -inf)
+    is NaN): prefill starts windowed rows at -1e30 instead; decode's splits never begin with such a tile."""
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
@@ -77,6 +80,8 @@ def _attend_tile(
         qk = tl.where(in_range[None, :], qk, float("-inf"))
     elif SCORE_MASK == 2:
         qk = tl.where(tokens[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if WINDOWED:
+        qk = tl.where(tokens[None, :] > q_pos[:, None] - window, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: max commutes with the scale
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
@@ -148,6 +153,7 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,7 +164,12 @@ def _decode_kernel(
     # NUM_SPLITS is sized for the block table's width, in a CUDA graph the longest context: a shorter sequence uses
     # `active` splits of at least MIN_SPLIT_TILES tiles, as if its table were only as wide as it is long; the
     # other programs return at once (fused merge) or report an empty split (for the merge kernel).
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # A sliding window: only the tiles from the one holding the window's first key are split and read.
+    kv_lo = 0
+    if WINDOWED:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    first_tile = kv_lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     active = tl.maximum(tl.minimum(tl.cdiv(num_tiles, MIN_SPLIT_TILES), NUM_SPLITS), 1)
     # With the fused merge, the programs past `active` have nothing to do (the merge reads only active splits);
     # the merge kernel instead reads every split, so there every program writes its (maybe empty) partial.
@@ -167,8 +178,8 @@ def _decode_kernel(
     else:
         has_work = split < NUM_SPLITS
     if has_work:
-        start = split * num_tiles // active * BLOCK_N
-        end = tl.minimum((split + 1) * num_tiles // active * BLOCK_N, seq_len)
+        start = (first_tile + split * num_tiles // active) * BLOCK_N
+        end = tl.minimum((first_tile + (split + 1) * num_tiles // active) * BLOCK_N, seq_len)
 
         rows = tl.arange(0, BLOCK_H)
         heads = kv_head * QUERIES_PER_KV + rows
@@ -182,11 +193,12 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + (seq_len - 1)  # every row is the sequence's last token
         for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, rows, kv_head,
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, q_pos, kv_head,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window, WINDOWED)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
@@ -242,7 +254,7 @@ def _prefill_kernel(
     stride_bts, stride_ot, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, window=0, WINDOWED: tl.constexpr = False,
 ):
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
     # a block side by side: longest-first scheduling keeps the causal grid's tail short.
@@ -277,7 +289,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if WINDOWED:  # finite: a row's first tiles may all be outside its window (see _attend_tile)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
@@ -285,18 +300,26 @@ def _prefill_kernel(
     first_pos = context_len + q_block_local * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # keys past the block's last query are never loaded
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of the block sees entirely: no mask
-    for n0 in range(0, full_end, BLOCK_N):
+    # A sliding window (row r sees keys q_pos[r] - window + 1 .. q_pos[r]): the tiles before the block's first
+    # window are skipped and every tile is masked (a separate unmasked loop for the tiles all rows see whole was
+    # tried: the third copy of the tile code made the 256-row bf16 tile spill 160 bytes a thread on sm_90).
+    window_start = 0
+    if WINDOWED:
+        window_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(window_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window, WINDOWED)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window, WINDOWED)
 
-    out = acc / l_i[:, None]  # every valid row saw at least key 0
+    if WINDOWED:  # rows past the sequence's queries may see no key in their window (never stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]  # every valid row saw at least one key (itself)
     o_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -324,6 +347,11 @@ def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
+
+
+def _check_window(sliding_window) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def _check_triton_layout(q, k_cache, v_cache, block_tables) -> None:
@@ -373,7 +401,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
 
 
 def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
-                   smem_bytes: int = 228 * 1024) -> dict:
+                   smem_bytes: int = 228 * 1024, windowed: bool = False) -> dict:
     """Tile sizes and launch options of the prefill kernel: BLOCK_M rows = BLOCK_Q queries x the GQA group.
 
     Measured on an H200 (`python -m benchmarks.kernels --tune`, Llama-3-8B heads, 8k tokens): 256 x 64 tiles with
@@ -381,12 +409,13 @@ def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype
     and 5 stages (46% and 38% at 2k tokens). Under 1k queries per sequence, 256-row tiles leave SMs idle (512
     tokens: 25 us against 17.5 us with 128 rows), so they are kept for long chunks. The K/V loads depend on
     block-table loads, so the pipeliner spends stages on that chain. With less shared memory, smaller tiles and
-    fewer stages.
+    fewer stages. A sliding window masks every tile: its masks spill 152 bytes a thread of the 256-row tile on
+    sm_90, so windowed prefill keeps 128 rows.
     """
     big_smem = smem_bytes >= 200 * 1024
     if dtype == torch.float32:
         largest = 32
-    elif head_dim <= 128 and big_smem and max_query_len >= 1024:
+    elif head_dim <= 128 and big_smem and max_query_len >= 1024 and not windowed:
         largest = 256
     else:
         largest = 128 if head_dim <= 128 and smem_bytes >= 140 * 1024 else 64
@@ -429,7 +458,7 @@ def _merge_counters(device: torch.device, num_slots: int) -> torch.Tensor:
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None,
-                                  fused_merge=None):
+                                  fused_merge=None, sliding_window=None):
     """Triton launcher of `paged_attention_decode`.
 
     num_splits=None picks it with `decode_num_splits`; any count >= 1 works (the tuner tries others). config overrides
@@ -440,6 +469,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
+    _check_window(sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_size, num_kv_heads = k_cache.shape[1:3]
     if num_seqs == 0:
@@ -448,7 +478,9 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     # a count given by the caller (tuning) is kept down to one tile per split.
     min_split_tokens = MIN_SPLIT_TOKENS if num_splits is None else 1
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        max_context = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, min(max_context, sliding_window or max_context),
+                                       q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device) | (config or {})
@@ -470,6 +502,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, MIN_SPLIT_TILES=cdiv(min_split_tokens, cfg["block_n"]),
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        window=sliding_window or 0, WINDOWED=sliding_window is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
@@ -482,7 +515,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                   max_query_len=None, config=None):
+                                   max_query_len=None, config=None, sliding_window=None):
     """Triton launcher of `paged_attention_prefill`.
 
     max_query_len (optional, no host sync needed) only sizes the query tiles: absent or wrong, results are the
@@ -498,13 +531,14 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
     check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
+    _check_window(sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_size, num_kv_heads = k_cache.shape[1:3]
     queries_per_kv = num_heads // num_kv_heads
     cfg = prefill_config(max_query_len or num_tokens, queries_per_kv, head_dim, q.dtype,
-                         shared_memory_per_sm(q.device)) | (config or {})
+                         shared_memory_per_sm(q.device), windowed=sliding_window is not None) | (config or {})
     block_q = cfg["block_m"] // queries_per_kv
     if block_q < 1:
         raise ValueError(f"block_m {cfg['block_m']} must hold the {queries_per_kv} query heads of a KV head")
@@ -517,6 +551,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        window=sliding_window or 0, WINDOWED=sliding_window is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -529,21 +564,26 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     return cache[blocks].flatten(0, 1)[:seq_len]
 
 
-def _attend_ref(q, k, v, q_pos, scale) -> torch.Tensor:
-    """q [Lq, H, D] at positions q_pos [Lq]; k, v [Lk, Hkv, D]; causal by position; float32 softmax."""
+def _attend_ref(q, k, v, q_pos, scale, sliding_window=None) -> torch.Tensor:
+    """q [Lq, H, D] at positions q_pos [Lq]; k, v [Lk, Hkv, D]; causal by position (within the last sliding_window
+    positions when given); float32 softmax."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     qf = q.float().unflatten(1, (num_kv_heads, group))  # [Lq, Hkv, G, D]
     scores = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = key_pos <= q_pos[:, None]  # [Lq, Lk]
+    if sliding_window is not None:
+        visible &= key_pos > q_pos[:, None] - sliding_window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
     return out.flatten(1, 2).to(q.dtype)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
     """Torch reference of `paged_attention_decode` (and its CPU implementation); seq_len 0 gives zeros."""
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    _check_window(sliding_window)
     out = torch.zeros_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
@@ -551,15 +591,16 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         k = _gather_kv(k_cache, block_tables[s], seq_len)
         v = _gather_kv(v_cache, block_tables[s], seq_len)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
-        out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale)[0]
+        out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale, sliding_window)[0]
     return out
 
 
 def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len=None):
+                                max_query_len=None, sliding_window=None):
     """Torch reference of `paged_attention_prefill` (and its CPU implementation)."""
     num_seqs = seq_lens.shape[0]
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_window(sliding_window)
     starts = query_start_loc.tolist()
     if len(starts) != num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to T={q.shape[0]} over {num_seqs} sequences: {starts}")
@@ -572,33 +613,37 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_l
         k = _gather_kv(k_cache, block_tables[s], seq_len)
         v = _gather_kv(v_cache, block_tables[s], seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale)
+        out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale, sliding_window)
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
     """Attention of one new query per sequence over its paged context.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs], tokens in the cache including the
     current one (already written). Returns [num_seqs, num_heads, head_dim] in q's dtype; a seq_len of 0 (a
-    padding row) gives zeros.
+    padding row) gives zeros. sliding_window W: the query sees only the last W keys (itself included), as
+    transformers' sliding-window mask; the kernel reads no tile before them.
     """
     if use_triton(q):
-        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                             sliding_window=sliding_window)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                            max_query_len=None):
+                            max_query_len=None, sliding_window=None):
     """Causal attention of packed variable-length query chunks over their paged KV.
 
     q [T, num_heads, head_dim] holds sequence b's queries at rows query_start_loc[b] : query_start_loc[b+1]
     (int32 [B+1], from 0 to T). seq_lens int32 [B] is each sequence's KV length including this chunk, whose
     K/V are already in the cache; query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees
-    keys 0..that position. Chunked prefill, prefix-cache hits and decode rows (q_len 1) mix in one batch.
+    keys 0..that position (with sliding_window W, only the last W of them). Chunked prefill, prefix-cache hits and
+    decode rows (q_len 1) mix in one batch.
     """
     if use_triton(q):
         return paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                              max_query_len)
-    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+                                              max_query_len, sliding_window=sliding_window)
+    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       sliding_window=sliding_window)

@@ -9,8 +9,6 @@ Numerics follow transformers exactly: inv_freq in float32, freqs = position * in
 to q's dtype, and `q * cos + rotate_half(q) * sin` with each product and the sum rounded to q's dtype.
 """
 
-import math
-
 import torch
 
 from kernels._triton import (
@@ -24,44 +22,20 @@ from kernels._triton import (
     use_triton,
 )
 from kernels.kv_cache import check_kv_cache_inputs, write_kv_cache_ref
+from kernels.rope_scaling import compute_inv_freq
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """transformers' `_compute_llama3_parameters`, line for line (Llama 3.1+ long-context scaling)."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-
-
-def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies; rope_scaling as in a HF config (None, default, linear, llama3)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / rope_scaling["factor"]  # transformers scales inv_freq: same as positions / factor
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-
-
-def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=torch.float32) -> torch.Tensor:
-    """[max_position, head_dim]: cos(p * inv_freq) in the first half of each row, sin in the second half."""
+def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=torch.float32,
+                          max_position_embeddings=None, max_model_len=None) -> torch.Tensor:
+    """[max_position, head_dim]: cos(p * inv_freq) in the first half of each row, sin in the second half, both times
+    the scaling's attention factor (`kernels.rope_scaling`; max_position_embeddings, the checkpoint's, and
+    max_model_len default to max_position)."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
-    inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+    inv_freq, attention_factor = compute_inv_freq(head_dim, base, rope_scaling, max_position_embeddings or max_position,
+                                                  max_model_len or max_position)
     freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+    return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1).to(dtype)
 
 
 @triton.jit

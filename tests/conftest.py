@@ -24,12 +24,11 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """Tiny Llama, Mistral-style and Qwen2 checkpoints written by transformers' save_pretrained."""
-    from workers.tiny_model import make_tiny_model
+    """A tiny checkpoint of every family (workers.tiny_model.TINY_ARCHES), written by transformers' save_pretrained."""
+    from workers.tiny_model import TINY_ARCHES, make_tiny_model
 
     root = tmp_path_factory.mktemp("ckpt")
-    return {arch: make_tiny_model(str(root / arch), arch=arch, seed=i) for i, arch in
-            enumerate(["llama", "mistral", "qwen2"])}
+    return {arch: make_tiny_model(str(root / arch), arch=arch, seed=i) for i, arch in enumerate(TINY_ARCHES)}
 
 
 @pytest.fixture(scope="session")

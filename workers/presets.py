@@ -13,6 +13,10 @@ _LLAMA_3 = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "lla
             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "bos_token_id": 128000, "eos_token_id": 128001}
 
+_QWEN_3 = {**_COMMON, "num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
+           "bos_token_id": 151643, "eos_token_id": 151645}
+
 PRESETS = {
     "llama-3-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                    "num_attention_heads": 32},
@@ -24,6 +28,20 @@ PRESETS = {
     },
     "llama-3-70b": {**_LLAMA_3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                     "num_attention_heads": 64},
+    # 46.7B parameters (93 GB in bf16: one H200), 12.9B active per token: 2 of 8 experts
+    "mixtral-8x7b": {
+        **_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen3-8b": {**_QWEN_3, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+                 "intermediate_size": 12288, "num_hidden_layers": 36, "num_key_value_heads": 8},
+    # 30.5B parameters, 3.3B active: 8 of 128 experts of 768 rows
+    "qwen3-30b-a3b": {**_QWEN_3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "num_hidden_layers": 48, "num_key_value_heads": 4},
 }
 
 

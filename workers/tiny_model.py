@@ -116,23 +116,44 @@ def _tokenizer_config() -> dict:
     }
 
 
-def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+_TINY_HEAD_DIM = 16  # hidden 64 over 4 heads (Qwen3's configs default to 128)
+_SHORT_FACTORS = [1.0 + 0.1 * i for i in range(_TINY_HEAD_DIM // 2)]
+_LONG_FACTORS = [1.0 + 0.7 * i for i in range(_TINY_HEAD_DIM // 2)]
 
+# arch -> (transformers config class name, architecture, fields beyond the common ones). Small: a few experts of
+# 32-128 rows, one dense layer where the family has them.
+TINY_ARCHES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": _TINY_HEAD_DIM}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        # longrope over the whole trained length: the short factors, as transformers takes them up to 2048 tokens
+        "original_max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "longrope", "short_factor": _SHORT_FACTORS, "long_factor": _LONG_FACTORS,
+                            "rope_theta": 10000.0}}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": _TINY_HEAD_DIM, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [0]}),
+}
+
+
+def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], overrides: dict):
+    import transformers
+
+    if arch not in TINY_ARCHES:
+        raise ValueError(f"arch must be one of {sorted(TINY_ARCHES)}, got {arch!r}")
+    config_class, architecture, fields = TINY_ARCHES[arch]
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=2048, vocab_size=vocab_size,
                   initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=special_ids[BOS],
                   eos_token_id=[special_ids[EOS], special_ids[IM_END]], pad_token_id=special_ids[PAD],
                   dtype="float32")
-    if arch == "llama":
-        return LlamaConfig(**{**common, "architectures": ["LlamaForCausalLM"], **overrides})
-    if arch == "mistral":
-        return MistralConfig(**{**common, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
-                                **overrides})
-    if arch == "qwen2":
-        return Qwen2Config(**{**common, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True,
-                              **overrides})
-    raise ValueError(f"arch must be 'llama', 'mistral' or 'qwen2', got {arch!r}")
+    return getattr(transformers, config_class)(**{**common, "architectures": [architecture], **fields, **overrides})
 
 
 @torch.no_grad()
@@ -149,7 +170,8 @@ def _fill_random(model, std: float, seed: int) -> None:
 
 def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, config_overrides: dict | None = None,
                     max_shard_size: str | None = None) -> str:
-    """Writes a tiny checkpoint of `arch` (hidden 64, 2 layers, 4 heads, 2 KV heads) into `path`; returns it.
+    """Writes a tiny checkpoint of `arch` (a TINY_ARCHES key; hidden 64, 2 layers, 4 heads, 2 KV heads) into
+    `path`; returns it.
 
     `config_overrides` change config fields (e.g. `rope_parameters`); `max_shard_size` (e.g. "20KB") writes a
     sharded checkpoint with an index."""

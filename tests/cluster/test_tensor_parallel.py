@@ -1,8 +1,8 @@
 """Tensor parallelism end to end on CPU: real Ray worker actors, gloo all-reduces, the tiny checkpoints.
 
 tensor_parallel_size 2 and 4 must give the same tokens as the in-process single rank (tp=4 replicates the tiny
-models' 2 KV heads), greedy, seeded and seeded with penalties, under preemption, chunked prefill and prefix-cache
-hits; a worker that dies mid-generation fails the in-flight requests and then the engine.
+models' 2 KV heads; an MoE model at tp 2), greedy, seeded and seeded with penalties, under preemption, chunked
+prefill and prefix-cache hits; a worker that dies mid-generation fails the in-flight requests and then the engine.
 """
 
 import asyncio
@@ -77,8 +77,9 @@ def assert_dead(actors) -> None:
             ray.get(actor.ping.remote(), timeout=30)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("tp", [2, 4])
+# qwen2_moe at tp 2 (in place of qwen2, which tp 4 keeps): routed experts split over the ranks, a shared expert, q/k/v
+# biases, one all-reduce per MoE block
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("llama", 4), ("qwen2", 4), ("qwen2_moe", 2)])
 def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
     model_dir = tiny_checkpoints[arch]
     ref_outs = single_rank_reference(model_dir)

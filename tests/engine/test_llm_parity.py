@@ -1,5 +1,5 @@
-"""End to end: greedy tokens of LLM.generate equal transformers' generate, token for token, under every
-scheduling regime (block sizes, preemption, chunked prefill, prefix caching), for Llama, Mistral and Qwen2."""
+"""End to end: greedy tokens of LLM.generate equal transformers' generate, token for token, for every family, and
+under every scheduling regime (block sizes, preemption, chunked prefill, prefix caching), with sliding windows too."""
 
 import functools
 
@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.prompts import PARITY_PROMPTS
+from workers.tiny_model import TINY_ARCHES, make_tiny_model
 
 MAX_NEW = 12
 PROMPTS = PARITY_PROMPTS
@@ -46,7 +47,7 @@ def assert_same_tokens(model_dir, outs):
         assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", list(TINY_ARCHES))
 def test_greedy_parity_and_logprobs(tiny_checkpoints, arch):
     model_dir = tiny_checkpoints[arch]
     _, outs = run_pagoda(model_dir)
@@ -90,3 +91,20 @@ def test_parity_with_prefix_caching_hits(tiny_checkpoints):
     llm2, outs2 = run_pagoda(model_dir, block_size=4, enable_prefix_caching=False)
     assert llm2.engine.block_manager.prefix_hits_tokens == 0
     assert_same_tokens(model_dir, outs2)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """Mistral with a 6-token window: most prompts and every generation run past it."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("windowed")), "mistral", seed=9,
+                           config_overrides={"sliding_window": 6})
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_size=4, max_num_batched_tokens=7),  # chunks cross the window
+                                    dict(block_size=4, max_num_seqs=1)],  # prefix-cache hits
+                         ids=["chunked", "prefix_cached"])
+def test_sliding_window_parity(windowed, kwargs):
+    llm, outs = run_pagoda(windowed, **kwargs)
+    assert_same_tokens(windowed, outs)
+    if "max_num_seqs" in kwargs:
+        assert llm.engine.block_manager.prefix_hits_tokens > 0

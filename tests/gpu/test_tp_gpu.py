@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 from engine import LLM, SamplingParams  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2_moe"])  # MoE: experts split on their rows
 def test_tp2_matches_tp1_on_gpus(tiny_checkpoints, ray_cluster, arch):
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=1)
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "def fibonacci(n: int) -> list[int]:"]

@@ -71,14 +71,15 @@ except Exception as exc:  # noqa: BLE001
 import kernels.activation as activation  # noqa: E402
 import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
+import kernels.moe as moe  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, kv_cache, linear, paged_attention, rms_norm, rotary, sampling):
+for module in (activation, kv_cache, linear, moe, paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
-paged_attention.upcast_dot_operands = linear.upcast_dot_operands = lambda *args: False  # as on a GPU
+paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
 
@@ -117,18 +118,26 @@ def int32(*shape):
     return torch.zeros(shape, dtype=torch.int32)
 
 
-def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None):
+def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None, window=None):
     CASE[0] = name
     q, cache = empty(seqs, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
     paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
-                                                  num_splits=splits, config=config, fused_merge=fused_merge)
+                                                  num_splits=splits, config=config, fused_merge=fused_merge,
+                                                  sliding_window=window)
 
 
-def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2):
+def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2, window=None):
     CASE[0] = name
     q, cache = empty(tokens, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
     paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(num_seqs, 512), int32(num_seqs + 1),
-                                                   int32(num_seqs), 0.1, max_query_len)
+                                                   int32(num_seqs), 0.1, max_query_len, sliding_window=window)
+
+
+def fused_moe(name, tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16):
+    CASE[0] = name
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    moe.fused_moe_triton(empty(tokens, hidden, dtype=dtype), empty(experts, 2 * inter, hidden, dtype=dtype),
+                         empty(experts, hidden, inter, dtype=dtype), torch.zeros(tokens, top_k), ids)
 
 
 def main() -> int:
@@ -147,6 +156,17 @@ def main() -> int:
         prefill("prefill decode rows bf16", 8, 32, 8, 128, torch.bfloat16, max_query_len=1)
         prefill("prefill d256 bf16", 4096, 16, 8, 256, torch.bfloat16)
         prefill("prefill fp32", 512, 8, 2, 128, torch.float32)
+        decode("decode mistral window bf16 fused", 1, 32, 8, 128, torch.bfloat16, 16, window=4096)
+        decode("decode mistral window bf16", 64, 32, 8, 128, torch.bfloat16, 1, window=4096)
+        prefill("prefill mistral window bf16", 4096, 32, 8, 128, torch.bfloat16, window=4096)
+        prefill("prefill window fp32", 512, 8, 2, 128, torch.float32, window=100)
+        fused_moe("moe mixtral bf16, 1 token", 1, 4096, 14336, 8, 2)  # 16-row tiles: gate/up + silu, then down
+        fused_moe("moe mixtral bf16, 4096 tokens", 4096, 4096, 14336, 8, 2)  # 64-row tiles
+        fused_moe("moe qwen3-30b-a3b bf16, 8 tokens", 8, 2048, 768, 128, 8)
+        # The one-program alignment at its limit (MAX_ALIGN_ONEHOT pairs x experts): 16 x 8 of 128, 1024 x 2 of 8.
+        fused_moe("moe qwen3-30b-a3b bf16, 16 tokens", 16, 2048, 768, 128, 8)
+        fused_moe("moe mixtral bf16, 1024 tokens", 1024, 4096, 14336, 8, 2)
+        fused_moe("moe fp32", 4, 1024, 512, 4, 2, dtype=torch.float32)
         CASE[0] = "rms_norm+residual 4096"
         x = empty(4, 4096)
         rms_norm.rms_norm_triton(x, empty(4096), 1e-5, x)

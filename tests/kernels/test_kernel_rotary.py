@@ -14,7 +14,17 @@ from kernels.rotary import (
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}
-SCALINGS = {"none": None, "linear": {"type": "linear", "factor": 2.0}, "llama3": LLAMA3_SCALING}
+HALF_DIM = 32  # head_dim 64
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 1024,
+            "short_factor": [1.0 + 0.05 * i for i in range(HALF_DIM)],
+            "long_factor": [1.0 + 0.5 * i for i in range(HALF_DIM)]}
+SCALINGS = {"none": None, "linear": {"type": "linear", "factor": 2.0}, "llama3": LLAMA3_SCALING,
+            "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+            "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                            "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "truncate": False},
+            "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+            "longrope": LONGROPE}
+POSITIONS = [0, 1, 2, 255, 256, 1000, 4095]
 
 
 def hf_rotary(head_dim, max_position, base, scaling):
@@ -29,22 +39,61 @@ def hf_rotary(head_dim, max_position, base, scaling):
     return LlamaRotaryEmbedding(config)
 
 
-@pytest.mark.parametrize("scaling", list(SCALINGS))
-def test_cache_is_transformers_cos_sin(scaling):
-    head_dim, max_position, base = 64, 4096, 500000.0
-    cache = compute_cos_sin_cache(head_dim, max_position, base, SCALINGS[scaling])
-    positions = torch.tensor([[0, 1, 2, 255, 256, 1000, 4095]])
-    cos, sin = hf_rotary(head_dim, max_position, base, SCALINGS[scaling])(torch.zeros(1, dtype=torch.float32),
-                                                                          positions)
-    half = head_dim // 2
-    ours = cache[positions[0]]
+def assert_cache_is_hf(cache, cos, sin, positions):
+    half = cache.shape[1] // 2
+    ours = cache[positions]
     assert torch.equal(ours[:, :half], cos[0, :, :half]) and torch.equal(ours[:, :half], cos[0, :, half:])
     assert torch.equal(ours[:, half:], sin[0, :, :half]) and torch.equal(ours[:, half:], sin[0, :, half:])
 
 
+@pytest.mark.parametrize("scaling", ["none", "linear", "llama3", "yarn", "yarn_mscale"])
+def test_cache_is_transformers_cos_sin(scaling):
+    head_dim, max_position, base = 64, 4096, 500000.0
+    cache = compute_cos_sin_cache(head_dim, max_position, base, SCALINGS[scaling])
+    positions = torch.tensor([POSITIONS])
+    cos, sin = hf_rotary(head_dim, max_position, base, SCALINGS[scaling])(torch.zeros(1, dtype=torch.float32),
+                                                                          positions)
+    assert_cache_is_hf(cache, cos, sin, positions[0])
+    if scaling.startswith("yarn"):
+        assert cache[0, 0] != 1.0  # cos(0) times the attention factor
+
+
+@pytest.mark.parametrize("max_model_len", [2048, 4096, 6000])
+def test_dynamic_ntk_is_transformers_at_max_model_len(max_model_len):
+    """transformers rescales dynamic NTK in each forward pass from its longest position: ours, fixed from
+    max_model_len, equals its result for a pass whose longest position is max_model_len - 1 (none up to
+    max_position_embeddings)."""
+    head_dim, mpe, base = 64, 4096, 10000.0
+    scaling = SCALINGS["dynamic"]
+    cache = compute_cos_sin_cache(head_dim, max_model_len, base, scaling, max_position_embeddings=mpe,
+                                  max_model_len=max_model_len)
+    positions = torch.tensor([[0, 1, 77, 2047, max_model_len - 1]])
+    cos, sin = hf_rotary(head_dim, mpe, base, scaling)(torch.zeros(1), positions)
+    assert_cache_is_hf(cache, cos, sin, positions[0])
+    plain = compute_cos_sin_cache(head_dim, max_model_len, base)
+    assert torch.equal(cache, plain) == (max_model_len <= mpe)
+
+
+@pytest.mark.parametrize("max_model_len", [1024, 4096])
+def test_longrope_factors_chosen_by_max_model_len(max_model_len):
+    """Short factors while max_model_len fits the original context, long ones beyond: transformers' choice for any
+    pass of at most `original` positions, and for any pass longer than that."""
+    head_dim, mpe, base = 64, 4096, 10000.0
+    cache = compute_cos_sin_cache(head_dim, max_model_len, base, LONGROPE, max_position_embeddings=mpe,
+                                  max_model_len=max_model_len)
+    positions = torch.tensor([[0, 5, 700, max_model_len - 1]])
+    cos, sin = hf_rotary(head_dim, mpe, base, LONGROPE)(torch.zeros(1), positions)
+    assert_cache_is_hf(cache, cos, sin, positions[0])
+    assert cache[0, 0] > 1.0  # cos(0) times the attention factor, sqrt(1 + ln 4 / ln 1024), with either factors
+    short = compute_cos_sin_cache(head_dim, 1024, base, LONGROPE, max_position_embeddings=mpe, max_model_len=1024)
+    assert torch.equal(cache[:1024], short) == (max_model_len <= 1024)
+
+
 def test_unknown_scaling_raises():
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
-        compute_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'mrope'"):
+        compute_cos_sin_cache(64, 16, 10000.0, {"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="long_factor / short_factor must have head_dim / 2 = 16"):
+        compute_cos_sin_cache(32, 16, 10000.0, LONGROPE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

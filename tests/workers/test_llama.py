@@ -1,4 +1,4 @@
-"""Parity of the paged Llama-family model with Hugging Face transformers (the oracle), in float32 on CPU."""
+"""Parity of the paged models of every family with Hugging Face transformers (the oracle), in float32 on CPU."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.models import get_model_class
+from workers.models import get_model_class, supported_architectures
 from workers.models.llama import LlamaForCausalLM, rope_settings
-from workers.tiny_model import make_tiny_model
+from workers.tiny_model import TINY_ARCHES, make_tiny_model
 from workers.weights import load_model
 
 PROMPTS = [
@@ -25,7 +25,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoints, tmp_path_factory):
-    """tests/conftest.py's llama, mistral and qwen2 checkpoints, plus a Llama 3.1-style rope_scaling one."""
+    """tests/conftest.py's checkpoint of every family, plus a Llama 3.1-style rope_scaling one."""
     path = str(tmp_path_factory.mktemp("tiny") / "llama3_rope")
     rope = make_tiny_model(path, "llama", seed=7, config_overrides={"rope_parameters": LLAMA3_ROPE})
     return {**tiny_checkpoints, "llama3_rope": rope}
@@ -48,7 +48,7 @@ def _prompt_ids(path: str) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "llama3_rope"])
+@pytest.mark.parametrize("arch", [*TINY_ARCHES, "llama3_rope"])
 def test_packed_prefill_matches_hf(checkpoints, paged_sequences, arch):
     path = checkpoints[arch]
     model, prompts = _load_ours(path), _prompt_ids(path)
@@ -62,7 +62,7 @@ def test_packed_prefill_matches_hf(checkpoints, paged_sequences, arch):
         offset += len(ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", list(TINY_ARCHES))
 def test_chunked_prefill_then_decode_matches_hf(checkpoints, paged_sequences, arch):
     """Prefill in two chunks (the second attends to cached KV), then one decode step per sequence."""
     path = checkpoints[arch]
@@ -106,23 +106,27 @@ def test_model_properties(checkpoints):
 
 
 def test_rope_settings_reads_old_and_new_configs():
-    old = {"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}}
-    assert rope_settings(old) == (500000.0, {"rope_type": "llama3", "factor": 8.0})
+    old = {"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}, "max_position_embeddings": 4096}
+    assert rope_settings(old) == (500000.0, {"rope_type": "llama3", "factor": 8.0,
+                                             "original_max_position_embeddings": 4096})  # transformers' default
+    phi3 = {"model_type": "phi3", "original_max_position_embeddings": 4096, "max_position_embeddings": 131072,
+            "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0],
+                             "original_max_position_embeddings": 2048}}
+    assert rope_settings(phi3)[1] == {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                                      "original_max_position_embeddings": 4096}  # the top-level field wins
+    assert rope_settings({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 1.0},
+                          "max_position_embeddings": 32768})[1]["original_max_position_embeddings"] == 32768
+    with pytest.raises(NotImplementedError, match="partial_rotary_factor 0.75"):
+        rope_settings({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}})
     assert rope_settings({"rope_parameters": LLAMA3_ROPE})[1]["rope_type"] == "llama3"
     assert rope_settings({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}) == (1e6, None)
     assert rope_settings({}) == (10000.0, None)
 
 
-def test_sliding_window_smaller_than_max_model_len_is_refused(checkpoints):
-    with open(os.path.join(checkpoints["mistral"], "config.json")) as f:
-        hf_config = json.load(f)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        LlamaForCausalLM({**hf_config, "sliding_window": 512}, torch.float32, "cpu")
-    LlamaForCausalLM({**hf_config, "sliding_window": 512}, torch.float32, "cpu", max_model_len=512)
-
-
 def test_registry():
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-        assert get_model_class({"architectures": [arch]}) is LlamaForCausalLM
+    assert get_model_class({"architectures": ["MistralForCausalLM"]}) is LlamaForCausalLM
+    for arch, (_, architecture, _) in TINY_ARCHES.items():
+        assert get_model_class({"architectures": [architecture]}).__name__ == architecture.replace("Mistral", "Llama")
+    assert len(supported_architectures()) == len(TINY_ARCHES)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class({"architectures": ["GPT2LMHeadModel"]})

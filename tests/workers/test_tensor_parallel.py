@@ -1,5 +1,6 @@
-"""Real tensor parallelism on CPU: two processes joined by gloo run the sharded model; rank 0's logits must equal
-the unsharded model's (all-reduce of row-parallel outputs, masked vocab-parallel embedding, gathered LM head)."""
+"""Real tensor parallelism on CPU: two processes joined by gloo run the sharded model of every family; rank 0's
+logits must equal the unsharded model's (all-reduce of row-parallel outputs and of MoE blocks' partial sums, masked
+vocab-parallel embedding, gathered LM head). One pair of processes runs all families (spawning costs seconds)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from workers.tiny_model import make_tiny_model
+from workers.tiny_model import TINY_ARCHES, make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 300, 7, 8], [600, 2, 31]]
 
@@ -25,28 +26,24 @@ def _paged_sequences_class():
     return module.PagedSequences
 
 
-def _run(path: str, rank: int, world_size: int, init_method: str) -> torch.Tensor | None:
+def _run(paths: list[str], rank: int, world_size: int, init_method: str) -> list[torch.Tensor | None]:
     from workers import parallel
     from workers.weights import load_model
 
     torch.set_num_threads(1)
     parallel.init_parallel(rank, world_size, backend="gloo", init_method=init_method)
     try:
-        if path.endswith(".gguf"):
-            from workers.gguf import read_gguf_model
-
-            config = read_gguf_model(path).hf_config
-        else:
-            with open(os.path.join(path, "config.json")) as f:
-                config = json.load(f)
-        model = load_model(config, path, torch.float32, "cpu")
         if world_size > 1:
             _check_collectives(rank, world_size)
-        seqs = _paged_sequences_class()(model, num_seqs=len(PROMPTS))
-        prefill = seqs.step([p[:-1] for p in PROMPTS])
-        decode = seqs.step([p[-1:] for p in PROMPTS])
-        assert (prefill is None) == (decode is None) == (rank != 0)
-        return None if prefill is None else torch.cat([prefill, decode])
+        results = []
+        for path in paths:
+            model = load_model(_config(path), path, torch.float32, "cpu")
+            seqs = _paged_sequences_class()(model, num_seqs=len(PROMPTS))
+            prefill = seqs.step([p[:-1] for p in PROMPTS])
+            decode = seqs.step([p[-1:] for p in PROMPTS])
+            assert (prefill is None) == (decode is None) == (rank != 0)
+            results.append(None if prefill is None else torch.cat([prefill, decode]))
+        return results
     finally:
         parallel.destroy_parallel()
 
@@ -63,22 +60,33 @@ def _check_collectives(rank: int, world_size: int) -> None:
     assert parallel.all_reduce(torch.tensor([rank + 1.0])).item() == 3.0
 
 
-def _rank_main(rank, path, world_size, init_method, out_dir):
-    logits = _run(path, rank, world_size, init_method)
+def _config(path: str) -> dict:
+    if path.endswith(".gguf"):
+        from workers.gguf import read_gguf_model
+
+        return read_gguf_model(path).hf_config
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def _rank_main(rank, paths, world_size, init_method, out_dir):
+    logits = _run(paths, rank, world_size, init_method)
     torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("arch,fmt", [("qwen2", "safetensors"), ("llama", "gguf")])
-def test_tp2_matches_tp1(tmp_path, arch, fmt):
-    # qwen2: tied embeddings and qkv bias also go through the sharded path. GGUF: each rank dequantizes its rows
-    # and column blocks, the q/k rows of its heads put back in Hugging Face order.
-    path = make_tiny_model(str(tmp_path / arch), arch, seed=4)
-    if fmt == "gguf":
-        from tests.gguf_files import write_gguf
+def test_tp2_matches_tp1(tmp_path):
+    # Every family: qwen2's tied embeddings and qkv bias, qwen3's head norms, phi3's fused checkpoint tensors, and
+    # the MoE blocks' experts (and qwen2_moe's shared expert) split over the ranks; and a GGUF file, whose ranks
+    # dequantize their rows and column blocks, the q/k rows of their heads put back in Hugging Face order.
+    from tests.gguf_files import write_gguf
 
-        path = write_gguf(path, str(tmp_path / f"{arch}.Q8_0.gguf"))
-    expected = _run(path, 0, 1, None)
+    archs = list(TINY_ARCHES)
+    paths = [make_tiny_model(str(tmp_path / arch), arch, seed=4) for arch in archs]
+    archs.append("llama.gguf")
+    paths.append(write_gguf(paths[archs.index("llama")], str(tmp_path / "llama.Q8_0.gguf")))
+    expected = _run(paths, 0, 1, None)
     init_method = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_rank_main, args=(path, 2, init_method, str(tmp_path)), nprocs=2, start_method="spawn")
-    assert torch.load(tmp_path / "rank1.pt") is None
-    torch.testing.assert_close(torch.load(tmp_path / "rank0.pt"), expected, atol=1e-5, rtol=1e-5)
+    mp.start_processes(_rank_main, args=(paths, 2, init_method, str(tmp_path)), nprocs=2, start_method="spawn")
+    assert torch.load(tmp_path / "rank1.pt") == [None] * len(archs)
+    for arch, logits, ref in zip(archs, torch.load(tmp_path / "rank0.pt"), expected):
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{arch}: {m}")

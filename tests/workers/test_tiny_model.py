@@ -71,3 +71,12 @@ def test_default_path_builds_once_even_when_racing(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["tiny-llama-v1"]  # no temporary directory left behind
     assert default_tiny_model_path() == expected and len(calls) <= 2
     assert os.path.isfile(os.path.join(expected, "model.safetensors"))
+
+
+def test_cli_offers_every_tiny_arch(tmp_path):
+    from deploy.cli import TINY_ARCH_NAMES, main
+
+    assert TINY_ARCH_NAMES == list(tiny_model.TINY_ARCHES)
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3_moe"]) == 0
+    config = json.loads(_read(str(tmp_path / "m"), "config.json"))
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["mlp_only_layers"] == [0]

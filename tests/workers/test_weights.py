@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.models import get_model_class
 from workers.models.llama import LlamaForCausalLM
 from workers.tiny_model import make_tiny_model
 from workers.weights import iterate_weights, load_model, safetensors_files
@@ -42,7 +43,7 @@ class RecordingSlice:
 
 def _load_rank(path, hf_config, rank, tp_size, tp_state, reads=None):
     tp_state(rank, tp_size)
-    model = LlamaForCausalLM(hf_config, torch.float32, "cpu")
+    model = get_model_class(hf_config)(hf_config, torch.float32, "cpu")
     weights = iterate_weights(path)
     if reads is not None:
         weights = ((name, RecordingSlice(s, reads.setdefault(name, []))) for name, s in weights)
@@ -99,6 +100,60 @@ def test_tp4_replicates_kv_heads(sharded, tp_state):
         kv_head = rank * 2 // 4
         expected = torch.cat([q.chunk(4)[rank], k.chunk(2)[kv_head], v.chunk(2)[kv_head]])
         assert torch.equal(qkv, expected), rank
+
+
+def _checkpoint(tmp_path, arch):
+    path = make_tiny_model(str(tmp_path / arch), arch, seed=5)
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    return path, hf_config, load_file(os.path.join(path, "model.safetensors"))
+
+
+def _rows_read(indexes) -> list[tuple[int, int]]:
+    return [(i.start, i.stop) if isinstance(i, slice) else (i[0].start, i[0].stop) for i in indexes]
+
+
+def test_phi3_fused_tensors_are_read_per_rank(tmp_path, tp_state):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each rank reads its heads' rows of q, k and v and its half of
+    gate and of up, through row ranges of the one tensor."""
+    path, hf_config, full = _checkpoint(tmp_path, "phi3")
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    q, k, v = full[f"{attn}.qkv_proj.weight"].split([64, 32, 32])
+    gate, up = full[f"{mlp}.gate_up_proj.weight"].chunk(2)
+    for rank in range(2):
+        reads: dict[str, list] = {}
+        params = _load_rank(path, hf_config, rank, 2, tp_state, reads)
+        assert torch.equal(params[f"{attn}.qkv_proj.weight"],
+                           torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]]))
+        assert torch.equal(params[f"{mlp}.gate_up_proj.weight"], torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
+        assert _rows_read(reads[f"{attn}.qkv_proj.weight"]) == [(32 * rank, 32 * rank + 32),
+                                                                (64 + 16 * rank, 80 + 16 * rank),
+                                                                (96 + 16 * rank, 112 + 16 * rank)]
+        assert _rows_read(reads[f"{mlp}.gate_up_proj.weight"]) == [(64 * rank, 64 * rank + 64),
+                                                                   (128 + 64 * rank, 192 + 64 * rank)]
+
+
+@pytest.mark.parametrize("arch,prefix,names,inter", [
+    ("mixtral", "block_sparse_moe", ("w1", "w3", "w2"), 128),
+    ("qwen2_moe", "mlp", ("gate_proj", "up_proj", "down_proj"), 32)])
+def test_experts_split_their_intermediate_dimension(arch, prefix, names, inter, tmp_path, tp_state):
+    path, hf_config, full = _checkpoint(tmp_path, arch)
+    layer = "model.layers.1"
+    gate_name, up_name, down_name = (f"{layer}.{prefix}.experts.{{}}.{n}.weight" for n in names)
+    for rank in range(2):
+        reads: dict[str, list] = {}
+        params = _load_rank(path, hf_config, rank, 2, tp_state, reads)
+        w13, w2 = params[f"{layer}.mlp.experts.w13_weight"], params[f"{layer}.mlp.experts.w2_weight"]
+        assert w13.shape == (4, inter, 64) and w2.shape == (4, 64, inter // 2)
+        for e in range(4):
+            assert torch.equal(w13[e], torch.cat([full[gate_name.format(e)].chunk(2)[rank],
+                                                  full[up_name.format(e)].chunk(2)[rank]]))
+            assert torch.equal(w2[e], full[down_name.format(e)].chunk(2, dim=1)[rank])
+            assert _rows_read(reads[gate_name.format(e)]) == [(rank * inter // 2, (rank + 1) * inter // 2)]
+        assert torch.equal(params[f"{layer}.mlp.gate.weight"], full[f"{layer}.{prefix}.gate.weight"])  # replicated
+    if arch == "qwen2_moe":
+        shared = params[f"{layer}.mlp.shared_expert.down_proj.weight"]
+        assert torch.equal(shared, full[f"{layer}.mlp.shared_expert.down_proj.weight"].chunk(2, dim=1)[1])
 
 
 def test_vocab_that_does_not_divide_is_padded(tp_state):

@@ -33,17 +33,22 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+    """sliding_window W: each query sees only its last W keys (itself included); None: its whole history."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, H, D]; caches: [num_blocks, block_size, H_kv, D] holding this step's K/V -> out [T, H * D]
         if meta.is_decode_only:
-            out = paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            out = paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                         self.sliding_window)
         else:
             out = paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                          meta.seq_lens, self.scale, meta.max_query_len)
+                                          meta.seq_lens, self.scale, meta.max_query_len, self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

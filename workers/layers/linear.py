@@ -149,10 +149,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x[:, rank's slice] @ W[:, rank's columns].T) + b. The input arrives already split."""
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's columns].T) + b. The input arrives already split.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
+    reduce_results=False returns this rank's partial sum (no bias then): the caller adds it to other partials and
+    all-reduces once (an MoE block's shared expert and routed experts)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None,
+                 reduce_results: bool = True):
         super().__init__()
+        assert reduce_results or not bias, "a partial sum cannot take the bias: reduce_results=False needs bias=False"
+        self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         self.out_features = out_features
@@ -166,5 +172,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
+        if not self.reduce_results:
+            return linear(x, self.weight)
         y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y

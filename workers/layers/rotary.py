@@ -16,10 +16,15 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, max_position_embeddings: int | None = None,
+                 max_model_len: int | None = None):
         super().__init__()
         self.head_dim = head_dim
-        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling)  # [max_position, head_dim]
+        # max_position_embeddings (the checkpoint's) and max_model_len fix the length-dependent scalings
+        # (kernels/rope_scaling.py); both default to max_position.
+        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling,
+                                      max_position_embeddings=max_position_embeddings,
+                                      max_model_len=max_model_len)  # [max_position, head_dim]
         self.register_buffer("cos_sin_cache", cache.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

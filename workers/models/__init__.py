@@ -7,7 +7,12 @@ import importlib
 _MODELS = {
     "LlamaForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("workers.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("workers.models.qwen", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("workers.models.phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("workers.models.moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("workers.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("workers.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

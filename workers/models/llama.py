@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) over packed variable-length tokens and a paged KV cache.
+"""The Llama family over packed variable-length tokens and a paged KV cache: Llama 2/3 and Mistral here; the
+other families (workers/models/qwen.py, phi3.py, moe.py) are this decoder with other attention options, MLPs
+and checkpoint names.
 
 Tokens of every sequence in the step are flattened into one dimension T (no batch dimension, no padding); the
 attention metadata says where each sequence starts and where its KV history lives. Parameters are this rank's
@@ -10,7 +12,7 @@ then cast, cos/sin in the model dtype), so float32 outputs match it to rounding.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,25 +32,52 @@ _STACKED_PARAMS = [
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 ]
+_ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")  # the types that read original_max_position_embeddings
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either transformers 4 (`rope_theta`, `rope_scaling`)
-    or transformers 5 (`rope_parameters`). rope_scaling is None for plain RoPE, else a dict with `rope_type`."""
+    or transformers 5 (`rope_parameters`). rope_scaling is None for plain RoPE, else a dict with `rope_type` and,
+    for the types that use it, `original_max_position_embeddings` resolved as transformers' config resolves it
+    (a top-level field first, as Phi-3 has; else the scaling's own; else max_position_embeddings)."""
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = dict(cfg.get("rope_scaling") or params)
+    partial = scaling.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if cfg.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # what transformers' Phi3Config reads these old names as
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type
     scaling.pop("type", None)
     scaling.pop("rope_theta", None)
+    if rope_type in _ORIGINAL_LEN_TYPES:
+        if "original_max_position_embeddings" in cfg:
+            scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     return theta, scaling
 
 
+def sliding_windows(cfg: dict, is_sliding=None) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers decides it: none without
+    `sliding_window` or with `use_sliding_window` false (Qwen's switch); else the config's `layer_types` where it
+    has them (transformers 5), else `is_sliding(layer_idx)`, the family's rule (None: every layer)."""
+    num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return [None] * num_layers
+    if cfg.get("layer_types"):
+        return [window if kind == "sliding_attention" else None for kind in cfg["layer_types"]]
+    return [window if is_sliding is None or is_sliding(i) else None for i in range(num_layers)]
+
+
 class LlamaAttentionBlock(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device, rotary_emb: RotaryEmbedding):
+    """qkv projection, (Qwen3: RMSNorm of each q and k head), RoPE and the KV write, paged attention, o projection."""
+
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None,
+                 dtype, device, rotary_emb: RotaryEmbedding):
         super().__init__()
         hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
@@ -59,12 +88,20 @@ class LlamaAttentionBlock(nn.Module):
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = head_dim
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale=head_dim ** -0.5)
+        if qk_norm:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(head_dim, eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+        self.qk_norm = qk_norm
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window)
 
     def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # h: [T, hidden] -> [T, hidden]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))  # [T, H*D], [T, H_kv*D], [T, H_kv*D]
         num_tokens = h.shape[0]
+        if self.qk_norm:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
@@ -74,14 +111,17 @@ class LlamaAttentionBlock(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict, bias: bool, dtype, device):
+    """gate/up, SiLU-and-mul, down. reduce_results=False: down returns this rank's partial sum (a shared expert)."""
+
+    def __init__(self, cfg: dict, bias: bool, dtype, device, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
-        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device, reduce_results)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: [T, hidden] -> silu(gate) * up [T, I / tp] (one kernel for decode batches) -> [T, hidden]
@@ -89,11 +129,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device, rotary_emb: RotaryEmbedding):
+    def __init__(self, cfg: dict, self_attn: LlamaAttentionBlock, mlp: nn.Module, dtype, device):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttentionBlock(cfg, qkv_bias, o_bias, dtype, device, rotary_emb)
-        self.mlp = LlamaMLP(cfg, bool(cfg.get("mlp_bias", False)), dtype, device)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
 
@@ -109,14 +149,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, dtype, device):
+    def __init__(self, cfg: dict, layers: list[LlamaDecoderLayer], dtype, device):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
-        theta, scaling = rope_settings(cfg)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], theta, scaling, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, device, rotary_emb)
-                                    for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -130,26 +166,61 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 from a Hugging Face config.json dict; this rank's shard of the weights."""
+    """Llama / Mistral from a Hugging Face config.json dict; this rank's shard of the weights.
+
+    The other families subclass it and change what differs: `attention_biases`, `qk_norm`, `layer_windows`,
+    `make_mlp` and `checkpoint_entries` (checkpoint tensor -> parameters)."""
+
+    qk_norm = False  # RMSNorm over each q and k head before RoPE (Qwen3)
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, device=None,
                  max_model_len: int | None = None):
         super().__init__()
-        self.hf_config = hf_config
-        max_model_len = max_model_len or hf_config.get("max_position_embeddings", 2048)
-        _check_sliding_window(hf_config, max_model_len)
+        cfg = self.hf_config = hf_config
+        trained_len = cfg.get("max_position_embeddings", 2048)
+        max_model_len = max_model_len or trained_len
+        theta, scaling = rope_settings(cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         # The rotary cache must cover every position the engine may ask for.
-        max_position = max(hf_config.get("max_position_embeddings", 2048), max_model_len)
-        cfg = {**hf_config, "max_position_embeddings": max_position}
-        is_qwen2 = cfg.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in cfg.get("architectures", [])
-        attention_bias = bool(cfg.get("attention_bias", False))
-        qkv_bias, o_bias = (True, False) if is_qwen2 else (attention_bias, attention_bias)
+        rotary_emb = RotaryEmbedding(head_dim, max(trained_len, max_model_len), theta, scaling, dtype, device,
+                                     max_position_embeddings=trained_len, max_model_len=max_model_len)
+        qkv_bias, o_bias = self.attention_biases(cfg)
+        windows = [w if w is not None and w < max_model_len else None for w in self.layer_windows(cfg)]
+        layers = [LlamaDecoderLayer(cfg, LlamaAttentionBlock(cfg, qkv_bias, o_bias, self.qk_norm, windows[i], dtype,
+                                                             device, rotary_emb),
+                                    self.make_mlp(cfg, i, dtype, device), dtype, device)
+                  for i in range(cfg["num_hidden_layers"])]
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, device)
+        self.model = LlamaModel(cfg, layers, dtype, device)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
+    # ---- what the families change ----------------------------------------------------------------------------
+    @staticmethod
+    def attention_biases(cfg: dict) -> tuple[bool, bool]:
+        """(qkv bias, o_proj bias)."""
+        bias = bool(cfg.get("attention_bias", False))
+        return bias, bias
+
+    @staticmethod
+    def layer_windows(cfg: dict) -> list[int | None]:
+        """Each layer's sliding window (None: full attention): here every layer's, when `sliding_window` is set."""
+        return sliding_windows(cfg)
+
+    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
+        return LlamaMLP(cfg, bool(cfg.get("mlp_bias", False)), dtype, device)
+
+    def checkpoint_entries(self, name: str, loaded) -> Iterator[tuple[str, object, object]]:
+        """(parameter name, tensor or slice, shard id) for one checkpoint tensor: q/k/v and gate/up go to their
+        fused parameters."""
+        for fused, original, shard_id in _STACKED_PARAMS:
+            if f".{original}." in name:
+                yield name.replace(f".{original}.", f".{fused}."), loaded, shard_id
+                return
+        yield name, loaded, None
+
+    # ---- the model runner's interface ------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
@@ -181,22 +252,18 @@ class LlamaForCausalLM(nn.Module):
         Returns the names of the parameters loaded."""
         params = dict(self.named_parameters())
         loaded_shards: set[tuple[str, object]] = set()
-        for name, loaded in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+        for checkpoint_name, checkpoint_tensor in weights:
+            if "rotary_emb.inv_freq" in checkpoint_name or (self.tie_word_embeddings
+                                                              and checkpoint_name == "lm_head.weight"):
                 continue
-            for fused, original, shard_id in _STACKED_PARAMS:
-                if f".{original}." in name:
-                    name = name.replace(f".{original}.", f".{fused}.")
-                    break
-            else:
-                shard_id = None
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, loaded, shard_id)
-            loaded_shards.add((name, shard_id))
-        expected = {(name, shard_id) for name in params for shard_id in _shard_ids(name)}
+            for name, loaded, shard_id in self.checkpoint_entries(checkpoint_name, checkpoint_tensor):
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in {type(self).__name__}")
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, loaded, shard_id)
+                loaded_shards.add((name, shard_id))
+        expected = {(name, shard_id) for name, param in params.items() for shard_id in _shard_ids(name, param)}
         missing = sorted(f"{name}[{shard}]" if shard is not None else name
                          for name, shard in expected - loaded_shards)
         if missing:
@@ -204,17 +271,10 @@ class LlamaForCausalLM(nn.Module):
         return {name for name, _ in loaded_shards}
 
 
-def _shard_ids(param_name: str) -> list:
-    """The shard ids a parameter is loaded from: [None] for a plain one, e.g. ["q", "k", "v"] for qkv_proj."""
+def _shard_ids(param_name: str, param: nn.Parameter) -> list:
+    """The shard ids a parameter is loaded from: its own `shard_ids` (stacked experts), e.g. ["q", "k", "v"] for
+    qkv_proj, [None] for a plain one."""
+    if hasattr(param, "shard_ids"):
+        return list(param.shard_ids)
     fused_ids = [shard_id for fused, _, shard_id in _STACKED_PARAMS if f".{fused}." in param_name]
     return fused_ids or [None]
-
-
-def _check_sliding_window(cfg: dict, max_model_len: int) -> None:
-    """Sliding-window attention is not implemented: allow it only when the window covers max_model_len."""
-    window = cfg.get("sliding_window")
-    uses_window = window is not None and cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2")
-    if uses_window and window < max_model_len:
-        raise NotImplementedError(
-            f"sliding_window={window} is smaller than max_model_len={max_model_len}; sliding-window attention is not "
-            f"supported, set max_model_len <= {window}")

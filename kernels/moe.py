@@ -1,0 +1,282 @@
+"""Fused mixture of experts: each token's routed experts (SiLU MLPs) over a flat batch, as grouped GEMMs.
+
+    x [T, H], topk_ids / topk_weights [T, K]  ->  out[t] = sum_k  w[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+                                                   with e = topk_ids[t, k]
+
+All experts' weights are stacked: w13 [E, 2 I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I].
+The T * K (token, slot) pairs, pair = t * K + k, are sorted by expert and each expert's run is padded to a multiple
+of BLOCK_M (`align_by_expert`: one small kernel for decode-sized batches), so that every BLOCK_M-row tile belongs
+to one expert (pairs in order within an expert):
+
+    sorted pair ids   [ 0  4  7  - | 1  2  3  5 | 6  -  -  - | ... ]      BLOCK_M = 4, "-" padding (skipped)
+    tile experts      [ 0          | 2          | 2          | ... ]
+
+One launch of `_moe_gemm_kernel` then computes every tile against its expert's weights (grid: tiles x column
+blocks; the tiles past the padded total return at once). It runs twice per layer: gate/up with SiLU-and-mul
+fused (the tile's rows of x gathered by pair // K) into h [T * K, I], then down, each row scaled by its routing
+weight, into [T * K, H]; the K slots of a token are summed last, in torch (deterministic, no atomics).
+
+No host sync (sizes are upper bounds; the padded total stays on the device), so a decode step is CUDA-graph
+capturable. An expert no token chose is never read: a batch-1 step reads only its K experts' weights.
+
+Numerics follow transformers' experts loop: gate and up rounded to the dtype, silu rounded, the product rounded,
+down rounded, then times the routing weight (in float32, rounded once), and the slots summed.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    next_power_of_2,
+    shared_memory_per_block,
+    tl,
+    triton,
+    upcast_dot_operands,
+    use_triton,
+)
+from kernels.linear import rows_times_weight, silu_mul_rounded
+
+
+def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over experts in float32, the top_k, renormalized to sum 1 when asked (Mixtral always, Qwen-MoE with
+    norm_topk_prob): (weights float32 [T, top_k], expert ids int64 [T, top_k]), as transformers' routers."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _num_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound from the shapes alone: at most min(T * K, E) experts have rows, each padded by < block_m."""
+    return cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
+def _align_kernel(ids_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr, num_pairs, num_tiles,
+                  NUM_EXPERTS: tl.constexpr, PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                  TILES_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`align_by_expert_ref` in one program for decode-sized batches: a [pairs, experts] one-hot, its column sums
+    (counts) and column prefix sums (each pair's rank within its expert)."""
+    pairs = tl.arange(0, PAIRS_PAD)
+    is_pair = pairs < num_pairs
+    experts = tl.load(ids_ptr + pairs, mask=is_pair, other=NUM_EXPERTS).to(tl.int32)
+    onehot = (experts[:, None] == tl.arange(0, EXPERTS_PAD)[None, :]).to(tl.int32)  # [PAIRS_PAD, EXPERTS_PAD]
+    counts = tl.sum(onehot, 0)
+    padded_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded_starts = padded_ends - (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ranks = tl.cumsum(onehot, 0) - onehot  # earlier pairs of the same expert
+    dest = tl.sum(onehot * (padded_starts[None, :] + ranks), 1)
+    fill = tl.arange(0, BLOCK_M)
+    for start in range(0, num_tiles * BLOCK_M, BLOCK_M):
+        tl.store(sorted_ids_ptr + start + fill, tl.full([BLOCK_M], 0, tl.int32) + num_pairs)
+    tl.debug_barrier()  # the padding is written before any pair id over it
+    tl.store(sorted_ids_ptr + dest, pairs, mask=is_pair)
+    tiles = tl.arange(0, TILES_PAD)
+    ends_passed = (padded_ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32)  # [TILES_PAD, EXPERTS_PAD]
+    tile_experts = tl.minimum(tl.sum(ends_passed, 1), NUM_EXPERTS - 1)
+    tl.store(tile_experts_ptr + tiles, tile_experts, mask=tiles < num_tiles)
+    tl.store(num_padded_ptr, tl.max(padded_ends, 0))
+
+
+MAX_ALIGN_ONEHOT = 16384  # pairs x experts (padded) that the one-program alignment holds in registers
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pair ids sorted by expert, each expert's run padded to a multiple of block_m (padding = T * K).
+
+    Returns sorted_ids int32 [num_tiles * block_m], tile_experts int32 [num_tiles], num_padded int32 [1] (rows in
+    use), num_tiles from `_num_tiles`. No host sync. On a GPU, one kernel for decode-sized batches (a batch-1 step
+    of a 32-layer model would otherwise run some 600 small torch kernels for it); the torch ops beyond."""
+    if use_triton(topk_ids) and _fits_one_program(topk_ids.numel(), num_experts):
+        return align_by_expert_triton(topk_ids, num_experts, block_m)
+    return align_by_expert_ref(topk_ids, num_experts, block_m)
+
+
+def _fits_one_program(num_pairs: int, num_experts: int) -> bool:
+    return next_power_of_2(num_pairs) * next_power_of_2(num_experts) <= MAX_ALIGN_ONEHOT
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Triton launcher of `align_by_expert` (one program; pairs x experts up to MAX_ALIGN_ONEHOT, padded)."""
+    check_launchable(topk_ids)
+    num_pairs, device = topk_ids.numel(), topk_ids.device
+    if not _fits_one_program(num_pairs, num_experts):
+        raise ValueError(f"{num_pairs} pairs x {num_experts} experts exceed the one-program alignment")
+    pairs_pad, experts_pad = next_power_of_2(num_pairs), next_power_of_2(num_experts)
+    num_tiles = _num_tiles(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, tile_experts, num_padded, num_pairs, num_tiles,
+                        NUM_EXPERTS=num_experts, PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad,
+                        TILES_PAD=next_power_of_2(num_tiles), BLOCK_M=block_m,
+                        num_warps=min(16, max(4, pairs_pad * experts_pad // 1024)))  # no spills on sm_90
+    return sorted_ids, tile_experts, num_padded
+
+
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Torch reference of `align_by_expert` (and its implementation on CPU and for large batches)."""
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    num_tiles = _num_tiles(num_pairs, num_experts, block_m)
+    experts = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    order = torch.argsort(experts, stable=True)  # pair ids, grouped by expert
+    sorted_experts = experts[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[padded_starts[sorted_experts] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(num_tiles, device=device) * block_m
+    tile_experts = torch.searchsorted(padded_ends, tile_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, tile_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
+
+
+# num_pairs (T * K) changes with every step's batch: specializing on it (Triton specializes integers that are
+# multiples of 16) would compile new variants while requests wait.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
+    N, K, num_pairs, stride_a, stride_we, stride_wn, stride_o,
+    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[pair, n-block] for one tile of pairs; a row of `a` is pair // ROWS_PER_A (x: K slots share a token).
+    GATED: w holds [gate rows (N) ; up rows (N)] and out = silu(gate) * up; WEIGHTED: out *= routing[pair]."""
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // num_n_blocks
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    a_rows = (pairs // ROWS_PER_A).to(tl.int64)
+    offs_n = ((tl.program_id(0) % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    acc, acc_up = rows_times_weight(a_ptr, a_rows, row_mask, stride_a, w_ptr + expert * stride_we, offs_n, n_mask,
+                                    stride_wn, N, K, GATED, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # silu(gate) * up, each step rounded as transformers rounds it
+        out = silu_mul_rounded(acc, acc_up, dtype)
+    else:
+        out = acc.to(dtype)
+    if WEIGHTED:
+        routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * routing[:, None]).to(dtype)
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out,
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if hidden != x.shape[1] or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}: "
+                         "expected w13 [E, 2I, H], w2 [E, H, I]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"expert weights {w13.dtype}/{w2.dtype} must have x's dtype {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must be [T={x.shape[0]}, top_k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    check_dtype("topk_ids", topk_ids, (torch.int64, torch.int32))
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+
+
+@functools.lru_cache(maxsize=None)
+def moe_config(num_pairs: int, num_experts: int, out_features: int, gated: bool, dtype: torch.dtype,
+               device: torch.device) -> dict:
+    """Tile sizes: BLOCK_M from the rows an expert gets on average: 16 (tl.dot's least) up to 16 of them, decode
+    batches, where each program streams a weight tile as kernels/linear's decode kernel does; else 64, where the
+    GEMMs turn compute-bound. Two values only, so that few variants compile. BLOCK_K and the stages shrink until
+    the tiles fit in shared memory. Not yet tuned on a GPU: `python -m benchmarks.kernels --only moe` times these
+    settings against the torch reference."""
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
+    block_n = 64 if block_m >= 64 or out_features >= 2048 else 32
+    block_k = 64 if block_m >= 64 else 128
+    if dtype == torch.float32:
+        block_n, block_k = min(block_n, 32), 32
+    stages = 3 if block_m >= 64 or gated else 4
+    size, limit = dtype.itemsize, shared_memory_per_block(device)
+    while stages * (block_m + block_n * (2 if gated else 1)) * block_k * size > limit and (stages > 2 or block_k > 32):
+        if stages > 2:
+            stages -= 1
+        else:
+            block_k //= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}
+
+
+def _grouped_gemm(a, w, out, aligned, rows_per_a: int, gated: bool, cfg: dict, routing=None) -> None:
+    """One launch: out[pair] = a[pair // rows_per_a] @ w[expert of the pair's tile].T (gated: silu-and-mul;
+    routing: times routing[pair])."""
+    sorted_ids, tile_experts, num_padded = aligned
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    num_tiles = tile_experts.shape[0]
+    _moe_gemm_kernel[(num_tiles * cdiv(n, cfg["BLOCK_N"]),)](
+        a, w, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
+        n, w.shape[2], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None, UPCAST=upcast_dot_operands(a.dtype, a.device),
+        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config: dict | None = None):
+    """Triton launcher of `fused_moe`: the expert alignment (one kernel for decode-sized batches), two grouped-GEMM
+    launches (gate/up + SiLU-and-mul, down + routing weight), then the slots' sum. config overrides `moe_config`'s
+    keys for both GEMMs (tuning)."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    check_launchable(x, w13, w2, topk_weights, topk_ids)
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        check_last_dim_contiguous(name, t)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    cfg_up = {**moe_config(num_pairs, num_experts, inter, True, x.dtype, x.device), **(config or {})}
+    cfg_down = {**moe_config(num_pairs, num_experts, hidden, False, x.dtype, x.device), **(config or {})}
+    if cfg_down["BLOCK_M"] != cfg_up["BLOCK_M"]:
+        raise ValueError("both GEMMs must use one BLOCK_M: they share the expert alignment")
+    align = align_by_expert_triton if _fits_one_program(num_pairs, num_experts) else align_by_expert_ref
+    aligned = align(topk_ids, num_experts, cfg_up["BLOCK_M"])
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, h, aligned, top_k, True, cfg_up)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w2, out, aligned, 1, False, cfg_down, routing=topk_weights.reshape(-1).contiguous())
+    return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids):
+    """Torch reference of `fused_moe` (and its CPU implementation): transformers' loop over the chosen experts."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[tokens, slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """x [T, H]; w13 [E, 2I, H] ([gate ; up] rows per expert); w2 [E, H, I]; topk_weights (float, any dtype) and
+    topk_ids [T, K] -> [T, H] in x's dtype: sum over k of topk_weights[t, k] * expert topk_ids[t, k]'s SiLU MLP."""
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

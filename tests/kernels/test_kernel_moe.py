@@ -1,0 +1,191 @@
+"""Fused MoE: the router and the reference against transformers' Mixtral / Qwen2-MoE modules, the expert alignment's
+invariants, and the Triton grouped GEMMs against the reference across shapes that cross tile boundaries."""
+
+import pytest
+import torch
+
+from kernels.moe import (
+    align_by_expert_ref,
+    align_by_expert_triton,
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_config,
+    topk_route,
+)
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def make_case(num_tokens, hidden, inter, num_experts, top_k, dtype, device, renormalize=True, seed=0, skew=0.0):
+    """x, w13, w2 and a routing from random router logits; skew > 0 pushes tokens towards expert 0."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, 0] += skew
+    weights, ids = topk_route(logits, top_k, renormalize)
+    return [t.to(device) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
+
+
+def test_router_and_reference_are_transformers_mixtral():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2)
+    x, w13, w2, _, _ = make_case(20, 32, 48, 6, 2, torch.float32, "cpu")
+    router = MixtralTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = topk_route(x @ router.weight.T, 2, renormalize=True)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    experts = MixtralExperts(config)
+    experts.gate_up_proj.data.copy_(w13)  # transformers keeps the same stacked layout
+    experts.down_proj.data.copy_(w2)
+    with torch.no_grad():
+        expected = experts(x, hf_ids, hf_weights)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids), expected)
+
+
+def test_router_without_renormalization_is_transformers_qwen2_moe():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    config = Qwen2MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)
+    router = Qwen2MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(9, 32)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = topk_route(x @ router.weight.T, 3, renormalize=False)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    assert (weights.sum(-1) < 1).all()
+
+
+ALIGN_CASES = [(1, 8, 2, 16), (37, 4, 2, 16), (50, 16, 1, 4), (3, 128, 8, 16)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES)
+def test_alignment_puts_every_pair_once_in_tiles_of_one_expert(num_tokens, num_experts, top_k, block_m):
+    _, _, _, _, ids = make_case(num_tokens, 8, 8, num_experts, top_k, torch.float32, "cpu", skew=2.0)
+    sorted_ids, tile_experts, num_padded = align_by_expert_ref(ids, num_experts, block_m)
+    num_pairs, used = ids.numel(), int(num_padded)
+    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair once
+    assert (sorted_ids[used:] == num_pairs).all()  # nothing real past the padded total
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    for tile in range(used // block_m):
+        rows = sorted_ids[tile * block_m:(tile + 1) * block_m]
+        rows = rows[rows < num_pairs].long()
+        assert rows.numel() > 0 and (ids.flatten()[rows] == tile_experts[tile]).all()
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES)
+def test_one_program_alignment_equals_the_reference(num_tokens, num_experts, top_k, block_m, device,
+                                                    poisoned_allocations):
+    _, _, _, _, ids = make_case(num_tokens, 8, 8, num_experts, top_k, torch.float32, device, skew=2.0)
+    for got, expected in zip(align_by_expert_triton(ids, num_experts, block_m),
+                             align_by_expert_ref(ids, num_experts, block_m)):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="exceed the one-program alignment"):
+        align_by_expert_triton(torch.zeros(300, 8, dtype=torch.int64, device=device), 128, 16)
+
+
+# Shapes: hidden and intermediate not multiples of the tiles; tokens from decode-sized to several tiles per expert.
+SHAPES = [(1, 64, 48, 8, 2), (3, 96, 80, 4, 2), (37, 64, 48, 4, 1), (130, 32, 96, 8, 2),
+          (80, 32, 16, 64, 4)]  # the last: too many pairs x experts for the one-program alignment
+
+
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", SHAPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_triton_matches_ref(num_tokens, hidden, inter, num_experts, top_k, renormalize, device,
+                            poisoned_allocations):
+    args = make_case(num_tokens, hidden, inter, num_experts, top_k, torch.float32, device, renormalize, skew=1.0)
+    out = fused_moe_triton(*args)
+    assert not out.isnan().any(), "a row of the output was not written"
+    torch.testing.assert_close(out, fused_moe_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision(dtype, device, poisoned_allocations):
+    args = make_case(21, 64, 48, 4, 2, dtype, device)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(fused_moe_triton(*args), fused_moe_ref(*args), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_tile_sizes_never_change_results(block_m, device, poisoned_allocations):
+    """All tokens but a few on one expert (several tiles of it), some experts with none."""
+    args = make_case(45, 32, 40, 6, 2, torch.float32, device, skew=6.0)
+    out = fused_moe_triton(*args, config={"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16})
+    torch.testing.assert_close(out, fused_moe_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_config_blocks_follow_rows_per_expert():
+    cpu = torch.device("cpu")
+    assert moe_config(2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 16  # decode: a weight stream
+    assert moe_config(64 * 2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 16  # 16 rows per expert
+    assert moe_config(8192 * 2, 8, 14336, True, torch.bfloat16, cpu)["BLOCK_M"] == 64
+
+
+def test_public_function_on_cpu_is_the_reference():
+    args = make_case(5, 16, 8, 4, 2, torch.float32, "cpu")
+    assert torch.equal(fused_moe(*args), fused_moe_ref(*args))
+
+
+def test_launcher_rejects_bad_inputs(device):
+    x, w13, w2, weights, ids = make_case(4, 16, 8, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe_triton(x, w13, w2[:, :, :4], weights, ids)
+    with pytest.raises(ValueError, match="must have x's dtype"):
+        fused_moe_triton(x, w13.half(), w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_ids and topk_weights must be"):
+        fused_moe_triton(x, w13, w2, weights[:2], ids[:2])
+
+
+def test_gemms_with_different_tile_rows_are_refused(device, monkeypatch):
+    import kernels.moe as moe
+
+    real = moe.moe_config
+    monkeypatch.setattr(moe, "moe_config", lambda n, e, out, gated, *rest: {**real(n, e, out, gated, *rest),
+                                                                            "BLOCK_M": 16 if gated else 32})
+    with pytest.raises(ValueError, match="share the expert alignment"):
+        fused_moe_triton(*make_case(4, 16, 8, 4, 2, torch.float32, device))
+
+
+MIXTRAL = dict(hidden=4096, inter=14336, num_experts=8, top_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 1000])
+def test_gpu_mixtral_sizes(num_tokens, cuda):
+    c = MIXTRAL
+    args = make_case(num_tokens, c["hidden"], c["inter"], c["num_experts"], c["top_k"], torch.bfloat16, cuda)
+    out = fused_moe(*args)
+    torch.testing.assert_close(out, fused_moe_ref(*args), atol=3e-2, rtol=3e-2)
+
+
+QWEN3_30B_A3B = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,num_tokens", [(MIXTRAL, 8), (QWEN3_30B_A3B, 4), (QWEN3_30B_A3B, 64)],
+                         ids=["mixtral-8", "qwen3-moe-4", "qwen3-moe-64"])  # the last: the torch alignment
+def test_gpu_decode_in_a_cuda_graph(shape, num_tokens, cuda):
+    """A decode step's MoE as the engine runs it: captured once, replayed with other routings."""
+    c = shape
+    x, w13, w2, weights, ids = make_case(num_tokens, c["hidden"], c["inter"], c["num_experts"], c["top_k"],
+                                         torch.bfloat16, cuda)
+    fused_moe(x, w13, w2, weights, ids)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    for seed in range(3):
+        _, _, _, new_weights, new_ids = make_case(num_tokens, 8, 8, c["num_experts"], c["top_k"], torch.float32,
+                                                  cuda, seed=seed + 1, skew=3.0 * seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)

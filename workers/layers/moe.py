@@ -1,0 +1,101 @@
+"""Mixture-of-experts layers: the router and the experts, tensor-parallel.
+
+Every rank holds every expert, with each expert's intermediate dimension split across ranks as a Llama MLP is
+(gate/up column-parallel, down row-parallel):
+
+    w13 [E, 2 I / tp, H]   expert e: [its gate rows of this rank ; its up rows of this rank]
+    w2  [E, H, I / tp]     expert e: its down columns of this rank
+
+so `FusedMoE` returns this rank's partial sum and the block all-reduces once, after adding any shared expert's
+partial sum. The router's weight is replicated: every rank routes every token the same way.
+
+Checkpoints store one tensor per expert and projection (`experts.{e}.w1/w3/w2` in Mixtral, `experts.{e}.gate_proj/
+up_proj/down_proj` in Qwen-MoE); `expert_param_name` maps them to (w13 / w2, shard id).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import fused_moe, topk_route
+from workers.layers.linear import _divide, _param, copy_loaded, default_weight_loader, loaded_shape
+from workers.parallel import get_tp_rank, get_tp_size
+
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_GATE_UP_INDEX = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+
+
+def expert_param_name(name: str) -> tuple[str, object] | None:
+    """'...experts.3.w1.weight' -> ('...experts.w13_weight', (3, 0)); '...experts.3.down_proj.weight' ->
+    ('...experts.w2_weight', 3); None for a tensor that is not one expert's projection."""
+    match = _EXPERT_WEIGHT.search(name)
+    if match is None:
+        return None
+    expert, projection = int(match.group(1)), match.group(2)
+    prefix = name[:match.start()] + ".experts."
+    if projection in _GATE_UP_INDEX:
+        return prefix + "w13_weight", (expert, _GATE_UP_INDEX[projection])
+    return prefix + "w2_weight", expert
+
+
+class Router(nn.Module):
+    """hidden [T, H] -> (routing weights float32 [T, top_k], expert ids [T, top_k]); the weight is replicated."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.weight = _param((num_experts, hidden_size), dtype, device, default_weight_loader)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk_route(F.linear(h, self.weight), self.top_k, self.renormalize)  # logits in the model dtype
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer (this rank's slice of each); forward returns this rank's partial sum."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.inter_per_rank = _divide(intermediate_size, self.tp_size, "moe intermediate size")
+        self.w13_weight = _param((num_experts, 2 * self.inter_per_rank, hidden_size), dtype, device,
+                                 self._load_w13)
+        self.w13_weight.shard_ids = [(e, j) for e in range(num_experts) for j in (0, 1)]
+        self.w2_weight = _param((num_experts, hidden_size, self.inter_per_rank), dtype, device, self._load_w2)
+        self.w2_weight.shard_ids = list(range(num_experts))
+
+    def _check(self, loaded, expected: tuple[int, int], what: str) -> None:
+        assert loaded_shape(loaded) == expected, f"{what}: expected {expected}, loaded {loaded_shape(loaded)}"
+
+    def _load_w13(self, param: nn.Parameter, loaded, shard_id) -> None:
+        expert, index = shard_id  # index 0: gate_proj / w1, 1: up_proj / w3
+        self._check(loaded, (self.intermediate_size, self.hidden_size), f"expert {expert} gate/up")
+        n, start = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+        copy_loaded(param.data[expert, index * n:(index + 1) * n], loaded[start:start + n])
+
+    def _load_w2(self, param: nn.Parameter, loaded, shard_id) -> None:
+        expert = shard_id
+        self._check(loaded, (self.hidden_size, self.intermediate_size), f"expert {expert} down")
+        n, start = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+        copy_loaded(param.data[expert], loaded[:, start:start + n])
+
+    def forward(self, h: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # h: [T, H]; topk_*: [T, top_k] -> this rank's partial sum [T, H]
+        return fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W.T with the whole W on every rank (a small gate, e.g. Qwen2-MoE's shared_expert_gate)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, device, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

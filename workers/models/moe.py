@@ -1,0 +1,108 @@
+"""Mixture-of-experts families: Mixtral, Qwen2-MoE and Qwen3-MoE, the Llama / Qwen decoders whose MLP is a sparse
+MoE block in every layer (Qwen: except `mlp_only_layers`, and only every `decoder_sparse_step`-th layer).
+
+    Mixtral     router softmax -> top-k, renormalized (float32 weights); experts w1 (gate), w3 (up), w2 (down)
+    Qwen2-MoE   router top-k, renormalized with norm_topk_prob; plus a shared expert scaled by
+                sigmoid(shared_expert_gate(x)); q/k/v biases
+    Qwen3-MoE   router top-k, renormalized with norm_topk_prob; Qwen3's attention (q/k head norms)
+
+Tensor parallelism: each expert's intermediate dimension is split across the ranks (workers/layers/moe.py), the
+shared expert's as a dense MLP's, and the block all-reduces once, after adding the two partial sums.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from workers.layers.moe import FusedMoE, ReplicatedLinear, Router, expert_param_name
+from workers.models.llama import LlamaForCausalLM, LlamaMLP, sliding_windows
+from workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from workers.parallel import all_reduce
+
+
+class SparseMoeBlock(nn.Module):
+    """h [T, hidden] -> the routed experts' weighted sum (+ the gated shared expert), all-reduced once."""
+
+    def __init__(self, cfg: dict, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 round_weights: bool, shared_intermediate_size: int, dtype, device):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.round_weights = round_weights  # Qwen casts the routing weights to the model dtype, Mixtral does not
+        self.gate = Router(hidden, num_experts, top_k, renormalize, dtype, device)
+        self.experts = FusedMoE(num_experts, hidden, intermediate_size, dtype, device)
+        self.shared_expert = None
+        if shared_intermediate_size:
+            self.shared_expert = LlamaMLP(cfg, False, dtype, device, shared_intermediate_size, reduce_results=False)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
+        if self.round_weights:
+            topk_weights = topk_weights.to(h.dtype)
+        out = self.experts(h, topk_weights, topk_ids)  # this rank's partial sum [T, hidden]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return all_reduce(out)
+
+
+def moe_checkpoint_entries(dense_entries, name: str, loaded) -> Iterator[tuple[str, object, object]]:
+    """One expert's projection -> the stacked expert parameter and its shard id; anything else as the dense
+    model maps it (`dense_entries`)."""
+    expert = expert_param_name(name)
+    if expert is not None:
+        yield expert[0], loaded, expert[1]
+    else:
+        yield from dense_entries(name, loaded)
+
+
+def _qwen_moe_mlp(cfg: dict, layer_idx: int, shared_intermediate_size: int, dtype, device) -> nn.Module:
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    is_sparse = (layer_idx not in cfg.get("mlp_only_layers", []) and num_experts > 0
+                 and (layer_idx + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+    if not is_sparse:
+        return LlamaMLP(cfg, False, dtype, device)
+    return SparseMoeBlock(cfg, num_experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                          bool(cfg.get("norm_topk_prob", False)), True, shared_intermediate_size, dtype, device)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
+        return SparseMoeBlock(cfg, cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                              True, False, 0, dtype, device)
+
+    def checkpoint_entries(self, name: str, loaded):
+        # The checkpoint's block_sparse_moe is this model's mlp.
+        return moe_checkpoint_entries(super().checkpoint_entries, name.replace(".block_sparse_moe.", ".mlp."), loaded)
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    @staticmethod
+    def attention_biases(cfg: dict) -> tuple[bool, bool]:
+        return bool(cfg.get("qkv_bias", True)), False
+
+    @staticmethod
+    def layer_windows(cfg: dict) -> list[int | None]:
+        # transformers' Qwen2MoeConfig: the even-indexed layers below max_window_layers
+        return sliding_windows({"use_sliding_window": False, **cfg},
+                               lambda i: (i + 1) % 2 == 1 and i < cfg.get("max_window_layers", 0))
+
+    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
+        return _qwen_moe_mlp(cfg, layer_idx, cfg.get("shared_expert_intermediate_size", 0), dtype, device)
+
+    def checkpoint_entries(self, name: str, loaded):
+        return moe_checkpoint_entries(super().checkpoint_entries, name, loaded)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    @staticmethod
+    def layer_windows(cfg: dict) -> list[int | None]:
+        return sliding_windows({"use_sliding_window": False, **cfg})  # every layer, with use_sliding_window
+
+    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
+        return _qwen_moe_mlp(cfg, layer_idx, 0, dtype, device)
+
+    def checkpoint_entries(self, name: str, loaded):
+        return moe_checkpoint_entries(super().checkpoint_entries, name, loaded)
