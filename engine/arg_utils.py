@@ -43,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="refused: Pagoda runs only its own model code (see the README's model list)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: FP8 weights (per output channel) and activations (per token), quantized at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -61,5 +65,6 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                  seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager)
+                  seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     return EngineArgs(**(values | overrides))

@@ -67,13 +67,21 @@ def _linear_kernel(
             w_up = tl.load(w_ptr + (up_row + offs_n)[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
             acc_up += tl.dot(xv, tl.trans(w_up.to(xv.dtype)), input_precision=PRECISION)
 
+    store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
+
+
+@triton.jit
+def store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """A linear kernel's epilogue: + bias, then (GATED) silu(gate) * up, each rounded as silu_and_mul rounds it,
+    stored in out's dtype. acc, acc_up: float32 [rows, BLOCK_N] (acc_up: the up half's, when gated)."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(bias_ptr + up_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = acc.to(dtype)
-    if GATED:  # silu(gate) * up, each rounded as silu_and_mul rounds it
+    if GATED:
         gate = out.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)

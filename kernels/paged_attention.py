@@ -36,6 +36,8 @@ from kernels._triton import (
     upcast_dot_operands,
     use_triton,
 )
+from kernels.fp8 import FP8_DTYPE, dequantize
+from kernels.kv_cache import check_kv_scales
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
@@ -47,7 +49,7 @@ PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
 def _load(ptrs, mask, MASKED: tl.constexpr):
     """Zeros where `mask` is false; a tile known to be whole is loaded without a mask."""
     if MASKED:
-        x = tl.load(ptrs, mask=mask, other=0)
+        x = tl.load(ptrs, mask=mask, other=0.0)  # a float zero: the interpreter casts it to e4m3 too, not an int
     else:
         x = tl.load(ptrs)
     return x
@@ -70,8 +72,7 @@ def _attend_tile(
     offsets = tokens % BLOCK_SIZE
     k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
     k = _load(k_cache_ptr + k_rows[:, None] + dims[None, :], in_range[:, None], masked)
-    if UPCAST:
-        k = k.to(tl.float32)
+    k = k.to(q.dtype)  # a no-op, or float32 (UPCAST), or e4m3 -> q's dtype (exact; its scale is in qk_scale)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if SCORE_MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
@@ -83,8 +84,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
     v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = v.to(q.dtype)  # e4m3: its scale multiplies the output
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -142,15 +142,20 @@ def _merge_if_last(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counters_ptr, qk_scale, num_heads,
+    counters_ptr, qk_scale, num_heads, k_scale_ptr, v_scale_ptr,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    v_scale = 1.0
+    if KV_FP8:  # e4m3 K/V: k_scale folds into the score scale, v_scale multiplies the output (per KV head)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split this sequence's own length (no host sync on seq_lens) into BLOCK_N-aligned partitions whose tile counts
@@ -188,7 +193,7 @@ def _decode_kernel(
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION)
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # l_i == 0: an empty split or seq 0
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
         if NUM_SPLITS == 1:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -237,12 +242,12 @@ def _decode_merge_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_seqs, num_q_blocks, num_kv_heads,
+    qk_scale, num_seqs, num_q_blocks, num_kv_heads, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_ot, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
     # a block side by side: longest-first scheduling keeps the causal grid's tail short.
@@ -272,6 +277,8 @@ def _prefill_kernel(
     heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     row_mask = (rows // QUERIES_PER_KV < BLOCK_Q) & (q_local < q_len)
     q_pos = context_len + q_local
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     dims = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
@@ -296,12 +303,14 @@ def _prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION)
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = acc / l_i[:, None]  # every valid row saw at least key 0
     o_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -> None:
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale=None, v_scale=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -316,8 +325,10 @@ def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     check_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} or be "
+                         "float8_e4m3fn")
+    check_kv_scales(k_cache, k_scale, v_scale)
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
     if seq_lens.shape != (num_seqs,):
@@ -429,7 +440,7 @@ def _merge_counters(device: torch.device, num_slots: int) -> torch.Tensor:
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None,
-                                  fused_merge=None):
+                                  fused_merge=None, k_scale=None, v_scale=None):
     """Triton launcher of `paged_attention_decode`.
 
     num_splits=None picks it with `decode_num_splits`; any count >= 1 works (the tuner tries others). config overrides
@@ -437,7 +448,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     inside the decode kernel (`_merge_if_last`; one such launch at a time per device), False in a second kernel.
     """
     num_seqs, num_heads, head_dim = q.shape
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -462,7 +473,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         counters = _merge_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
-        scale * LOG2E, num_heads,
+        scale * LOG2E, num_heads, k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -470,6 +481,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, MIN_SPLIT_TILES=cdiv(min_split_tokens, cfg["block_n"]),
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
@@ -482,7 +494,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                   max_query_len=None, config=None):
+                                   max_query_len=None, config=None, k_scale=None, v_scale=None):
     """Triton launcher of `paged_attention_prefill`.
 
     max_query_len (optional, no host sync needed) only sizes the query tiles: absent or wrong, results are the
@@ -492,7 +504,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be [num_seqs], got shape {tuple(seq_lens.shape)}")
     num_seqs = seq_lens.shape[0]
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
@@ -511,22 +523,25 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound; the spare programs return at once
     _prefill_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads, k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first seq_len tokens of a paged cache, contiguous: [seq_len, num_kv_heads, head_dim]."""
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale=None) -> torch.Tensor:
+    """One sequence's first seq_len tokens of a paged cache, contiguous: [seq_len, num_kv_heads, head_dim]; a
+    float8 cache's dequantized (float32, times its per-head `scale`)."""
     block_size = cache.shape[1]
     blocks = block_table[: cdiv(seq_len, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    tokens = cache[blocks].flatten(0, 1)[:seq_len]
+    return tokens if scale is None else dequantize(tokens, scale[None, :, None])
 
 
 def _attend_ref(q, k, v, q_pos, scale) -> torch.Tensor:
@@ -541,25 +556,25 @@ def _attend_ref(q, k, v, q_pos, scale) -> torch.Tensor:
     return out.flatten(1, 2).to(q.dtype)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None):
     """Torch reference of `paged_attention_decode` (and its CPU implementation); seq_len 0 gives zeros."""
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0], k_scale, v_scale)
     out = torch.zeros_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[s], seq_len)
-        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        k = _gather_kv(k_cache, block_tables[s], seq_len, k_scale)
+        v = _gather_kv(v_cache, block_tables[s], seq_len, v_scale)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
         out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale)[0]
     return out
 
 
 def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len=None):
+                                max_query_len=None, k_scale=None, v_scale=None):
     """Torch reference of `paged_attention_prefill` (and its CPU implementation)."""
     num_seqs = seq_lens.shape[0]
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     starts = query_start_loc.tolist()
     if len(starts) != num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to T={q.shape[0]} over {num_seqs} sequences: {starts}")
@@ -569,28 +584,29 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_l
         if q_len == 0:
             continue
         assert 0 < q_len <= seq_len, f"sequence {s}: query length {q_len} exceeds its KV length {seq_len}"
-        k = _gather_kv(k_cache, block_tables[s], seq_len)
-        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        k = _gather_kv(k_cache, block_tables[s], seq_len, k_scale)
+        v = _gather_kv(v_cache, block_tables[s], seq_len, v_scale)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale)
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None):
     """Attention of one new query per sequence over its paged context.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs], tokens in the cache including the
     current one (already written). Returns [num_seqs, num_heads, head_dim] in q's dtype; a seq_len of 0 (a
-    padding row) gives zeros.
+    padding row) gives zeros. A float8_e4m3fn cache takes its float32 [num_kv_heads] k_scale, v_scale.
     """
     if use_triton(q):
-        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale,
+                                             v_scale=v_scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                            max_query_len=None):
+                            max_query_len=None, k_scale=None, v_scale=None):
     """Causal attention of packed variable-length query chunks over their paged KV.
 
     q [T, num_heads, head_dim] holds sequence b's queries at rows query_start_loc[b] : query_start_loc[b+1]
@@ -600,5 +616,6 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, 
     """
     if use_triton(q):
         return paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                              max_query_len)
-    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+                                              max_query_len, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       k_scale=k_scale, v_scale=v_scale)
