@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serve": "an async HTTP client against a running OpenAI-compatible server",
     "sampler": "the sampler alone: device and host time of one step for each sampling setting",
     "kernels": "Triton kernels against torch and the H200's ceilings",
+    "quality": "a quantized model (--quantization, --kv-cache-dtype) against transformers, teacher-forced",
 }
 
 

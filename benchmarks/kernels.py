@@ -48,6 +48,7 @@ from kernels.paged_attention import (  # noqa: E402
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe  # noqa: E402
+from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8  # noqa: E402
 
 COPY_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
@@ -137,7 +138,9 @@ class Runner:
             torch.cuda.empty_cache()
 
     def _record(self, kernel, case, impl, ms, work, baseline):
-        if "flops" in work:
+        if "fp8_flops" in work:  # FP8 tensor cores: twice the bf16 rate
+            rate, ceiling, unit = work["fp8_flops"] / (ms * 1e-3), 2 * BF16_FLOPS_PER_S, "TFLOP/s"
+        elif "flops" in work:
             rate, ceiling, unit = work["flops"] / (ms * 1e-3), BF16_FLOPS_PER_S, "TFLOP/s"
         else:
             rate, ceiling, unit = work["bytes"] / (ms * 1e-3), COPY_BYTES_PER_S, "GB/s"
@@ -503,15 +506,17 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("decode attn, long context (32k)", "decode attn", lambda case: int(case.split("ctx ")[1]) >= LONG_CONTEXT, 0.80),
     ("prefill attn, >= 4k tokens", "prefill attn", lambda case: int(case.split()[0]) >= 4096, 0.50),
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
+    ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
-NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe")
+NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "fp8 linear",
+                   "fp8 gemm", "fp8 kv decode", "tune fp8 linear")
 
 
 def print_targets(results: list[dict]) -> None:
     """The Triton kernels' worst case in each group the targets speak of, against the target; then decode's cases
     under 32k at batch 1, against a plain read of the same bytes (no target: there fixed latencies weigh)."""
     for label, kernel, in_scope, target in TARGETS:
-        rows = [r for r in results if r["impl"] == "triton"
+        rows = [r for r in results if r["impl"] in ("triton", "fp8 triton")
                 and (r["kernel"] == kernel if kernel else r["kernel"] not in NOT_ELEMENTWISE)
                 and in_scope(r["case"])]
         if rows:
@@ -532,7 +537,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
-    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe"], action="append",
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "fp8"],
+                        action="append",
                         help="run only these groups (repeatable)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
@@ -556,12 +562,12 @@ def main(argv=None) -> int:
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
     moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
-              "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg)}
+              "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
         groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear,
-                  "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg)}
+                  "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8}
     start = time.perf_counter()
     for group, bench in groups.items():
         if not args.only or group in args.only:

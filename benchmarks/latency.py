@@ -72,8 +72,9 @@ def main(args: argparse.Namespace) -> dict:
     config = engine_args(args, model=model_dir, load_format=load_format,
                          enable_prefix_caching=False).create_engine_config()
     engine = LLMEngine(config)
-    workers = engine.executor.describe()
-    print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers))
+    workers = [{k: v for k, v in w.items() if k != "kv_scales"} for w in engine.executor.describe()]
+    print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers),
+          f"| {engine.executor.num_kv_blocks} KV blocks of {args.block_size} tokens, {workers[0]['kv_cache_dtype']}")
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace) -> dict:
     print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s", "min_running",
                        "preemptions"])
     result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "smollm2-135m-instruct",
-              "workers": workers, "results": rows}
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers, "results": rows}
     write_json(args.output_json, result)
     return result

@@ -47,6 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="refused: Pagoda runs only its own model code (see the README's model list)")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) that replaces "
                                                               "the tokenizer's")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: FP8 weights (per output channel) and activations (per token), quantized at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -66,5 +70,6 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager,
-                  chat_template=args.chat_template)
+                  chat_template=args.chat_template, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     return EngineArgs(**(values | overrides))

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import ParamError
+from engine.quantization import KV_CACHE_DTYPES, QuantConfig, resolve_quantization
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "random")
@@ -32,6 +33,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
     chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
+    quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
@@ -44,6 +46,7 @@ class ModelConfig:
             raise ParamError("max_model_len", f"must be >= 0, got {self.max_model_len}")
         if self.is_gguf and self.load_format == "safetensors":
             raise ParamError("load_format", f"'safetensors' does not read the GGUF file {self.model!r}")
+        self.quant_config  # noqa: B018 - validates quantization against the checkpoint's quantization_config
 
     @classmethod
     def from_path(cls, model: str, **kwargs) -> "ModelConfig":
@@ -73,6 +76,11 @@ class ModelConfig:
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
+
+    @property
+    def quant_config(self) -> QuantConfig | None:
+        """The FP8 scheme of the linear layers (None: unquantized); ValueError if the checkpoint's is unsupported."""
+        return resolve_quantization(self.quantization, self.hf_config)
 
     @property
     def tokenizer_path(self) -> str:
@@ -120,8 +128,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30  # the memory cap for the pool on CPU
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn with per-head scales
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ParamError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ParamError("block_size", f"must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -198,6 +209,8 @@ class EngineArgs:
     use_ray: bool = False
     stream_interval_s: float = 0.0
     chat_template: str | None = None  # a file, or the template's text: replaces the tokenizer's
+    quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8)
+    kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV pool
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -222,7 +235,7 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         return (CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization,
-                            self.cpu_kv_cache_bytes, self.enable_prefix_caching),
+                            self.cpu_kv_cache_bytes, self.enable_prefix_caching, self.kv_cache_dtype),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 2048),
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 
@@ -235,7 +248,8 @@ class EngineArgs:
         model_config = ModelConfig.from_path(resolve_model(self.model), dtype=self.dtype,
                                              max_model_len=self.max_model_len or 0, load_format=self.load_format,
                                              seed=self.seed, tokenizer=self.tokenizer,
-                                             chat_template=read_chat_template(self.chat_template))
+                                             chat_template=read_chat_template(self.chat_template),
+                                             quantization=self.quantization)
         default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
         cache, scheduler, parallel = self._parts()
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),

@@ -74,6 +74,23 @@ def silu_mul_rounded(acc, acc_up, dtype: tl.constexpr):
 
 
 @triton.jit
+def store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """A linear kernel's epilogue: + bias, then (GATED) silu(gate) * up, stored in out's dtype. acc, acc_up: float32
+    [rows, BLOCK_N] (acc_up: the up half's, when gated). Shared by this file's kernel and kernels/linear_fp8.py's."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + up_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        out = silu_mul_rounded(acc, acc_up, dtype)
+    else:
+        out = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -85,16 +102,7 @@ def _linear_kernel(
     n_mask = offs_n < N
     acc, acc_up = rows_times_weight(x_ptr, rows, row_mask, stride_x, w_ptr, offs_n, n_mask, stride_w, up_row, K,
                                     GATED, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_ptr + up_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        out = silu_mul_rounded(acc, acc_up, dtype)
-    else:
-        out = acc.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
+    store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
 
 
 def _check_inputs(x, weight, bias, gated) -> None:

@@ -36,6 +36,8 @@ from kernels._triton import (
     upcast_dot_operands,
     use_triton,
 )
+from kernels.fp8 import FP8_DTYPE, dequantize
+from kernels.kv_cache import check_kv_scales
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
@@ -47,7 +49,7 @@ PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
 def _load(ptrs, mask, MASKED: tl.constexpr):
     """Zeros where `mask` is false; a tile known to be whole is loaded without a mask."""
     if MASKED:
-        x = tl.load(ptrs, mask=mask, other=0)
+        x = tl.load(ptrs, mask=mask, other=0.0)  # a float zero: the interpreter casts it to e4m3 too, not an int
     else:
         x = tl.load(ptrs)
     return x
@@ -73,8 +75,7 @@ def _attend_tile(
     offsets = tokens % BLOCK_SIZE
     k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
     k = _load(k_cache_ptr + k_rows[:, None] + dims[None, :], in_range[:, None], masked)
-    if UPCAST:
-        k = k.to(tl.float32)
+    k = k.to(q.dtype)  # a no-op, or float32 (UPCAST), or e4m3 -> q's dtype (exact; its scale is in qk_scale)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if SCORE_MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
@@ -88,8 +89,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
     v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = v.to(q.dtype)  # e4m3: its scale multiplies the output
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -147,16 +147,18 @@ def _merge_if_last(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counters_ptr, qk_scale, num_heads,
+    counters_ptr, qk_scale, num_heads, k_scale_ptr, v_scale_ptr,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    window=0, WINDOWED: tl.constexpr = False,
+    window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if KV_FP8:  # e4m3 K/V: k_scale folds into the score scale, v_scale multiplies the output (per KV head)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split this sequence's own length (no host sync on seq_lens) into BLOCK_N-aligned partitions whose tile counts
@@ -200,6 +202,8 @@ def _decode_kernel(
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window, WINDOWED)
 
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr + kv_head)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an empty split or seq_len 0 -> zeros
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
         if NUM_SPLITS == 1:
@@ -249,12 +253,13 @@ def _decode_merge_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_seqs, num_q_blocks, num_kv_heads,
+    qk_scale, num_seqs, num_q_blocks, num_kv_heads, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_ot, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, window=0, WINDOWED: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
     # a block side by side: longest-first scheduling keeps the causal grid's tail short.
@@ -284,6 +289,8 @@ def _prefill_kernel(
     heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     row_mask = (rows // QUERIES_PER_KV < BLOCK_Q) & (q_local < q_len)
     q_pos = context_len + q_local
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     dims = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)
@@ -317,6 +324,8 @@ def _prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window, WINDOWED)
 
+    if KV_FP8:  # e4m3 V: its per-head scale multiplies the output
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if WINDOWED:  # rows past the sequence's queries may see no key in their window (never stored)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]  # every valid row saw at least one key (itself)
@@ -324,7 +333,7 @@ def _prefill_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -> None:
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale=None, v_scale=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -339,8 +348,10 @@ def _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     check_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} or be "
+                         "float8_e4m3fn")
+    check_kv_scales(k_cache, k_scale, v_scale)
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
     if seq_lens.shape != (num_seqs,):
@@ -381,7 +392,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 # float32 tensors take IEEE float32 dots (FMA loops, no tensor cores): smaller tiles, or registers spill.
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: torch.device) -> dict:
+def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: torch.device,
+                  windowed_fp8: bool = False) -> dict:
     """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile).
 
     With at most PROGRAMS_PER_SM programs per SM (few sequences, split contexts) each program must keep more of
@@ -391,11 +403,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     fused_merge: split contexts are merged inside the decode kernel (`_merge_if_last`), not by a second kernel.
     H200 (`--tune --only decode --cuda-graph`): batch 1 at 8k 12.8 us against 13.5, at 32k 38.6 against 39.4;
     batch 8 at 8k 68.2 against 69.6.
+    windowed_fp8 (a sliding window over an e4m3 cache): with many programs, 32-key tiles. At 64 keys and 3 stages
+    the e4m3 -> bf16 conversions and the window's bounds spill a register on sm_90 (ptxas keeps 128 registers for 4
+    programs an SM); 32 keys fit in 127 without a spill (tests/kernels/compile_sm90.py).
     """
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True)
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
+    if windowed_fp8 and not few:
+        block_n = 32
     deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
     return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True)
 
@@ -458,7 +475,7 @@ def _merge_counters(device: torch.device, num_slots: int) -> torch.Tensor:
 
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, config=None,
-                                  fused_merge=None, sliding_window=None):
+                                  fused_merge=None, sliding_window=None, k_scale=None, v_scale=None):
     """Triton launcher of `paged_attention_decode`.
 
     num_splits=None picks it with `decode_num_splits`; any count >= 1 works (the tuner tries others). config overrides
@@ -466,7 +483,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     inside the decode kernel (`_merge_if_last`; one such launch at a time per device), False in a second kernel.
     """
     num_seqs, num_heads, head_dim = q.shape
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
     _check_triton_layout(q, k_cache, v_cache, block_tables)
     _check_window(sliding_window)
@@ -483,7 +500,8 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
                                        q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device) | (config or {})
+    cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device,
+                        windowed_fp8=sliding_window is not None and k_cache.dtype == FP8_DTYPE) | (config or {})
     fused = num_splits > 1 and bool(cfg["fused_merge"] if fused_merge is None else fused_merge)
     queries_per_kv = num_heads // num_kv_heads
     part_out = part_lse = counters = out  # placeholders, unused with one split
@@ -494,7 +512,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         counters = _merge_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
-        scale * LOG2E, num_heads,
+        scale * LOG2E, num_heads, k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -502,7 +520,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, MIN_SPLIT_TILES=cdiv(min_split_tokens, cfg["block_n"]),
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
-        window=sliding_window or 0, WINDOWED=sliding_window is not None,
+        window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
@@ -515,7 +533,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                   max_query_len=None, config=None, sliding_window=None):
+                                   max_query_len=None, config=None, sliding_window=None, k_scale=None, v_scale=None):
     """Triton launcher of `paged_attention_prefill`.
 
     max_query_len (optional, no host sync needed) only sizes the query tiles: absent or wrong, results are the
@@ -525,7 +543,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be [num_seqs], got shape {tuple(seq_lens.shape)}")
     num_seqs = seq_lens.shape[0]
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
@@ -545,23 +563,25 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound; the spare programs return at once
     _prefill_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads, k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
-        window=sliding_window or 0, WINDOWED=sliding_window is not None,
+        window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first seq_len tokens of a paged cache, contiguous: [seq_len, num_kv_heads, head_dim]."""
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale=None) -> torch.Tensor:
+    """One sequence's first seq_len tokens of a paged cache, contiguous: [seq_len, num_kv_heads, head_dim]; a
+    float8 cache's dequantized (float32, times its per-head `scale`)."""
     block_size = cache.shape[1]
     blocks = block_table[: cdiv(seq_len, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    tokens = cache[blocks].flatten(0, 1)[:seq_len]
+    return tokens if scale is None else dequantize(tokens, scale[None, :, None])
 
 
 def _attend_ref(q, k, v, q_pos, scale, sliding_window=None) -> torch.Tensor:
@@ -580,26 +600,27 @@ def _attend_ref(q, k, v, q_pos, scale, sliding_window=None) -> torch.Tensor:
     return out.flatten(1, 2).to(q.dtype)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                               v_scale=None):
     """Torch reference of `paged_attention_decode` (and its CPU implementation); seq_len 0 gives zeros."""
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0], k_scale, v_scale)
     _check_window(sliding_window)
     out = torch.zeros_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[s], seq_len)
-        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        k = _gather_kv(k_cache, block_tables[s], seq_len, k_scale)
+        v = _gather_kv(v_cache, block_tables[s], seq_len, v_scale)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
         out[s] = _attend_ref(q[s : s + 1], k, v, q_pos, scale, sliding_window)[0]
     return out
 
 
 def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len=None, sliding_window=None):
+                                max_query_len=None, sliding_window=None, k_scale=None, v_scale=None):
     """Torch reference of `paged_attention_prefill` (and its CPU implementation)."""
     num_seqs = seq_lens.shape[0]
-    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, k_scale, v_scale)
     _check_window(sliding_window)
     starts = query_start_loc.tolist()
     if len(starts) != num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
@@ -610,30 +631,33 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_l
         if q_len == 0:
             continue
         assert 0 < q_len <= seq_len, f"sequence {s}: query length {q_len} exceeds its KV length {seq_len}"
-        k = _gather_kv(k_cache, block_tables[s], seq_len)
-        v = _gather_kv(v_cache, block_tables[s], seq_len)
+        k = _gather_kv(k_cache, block_tables[s], seq_len, k_scale)
+        v = _gather_kv(v_cache, block_tables[s], seq_len, v_scale)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         out[starts[s] : starts[s + 1]] = _attend_ref(q[starts[s] : starts[s + 1]], k, v, q_pos, scale, sliding_window)
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                           v_scale=None):
     """Attention of one new query per sequence over its paged context.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs], tokens in the cache including the
     current one (already written). Returns [num_seqs, num_heads, head_dim] in q's dtype; a seq_len of 0 (a
     padding row) gives zeros. sliding_window W: the query sees only the last W keys (itself included), as
-    transformers' sliding-window mask; the kernel reads no tile before them.
+    transformers' sliding-window mask; the kernel reads no tile before them. A float8_e4m3fn cache takes its
+    float32 [num_kv_heads] k_scale, v_scale.
     """
     if use_triton(q):
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                             sliding_window=sliding_window)
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+                                             sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, k_scale,
+                                      v_scale)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                            max_query_len=None, sliding_window=None):
+                            max_query_len=None, sliding_window=None, k_scale=None, v_scale=None):
     """Causal attention of packed variable-length query chunks over their paged KV.
 
     q [T, num_heads, head_dim] holds sequence b's queries at rows query_start_loc[b] : query_start_loc[b+1]
@@ -644,6 +668,7 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, 
     """
     if use_triton(q):
         return paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                              max_query_len, sliding_window=sliding_window)
+                                              max_query_len, sliding_window=sliding_window, k_scale=k_scale,
+                                              v_scale=v_scale)
     return paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window=sliding_window)
+                                       sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)

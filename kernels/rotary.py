@@ -16,12 +16,14 @@ from kernels._triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_launchable,
+    is_interpreting,
     next_power_of_2,
     tl,
     triton,
     use_triton,
 )
-from kernels.kv_cache import check_kv_cache_inputs, write_kv_cache_ref
+from kernels.fp8 import FP8_DTYPE
+from kernels.kv_cache import check_kv_cache_inputs, quantize_heads, write_kv_cache_ref
 from kernels.rope_scaling import compute_inv_freq
 
 
@@ -39,9 +41,9 @@ def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype
 
 
 @triton.jit
-def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_row, stride_ch, slot,
+def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_row, stride_ch, slot, scale_ptr,
                   NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  WRITE_CACHE: tl.constexpr):
+                  WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HALF)
@@ -59,6 +61,9 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_r
     if WRITE_CACHE:  # the rotated heads straight from registers into the paged cache
         cache = cache_ptr + cache_row + heads * stride_ch + dims
         cache_mask = mask & (tl.zeros_like(heads) + slot >= 0)  # slot -1: a padding token, nothing written
+        if FP8:  # e4m3 of the rotated values (rounded to x's dtype first, as the reference quantizes them)
+            o1 = quantize_heads(o1, scale_ptr, heads, NUM_HEADS, EXACT)
+            o2 = quantize_heads(o2, scale_ptr, heads, NUM_HEADS, EXACT)
         tl.store(cache, o1, mask=cache_mask)
         tl.store(cache + HALF, o2, mask=cache_mask)
 
@@ -67,9 +72,10 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_r
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    FP8: tl.constexpr, EXACT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -78,8 +84,8 @@ def _rotary_kernel(
     # cos/sin rounded to q's dtype first, as transformers casts them.
     cos = tl.load(cs_ptr, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
     sin = tl.load(cs_ptr + HALF, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
-    _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos, sin, q_ptr, 0, 0, -1,
-                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, False)
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos, sin, q_ptr, 0, 0, -1, k_scale_ptr,
+                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, False, False, EXACT)
     if WRITE_CACHE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # -1: a padding token, nothing written
     else:
@@ -87,12 +93,14 @@ def _rotary_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     _rotate_heads(k_ptr, token, stride_kt, stride_kh, cos, sin, k_cache_ptr, block * stride_kcb + offset * stride_kcs,
-                  stride_kch, slot, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, WRITE_CACHE)
+                  stride_kch, slot, k_scale_ptr, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, WRITE_CACHE, FP8, EXACT)
     if WRITE_CACHE:
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         all_dims = tl.arange(0, 2 * HALF_PAD)[None, :]
         mask = (heads < NUM_KV_HEADS) & (all_dims < 2 * HALF) & (tl.zeros_like(heads) + slot >= 0)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + all_dims, mask=mask)
+        if FP8:
+            v = quantize_heads(v, v_scale_ptr, heads, NUM_KV_HEADS, EXACT)
         tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + all_dims, v, mask=mask)
 
 
@@ -122,7 +130,7 @@ def _check_inputs(positions, q, k, cos_sin_cache, head_dim):
 
 def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None) -> None:
     """Triton launcher of `rotary_embedding` (one program per token, all its q and k heads); with
-    cache=(v, k_cache, v_cache, slot_mapping), of `rotary_embedding_and_write_kv`."""
+    cache=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]), of `rotary_embedding_and_write_kv`."""
     q3, k3 = _check_inputs(positions, q, k, cos_sin_cache, head_dim)
     check_launchable(positions, q, k, cos_sin_cache)
     for name, t in (("q", q3), ("k", k3), ("cos_sin_cache", cos_sin_cache)):
@@ -132,11 +140,11 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None
         return
     if cache is None:
         v3 = k_cache = v_cache = slots = k3  # placeholders, unused
-        block_size = 1
+        block_size, k_scale, v_scale = 1, None, None
     else:
-        v, k_cache, v_cache, slots = cache
+        v, k_cache, v_cache, slots, k_scale, v_scale = (*cache, None, None)[:6]
         v3 = _as_heads("v", v, num_tokens, head_dim)
-        check_kv_cache_inputs(k3, v3, k_cache, v_cache, slots)
+        check_kv_cache_inputs(k3, v3, k_cache, v_cache, slots, k_scale, v_scale)
         check_launchable(v, k_cache, v_cache, slots)
         for name, t in (("v", v3), ("k_cache", k_cache), ("v_cache", v_cache)):
             check_last_dim_contiguous(name, t)
@@ -146,9 +154,11 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None
         positions, q3, k3, cos_sin_cache, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         cos_sin_cache.stride(0), v3, k_cache, v_cache, slots, v3.stride(0), v3.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
+        k_scale if k_scale is not None else cos_sin_cache, v_scale if v_scale is not None else cos_sin_cache,
         NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=k3.shape[1], Q_HEADS_PAD=next_power_of_2(q3.shape[1]),
         KV_HEADS_PAD=next_power_of_2(k3.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
-        BLOCK_SIZE=block_size, WRITE_CACHE=cache is not None,
+        BLOCK_SIZE=block_size, WRITE_CACHE=cache is not None, FP8=k_cache.dtype == FP8_DTYPE,
+        EXACT=is_interpreting(),
         num_warps=4 if q3.shape[1] * head_dim <= 4096 else 8,
     )
 
@@ -177,15 +187,17 @@ def rotary_embedding(positions, q, k, cos_sin_cache, head_dim) -> None:
 
 
 def rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
-                                  slot_mapping) -> None:
+                                  slot_mapping, k_scale=None, v_scale=None) -> None:
     """`rotary_embedding` of q and k, then `write_kv_cache` of the rotated k and of v, in one kernel on a GPU.
 
-    v: [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]; caches and slot_mapping as `write_kv_cache`.
+    v: [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]; caches, slot_mapping and the scales of a
+    float8 cache as `write_kv_cache`.
     """
     if use_triton(q):
-        rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, (v, k_cache, v_cache, slot_mapping))
+        rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim,
+                                (v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
     else:
         rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
         num_tokens = positions.shape[0]
         write_kv_cache_ref(_as_heads("k", k, num_tokens, head_dim), _as_heads("v", v, num_tokens, head_dim),
-                           k_cache, v_cache, slot_mapping)
+                           k_cache, v_cache, slot_mapping, k_scale, v_scale)

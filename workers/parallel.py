@@ -138,6 +138,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `x` over the ranks, in place."""
+    if _world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` summed over the ranks (a row-parallel layer); the matmul writes into the symmetric buffer
     when the result fits, so the all-reduce needs no copy."""

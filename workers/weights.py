@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Iterator
 
@@ -16,7 +17,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.quantization import QuantConfig
+from workers.layers.quantization import quantized_layers
 from workers.models import get_model_class
+
+logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -46,14 +51,16 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, object]]:
 
 
 def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, device, load_format: str = "auto",
-               seed: int = 0, max_model_len: int | None = None) -> nn.Module:
+               seed: int = 0, max_model_len: int | None = None, quant_config: QuantConfig | None = None) -> nn.Module:
     """Builds this rank's shard of the model on `device` and fills its weights.
 
     load_format: "auto" / "safetensors" read `model_dir` (a .gguf file with "auto"); "random" draws every weight from
     N(0, initializer_range) with `seed` (norm weights 1, biases 0) without reading any checkpoint.
+    quant_config: FP8 linear layers (workers/layers/quantization.py), quantized as they load (or drawn in FP8).
     """
     model_class = get_model_class(hf_config)
-    model = model_class(hf_config, dtype=dtype, device=device, max_model_len=max_model_len)
+    with quantized_layers(quant_config):
+        model = model_class(hf_config, dtype=dtype, device=device, max_model_len=max_model_len)
     if load_format == "random":
         init_random_weights(model, std=float(hf_config.get("initializer_range", 0.02)), seed=seed)
     elif load_format in ("auto", "safetensors"):
@@ -61,9 +68,10 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         if model_dir.endswith(".gguf"):
             from workers.gguf import iterate_gguf_weights
 
-            model.load_weights(iterate_gguf_weights(model_dir, hf_config))
+            weights = iterate_gguf_weights(model_dir, hf_config)  # dequantized: quant_config quantizes them online
         else:
-            model.load_weights(iterate_weights(model_dir))
+            weights = iterate_weights(model_dir)
+        model.load_weights(checkpoint_names(weights, quant_config))
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
     return model.eval()
@@ -71,14 +79,34 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
 
 @torch.no_grad()
 def init_random_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights drawn on the parameters' own device, deterministic from `seed`."""
+    """Random weights drawn on the parameters' own device, deterministic from `seed` (FP8 weights by their own
+    `random_init`, in chunks)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        if hasattr(param, "random_init"):
+            param.random_init(std, generators[param.device])
+        elif name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
             param.normal_(0.0, std, generator=generators[param.device])
+
+
+def checkpoint_names(weights: Iterator[tuple[str, object]], quant_config: QuantConfig | None):
+    """An FP8 checkpoint's tensor names as the layers call them: `weight_scale_inv` (transformers' fp8) is a
+    `weight_scale` (both multiply the e4m3 weight). KV-cache scales in a checkpoint are not used (Pagoda
+    calibrates its own at load, workers/kv_scales.py): skipped, with a warning."""
+    skipped = 0
+    for name, loaded in weights:
+        if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
+            skipped += 1
+            continue
+        if quant_config is not None and quant_config.scale_name != "weight_scale" and name.endswith(
+                "." + quant_config.scale_name):
+            name = name[: -len(quant_config.scale_name)] + "weight_scale"
+        yield name, loaded
+    if skipped:
+        logger.warning("the checkpoint's %d KV-cache scale tensors are not used", skipped)

@@ -16,7 +16,9 @@ from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import parallel
+from kernels.fp8 import FP8_DTYPE
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
+from workers.kv_scales import attention_layers, calibrate_kv_scales
 from workers.model_runner import ModelRunner
 from workers.weights import load_model
 
@@ -35,6 +37,7 @@ class Worker:
         self.device_index = device_index
         self.device_kind = resolve_device(config.parallel.device)
         self.dtype = _DTYPES[resolve_dtype(config.model.dtype, self.device_kind, config.model.hf_config)]
+        self.kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.model = None
         self.runner: ModelRunner | None = None
 
@@ -55,12 +58,17 @@ class Worker:
     def load_model(self) -> None:
         model_config = self.config.model
         self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
-                                model_config.load_format, model_config.seed, model_config.max_model_len)
+                                model_config.load_format, model_config.seed, model_config.max_model_len,
+                                model_config.quant_config)
+        if self.kv_dtype == FP8_DTYPE:
+            scales = calibrate_kv_scales(self.model, self.device, self.dtype, model_config.hf_config.get("bos_token_id"))
+            logger.info("rank %d: KV cache in float8_e4m3fn, per-head scales %s .. %s (K), %s .. %s (V)", self.rank,
+                        *_scale_range(k for k, _ in scales), *_scale_range(v for _, v in scales))
 
     @property
     def block_bytes(self) -> int:
         return bytes_per_block(self.model.num_layers, self.config.cache.block_size, self.model.num_kv_heads_per_rank,
-                               self.model.head_dim, self.dtype)
+                               self.model.head_dim, self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit on this rank (the executor takes the minimum over ranks)."""
@@ -84,7 +92,7 @@ class Worker:
         per_seq = num_tokens // num_seqs
         blocks_per_seq = -(-per_seq // block_size)
         caches = allocate_kv_caches(self.model.num_layers, num_seqs * blocks_per_seq, block_size,
-                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
+                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype, self.device)
         runner = ModelRunner(self.model, caches, block_size, self.device, sched_config, is_driver=self.rank == 0)
         sched = SchedulerOutput()
         for i in range(num_seqs):
@@ -98,12 +106,13 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
-                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.dtype, self.device)
+                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype,
+                                    self.device)
         self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                   self.config.scheduler, is_driver=self.rank == 0,
                                   use_cuda_graphs=not self.config.parallel.enforce_eager)
-        logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB)", self.rank, num_blocks,
-                    self.config.cache.block_size, num_blocks * self.block_bytes / 2**30)
+        logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
+                    self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if self.device_kind == "cuda":
             self._warm_up_prefill(num_blocks)
 
@@ -145,7 +154,11 @@ class Worker:
 
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "all_reduce": parallel.all_reduce_backend(),
-                "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None)}
+                "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "kv_scales": [(k.tolist(), v.tolist()) for k, v in
+                              ((a.k_scale, a.v_scale) for a in attention_layers(self.model))]
+                if self.kv_dtype == FP8_DTYPE and self.model is not None else None}
 
     def shutdown(self) -> None:
         self.runner = None
@@ -184,6 +197,11 @@ class InProcessExecutor(Executor):
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
+
+
+def _scale_range(scales) -> tuple[float, float]:
+    values = torch.cat([s.flatten().float().cpu() for s in scales])
+    return values.min().item(), values.max().item()
 
 
 def _as_executor_error(fn, *args):

@@ -24,6 +24,27 @@ def test_bench_latency(tmp_path):
     assert all(r["min_running"] == r["batch"] and r["preemptions"] == 0 for r in cases.values())
 
 
+def test_bench_latency_fp8_reports_its_pool(tmp_path):
+    """--quantization fp8 --kv-cache-dtype fp8: the run says what it ran, and the FP8 pool has 4x the blocks of the
+    float32 pool that a CPU run would otherwise get (the same 1 GiB)."""
+    base = _run(tmp_path, "bench", "latency", "--batch-sizes", "1", "--prompt-lens", "8", "--decode-steps", "2")
+    fp8 = _run(tmp_path, "bench", "latency", "--batch-sizes", "1", "--prompt-lens", "8", "--decode-steps", "2",
+               "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert (fp8["quantization"], fp8["kv_cache_dtype"], fp8["workers"][0]["kv_cache_dtype"]) == \
+        ("fp8", "fp8", "float8_e4m3fn")
+    assert fp8["num_kv_blocks"] == 4 * base["num_kv_blocks"]
+    assert fp8["results"][0]["decode_ms_per_token"] > 0
+
+
+def test_bench_quality_on_the_tiny_model(tmp_path):
+    result = _run(tmp_path, "bench", "quality", "--positions", "40", "--quantization", "fp8", "--kv-cache-dtype",
+                  "fp8", "--device", "cpu")
+    unquantized, quantized = result["results"]
+    assert unquantized["positions"] == quantized["positions"] == 40
+    assert unquantized["top1_agreement"] == 1.0 and unquantized["max_abs_delta_logprob"] < 1e-3
+    assert quantized["mean_abs_delta_logprob"] > 1e-3  # FP8 is a different computation, and it shows
+
+
 def test_bench_throughput_beside_transformers(tmp_path):
     result = _run(tmp_path, "bench", "throughput", "--num-requests", "6", "--input-len-range", "8", "24",
                   "--output-len", "5", "--compare", "hf")

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-SERVE_FILES = {"rayservice-8b.yaml": "deploy/serve.yaml", "rayservice-70b.yaml": "deploy/serve-70b.yaml"}
+SERVE_FILES = {"rayservice-8b.yaml": "deploy/serve.yaml", "rayservice-70b.yaml": "deploy/serve-70b.yaml",
+               "rayservice-70b-fp8.yaml": "deploy/serve-70b-fp8.yaml"}
 
 
 def _documents(repo):
@@ -60,7 +61,8 @@ def _pod_specs(cluster_spec):
 
 def test_every_manifest_is_a_kubernetes_object(repo):
     docs = _documents(repo)
-    assert {name for name, _ in docs} >= {"rayservice-8b.yaml", "rayservice-70b.yaml", "podmonitor.yaml",
+    assert {name for name, _ in docs} >= {"rayservice-8b.yaml", "rayservice-70b.yaml", "rayservice-70b-fp8.yaml",
+                                          "podmonitor.yaml",
                                           "grafana-dashboard-configmap.yaml", "models-pvc.yaml"}
     for name, doc in docs:
         assert doc.get("apiVersion") and doc.get("kind") and doc["metadata"].get("name"), name
@@ -171,6 +173,15 @@ def test_gpu_workers_are_ready_when_serve_is(repo, manifest):
     for group in cluster["workerGroupSpecs"]:
         probe = group["template"]["spec"]["containers"][0]["readinessProbe"]
         assert probe["httpGet"] == {"path": "/-/healthz", "port": 8000}
+
+
+def test_70b_fp8_is_one_gpu_per_replica_in_fp8(repo):
+    """The single-GPU 70B: FP8 weights and KV (so it fits one H200), one GPU per pod and per replica."""
+    service = _rayservice(repo, "rayservice-70b-fp8.yaml")
+    model = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["models"][0]
+    assert (model["quantization"], model["kv_cache_dtype"], model["tensor_parallel_size"]) == ("fp8", "fp8", 1)
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
 def test_70b_sets_nccl_site_options(repo):

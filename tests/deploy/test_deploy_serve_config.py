@@ -7,7 +7,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-SERVE_FILES = ["deploy/serve.yaml", "deploy/serve-70b.yaml"]
+SERVE_FILES = ["deploy/serve.yaml", "deploy/serve-70b.yaml", "deploy/serve-70b-fp8.yaml"]
 
 
 def _load(repo, name):

@@ -69,15 +69,17 @@ except Exception as exc:  # noqa: BLE001
     sys.exit(3)
 
 import kernels.activation as activation  # noqa: E402
+import kernels.fp8 as fp8  # noqa: E402
 import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
+import kernels.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, kv_cache, linear, moe, paged_attention, rms_norm, rotary, sampling):
+for module in (activation, fp8, kv_cache, linear, linear_fp8, moe, paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
 
@@ -118,19 +120,29 @@ def int32(*shape):
     return torch.zeros(shape, dtype=torch.int32)
 
 
-def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None, window=None):
+FP8 = torch.float8_e4m3fn
+
+
+def _kv(kv_heads, dim, dtype, kv_fp8):
+    cache = empty(8, 16, kv_heads, dim, dtype=FP8 if kv_fp8 else dtype)
+    scales = dict(k_scale=empty(kv_heads, dtype=torch.float32), v_scale=empty(kv_heads, dtype=torch.float32))
+    return cache, scales if kv_fp8 else {}
+
+
+def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None, window=None, kv_fp8=False):
     CASE[0] = name
-    q, cache = empty(seqs, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
+    q, (cache, scales) = empty(seqs, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
     paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
                                                   num_splits=splits, config=config, fused_merge=fused_merge,
-                                                  sliding_window=window)
+                                                  sliding_window=window, **scales)
 
 
-def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2, window=None):
+def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2, window=None, kv_fp8=False):
     CASE[0] = name
-    q, cache = empty(tokens, heads, dim, dtype=dtype), empty(8, 16, kv_heads, dim, dtype=dtype)
+    q, (cache, scales) = empty(tokens, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
     paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(num_seqs, 512), int32(num_seqs + 1),
-                                                   int32(num_seqs), 0.1, max_query_len, sliding_window=window)
+                                                   int32(num_seqs), 0.1, max_query_len, sliding_window=window,
+                                                   **scales)
 
 
 def fused_moe(name, tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16):
@@ -138,6 +150,47 @@ def fused_moe(name, tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16)
     ids = torch.zeros(tokens, top_k, dtype=torch.int64)
     moe.fused_moe_triton(empty(tokens, hidden, dtype=dtype), empty(experts, 2 * inter, hidden, dtype=dtype),
                          empty(experts, hidden, inter, dtype=dtype), torch.zeros(tokens, top_k), ids)
+
+
+def fp8_linear(name, rows, out_rows, in_features, gated=False, **kwargs):
+    CASE[0] = name
+    linear_fp8.linear_fp8_triton(empty(rows, in_features, dtype=kwargs.pop("x_dtype", torch.bfloat16)),
+                                 empty(out_rows, in_features, dtype=FP8), empty(out_rows, dtype=torch.float32),
+                                 gated=gated, **kwargs)
+
+
+def compile_fp8() -> None:
+    """The FP8 kernels: the linear in each activation mode and launch-setting family, the per-token quantize,
+    the FP8 KV write (alone and fused with rotary) and attention over an e4m3 pool."""
+    for rows in (1, 16, 256):  # decode-sized; GEMM tiles from 17 rows on
+        fp8_linear(f"fp8 linear qkv, {rows} rows", rows, 6144, 4096)
+        fp8_linear(f"fp8 linear gate_up + silu, {rows} rows", rows, 2 * 14336, 4096, gated=True)
+        fp8_linear(f"fp8 linear down, {rows} rows", rows, 4096, 14336)
+    fp8_linear("fp8 linear fp32 x, 4 rows", 4, 4096, 4096, x_dtype=torch.float32)
+    fp8_linear("fp8 linear static input scale, 64 rows", 64, 4096, 4096, input_scale=empty(1, dtype=torch.float32))
+    fp8_linear("fp8 linear pre-quantized x, 2048 rows", 2048, 4096, 4096, x_dtype=FP8,
+               x_scale=empty(2048, dtype=torch.float32))
+    CASE[0] = "fp8 linear 128 x 128 blocks, 256 rows"
+    linear_fp8.linear_fp8_triton(empty(256, 4096), empty(6144, 4096, dtype=FP8), empty(48, 32, dtype=torch.float32),
+                                 block_size=(128, 128))
+    CASE[0] = "quantize_per_token 14336"
+    fp8.quantize_per_token_triton(empty(8, 14336))
+    scales = (empty(8, dtype=torch.float32), empty(8, dtype=torch.float32))
+    CASE[0] = "rotary + fp8 kv write 32/8 x 128"
+    rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 1024),
+                                   empty(64, 128, dtype=torch.float32), 128,
+                                   (empty(4, 1024), empty(8, 16, 8, 128, dtype=FP8), empty(8, 16, 8, 128, dtype=FP8),
+                                    torch.zeros(4, dtype=torch.int64), *scales))
+    CASE[0] = "write_kv_cache fp8 8 x 128"
+    kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128, dtype=FP8),
+                                   empty(8, 16, 8, 128, dtype=FP8), torch.zeros(4, dtype=torch.int64), *scales)
+    decode("decode llama3-8b bf16 fp8 kv fused", 1, 32, 8, 128, torch.bfloat16, 32, kv_fp8=True)
+    decode("decode llama3-8b bf16 fp8 kv", 64, 32, 8, 128, torch.bfloat16, 1, kv_fp8=True)
+    prefill("prefill llama3-8b bf16 fp8 kv", 4096, 32, 8, 128, torch.bfloat16, kv_fp8=True)
+    # A sliding window over an e4m3 pool (Mistral / Qwen3 / Phi-3 with kv_cache_dtype="fp8"): both options at once.
+    decode("decode mistral window bf16 fp8 kv fused", 1, 32, 8, 128, torch.bfloat16, 16, window=4096, kv_fp8=True)
+    decode("decode mistral window bf16 fp8 kv", 64, 32, 8, 128, torch.bfloat16, 1, window=4096, kv_fp8=True)
+    prefill("prefill mistral window bf16 fp8 kv", 4096, 32, 8, 128, torch.bfloat16, window=4096, kv_fp8=True)
 
 
 def main() -> int:
@@ -199,6 +252,7 @@ def main() -> int:
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
+        compile_fp8()
     except Exception as exc:  # noqa: BLE001
         print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc}")
         return 1

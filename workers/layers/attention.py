@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.fp8 import FP8_DTYPE
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -33,22 +34,37 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """sliding_window W: each query sees only its last W keys (itself included); None: its whole history."""
+    """Paged attention of one layer. sliding_window W: each query sees only its last W keys (itself included);
+    None: its whole history. With a float8_e4m3fn KV pool (kv_cache_dtype="fp8") it also holds the layer's KV
+    scales, float32 [num_kv_heads] powers of two (set at load by workers/kv_scales.py), which the KV write
+    (`kv_scales`, passed to `rotate_and_cache`) and the attention kernels use."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, device=None):
         super().__init__()
         assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.sliding_window = sliding_window
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, device=device), persistent=False)
+
+    def kv_scales(self, k_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) for a float8 cache, (None, None) for one in the model's dtype."""
+        return (self.k_scale, self.v_scale) if k_cache.dtype == FP8_DTYPE else (None, None)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        self.k_scale.copy_(k_scale)
+        self.v_scale.copy_(v_scale)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, H, D]; caches: [num_blocks, block_size, H_kv, D] holding this step's K/V -> out [T, H * D]
+        k_scale, v_scale = self.kv_scales(k_cache)
         if meta.is_decode_only:
             out = paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                         self.sliding_window)
+                                         self.sliding_window, k_scale, v_scale)
         else:
             out = paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                          meta.seq_lens, self.scale, meta.max_query_len, self.sliding_window)
+                                          meta.seq_lens, self.scale, meta.max_query_len, self.sliding_window,
+                                          k_scale, v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from kernels.linear import linear
-from workers.parallel import get_tp_rank, get_tp_size, linear_all_reduce
+from kernels.linear_fp8 import linear_fp8
+from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config
+from workers.parallel import all_reduce, get_tp_rank, get_tp_size, linear_all_reduce
 
 
 def loaded_shape(loaded) -> tuple[int, ...]:
@@ -54,23 +56,32 @@ def _param(shape: tuple[int, ...], dtype, device, loader) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[:, rank's slice] = x @ W[rank's rows].T (+ b[rank's slice]). The output stays split across ranks."""
+    """y[:, rank's slice] = x @ W[rank's rows].T (+ b[rank's slice]). The output stays split across ranks.
+
+    Built inside `quantized_layers(config)` (workers/layers/quantization.py), the weight is FP8 with scales."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.in_features = in_features
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
-        self.weight = _param((self.out_features_per_rank, in_features), dtype, device, self.weight_loader)
+        _make_weight(self, self.out_features_per_rank, in_features, dtype, device)
         self.bias = _param((self.out_features_per_rank,), dtype, device, self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+    def shard(self, shard_id=None) -> Shard:
+        """This rank's part of a checkpoint tensor (see `Shard`)."""
         assert shard_id is None, f"ColumnParallelLinear takes no shard_id, got {shard_id!r}"
         n = self.out_features_per_rank
-        copy_loaded(param.data, loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
+        return Shard(slice(0, n), slice(self.tp_rank * n, (self.tp_rank + 1) * n))
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        shard = self.shard(shard_id)
+        copy_loaded(param.data[shard.dst], loaded[shard.src_rows] if param.dim() == 1 else shard.index(loaded))
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)]
+        if self.quant_config is not None:
+            return linear_fp8(x, self.weight, self.weight_scale, self.bias, gated, self.block_size, self.input_scale)
         return linear(x, self.weight, self.bias, gated)
 
 
@@ -86,12 +97,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, dtype, device)
         self.sizes_per_rank = [_divide(s, self.tp_size, "output size") for s in self.output_sizes]
 
+    def shard(self, shard_id=None) -> Shard:
+        assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), f"bad shard_id {shard_id!r}"
+        offset, n = sum(self.sizes_per_rank[:shard_id]), self.sizes_per_rank[shard_id]
+        return Shard(slice(offset, offset + n), slice(self.tp_rank * n, (self.tp_rank + 1) * n))
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), f"bad shard_id {shard_id!r}"
         assert loaded_shape(loaded)[0] == self.output_sizes[shard_id], (
             f"shard {shard_id}: expected {self.output_sizes[shard_id]} rows, loaded {loaded_shape(loaded)}")
-        offset, n = sum(self.sizes_per_rank[:shard_id]), self.sizes_per_rank[shard_id]
-        copy_loaded(param.data[offset:offset + n], loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
+        super().weight_loader(param, loaded, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -129,19 +144,22 @@ class QKVParallelLinear(ColumnParallelLinear):
             return self.tp_rank * self.num_kv_heads_per_rank
         return self.tp_rank * self.num_kv_heads // self.tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+    def shard(self, shard_id=None) -> Shard:
         d = self.head_dim
         if shard_id == "q":
-            offset, rows = 0, self.q_size
-            start_head, total_heads = self.tp_rank * self.num_heads_per_rank, self.num_heads
+            offset, rows, start_head = 0, self.q_size, self.tp_rank * self.num_heads_per_rank
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            rows, start_head, total_heads = self.kv_size, self._kv_head_start(), self.num_kv_heads
+            rows, start_head = self.kv_size, self._kv_head_start()
         else:
             raise AssertionError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        assert loaded_shape(loaded)[0] == total_heads * d, (
-            f"{shard_id}: expected {total_heads * d} rows, loaded {loaded_shape(loaded)}")
-        copy_loaded(param.data[offset:offset + rows], loaded[start_head * d:start_head * d + rows])
+        return Shard(slice(offset, offset + rows), slice(start_head * d, start_head * d + rows))
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        total_heads = self.num_heads if shard_id == "q" else self.num_kv_heads
+        assert loaded_shape(loaded)[0] == total_heads * self.head_dim, (
+            f"{shard_id}: expected {total_heads * self.head_dim} rows, loaded {loaded_shape(loaded)}")
+        super().weight_loader(param, loaded, shard_id)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv: [T, q_size + 2 * kv_size] -> q [T, q_size], k [T, kv_size], v [T, kv_size]
@@ -162,17 +180,35 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         self.out_features = out_features
-        self.weight = _param((out_features, self.in_features_per_rank), dtype, device, self.weight_loader)
+        _make_weight(self, out_features, self.in_features_per_rank, dtype, device)
         self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+    def shard(self, shard_id=None) -> Shard:
         assert shard_id is None, f"RowParallelLinear takes no shard_id, got {shard_id!r}"
         n = self.in_features_per_rank
-        copy_loaded(param.data, loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+        return Shard(slice(None), slice(None), slice(self.tp_rank * n, (self.tp_rank + 1) * n))
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        copy_loaded(param.data, self.shard(shard_id).index(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
-        if not self.reduce_results:
+        if self.quant_config is not None:
+            y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
+            if not self.reduce_results:
+                return y
+            y = all_reduce(y)
+        elif not self.reduce_results:
             return linear(x, self.weight)
-        y = linear_all_reduce(x, self.weight)
+        else:
+            y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
+
+
+def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device) -> None:
+    """The layer's weight: FP8 with scales when built inside `quantized_layers`, else `dtype`."""
+    layer.quant_config = current_quant_config()
+    if layer.quant_config is not None:
+        create_fp8_weights(layer, rows, cols, device, layer.quant_config)
+    else:
+        layer.weight = _param((rows, cols), dtype, device, layer.weight_loader)

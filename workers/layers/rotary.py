@@ -33,7 +33,9 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
     def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Rotates q and k in place and writes the rotated k and v at `slot_mapping` (one kernel on a GPU)."""
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """Rotates q and k in place and writes the rotated k and v at `slot_mapping` (one kernel on a GPU); a
+        float8 cache takes the layer's scales (`Attention.kv_scales`)."""
         rotary_embedding_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, k_cache, v_cache,
-                                      slot_mapping)
+                                      slot_mapping, k_scale, v_scale)

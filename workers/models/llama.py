@@ -93,7 +93,8 @@ class LlamaAttentionBlock(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps, dtype, device)
             self.k_norm = RMSNorm(head_dim, eps, dtype, device)
         self.qk_norm = qk_norm
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window,
+                              device=device)
 
     def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # h: [T, hidden] -> [T, hidden]
@@ -105,7 +106,8 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping)
+        self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                         *self.attn.kv_scales(k_cache))
         out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
         return self.o_proj(out)
 

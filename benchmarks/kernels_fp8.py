@@ -1,0 +1,179 @@
+"""`python -m benchmarks.kernels --only fp8`: the FP8 kernels against their bf16 counterparts (Llama-3-8B shapes).
+
+    fp8 linear, 1-16 rows   a layer's four projections, the weights read cold (LINEAR_COPIES layers): bf16 cuBLAS,
+                            the bf16 decode-sized Triton kernel, the FP8 one. Bandwidth counts the FP8 weight bytes
+                            (the bf16 rows read twice as many): the FP8 kernel's target is 88-90% of copy.
+    fp8 gemm, 32-8192 rows  the same four projections as GEMMs, in FP8 FLOPs against 2 x the bf16 ceiling: bf16
+                            cuBLAS, the FP8 Triton GEMM quantizing x in its prologue, quantize_per_token + the
+                            Triton GEMM, quantize_per_token + torch._scaled_mm, and _scaled_mm alone (x already
+                            FP8: what the quantization pass costs). linear_fp8 takes _scaled_mm from
+                            kernels/linear_fp8.py's SCALED_MM_MIN_ROWS on: set it where the rows cross.
+    fp8 kv decode           decode attention over an e4m3 pool against the bf16 pool, in bytes of the FP8 K/V.
+    --tune                  the decode-sized launch settings (`default_config`) against a sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import torch
+
+from kernels.activation import silu_and_mul
+from kernels.fp8 import FP8_DTYPE, quantize_per_token, quantize_weight
+from kernels.linear import linear_cublas, linear_triton
+from kernels.linear_fp8 import linear_fp8_ref, linear_fp8_scaled_mm, linear_fp8_triton
+from kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
+
+FP8_ROWS = [1, 2, 4, 8, 16]
+GEMM_ROWS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+KV_CASES = [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (256, 2048)]
+TUNE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+                for n in (32, 64) for k in (256, 512, 1024) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def _layers(cfg: dict, copies: int, device) -> list[dict]:
+    """`copies` layers of (bf16 weight, fp8 weight, fp8 scales) for each projection, and whether it is gated."""
+    from benchmarks.kernels import llama_linears
+
+    out = []
+    for _ in range(copies):
+        layer = {}
+        for op, (rows, cols, gated) in llama_linears(cfg).items():
+            w = torch.randn(rows, cols, dtype=torch.bfloat16, device=device) * cols ** -0.5
+            layer[op] = (w, *quantize_weight(w), gated)
+        out.append(layer)
+    return out
+
+
+def _chain(layers, x, fn):
+    def run():
+        for layer in layers:
+            for op, (w, w_q, w_scale, gated) in layer.items():
+                fn(x[op], w, w_q, w_scale, gated)
+    return run
+
+
+def _check(layers, x, fns) -> float:
+    from benchmarks.kernels import max_error
+
+    error = 0.0
+    for op, (w, w_q, w_scale, gated) in layers[0].items():
+        ref = linear_fp8_ref(x[op], w_q, w_scale, gated=gated)
+        for fn in fns:
+            out = fn(x[op], w, w_q, w_scale, gated)
+            error = max(error, max_error(out, ref, 3e-2 * ref.abs().max().item()))
+    return error
+
+
+def fp8_linear_case(runner, cfg: dict, rows: int, configs: dict, kernel: str = "fp8 linear"):
+    from benchmarks.kernels import LINEAR_COPIES, llama_linears
+
+    device = runner.device
+
+    def build():
+        layers = _layers(cfg, LINEAR_COPIES, device)
+        x = {op: torch.randn(rows, cols, dtype=torch.bfloat16, device=device)
+             for op, (_, cols, _) in llama_linears(cfg).items()}
+        impls = {"bf16 cuBLAS": _chain(layers, x, lambda x, w, q, s, g: linear_cublas(x, w, gated=g)),
+                 "bf16 triton": _chain(layers, x, lambda x, w, q, s, g: linear_triton(x, w, gated=g))}
+        fns = []
+        for name, c in configs.items():
+            fn = functools.partial(lambda x, w, q, s, g, c: linear_fp8_triton(x, q, s, gated=g, config=c), c=c)
+            impls[name] = _chain(layers, x, fn)
+            fns.append(fn)
+        num_bytes = sum(w_q.numel() for layer in layers for _, w_q, _, _ in layer.values())
+        return impls, dict(bytes=num_bytes), lambda: _check(layers, x, fns)
+
+    runner.case(kernel, f"rows {rows}", build)
+
+
+def _gemm_impls(layers, x):
+    def fused(x, w, q, s, g):
+        return linear_fp8_triton(x, q, s, gated=g)
+
+    def quant_triton(x, w, q, s, g):
+        x_q, x_s = quantize_per_token(x)
+        out = linear_fp8_triton(x_q, q, s, gated=g, x_scale=x_s)
+        return out
+
+    def scaled_mm(x, w, q, s, g):
+        return linear_fp8_scaled_mm(x, q, s, gated=g)
+
+    x_q = {op: quantize_per_token(t) for op, t in x.items()}
+
+    def scaled_mm_only():
+        for layer in layers:
+            for op, (w, q, s, gated) in layer.items():
+                out = torch._scaled_mm(x_q[op][0], q.t(), scale_a=x_q[op][1][:, None], scale_b=s[None, :],
+                                       out_dtype=torch.bfloat16)
+                if gated:
+                    silu_and_mul(out)
+
+    impls = {"bf16 cuBLAS": _chain(layers, x, lambda x, w, q, s, g: linear_cublas(x, w, gated=g)),
+             "fp8 triton fused-q": _chain(layers, x, fused), "fp8 quant+triton": _chain(layers, x, quant_triton),
+             "fp8 quant+scaled_mm": _chain(layers, x, scaled_mm), "fp8 scaled_mm only": scaled_mm_only}
+    return impls, [fused, scaled_mm]
+
+
+def bench_fp8_gemm(runner, cfg: dict):
+    from benchmarks.kernels import llama_linears
+
+    device = runner.device
+    for rows in GEMM_ROWS:
+
+        def build(rows=rows):
+            layers = _layers(cfg, 2, device)
+            x = {op: torch.randn(rows, cols, dtype=torch.bfloat16, device=device)
+                 for op, (_, cols, _) in llama_linears(cfg).items()}
+            impls, fns = _gemm_impls(layers, x)
+            flops = sum(2 * rows * w.shape[0] * w.shape[1] for layer in layers for w, _, _, _ in layer.values())
+            return impls, dict(fp8_flops=flops), lambda: _check(layers, x, fns)
+
+        runner.case("fp8 gemm", f"rows {rows}", build)
+
+
+def bench_fp8_kv_decode(runner, cfg: dict):
+    from benchmarks.kernels import cold_kv, max_error
+
+    device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
+    scale = 1 / math.sqrt(dim)
+    kv_heads = cfg["num_kv_heads"]
+    for batch, ctx in KV_CASES:
+
+        def build(batch=batch, ctx=ctx):
+            copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
+            fp8 = [(k.to(FP8_DTYPE), v.to(FP8_DTYPE), t) for k, v, t, _, _ in copies]
+            k_scale = v_scale = torch.ones(kv_heads, device=device)
+            bf16_turn, fp8_turn = itertools.cycle([c[:3] for c in copies]), itertools.cycle(fp8)
+            q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            impls = {"bf16 triton": lambda: paged_attention_decode_triton(q, *next(bf16_turn), lens, scale),
+                     "fp8 triton": lambda: paged_attention_decode_triton(q, *next(fp8_turn), lens, scale,
+                                                                         k_scale=k_scale, v_scale=v_scale)}
+
+            def check():
+                args = (q, *fp8[0], lens, scale)
+                ref = paged_attention_decode_ref(*args, k_scale=k_scale, v_scale=v_scale)
+                return max_error(paged_attention_decode_triton(*args, k_scale=k_scale, v_scale=v_scale), ref, 2e-2)
+
+            return impls, dict(bytes=kv_bytes // 2), check
+
+        runner.case("fp8 kv decode", f"batch {batch} ctx {ctx}", build)
+
+
+def bench_fp8(runner, cfg: dict):
+    if not runner.use_triton:
+        return  # CPU smoke: nothing here runs without a GPU (torch._scaled_mm, fp8 tensor cores)
+    for rows in FP8_ROWS:
+        fp8_linear_case(runner, cfg, rows, {"fp8 triton": None})
+    bench_fp8_gemm(runner, cfg)
+    bench_fp8_kv_decode(runner, cfg)
+
+
+def bench_tune_fp8(runner, cfg: dict):
+    configs = {"default": None}
+    configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c for c in TUNE_CONFIGS})
+    for rows in (1, 8, 16):
+        fp8_linear_case(runner, cfg, rows, configs, "tune fp8 linear")

@@ -1,0 +1,126 @@
+"""Which FP8 scheme a model's linear layers use: from the user's `quantization` and the checkpoint's
+`quantization_config` (pure Python: the engine validates it before any worker starts).
+
+    quantization="fp8" on a bf16/fp16/fp32 checkpoint   online: each rank quantizes its shard at load,
+                                                         per output channel, activations per token
+    quant_method "fp8" (transformers' FineGrainedFP8 / FP8 checkpoints)
+        weight_block_size [bn, bk]: block scales `weight_scale_inv` [N / bn, K / bk]; none: one per tensor
+        activation_scheme "dynamic" (per token here) or "static" (`input_scale` per tensor)
+    quant_method "compressed-tensors", format "float-quantized" (llm-compressor's FP8 checkpoints)
+        weights strategy "channel" (`weight_scale` [N, 1]) or "tensor"; input_activations dynamic "token"
+        or static "tensor" (`input_scale`)
+
+Everything else (int4/int8 methods, weight-only FP8, other formats) is a ValueError that names what is not
+supported: a checkpoint is never loaded as if it were unquantized.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.errors import ParamError
+
+QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 linear layers. weight: "channel" (a scale per output row; per-tensor checkpoints are expanded to it)
+    or "block" (`block_size` = (rows, cols) per scale); activation: "dynamic" (per token, at run time) or
+    "static" (a per-tensor `input_scale` from the checkpoint). `ignored`: module name prefixes left unquantized."""
+
+    method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors"
+    is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
+    weight: str = "channel"
+    block_size: tuple[int, int] | None = None
+    activation: str = "dynamic"
+    scale_name: str = "weight_scale"  # the checkpoint's name for the weight scales ("weight_scale_inv" in HF fp8)
+    ignored: tuple[str, ...] = ()
+
+    def is_ignored(self, module_name: str) -> bool:
+        """Whether the checkpoint left `module_name` (e.g. "model.layers.0.mlp.down_proj") unquantized: a listed
+        name, a name it ends with, or a "re:" pattern (compressed-tensors)."""
+        for pattern in self.ignored:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return True
+        return False
+
+
+def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConfig | None:
+    """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported."""
+    if quantization not in QUANTIZATIONS:
+        raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return QuantConfig("fp8", is_checkpoint_fp8=False) if quantization == "fp8" else None
+    method = qc.get("quant_method")
+    if method in ("fp8", "compressed-tensors"):
+        config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
+        kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
+        if kept:  # Pagoda's FP8 layers are all of the decoder's linear layers, or none
+            raise ValueError(f"quantization_config: {method} leaving decoder modules unquantized ({kept[:4]}) is "
+                             "not supported")
+        return config
+    raise ValueError(f"quantization_config: quant_method {method!r} is not supported (supported: 'fp8', "
+                     f"'compressed-tensors' with format 'float-quantized')")
+
+
+def _hf_fp8(qc: dict) -> QuantConfig:
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config: quant_method 'fp8' activation_scheme {scheme!r} is not supported")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config: quant_method 'fp8' fmt {qc.get('fmt')!r} is not supported (e4m3)")
+    block = qc.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"quantization_config: weight_block_size must be [rows, cols], got {block!r}")
+    if block is not None and scheme == "static":
+        raise ValueError("quantization_config: quant_method 'fp8' with weight_block_size and a static "
+                         "activation_scheme is not supported")
+    ignored = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+    return QuantConfig("fp8", True, "block" if block else "channel", tuple(block) if block else None, scheme,
+                       "weight_scale_inv", ignored)
+
+
+def _compressed_tensors(qc: dict) -> QuantConfig:
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} is not supported "
+                         "(only 'float-quantized' FP8)")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("quantization_config: compressed-tensors kv_cache_scheme is not supported "
+                         "(use kv_cache_dtype='fp8', whose scales Pagoda computes at load)")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config: compressed-tensors with {len(groups)} config_groups is not "
+                         "supported (one group of Linear targets)")
+    weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    _check_float8("weights", weights)
+    if weights.get("strategy") not in ("channel", "tensor") or weights.get("dynamic"):
+        raise ValueError(f"quantization_config: compressed-tensors weights strategy {weights.get('strategy')!r} "
+                         f"(dynamic={weights.get('dynamic')}) is not supported (static 'channel' or 'tensor')")
+    if not inputs:
+        raise ValueError("quantization_config: compressed-tensors weight-only FP8 (no input_activations) is not "
+                         "supported")
+    _check_float8("input_activations", inputs)
+    if inputs.get("dynamic") and inputs.get("strategy") == "token":
+        activation = "dynamic"
+    elif not inputs.get("dynamic") and inputs.get("strategy") == "tensor":
+        activation = "static"
+    else:
+        raise ValueError(f"quantization_config: compressed-tensors input_activations strategy "
+                         f"{inputs.get('strategy')!r} with dynamic={inputs.get('dynamic')} is not supported "
+                         "(dynamic 'token' or static 'tensor')")
+    return QuantConfig("compressed-tensors", True, "channel", None, activation, "weight_scale",
+                       tuple(qc.get("ignore") or ()))
+
+
+def _check_float8(what: str, args: dict) -> None:
+    if args.get("num_bits") != 8 or args.get("type") != "float" or args.get("symmetric") is False:
+        raise ValueError(f"quantization_config: compressed-tensors {what} {args!r} is not supported "
+                         "(8-bit symmetric float only)")

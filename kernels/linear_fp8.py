@@ -1,0 +1,254 @@
+"""FP8 linear layers: e4m3 weights with float32 scales, activations quantized per token (kernels/fp8.py).
+
+    linear_fp8(x, w_q, w_scale)          y = dequant(quant(x)) @ dequant(w_q).T (+ bias), in x's dtype
+    linear_fp8(..., gated=True)          silu(gate) * up of such a [gate ; up] output (the Llama MLP)
+
+    x_scale, input_scale   dynamic: each row's power-of-two scale (computed here); static: one power-of-two
+                           scale for every row (`input_scale`, from a checkpoint)
+    w_scale                [N] per output row, or [ceil(N / bn), ceil(K / bk)] per block (`block_size`)
+
+One Triton kernel serves every batch size on a GPU, with two kinds of launch settings:
+
+    decode-sized (<= MAX_ROWS rows)   1 row tile of 16, a wide BLOCK_N per program: streams the weight bytes
+                                      (1 byte each) at the memory's speed, SiLU-and-mul fused in the epilogue
+    GEMM (more rows)                  64/128 x 128 tiles, grouped along M for L2 reuse
+
+Its prologue finds each row's largest |x| (a pass over the row's K, from L2) and the loop quantizes x tile by tile
+in registers before an fp8 x fp8 tensor-core dot, so a dynamic activation is never written to memory in FP8.
+Above `SCALED_MM_MIN_ROWS` rows (prefill), x is quantized by one pass (`quantize_per_token`) and cuBLASLt's
+`torch._scaled_mm` (rowwise scales) does the GEMM; `python -m benchmarks.kernels --only fp8` measures both.
+"""
+
+import functools
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    is_interpreting,
+    num_sms,
+    shared_memory_per_block,
+    tl,
+    triton,
+    use_triton,
+)
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.linear import store_output
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    dequantize_weight,
+    pow2_scales,
+    quantize_per_token,
+    quantize_per_token_ref,
+    quantize_ref,
+    to_e4m3,
+)
+
+MAX_ROWS = 16  # the decode-sized launch settings up to this many rows
+SCALED_MM_MIN_ROWS = 1024  # from here on (per-channel weights on a GPU): quantize_per_token + torch._scaled_mm
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_x, stride_w, stride_o, stride_ws, up_row,
+    X_MODE: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """X_MODE 0: x is e4m3 with scales [M]; 1: x is float, quantized per row here; 2: float, one scale [1].
+    W_BLOCK_N = 0: per-row weight scales [N]; else block scales [N / W_BLOCK_N, K / W_BLOCK_K] (BLOCK_K divides
+    W_BLOCK_K, so a K tile lies in one scale block)."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)  # GROUP_M row tiles side by side share each weight tile in L2
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n)) // group_rows
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+
+    if X_MODE == 1:  # dynamic: each row's largest |x| first
+        amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :],
+                         other=0.0)
+            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+        x_scale, x_inv = pow2_scales(tl.max(amax, 1), 8)  # ACTIVATION_EXP (a kernel reads no Python globals)
+    elif X_MODE == 2:
+        x_scale = tl.load(x_scale_ptr + rows * 0)
+        x_inv = (254 << 23) - x_scale.to(tl.int32, bitcast=True)  # 1 / a power of two, from its exponent bits
+        x_inv = x_inv.to(tl.float32, bitcast=True)
+    else:
+        x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
+        x_inv = x_scale  # unused
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_mask = cols < K
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        if X_MODE != 0:
+            xv = to_e4m3(xv.to(tl.float32) * x_inv[:, None], EXACT)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
+        if EXACT:  # the interpreter multiplies float32 (fp8 products are exact in float32)
+            part = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # one K tile of imprecise Hopper fp8 accumulation, then float32 adds
+            part = tl.dot(xv, tl.trans(w), max_num_imprecise_acc=BLOCK_K)
+        if W_BLOCK_N != 0:
+            part *= tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_ws + k0 // W_BLOCK_K, mask=n_mask,
+                            other=0.0)[None, :]
+        acc += part
+        if GATED:
+            up_n = up_row + offs_n
+            w_up = tl.load(w_ptr + up_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
+            if EXACT:
+                part = tl.dot(xv.to(tl.float32), tl.trans(w_up.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(xv, tl.trans(w_up), max_num_imprecise_acc=BLOCK_K)
+            if W_BLOCK_N != 0:
+                part *= tl.load(w_scale_ptr + (up_n // W_BLOCK_N) * stride_ws + k0 // W_BLOCK_K, mask=n_mask,
+                                other=0.0)[None, :]
+            acc_up += part
+
+    acc = acc * x_scale[:, None]
+    acc_up = acc_up * x_scale[:, None]
+    if W_BLOCK_N == 0:
+        acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(w_scale_ptr + up_row + offs_n, mask=n_mask, other=0.0)[None, :]
+    store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
+
+
+def _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale=None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [T, K] and weight [N, K] must agree, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    check_dtype("weight", weight, (FP8_DTYPE,))
+    if x_scale is None:
+        check_dtype("x", x, FLOAT_DTYPES)
+    elif x.dtype != FP8_DTYPE or x_scale.shape != (x.shape[0],):
+        raise ValueError(f"a quantized x must be e4m3 with x_scale [{x.shape[0]}], got {x.dtype} and "
+                         f"{tuple(x_scale.shape)}")
+    n, k = weight.shape
+    expected = (n,) if block_size is None else (cdiv(n, block_size[0]), cdiv(k, block_size[1]))
+    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32 {expected}, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"input_scale must hold one value, got shape {tuple(input_scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if gated and (n % 2 or (block_size is not None and (n // 2) % block_size[0])):
+        raise ValueError(f"a gated weight stacks gate and up rows: an even row count (whole scale blocks each), "
+                         f"got {n}")
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(num_rows: int, out_features: int, gated: bool, block_k: int | None, x_itemsize: int,
+                   device: torch.device) -> dict:
+    """Launch settings. Decode-sized: kernels/linear.py's recipe (one program per SM streaming a wide tile, BLOCK_N
+    the widest that still gives programs for ~70% of the SMs) with K tiles twice as long (an FP8 tile of the same
+    bytes; half that for float32 x), 8 warps, shrunk until the stages fit in shared memory; `--tune --only fp8` sweeps them. GEMM: 128 x 128 x 128
+    tiles (64 rows for short batches, 64 columns when gated: two weight tiles)."""
+    if num_rows <= MAX_ROWS:
+        sms = num_sms(device)
+        block_n = next((n for n in (64, 32) if cdiv(out_features, n) >= 0.7 * sms), 16)
+        tile_k = (512 if gated or block_n == 64 else 1024) // (2 if x_itemsize == 4 else 1)
+        # 8 warps: x's tile is quantized in registers; with 4 the 16 x 1024 tiles spill (compile_sm90.py).
+        cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": tile_k, "num_warps": 8,
+               "num_stages": 3 if gated else 4}
+    else:
+        cfg = {"BLOCK_M": 64 if num_rows <= 64 else 128, "BLOCK_N": 64 if gated else 128, "BLOCK_K": 128,
+               "num_warps": 4 if num_rows <= 64 else 8, "num_stages": 3}
+    if block_k is not None:  # a K tile must lie inside one scale block
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 1 << (block_k.bit_length() - 1))
+        if block_k % cfg["BLOCK_K"]:
+            raise ValueError(f"weight block size {block_k} along K must be a power of two or a multiple of 128")
+    limit = shared_memory_per_block(device)
+    while (cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_itemsize + cfg["BLOCK_N"] * (2 if gated else 1))
+           > limit and (cfg["num_stages"] > 2 or cfg["BLOCK_K"] > 32)):
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        else:
+            cfg["BLOCK_K"] //= 2
+    return cfg
+
+
+def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None,
+                      x_scale=None, config: dict | None = None):
+    """Triton launcher of `linear_fp8` (any number of rows). x_scale: x is already e4m3 with these row scales."""
+    _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale)
+    check_launchable(*[t for t in (x, weight, weight_scale, bias, input_scale, x_scale) if t is not None])
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out_dtype = torch.bfloat16 if x_scale is not None else x.dtype
+    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return out
+    cfg = {**default_config(num_rows, out_features, gated, block_size[1] if block_size else None, x.dtype.itemsize,
+                            x.device), **(config or {})}
+    mode = 0 if x_scale is not None else 2 if input_scale is not None else 1
+    grid = (cdiv(num_rows, cfg["BLOCK_M"]) * cdiv(out_features, cfg["BLOCK_N"]),)
+    _fp8_linear_kernel[grid](
+        x, x_scale if mode == 0 else input_scale if mode == 2 else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, out, num_rows, out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0), weight_scale.stride(0), out_features,
+        X_MODE=mode, W_BLOCK_N=block_size[0] if block_size else 0, W_BLOCK_K=block_size[1] if block_size else 0,
+        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def linear_fp8_ref(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
+    """Torch reference of `linear_fp8` (and its CPU implementation): quantize x, dequantize both, F.linear in
+    float32; the result in x's dtype, then silu_and_mul's reference when gated."""
+    _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale)
+    if input_scale is None:
+        x_q, x_scale = quantize_per_token_ref(x)
+        x_deq = dequantize(x_q, x_scale[:, None])
+    else:
+        x_deq = dequantize(quantize_ref(x, 1.0 / input_scale.float()), input_scale.float())
+    w_deq = dequantize_weight(weight, weight_scale, block_size)
+    out = torch.nn.functional.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
+    return silu_and_mul_ref(out) if gated else out
+
+
+def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_scale=None):
+    """`linear_fp8` for prefill-sized batches with per-row weight scales: quantize_per_token (one pass), then
+    torch._scaled_mm (cuBLASLt, rowwise scales on Hopper), then silu_and_mul when gated."""
+    if input_scale is None:
+        x_q, x_scale = quantize_per_token(x)
+    else:
+        x_q, x_scale = quantize_ref(x, 1.0 / input_scale), input_scale.float().expand(x.shape[0])
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None].contiguous(), scale_b=weight_scale[None, :],
+                           out_dtype=x.dtype)
+    if bias is not None:  # added here: not every cuBLASLt rowwise-scaled kernel takes a bias
+        out += bias
+    return silu_and_mul(out) if gated else out
+
+
+def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
+    """x [T, K] (float) @ dequantized weight [N, K] (e4m3, scales per row or per block).T (+ bias [N]) -> [T, N]
+    in x's dtype; gated: silu(gate) * up of a [gate ; up] weight -> [T, N / 2]. See the module doc."""
+    if not use_triton(x):
+        return linear_fp8_ref(x, weight, weight_scale, bias, gated, block_size, input_scale)
+    if (x.shape[0] >= SCALED_MM_MIN_ROWS and block_size is None and x.dtype != torch.float32
+            and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):  # cuBLASLt's FP8 alignment
+        return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale)
+    return linear_fp8_triton(x, weight, weight_scale, bias, gated, block_size, input_scale)

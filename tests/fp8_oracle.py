@@ -1,0 +1,218 @@
+"""The FP8 oracle: a transformers model computing what Pagoda's FP8 paths define (kernels/fp8.py), restated here
+in plain torch so that the definitions are checked, not copied.
+
+- Every decoder Linear becomes `FakeQuantLinear`: its weight quantized and dequantized with a scale per output
+  row (per row of each tensor-parallel K shard for o_proj and down_proj: each rank quantizes its own shard), or
+  taken dequantized from an FP8 checkpoint; its input quantized and dequantized per token with the least
+  power-of-two scale that fits the row's largest |x| into 448 (or a static power-of-two scale).
+- With `kv_fp8`, an attention function quantizes and dequantizes K (after rotary) and V per KV head with
+  power-of-two scales from the same calibration batch Pagoda uses (workers/kv_scales.py), measured here on the
+  oracle itself.
+
+Also writes the pre-quantized checkpoint formats (`write_fp8_checkpoint`) from a tiny bf16 one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+KV_CALIBRATION = {"seqs": 4, "len": 128, "seed": 1234}  # workers/kv_scales.py's batch
+
+
+def pow2_at_least(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The least 2^k with top * 2^k >= amax (top = 448 for activations, 112 for KV), by frexp."""
+    mantissa, exponent = torch.frexp(amax.float())  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    top_m, top_e = torch.frexp(torch.tensor(top))
+    k = exponent - top_e + (mantissa > top_m).int()
+    return torch.where(amax > 0, torch.ldexp(torch.ones_like(amax.float()), k), torch.ones_like(amax.float()))
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-448, 448).to(E4M3).float() * scale
+
+
+def fake_quant_weight(w: torch.Tensor, k_shards: int = 1) -> torch.Tensor:
+    """A scale per output row of each of `k_shards` column blocks: its largest |w| / 448."""
+    parts = []
+    for part in w.float().chunk(k_shards, dim=1):
+        amax = part.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        parts.append((part * (1.0 / scale)).clamp(-448, 448).to(E4M3).float() * scale)
+    return torch.cat(parts, dim=1)
+
+
+class FakeQuantLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None = None):
+        super().__init__()
+        self.weight, self.bias, self.input_scale = weight.float(), bias, input_scale
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if self.input_scale is None:
+            scale = pow2_at_least(rows.abs().amax(dim=-1, keepdim=True), 448.0)
+        else:
+            scale = torch.tensor(self.input_scale)
+        y = F.linear(fake_quant(rows, scale), self.weight, None if self.bias is None else self.bias.float())
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, "kv_amax", None) is not None:  # calibrating: record each KV head's largest |K| and |V|
+        for i, t in enumerate((key, value)):
+            module.kv_amax[i] = torch.maximum(module.kv_amax[i], t.abs().amax(dim=(0, 2, 3)))
+    elif getattr(module, "kv_scales", None) is not None:
+        key, value = (fake_quant(t, s[None, :, None, None]).to(t.dtype) for t, s in zip((key, value),
+                                                                                        module.kv_scales))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("pagoda_fp8_kv", _attention)
+    AttentionMaskInterface.register("pagoda_fp8_kv", sdpa_mask)
+    return "pagoda_fp8_kv"
+
+
+def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input_scales: dict | None = None,
+                 kv_fp8: bool = True):
+    """The float32 transformers model of `model_dir` with fake-quantized linears (online per-row scales at
+    tensor-parallel degree `tp`, or `weights`: name -> dequantized weight from an FP8 checkpoint, with
+    `input_scales`: name -> static scale) and, with kv_fp8, calibrated fake-quantized K/V."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LINEARS:
+                linear = getattr(parent, name, None)
+                if linear is None:
+                    continue
+                key = f"model.layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"
+                w = weights[key] if weights else fake_quant_weight(linear.weight.data,
+                                                                   tp if name in ROW_PARALLEL else 1)
+                setattr(parent, name, FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
+    model.set_attn_implementation(_register_attention())
+    if kv_fp8:
+        calibrate(model)
+    return model
+
+
+@torch.no_grad()
+def calibrate(model) -> None:
+    attns = [layer.self_attn for layer in model.model.layers]
+    heads = model.config.num_key_value_heads
+    for attn in attns:
+        attn.kv_scales, attn.kv_amax = None, [torch.zeros(heads), torch.zeros(heads)]
+    gen = torch.Generator().manual_seed(KV_CALIBRATION["seed"])
+    ids = torch.randint(0, model.config.vocab_size, (KV_CALIBRATION["seqs"], KV_CALIBRATION["len"]), generator=gen)
+    if model.config.bos_token_id is not None:
+        ids[:, 0] = model.config.bos_token_id
+    model(ids)
+    for attn in attns:
+        attn.kv_scales = [pow2_at_least(a, 112.0) for a in attn.kv_amax]
+        attn.kv_amax = None
+
+
+@torch.no_grad()
+def greedy(model, prompt_ids: list[list[int]], max_new: int) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy generate per prompt: (new token ids, log-softmax of each step's logits)."""
+    results = []
+    for ids in prompt_ids:
+        ids_t = torch.tensor([ids])
+        out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=model.config.pad_token_id)
+        results.append((out.sequences[0, len(ids):].tolist(), [torch.log_softmax(s[0].float(), -1)
+                                                               for s in out.logits]))
+    return results
+
+
+def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]:
+    """An FP8 copy of the tiny checkpoint `src` in `dst`. fmt: "fp8-tensor" (transformers' fp8, a scale per
+    tensor), "fp8-block" (weight_block_size [16, 32]), "ct-channel" (compressed-tensors, per-channel weights,
+    dynamic per-token inputs) or "ct-static" (compressed-tensors, per-tensor weights and static input scales).
+    Returns (dst, the dequantized weights and the static input scales the oracle uses)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, dequantized, input_scales = {}, {}, {}
+    gen = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
+            out[name] = t
+            continue
+        w = t.float()
+        if fmt == "fp8-block":
+            rows, cols = 16, 32
+            amax = w.abs().unflatten(0, (-1, rows)).unflatten(2, (-1, cols)).amax(dim=(1, 3))
+            scale = amax / 448
+            full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        elif fmt in ("fp8-tensor", "ct-static"):
+            scale = w.abs().amax() / 448
+            full = scale
+        else:
+            scale = w.abs().amax(dim=1, keepdim=True) / 448
+            full = scale
+        q = (w / full).clamp(-448, 448).to(E4M3)
+        out[name] = q
+        out[f"{module}.{'weight_scale_inv' if fmt.startswith('fp8') else 'weight_scale'}"] = scale
+        dequantized[module] = q.float() * full
+        if fmt == "ct-static":
+            raw = (0.02 + 0.05 * torch.rand((), generator=gen)).reshape(1)  # a calibrated-looking scale
+            out[f"{module}.input_scale"] = raw
+            input_scales[module] = raw.item()
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    _write_quantization_config(dst, fmt)
+    return dst, dequantized, _group_static_scales(input_scales)
+
+
+def _group_static_scales(raw: dict) -> dict:
+    """Pagoda's static input scale of a fused projection: the largest of its parts', rounded up to 2^k."""
+    groups = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    largest: dict = {}
+    for module, value in raw.items():
+        prefix, name = module.rsplit(".", 1)
+        key = (prefix, groups.get(name, name))
+        largest[key] = max(largest.get(key, 0.0), value)
+    return {m: pow2_at_least(torch.tensor(largest[(m.rsplit(".", 1)[0], groups.get(m.rsplit(".", 1)[1],
+                                                                                   m.rsplit(".", 1)[1]))]),
+                             1.0).item() for m in raw}
+
+
+def _write_quantization_config(dst: str, fmt: str) -> None:
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if fmt.startswith("fp8"):
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        if fmt == "fp8-block":
+            qc["weight_block_size"] = [16, 32]
+    else:
+        static = fmt == "ct-static"
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"],
+                  "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                              "strategy": "tensor" if static else "channel"},
+                  "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                                        "strategy": "tensor" if static else "token"}}}}
+    config["quantization_config"] = qc
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,276 @@
+"""FP8: the quantization definitions, and every FP8 Triton launcher against its torch reference.
+
+Quantizing is exact in both (power-of-two activation and KV scales, round to nearest even), so the quantize and
+KV-write kernels must match their references bit for bit; the linear and attention kernels differ only in the
+order of their float32 sums.
+"""
+
+import pytest
+import torch
+
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    dequantize_weight,
+    pow2_ceil,
+    pow2_scale,
+    quantize_per_token,
+    quantize_per_token_ref,
+    quantize_per_token_triton,
+    quantize_ref,
+    quantize_weight,
+    quantize_weight_blocks,
+)
+from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
+from kernels.linear_fp8 import MAX_ROWS, linear_fp8, linear_fp8_ref, linear_fp8_triton
+from kernels.paged_attention import (
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+    paged_attention_prefill_ref,
+    paged_attention_prefill_triton,
+)
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding_and_write_kv, rotary_embedding_triton
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_pow2_scale_is_the_least_power_of_two_that_fits():
+    amax = torch.tensor([448.0, 448.01, 224.0, 1.0, 0.0, 1e-40, 3e38])  # 1e-40: subnormal
+    scale = pow2_scale(amax, 8)
+    assert scale.tolist()[:4] == [1.0, 2.0, 0.5, 2.0 ** -8]
+    assert scale[4] == scale[5] == 2.0 ** -126  # nothing to fit: the smallest scale, zeros stay zeros
+    assert torch.all(448 * scale >= amax) and torch.all((448 * scale / 2 < amax)[:4])
+    assert torch.log2(scale).frac().eq(0).all()
+    assert pow2_ceil(torch.tensor([0.3, 0.25, 3.0])).tolist() == [0.5, 0.25, 4.0]
+
+
+def test_quantize_ref_rounds_to_nearest_even_and_saturates():
+    x = torch.tensor([1.0625, 1.1875, 500.0, -1000.0, 0.001953125 * 1.5, 0.0])
+    q = quantize_ref(x, torch.tensor(1.0)).float()
+    assert q.tolist() == [1.0, 1.25, 448.0, -448.0, 0.00390625, 0.0]  # ties to even, clamped, subnormal
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_per_token_kernel_is_bitwise_the_ref(magnitude, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 300, generator=gen) * magnitude * torch.rand(9, 1, generator=gen) * 4).to(dtype)
+    x[3] = 0.0  # an all-zero row
+    q, scale = quantize_per_token_triton(x.to(device))
+    q_ref, scale_ref = quantize_per_token_ref(x)
+    assert torch.equal(scale.cpu(), scale_ref) and torch.equal(bits(q.cpu()), bits(q_ref))
+    err = (dequantize(q_ref, scale_ref[:, None]) - x.float()).abs().amax(-1)
+    assert torch.all(err <= 2 ** -4 * x.float().abs().amax(-1))  # half an e4m3 step at the top, at most
+
+
+def test_weight_quantization_roundtrip():
+    w = torch.randn(24, 40) * torch.logspace(-3, 1, 24)[:, None]
+    q, scale = quantize_weight(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (24,)
+    torch.testing.assert_close(q.float().abs().amax(-1), torch.full((24,), 448.0))  # each row uses the range
+    assert ((dequantize_weight(q, scale) - w).abs() <= w.abs() * 2 ** -4 + 1e-12).all()
+    qb, scale_b = quantize_weight_blocks(w, (16, 16))
+    assert scale_b.shape == (2, 3)
+    assert ((dequantize_weight(qb, scale_b, (16, 16)) - w).abs() <= 0.07 * w.abs().amax()).all()
+
+
+def make_linear(rows, out_rows, in_features, dtype, device, gated=False, bias=False, block=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight_rows = 2 * out_rows if gated else out_rows
+    w = torch.randn(weight_rows, in_features, generator=gen) * in_features ** -0.5
+    w_q, w_scale = quantize_weight(w) if block is None else quantize_weight_blocks(w, block)
+    x = (3 * torch.randn(rows, in_features, generator=gen)).to(dtype)
+    return dict(x=x.to(device), weight=w_q.to(device), weight_scale=w_scale.to(device),
+                bias=torch.randn(weight_rows, generator=gen).to(dtype).to(device) if bias else None, gated=gated,
+                block_size=block)
+
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
+DECODE = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64)
+GEMM = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, GROUP_M=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,config", [(1, None), (5, DECODE), (MAX_ROWS + 3, None), (37, GEMM)])
+@pytest.mark.parametrize("gated,bias", [(False, False), (True, True)])
+def test_linear_kernel_matches_ref(dtype, rows, config, gated, bias, device, poisoned_allocations):
+    # 40 outputs and 200 inputs: partial tiles in N and K; 37 rows, GROUP_M 2: partial row tiles and groups.
+    inputs = make_linear(rows, 40, 200, dtype, device, gated, bias)
+    ref = linear_fp8_ref(**inputs)
+    out = linear_fp8_triton(**inputs, config=config)
+    assert out.shape == ref.shape == (rows, 40) and out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=TOL[dtype][0] * ref.abs().max().item(), rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows,config", [(3, None), (20, GEMM)])
+def test_linear_kernel_block_scales(gated, rows, config, device, poisoned_allocations):
+    inputs = make_linear(rows, 48, 96, torch.float32, device, gated, block=(16, 32))
+    ref = linear_fp8_ref(**inputs)
+    torch.testing.assert_close(linear_fp8_triton(**inputs, config=config), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_kernel_static_and_prequantized_inputs(device, poisoned_allocations):
+    inputs = make_linear(6, 40, 200, torch.float32, device)
+    static = torch.tensor([0.25], device=device)
+    torch.testing.assert_close(linear_fp8_triton(**inputs, input_scale=static),
+                               linear_fp8_ref(**inputs, input_scale=static), atol=1e-4, rtol=1e-4)
+    x_q, x_scale = quantize_per_token(inputs["x"])
+    out = linear_fp8_triton(**{**inputs, "x": x_q}, x_scale=x_scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), linear_fp8_ref(**inputs), atol=0.02, rtol=0.02)
+
+
+def test_linear_ref_is_the_dequantized_matmul():
+    """The definition the transformers oracle copies: per-token fake-quantized x times the dequantized weight."""
+    inputs = make_linear(4, 16, 32, torch.float32, "cpu", bias=True)
+    x_q, x_scale = quantize_per_token_ref(inputs["x"])
+    expected = torch.nn.functional.linear(dequantize(x_q, x_scale[:, None]),
+                                          dequantize_weight(inputs["weight"], inputs["weight_scale"]), inputs["bias"])
+    assert torch.equal(linear_fp8_ref(**inputs), expected)
+    assert torch.equal(linear_fp8(**inputs), expected)  # on CPU the public function is the reference
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        linear_fp8_ref(**{**inputs, "weight_scale": inputs["weight_scale"][:3]})
+    with pytest.raises(ValueError, match="weight must have dtype"):
+        linear_fp8_ref(**{**inputs, "weight": inputs["weight"].float()})
+
+
+def kv_case(num_tokens, num_kv_heads, head_dim, block_size, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 5
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    num_blocks = -(-2 * num_tokens // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[:2] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_scale = torch.tensor([2.0 ** -4, 2.0 ** -2, 1.0][:num_kv_heads])
+    v_scale = torch.tensor([2.0 ** -6, 2.0 ** -5, 2.0][:num_kv_heads])
+    caches = [torch.full(shape, float("nan")).to(FP8_DTYPE) for _ in "kv"]  # NaN bytes wherever nothing is written
+    return [t.to(device) for t in (k, v, *caches, slots, k_scale, v_scale)]
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 32, 4), (3, 16, 16)])
+def test_fp8_kv_write_is_bitwise_the_ref(num_kv_heads, head_dim, block_size, device):
+    k, v, k_cache, v_cache, slots, k_scale, v_scale = kv_case(21, num_kv_heads, head_dim, block_size, device)
+    ref_k, ref_v = k_cache.cpu().clone(), v_cache.cpu().clone()
+    write_kv_cache_ref(k.cpu(), v.cpu(), ref_k, ref_v, slots.cpu(), k_scale.cpu(), v_scale.cpu())
+    write_kv_cache_triton(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(bits(k_cache.cpu()), bits(ref_k)) and torch.equal(bits(v_cache.cpu()), bits(ref_v))
+    written = ref_k[slots[slots >= 0].cpu() // block_size, slots[slots >= 0].cpu() % block_size]
+    torch.testing.assert_close(dequantize(written, k_scale.cpu()[:, None]), k[slots >= 0].cpu(), atol=0.02,
+                               rtol=2 ** -4)
+    with pytest.raises(ValueError, match="k_scale must be float32"):
+        write_kv_cache_triton(k, v, k_cache, v_cache, slots)
+
+
+def test_fused_rotary_fp8_kv_write_is_bitwise_the_ref(device):
+    k, v, k_cache, v_cache, slots, k_scale, v_scale = kv_case(13, 2, 32, 4, device)
+    q = torch.randn(13, 4, 32, device=device)
+    positions = torch.randint(0, 64, (13,), device=device)
+    cos_sin = compute_cos_sin_cache(32, 64, 10000.0).to(device)
+    ref = [t.cpu().clone() for t in (q, k, v, k_cache, v_cache)]
+    rotary_embedding_and_write_kv(positions.cpu(), *ref[:3], cos_sin.cpu(), 32, *ref[3:], slots.cpu(),
+                                  k_scale.cpu(), v_scale.cpu())  # CPU tensors: the reference
+    rotary_embedding_triton(positions, q, k, cos_sin, 32, (v, k_cache, v_cache, slots, k_scale, v_scale))
+    torch.testing.assert_close(q.cpu(), ref[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(bits(k_cache.cpu()), bits(ref[3])) and torch.equal(bits(v_cache.cpu()), bits(ref[4]))
+
+
+def paged_fp8(seq_lens, num_kv_heads, head_dim, block_size, device, seed=0):
+    """Shuffled paged e4m3 K/V (unused blocks hold NaN bytes) and per-head scales."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_scale = 2.0 ** torch.randint(-4, 2, (num_kv_heads,), generator=gen).float()
+    v_scale = 2.0 ** torch.randint(-6, 0, (num_kv_heads,), generator=gen).float()
+    caches = [quantize_ref(torch.randn(shape, generator=gen) * s[:, None], (1 / s)[:, None]) for s in
+              (k_scale * 50, v_scale * 50)]
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(seq_lens), max(blocks) + 1), int(order[-1]), dtype=torch.int32)
+    caches[0][order[-1]] = caches[1][order[-1]] = torch.tensor(float("nan")).to(FP8_DTYPE)
+    start = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = order[start:start + nb].int()
+        start += nb
+    return [t.to(device) for t in (*caches, tables, k_scale, v_scale)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_decode_matches_ref(dtype, num_splits, device, poisoned_allocations):
+    seq_lens = [1, 17, 40]
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 4, device)
+    q = torch.randn(3, 8, 32).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2, k_scale=k_scale, v_scale=v_scale)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.2, num_splits=num_splits,
+                                        k_scale=k_scale, v_scale=v_scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    # The reference is attention over the dequantized values.
+    dense = paged_attention_decode_ref(q.float(), dequantize(k_cache, k_scale[:, None]),
+                                       dequantize(v_cache, v_scale[:, None]), tables, lens, 0.2)
+    torch.testing.assert_close(ref.float(), dense, atol=tol, rtol=tol)
+
+
+def test_fp8_prefill_matches_ref(device, poisoned_allocations):
+    seq_lens, q_lens = [9, 30], [9, 5]  # a whole prompt, and a chunk after cached context
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 4, device, seed=1)
+    q = torch.randn(sum(q_lens), 4, 32, device=device)
+    starts = torch.tensor([0, 9, 14], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    ref = paged_attention_prefill_ref(q, k_cache, v_cache, tables, starts, lens, 0.2, k_scale=k_scale,
+                                      v_scale=v_scale)
+    out = paged_attention_prefill_triton(q, k_cache, v_cache, tables, starts, lens, 0.2, k_scale=k_scale,
+                                         v_scale=v_scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention_prefill_triton(q, k_cache, v_cache, tables, starts, lens, 0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 17, 256, 2048])
+def test_gpu_fp8_llama3_8b_projections(rows, cuda):
+    """A Llama-3-8B layer's projections through the public call (decode-sized, GEMM, _scaled_mm) in bf16."""
+    for out_rows, in_features, gated in [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
+                                         (4096, 14336, False)]:
+        inputs = make_linear(rows, out_rows, in_features, torch.bfloat16, cuda, gated)
+        out, ref = linear_fp8(**inputs), linear_fp8_ref(**inputs)
+        torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+        assert (out != ref).float().mean() < 0.1  # most elements round the same
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kv_write_and_attention(cuda):
+    k, v, k_cache, v_cache, slots, k_scale, v_scale = kv_case(4096, 3, 128, 16, cuda)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_ref(k, v, ref_k, ref_v, slots, k_scale, v_scale)
+    write_kv_cache_triton(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(bits(k_cache), bits(ref_k)) and torch.equal(bits(v_cache), bits(ref_v))
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8([8192, 300, 1], 8, 128, 16, cuda)
+    q = torch.randn(3, 32, 128, device=cuda, dtype=torch.bfloat16)
+    lens = torch.tensor([8192, 300, 1], dtype=torch.int32, device=cuda)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
+    """benchmarks/kernels_fp8.py at toy sizes (its GPU run is the lead's): every case builds, checks and times."""
+    import benchmarks.kernels as bench
+    import benchmarks.kernels_fp8 as bench_fp8
+
+    monkeypatch.setattr(bench_fp8, "FP8_ROWS", [2])
+    monkeypatch.setattr(bench_fp8, "GEMM_ROWS", [20])
+    monkeypatch.setattr(bench_fp8, "KV_CASES", [(2, 40)])
+    monkeypatch.setattr(bench, "LINEAR_COPIES", 1)
+    cfg = dict(bench.SMOKE, num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, inter=64, dtype=torch.bfloat16)
+    runner = bench.Runner(device, check=True, use_triton=True)
+    bench_fp8.bench_fp8(runner, cfg)
+    assert not runner.failures, runner.failures
+    impls = {(r["kernel"], r["impl"]) for r in runner.results}
+    assert ("fp8 linear", "fp8 triton") in impls and ("fp8 gemm", "fp8 quant+scaled_mm") in impls
+    assert ("fp8 kv decode", "fp8 triton") in impls
