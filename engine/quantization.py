@@ -12,6 +12,10 @@
 
 Everything else (int4/int8 methods, weight-only FP8, other formats) is a ValueError that names what is not
 supported: a checkpoint is never loaded as if it were unquantized.
+
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): quantization="fp8" quantizes the attention projections,
+the dense MLPs and a shared expert; the routed experts (workers/layers/moe.py's fused kernel) and the routers stay
+in the model's dtype. An FP8 checkpoint of such a model (FP8 experts) is refused.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
     method = qc.get("quant_method")
     if method in ("fp8", "compressed-tensors"):
         config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
+        if has_experts(hf_config):
+            raise ValueError(f"quantization_config: a {method} FP8 checkpoint of a mixture-of-experts model "
+                             f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported: Pagoda's "
+                             "routed experts run unquantized (quantization='fp8' on the bf16 checkpoint quantizes "
+                             "every other linear layer)")
         kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
         if kept:  # Pagoda's FP8 layers are all of the decoder's linear layers, or none
             raise ValueError(f"quantization_config: {method} leaving decoder modules unquantized ({kept[:4]}) is "
@@ -68,6 +77,11 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
         return config
     raise ValueError(f"quantization_config: quant_method {method!r} is not supported (supported: 'fp8', "
                      f"'compressed-tensors' with format 'float-quantized')")
+
+
+def has_experts(hf_config: dict) -> bool:
+    """Whether the model routes tokens to experts (Mixtral's num_local_experts, Qwen-MoE's num_experts)."""
+    return bool(hf_config.get("num_local_experts") or hf_config.get("num_experts"))
 
 
 def _hf_fp8(qc: dict) -> QuantConfig:

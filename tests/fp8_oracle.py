@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # Phi-3's fused ones: per-row scales are the same fused or not
 ROW_PARALLEL = ("o_proj", "down_proj")
 KV_CALIBRATION = {"seqs": 4, "len": 128, "seed": 1234}  # workers/kv_scales.py's batch
 
@@ -96,15 +97,15 @@ def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
-        for parent in (layer.self_attn, layer.mlp):
-            for name in LINEARS:
-                linear = getattr(parent, name, None)
-                if linear is None:
-                    continue
-                key = f"model.layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"
-                w = weights[key] if weights else fake_quant_weight(linear.weight.data,
-                                                                   tp if name in ROW_PARALLEL else 1)
-                setattr(parent, name, FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
+        for path, linear in list(layer.named_modules()):
+            parent_path, _, name = path.rpartition(".")
+            # Pagoda's FP8 layers: attention, dense MLPs and a shared expert; never routed experts nor gates.
+            if not isinstance(linear, nn.Linear) or name not in LINEARS or ".experts." in f".{path}.":
+                continue
+            key = f"model.layers.{i}.{path}"
+            w = weights[key] if weights else fake_quant_weight(linear.weight.data, tp if name in ROW_PARALLEL else 1)
+            setattr(layer.get_submodule(parent_path), name,
+                    FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
     model.set_attn_implementation(_register_attention())
     if kv_fp8:
         calibrate(model)

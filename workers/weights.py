@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.quantization import QuantConfig
+from workers.layers.moe import FusedMoE
 from workers.layers.quantization import quantized_layers
 from workers.models import get_model_class
 
@@ -61,6 +62,10 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
     model_class = get_model_class(hf_config)
     with quantized_layers(quant_config):
         model = model_class(hf_config, dtype=dtype, device=device, max_model_len=max_model_len)
+    num_moe = sum(isinstance(m, FusedMoE) for m in model.modules())
+    if quant_config is not None and num_moe:
+        logger.info("FP8: the attention and dense linear layers; the routed experts of %d MoE layers stay %s",
+                    num_moe, dtype)
     if load_format == "random":
         init_random_weights(model, std=float(hf_config.get("initializer_range", 0.02)), seed=seed)
     elif load_format in ("auto", "safetensors"):

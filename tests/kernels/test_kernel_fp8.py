@@ -231,6 +231,34 @@ def test_fp8_prefill_matches_ref(device, poisoned_allocations):
         paged_attention_prefill_triton(q, k_cache, v_cache, tables, starts, lens, 0.2)
 
 
+
+@pytest.mark.parametrize("config", [None, {"block_n": 32}], ids=["default", "32-key tiles"])
+def test_fp8_attention_with_a_sliding_window_matches_ref(config, device, poisoned_allocations):
+    """A sliding window over an e4m3 pool (Mistral, Qwen3, Phi-3 with kv_cache_dtype="fp8"): both options at once,
+    windows starting mid-tile, on a tile and before the first key; decode split and not, and a prefill chunk."""
+    seq_lens, window = [1, 17, 40, 70], 9
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 4, device, seed=2)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), 4, 32).to(device)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2, sliding_window=window, **scales)
+    dense = paged_attention_decode_ref(q, dequantize(k_cache, k_scale[:, None]), dequantize(v_cache, v_scale[:, None]),
+                                       tables, lens, 0.2, sliding_window=window)
+    torch.testing.assert_close(ref, dense, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(ref, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2, **scales))
+    for num_splits in (1, 3):
+        out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.2, num_splits=num_splits,
+                                            config=config, sliding_window=window, **scales)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    q_lens = [1, 17, 6, 70]  # a decode row, a whole prompt, a chunk after cached context, a long prompt
+    q = torch.randn(sum(q_lens), 4, 32, device=device)
+    starts = torch.tensor([0, 1, 18, 24, 94], dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, tables, starts, lens, 0.2)
+    ref = paged_attention_prefill_ref(*args, sliding_window=window, **scales)
+    out = paged_attention_prefill_triton(*args, max_query_len=70, config=config and {"block_m": 16, **config},
+                                         sliding_window=window, **scales)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 17, 256, 2048])
 def test_gpu_fp8_llama3_8b_projections(rows, cuda):

@@ -3,7 +3,8 @@ longrope scaling (workers/models/llama.py's rope_settings, kernels/rope_scaling.
 sliding window over every layer.
 
 A fused checkpoint tensor is loaded as its parts, each through a row range of the tensor, so a rank still reads
-only its own heads' and its own intermediate slice's rows.
+only its own heads' and its own intermediate slice's rows; an FP8 checkpoint's scales of such a tensor are split
+the same way (per row, per block of rows, or one for the whole tensor that every part takes).
 """
 
 from __future__ import annotations
@@ -32,19 +33,47 @@ class RowRange:
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     def checkpoint_entries(self, name: str, loaded) -> Iterator[tuple[str, object, object]]:
+        parts = self._fused_parts(name)
+        if parts is None:
+            yield from super().checkpoint_entries(name, loaded)
+            return
+        total = sum(rows for _, _, rows in parts)
+        if name.endswith(".weight"):
+            assert loaded_shape(loaded)[0] == total, f"{name}: expected {total} rows, loaded {loaded_shape(loaded)}"
+            for shard_id, start, rows in parts:
+                yield name, RowRange(loaded, start, rows), shard_id
+            return
+        # An FP8 checkpoint's scales of a fused tensor: one for the whole tensor (every part takes it), one per
+        # row, or one per block of rows (the parts must start on block boundaries).
+        shape = loaded_shape(loaded)
+        if all(d == 1 for d in shape):
+            for shard_id, _, _ in parts:
+                yield name, loaded, shard_id
+            return
+        block_rows = 1
+        if shape[0] != total:
+            block_rows = (self.hf_config.get("quantization_config") or {}).get("weight_block_size", [0])[0]
+            if not block_rows or shape[0] != -(-total // block_rows):
+                raise ValueError(f"{name}: {shape[0]} scale rows fit neither the {total} rows nor their blocks")
+        for shard_id, start, rows in parts:
+            if start % block_rows:
+                raise ValueError(f"{name}: the fused tensor's part {shard_id!r} starts at row {start}, inside a "
+                                 f"{block_rows}-row scale block")
+            yield name, RowRange(loaded, start // block_rows, -(-rows // block_rows)), shard_id
+
+    def _fused_parts(self, name: str) -> list[tuple[object, int, int]] | None:
+        """(shard id, first row, rows) of each part of a fused checkpoint tensor (its weight, or an FP8
+        checkpoint's weight_scale / input_scale); None for any other tensor."""
         cfg = self.hf_config
-        if name.endswith(".self_attn.qkv_proj.weight"):
+        module, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "weight_scale", "input_scale"):
+            return None
+        if module.endswith(".self_attn.qkv_proj"):
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             q_rows = cfg["num_attention_heads"] * head_dim
             kv_rows = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim
-            assert loaded_shape(loaded)[0] == q_rows + 2 * kv_rows, (
-                f"{name}: expected {q_rows + 2 * kv_rows} rows, loaded {loaded_shape(loaded)}")
-            for shard_id, start, rows in (("q", 0, q_rows), ("k", q_rows, kv_rows), ("v", q_rows + kv_rows, kv_rows)):
-                yield name, RowRange(loaded, start, rows), shard_id
-        elif name.endswith(".mlp.gate_up_proj.weight"):
+            return [("q", 0, q_rows), ("k", q_rows, kv_rows), ("v", q_rows + kv_rows, kv_rows)]
+        if module.endswith(".mlp.gate_up_proj"):
             inter = cfg["intermediate_size"]
-            assert loaded_shape(loaded)[0] == 2 * inter, f"{name}: expected {2 * inter} rows, loaded {loaded_shape(loaded)}"
-            yield name, RowRange(loaded, 0, inter), 0
-            yield name, RowRange(loaded, inter, inter), 1
-        else:
-            yield from super().checkpoint_entries(name, loaded)
+            return [(0, 0, inter), (1, inter, inter)]
+        return None
