@@ -10,9 +10,11 @@ tokens (the default: one prefill; 1: every position a decode step). At each of t
     top-1 agreement     Pagoda's most likely next token is transformers'
     |Δ logprob|         |Pagoda's logprob - transformers'| of transformers' most likely token (mean, max)
 
-The issue's bar for FP8 weights + FP8 KV: agreement >= 97%, mean |Δ logprob| <= 0.05. Any Hugging Face Llama-family
-checkpoint directory works (an FP8 checkpoint with `--reference` its full-precision source); `--kv-scales layer` calibrates one KV scale per layer instead of per head (the
-comparison behind the default). Runs on one rank (tensor_parallel_size 1).
+The issue's bar for FP8 weights + FP8 KV: agreement >= 97%, mean |Δ logprob| <= 0.05. Without --model, the built-in
+SmolLM2-135M-Instruct (workers/default_model.py); any Hugging Face checkpoint directory of a supported family works
+(an FP8 checkpoint with `--reference` its full-precision source). `--ablations` adds FP8 weights alone and FP8 KV
+alone; `--kv-scales layer` calibrates one KV scale per layer instead of per head (the comparison behind the
+default). Runs on one rank (tensor_parallel_size 1).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-scales", choices=["head", "layer"], default="head")
     parser.add_argument("--reference", default=None,
                         help="the full-precision checkpoint to compare with (default: --model; give it for an FP8 one)")
+    parser.add_argument("--ablations", action="store_true",
+                        help="also run the FP8 weights alone (kv auto) and the FP8 KV alone (weights as stored)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -123,28 +127,30 @@ def build_worker(args, model_dir: str, quantization, kv_cache_dtype: str, num_to
 
 
 def main(args: argparse.Namespace) -> dict:
+    from engine.model_source import resolve_model
     from engine.tokenizer import load_tokenizer
-    from workers.tiny_model import default_tiny_model_path
 
-    model_dir = args.model or default_tiny_model_path()
+    model_dir = resolve_model(args.model)  # None: the built-in SmolLM2-135M-Instruct
     ids = passage_ids(load_tokenizer(model_dir), args.positions)
     start = time.perf_counter()
     ref = reference_logprobs(args.reference or model_dir, ids)
+    runs = [(None, "auto"), (args.quantization, args.kv_cache_dtype)]
+    if args.ablations:
+        runs += [(args.quantization, "auto"), (None, args.kv_cache_dtype)]
     rows = []
-    for name, quantization, kv in (("pagoda, unquantized", None, "auto"),
-                                   (f"pagoda, weights {args.quantization or 'as stored'}, kv {args.kv_cache_dtype}",
-                                    args.quantization, args.kv_cache_dtype)):
+    for quantization, kv in runs:
+        name = f"pagoda, weights {quantization or 'as stored'}, kv {kv}" if rows else "pagoda, unquantized"
         worker = build_worker(args, model_dir, quantization, kv, len(ids))
         row = {"run": name, **compare(ref, pagoda_logprobs(worker, ids, args.chunk), args.positions)}
         worker.shutdown()
         rows.append(row)
         print(f"{name:<48} top-1 {100 * row['top1_agreement']:6.2f}%  mean |dlogprob| "
               f"{row['mean_abs_delta_logprob']:.4f}  max {row['max_abs_delta_logprob']:.4f}")
-    quantized = rows[-1]
+    quantized = rows[1]
     passed = quantized["top1_agreement"] >= 0.97 and quantized["mean_abs_delta_logprob"] <= 0.05
     print(f"target (>= 97% top-1, mean |dlogprob| <= 0.05): {'met' if passed else 'NOT MET'} "
           f"({time.perf_counter() - start:.0f} s)")
-    result = {"benchmark": "quality", "device": device_name(), "model": model_dir, "chunk": args.chunk,
-              "kv_scales": args.kv_scales, "results": rows, "target_met": passed}
+    result = {"benchmark": "quality", "device": device_name(), "model": model_dir, "dtype": args.dtype,
+              "chunk": args.chunk, "kv_scales": args.kv_scales, "results": rows, "target_met": passed}
     write_json(args.output_json, result)
     return result

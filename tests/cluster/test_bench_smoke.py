@@ -27,9 +27,10 @@ def test_bench_latency(tmp_path):
 def test_bench_latency_fp8_reports_its_pool(tmp_path):
     """--quantization fp8 --kv-cache-dtype fp8: the run says what it ran, and the FP8 pool has 4x the blocks of the
     float32 pool that a CPU run would otherwise get (the same 1 GiB)."""
-    base = _run(tmp_path, "bench", "latency", "--batch-sizes", "1", "--prompt-lens", "8", "--decode-steps", "2")
-    fp8 = _run(tmp_path, "bench", "latency", "--batch-sizes", "1", "--prompt-lens", "8", "--decode-steps", "2",
-               "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    base = _run(tmp_path, "bench", "latency", "--model", "tiny", "--batch-sizes", "1", "--prompt-lens", "8",
+                "--decode-steps", "2")
+    fp8 = _run(tmp_path, "bench", "latency", "--model", "tiny", "--batch-sizes", "1", "--prompt-lens", "8",
+               "--decode-steps", "2", "--quantization", "fp8", "--kv-cache-dtype", "fp8")
     assert (fp8["quantization"], fp8["kv_cache_dtype"], fp8["workers"][0]["kv_cache_dtype"]) == \
         ("fp8", "fp8", "float8_e4m3fn")
     assert fp8["num_kv_blocks"] == 4 * base["num_kv_blocks"]
@@ -37,12 +38,15 @@ def test_bench_latency_fp8_reports_its_pool(tmp_path):
 
 
 def test_bench_quality_on_the_tiny_model(tmp_path):
-    result = _run(tmp_path, "bench", "quality", "--positions", "40", "--quantization", "fp8", "--kv-cache-dtype",
-                  "fp8", "--device", "cpu")
-    unquantized, quantized = result["results"]
+    result = _run(tmp_path, "bench", "quality", "--model", "tiny", "--positions", "40", "--quantization", "fp8",
+                  "--kv-cache-dtype", "fp8", "--device", "cpu", "--ablations")
+    unquantized, quantized, weights_only, kv_only = result["results"]
+    assert [r["run"] for r in result["results"][2:]] == ["pagoda, weights fp8, kv auto",
+                                                          "pagoda, weights as stored, kv fp8"]
     assert unquantized["positions"] == quantized["positions"] == 40
     assert unquantized["top1_agreement"] == 1.0 and unquantized["max_abs_delta_logprob"] < 1e-3
-    assert quantized["mean_abs_delta_logprob"] > 1e-3  # FP8 is a different computation, and it shows
+    for row in (quantized, weights_only, kv_only):
+        assert row["mean_abs_delta_logprob"] > 1e-5  # FP8 is a different computation, and it shows
 
 
 def test_bench_throughput_beside_transformers(tmp_path):
