@@ -88,11 +88,12 @@ class _Request(_Strict):
     user: str | None = None  # OpenAI's: no effect by nature, so accepted
     metadata: dict[str, str] | None = None  # likewise
 
-    def _sampling_kwargs(self, **overrides) -> dict[str, Any]:
-        """The fields the request shares with SamplingParams (by name) that it set, then `overrides` as given."""
+    def _sampling_kwargs(self, defaults: dict[str, Any] | None, **overrides) -> dict[str, Any]:
+        """The model's defaults (its generation_config.json), then the fields the request shares with
+        SamplingParams (by name) that it set, then `overrides` as given."""
         chosen = {name: getattr(self, name) for name in self.model_fields_set & _SAMPLING_FIELDS}
         chosen |= {"n": self.n, "min_tokens": self.min_tokens, "logit_bias": self._logit_bias()}
-        return {k: v for k, v in chosen.items() if v is not None} | overrides
+        return dict(defaults or {}) | {k: v for k, v in chosen.items() if v is not None} | overrides
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -115,6 +116,7 @@ class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt tokens' logprobs
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -129,15 +131,21 @@ class CompletionRequest(_Request):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        return make_params(self._sampling_kwargs(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs,
+                                                 prompt_logprobs=self.prompt_logprobs_wanted))
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs shows the prompt's logprobs too (the evaluation harnesses' loglikelihood)."""
         if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        return make_params(self._sampling_kwargs(max_tokens=self.max_tokens, logprobs=self.logprobs))
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ContentPart(_Strict):
@@ -158,12 +166,16 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the rendered prompt's logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not supported with stream=true in chat", "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -173,7 +185,8 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = default_max_tokens
         try:
-            return make_params(self._sampling_kwargs(max_tokens=max_tokens, logprobs=logprobs))
+            return make_params(self._sampling_kwargs(defaults, max_tokens=max_tokens, logprobs=logprobs,
+                                                     prompt_logprobs=self.prompt_logprobs))
         except InvalidRequestError as e:
             e.param = self.param_name(e.param)
             raise
@@ -240,14 +253,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, `text_offset` from the start of the choice's text."""
+    """The legacy completions shape: parallel lists, `text_offset` from the start of the choice's text. An echoed
+    prompt's first token has no logprob (None), as in OpenAI's and vLLM's answers."""
     offsets = []
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{t: v for _, t, v in lp.top} or {lp.token: lp.logprob} for lp in logprobs],
+            "top_logprobs": [None if lp.logprob is None else ({t: v for _, t, v in lp.top} or {lp.token: lp.logprob})
+                             for lp in logprobs],
             "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> logprob, rank among the
+    alternatives shown (None if it is not among them) and text."""
+    out = []
+    for entry in entries:
+        if entry.logprob is None:
+            out.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _, _) in enumerate(entry.top, start=1)}
+        item = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": text} for t, text, v in entry.top}
+        item.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": ranks.get(entry.token_id),
+                                              "decoded_token": entry.token})
+        out.append(item)
+    return out
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:

@@ -30,6 +30,7 @@ from cluster.protocol import Accepted, GenerateRequest, error_info
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, ParamError
+from engine.sampling_params import default_sampling_overrides
 from engine.request_output import RequestDelta
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 
@@ -187,7 +188,7 @@ class LLMServer:
 
     def model_info(self) -> dict:
         return {"max_model_len": self.engine.max_model_len, "max_prompt_chars": self.engine.limits.max_prompt_chars,
-                "replica": self.replica_id}
+                "sampling_defaults": default_sampling_overrides(self.engine.config.model), "replica": self.replica_id}
 
     # ---- control plane (broadcast by the ingress) -----------------------------------------------------------------
     def collect_metrics(self):

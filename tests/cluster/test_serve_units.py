@@ -119,7 +119,7 @@ def test_pydantic_errors_name_the_field():
     ({"prompt": [1, True]}, "prompt"),  # nor true a token id
     ({"prompt": "x", "n": "2"}, "n"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),  # not implemented: refused, not ignored
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
     ({"prompt": "x", "priority": 1}, "priority"),
 ])
 def test_requests_are_validated_strictly_and_completely(body, param):
