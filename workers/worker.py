@@ -157,6 +157,7 @@ class InProcessExecutor(Executor):
     """A single rank in the engine's own process: no actor call per step."""
 
     supports_overlap = True
+    supports_deferred_sampling = True
 
     def __init__(self, config: EngineConfig):
         if resolve_device(config.parallel.device) == "cpu":
@@ -168,11 +169,12 @@ class InProcessExecutor(Executor):
         self.worker.init_kv_cache(self.num_kv_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
+        return _as_executor_error(self.worker.runner.execute_model, scheduler_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output)
-        return StepHandle(wait=lambda: _as_executor_error(pending.result))
+        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True)
+        return StepHandle(wait=lambda: _as_executor_error(pending.result), bitmask_req_ids=pending.bitmask_req_ids,
+                          sample=lambda bitmask: _as_executor_error(pending.sample, bitmask))
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

@@ -1,0 +1,31 @@
+"""The model runner's side of structured outputs: the driver's packed bitmask onto a step's logits, before sampling.
+
+Only rows with a constraint are touched (kernels/token_bitmask.py); a batch without one costs nothing. The masked
+logits are what the sampler and the returned logprobs see, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.outputs import GrammarBitmask
+from kernels.token_bitmask import apply_token_bitmask_
+from workers.inputs import to_device
+
+
+def constrained_req_ids(states) -> list[str]:
+    """The requests among a step's sampling states that follow a constraint."""
+    return [s.req_id for s in states if s.params.structured_outputs is not None]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask, req_ids: list[str]) -> None:
+    """logits: [N, V], row i sampling for req_ids[i]. Every constrained request among req_ids must have a bitmask
+    row; bitmask rows of requests that do not sample in this step (a prompt chunk still to come) are skipped."""
+    row_of = {req_id: i for i, req_id in enumerate(req_ids)}
+    keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]
+    if not keep:
+        return
+    host = bitmask.bitmask if len(keep) == len(bitmask.req_ids) else bitmask.bitmask[keep]
+    rows = [row_of[bitmask.req_ids[i]] for i in keep]
+    apply_token_bitmask_(logits, to_device(host, torch.int32, logits.device),
+                         to_device(rows, torch.int32, logits.device))
