@@ -55,7 +55,7 @@ class RequestGrammar:
                  manager: StructuredOutputManager):
         self.req_id = req_id
         self.compiled = compiled
-        self.stop_token_ids = stop_token_ids  # allowed only where the grammar may end
+        self.stop_token_ids = stop_token_ids  # allowed only where the grammar may end (none: ignore_eos)
         self.matcher = None
         self.num_accepted = 0
         self.is_finished = False  # the grammar is complete and allows nothing more
@@ -75,6 +75,7 @@ class RequestGrammar:
         except Exception as e:
             self.error = f"structured_outputs: the grammar did not compile: {e}"
             return
+        # Without stop tokens (ignore_eos) the grammar alone ends the request, once nothing more can follow.
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids) or None,
                                                terminate_without_stop_token=not self.stop_token_ids)
 
@@ -85,8 +86,8 @@ class RequestGrammar:
             self.error = f"structured_outputs: the grammar rejected token {token_id}"
             return False
         self.num_accepted += 1
-        matcher = self.matcher
-        if matcher.is_terminated() or (matcher.is_completed() and self._manager.allows_only_stop_tokens(self)):
+        if token_id in self.stop_token_ids or (self.matcher.is_completed()
+                                               and self._manager.allows_only_stop_tokens(self)):
             self.is_finished = True
         return True
 
@@ -129,9 +130,8 @@ class StructuredOutputManager:
         """Gives each sequence of one request its own RequestGrammar over one shared compilation."""
         params = seqs[0].sampling_params
         compiled = self._compile(params.structured_outputs)
-        stop_token_ids = params.all_stop_token_ids or self.eos_token_ids
         for seq in seqs:
-            seq.grammar = RequestGrammar(seq.req_id, compiled, stop_token_ids, self)
+            seq.grammar = RequestGrammar(seq.req_id, compiled, params.all_stop_token_ids, self)
             self.live[seq.req_id] = seq.grammar
             self._starting.append(seq.grammar)
 
