@@ -4,9 +4,14 @@ cache), one xgrammar matcher per sequence, and each step's packed bitmask of all
     add_request ─► StructuredOutputManager.add(seqs)  compile in a thread pool (a cached grammar: nothing to do)
     each step   ─► poll()                              compiled: a matcher per sequence, the scheduler admits it
                                                        failed: that request fails alone
-                ─► fill_bitmask(req_ids)               int32 [rows, ceil(vocab / 32)], a row per constrained row
+                ─► fill_bitmask(req_ids)               int32 [rows, ceil(tokenizer vocab / 32)], a row each
     update_from_output ─► RequestGrammar.accept(token)
     finish, abort      ─► RequestGrammar.release()     (check_integrity: no matcher outlives its request)
+
+The grammars cover the tokenizer's tokens only: a model's vocabulary may be larger (padded to a multiple of 64 or
+128), and its extra tokens, which no grammar allows, would make every xgrammar call scan them (70 us per accepted
+token and 0.4 ms per bitmask row with Llama 3's 128256 over a 1000-token tokenizer, against 1 and 3 us). The bitmask
+is as wide as the tokenizer; the kernel that applies it disallows everything past it.
 
 A matcher moves only with the tokens the driver has read back, never with a token still on the device: a preempted
 request's token in flight is dropped before any matcher saw it, so preemption and recompute need no rollback.
@@ -101,9 +106,9 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size  # the model's: it may exceed the tokenizer's, those tokens are never allowed
+        self.vocab_size = min(len(tokenizer), vocab_size)  # the tokenizer's tokens that the model can sample
         self.eos_token_ids = tuple(sorted(eos_token_ids))
-        self.num_words = -(-vocab_size // 32)
+        self.num_words = -(-self.vocab_size // 32)
         self.cache_size = cache_size
         self.live: dict[str, RequestGrammar] = {}
         self.stats = GrammarStats()
@@ -245,7 +250,7 @@ class StructuredOutputManager:
         grammar.matcher.fill_next_token_bitmask(self._scratch, 0)
         words = self._scratch[0].view(np.uint32)
         for token_id in grammar.stop_token_ids:
-            if token_id < self.vocab_size:
+            if token_id < self.vocab_size:  # a stop token past the tokenizer is never allowed anyway
                 words[token_id // 32] &= np.uint32(~(1 << (token_id % 32)) & 0xFFFFFFFF)
         return not words.any()
 

@@ -40,10 +40,12 @@ def test_ref_matches_a_per_token_loop_and_xgrammar():
     assert torch.equal(ref, theirs)
 
 
-@pytest.mark.parametrize("vocab", [1, 31, 33, 2047, 2049, 5000])
+@pytest.mark.parametrize("vocab, extra_words", [(1, 0), (31, 1), (33, 0), (2047, 1), (2049, 0), (5000, 0),
+                                                (5000, -100), (4200, -66)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_ref(vocab, dtype, device):
-    logits, bitmask, rows = make_case(4, vocab, [2, 0, 3], dtype, extra_words=1, seed=vocab, device=device)
+def test_triton_matches_ref(vocab, extra_words, dtype, device):
+    """Bitmasks as wide as the vocabulary, wider, and narrower (a tokenizer smaller than the model's vocabulary)."""
+    logits, bitmask, rows = make_case(4, vocab, [2, 0, 3], dtype, extra_words, seed=vocab, device=device)
     ref, out = logits.clone(), logits.clone()
     apply_token_bitmask_ref(ref, bitmask, rows)
     apply_token_bitmask_triton(out, bitmask, rows)
@@ -62,10 +64,17 @@ def test_public_function_and_empty_mask(device):
     assert torch.equal(out, ref)
 
 
+def test_tokens_past_a_narrow_bitmask_are_never_allowed():
+    logits, bitmask, rows = make_case(2, 100, [1], extra_words=-2)  # 2 words: tokens 0..63
+    bitmask[:] = -1
+    apply_token_bitmask_ref(logits, bitmask, rows)
+    assert torch.isfinite(logits[1, :64]).all() and torch.isinf(logits[1, 64:]).all()
+
+
 def test_bad_shapes_are_rejected():
     logits, bitmask, rows = make_case(2, 100, [0])
     with pytest.raises(ValueError, match="bitmask must be"):
-        apply_token_bitmask_ref(logits, bitmask[:, :2], rows)
+        apply_token_bitmask_ref(logits, bitmask[:, :0], rows)
     with pytest.raises(ValueError, match="rows must be"):
         apply_token_bitmask_ref(logits, bitmask, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="bitmask must have dtype"):
