@@ -3,18 +3,12 @@ json-schema` beside the plain run in throughput and latency, and the grammar hos
 
 import json
 
-from benchmarks.cli import main as bench
 from benchmarks.structured import main as structured_host
-
-
-def _run(tmp_path, *argv) -> dict:
-    out = tmp_path / "result.json"
-    assert bench([*argv, "--output-json", str(out)]) == 0
-    return json.loads(out.read_text())
+from tests.cluster.test_bench_smoke import _run
 
 
 def test_bench_throughput_structured(tmp_path):
-    result = _run(tmp_path, "throughput", "--num-requests", "4", "--input-len-range", "8", "16", "--output-len", "6",
+    result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16", "--output-len", "6",
                   "--structured", "json-schema", "--device", "cpu")
     plain, constrained = result["results"]
     assert (plain["engine"], constrained["engine"]) == ("pagoda", "pagoda json-schema")
@@ -26,7 +20,7 @@ def test_bench_throughput_structured(tmp_path):
 
 
 def test_bench_latency_structured(tmp_path):
-    result = _run(tmp_path, "latency", "--batch-sizes", "2", "--prompt-lens", "8", "--decode-steps", "3",
+    result = _run(tmp_path, "bench", "latency", "--batch-sizes", "2", "--prompt-lens", "8", "--decode-steps", "3",
                   "--structured", "json-schema")
     plain, constrained = result["results"]
     assert "structured" not in plain and constrained["structured"] == "json-schema"

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.structured_outputs import StructuredOutputsParams
 from tests.structured_cases import CHOICES, SCHEMAS, cases, check_output
+from tests.workloads import run_workload
 
 MAX_TOKENS = 120  # every case ends well before (about 50 tokens at most with these weights)
 
@@ -146,20 +147,7 @@ def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_
         engine.add_request(f"warm-{name}", "Hello", constrained(case, 0, max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
-    finished, aborted, pending = {}, set(), list(work)
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                req_id, prompt, params, _ = pending.pop(0)
-                engine.add_request(req_id, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        for req_id, _, _, abort in work:
-            if abort and req_id in engine.groups and rng.random() < 0.2:
-                engine.abort_request(req_id)
-                aborted.add(req_id)
-        engine.check_integrity()
+    finished, aborted = run_workload(engine, work, rng, abort_probability=0.2, check=engine.check_integrity)
     assert engine.scheduler.num_preemptions > 0
     assert set(finished) | aborted == {w[0] for w in work}
     roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
