@@ -29,3 +29,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask, req_ids
     rows = [row_of[bitmask.req_ids[i]] for i in keep]
     apply_token_bitmask_(logits, to_device(host, torch.int32, logits.device),
                          to_device(rows, torch.int32, logits.device))
+
+
+def warm_up_grammar_mask(vocab_size: int, device: torch.device) -> None:
+    """Compiles the mask kernel now, not in the first constrained step: for a bitmask width that Triton specializes
+    as a multiple of 16 and for one it does not (the width is the tokenizer's, unknown here)."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    rows = torch.zeros(1, dtype=torch.int32, device=device)
+    for num_words in {max(16 * (-(-vocab_size // 512)), 16), -(-vocab_size // 32) | 1}:
+        apply_token_bitmask_(logits, torch.full((1, num_words), -1, dtype=torch.int32, device=device), rows)

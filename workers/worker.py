@@ -16,6 +16,7 @@ from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import parallel
+from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
 from workers.model_runner import ModelRunner
 from workers.weights import load_model
@@ -106,6 +107,8 @@ class Worker:
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30)
         if self.device_kind == "cuda":
             self._warm_up_prefill(num_blocks)
+            if self.rank == 0:  # the rank that samples
+                warm_up_grammar_mask(self.model.vocab_size, self.device)
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_blocks: int) -> None:
