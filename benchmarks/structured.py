@@ -50,8 +50,9 @@ def tokenizer_dir(name: str) -> str:
     import importlib.util
     import os
 
-    root = os.environ.get("PAGODA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-    path = os.path.join(root, "tokenizers", "smollm2")
+    from engine.envs import cache_dir
+
+    path = os.path.join(cache_dir(), "tokenizers", "smollm2")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -11,33 +11,34 @@ turns that output (whole or streamed) into tool calls.
 from __future__ import annotations
 
 from cluster.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, get_tool_parser
+from engine.errors import ParamError
 from engine.structured_outputs import StructuredOutputsParams
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def function_schemas(tools: list[dict] | None) -> dict[str, dict]:
-    """name -> parameters schema of OpenAI `tools` entries; ValueError naming the bad field."""
+    """name -> parameters schema of OpenAI `tools` entries; ParamError naming the bad field."""
     if tools is None:
         return {}
     if not isinstance(tools, list):
-        raise ValueError("tools must be a list")
+        raise ParamError("tools", "must be a list")
     schemas = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function,
                                                                                                         dict):
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            raise ParamError(f"tools[{i}]", "must be {'type': 'function', 'function': {...}}")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+            raise ParamError(f"tools[{i}].function.name", "must be a non-empty string")
         if name in schemas:
-            raise ValueError(f"tools[{i}].function.name {name!r} is not unique")
+            raise ParamError(f"tools[{i}].function.name", f"{name!r} is not unique")
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
         try:
             StructuredOutputsParams(json=parameters)
-        except ValueError as e:
-            raise ValueError(f"tools[{i}].function.parameters: {e}") from None
+        except ParamError as e:  # "structured_outputs.json is invalid: ..." -> "tools[0].function.parameters is ..."
+            raise ParamError(f"tools[{i}].function.parameters", str(e)[len(e.param) + 1:]) from None
         schemas[name] = parameters
     return schemas
 
@@ -47,11 +48,11 @@ def named_function(tool_choice) -> str | None:
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         if tool_choice.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
-            raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                             "{'name': ...}}")
+            raise ParamError("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                                            "{'name': ...}}")
         return function["name"]
     if tool_choice not in (None, "none", "auto", "required"):
-        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
+        raise ParamError("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
     return None
 
 
@@ -62,12 +63,12 @@ def tool_choice_constraint(tools: list[dict] | None, tool_choice, parallel_tool_
     name = named_function(tool_choice)
     if name is not None:
         if name not in schemas:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+            raise ParamError("tool_choice", f"names function {name!r}, which is not in tools")
         return StructuredOutputsParams(json=schemas[name])
     if tool_choice != "required":
         return None
     if not schemas:
-        raise ValueError("tool_choice 'required' needs at least one tool in tools")
+        raise ParamError("tool_choice", "'required' needs at least one tool in tools")
     calls = [{"type": "object", "properties": {"name": {"const": function}, "parameters": parameters},
               "required": ["name", "parameters"]} for function, parameters in schemas.items()]
     schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}

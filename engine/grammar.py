@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine import envs
 from engine.outputs import GrammarBitmask, SchedulerOutput
 from engine.structured_outputs import StructuredOutputsParams, grammar_for
 
@@ -113,7 +114,7 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.live: dict[str, RequestGrammar] = {}
         self.stats = GrammarStats()
-        self.num_fill_threads = int(os.environ.get("PAGODA_GRAMMAR_THREADS", min(8, (os.cpu_count() or 2) // 2)))
+        self.num_fill_threads = envs.get("PAGODA_GRAMMAR_THREADS") or min(8, (os.cpu_count() or 2) // 2)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._starting: list[RequestGrammar] = []  # waiting for their compilation
         self._pool: ThreadPoolExecutor | None = None

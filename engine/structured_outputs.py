@@ -16,6 +16,8 @@ import json as jsonlib
 import re
 from dataclasses import dataclass, field
 
+from engine.errors import ParamError
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _COMPACT_SEPARATORS = (",", ":")
 _GRAMMAR_CACHE_SIZE = 256
@@ -25,7 +27,7 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of the kinds. Raises ValueError naming the field ("structured_outputs.regex ...")."""
+    """Exactly one of the kinds. Raises ParamError (a ValueError) naming the field ("structured_outputs.regex ...")."""
 
     json: str | dict | None = None  # a JSON schema
     regex: str | None = None
@@ -38,11 +40,11 @@ class StructuredOutputsParams:
     def __post_init__(self):
         kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
+            raise ParamError("structured_outputs", f"must set exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(kinds) or 'none'}")
         kind = kinds[0]
         if self.any_whitespace and kind not in ("json", "json_object"):
-            raise ValueError(f"structured_outputs.any_whitespace applies to json and json_object, not {kind}")
+            raise ParamError("structured_outputs.any_whitespace", f"applies to json and json_object, not {kind}")
         if kind == "choice":
             object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, list) else self.choice)
         object.__setattr__(self, "key", (kind, _canonical_text(self, kind), bool(self.any_whitespace)))
@@ -53,7 +55,7 @@ class StructuredOutputsParams:
         return self.key[0]
 
     def validate(self) -> None:
-        """Builds (once, cached) the grammar: a bad schema, regex or grammar raises ValueError here."""
+        """Builds (once, cached) the grammar: a bad schema, regex or grammar raises ParamError here."""
         grammar_for(self)
 
     @classmethod
@@ -64,9 +66,10 @@ class StructuredOutputsParams:
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(KINDS) - {"any_whitespace"})
             if unknown:
-                raise ValueError(f"structured_outputs has unknown fields {unknown}")
+                raise ParamError("structured_outputs", f"has unknown fields {unknown}")
             return cls(**value)
-        raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+        raise ParamError("structured_outputs",
+                         f"must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
 
 def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
@@ -78,23 +81,23 @@ def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
             try:
                 value = jsonlib.loads(value)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise ParamError("structured_outputs.json", f"is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(value).__name__}")
+            raise ParamError("structured_outputs.json", f"must be a JSON schema object, got {type(value).__name__}")
         try:
             return jsonlib.dumps(value, separators=(",", ":"))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
+            raise ParamError("structured_outputs.json", f"is not JSON-serializable: {e}") from None
     if kind == "choice":
         if not isinstance(value, tuple) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            raise ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
         return jsonlib.dumps(list(value), ensure_ascii=False)
     if kind == "json_object":
         if value is not True:
-            raise ValueError(f"structured_outputs.json_object must be a boolean, got {value!r}")
+            raise ParamError("structured_outputs.json_object", f"must be a boolean, got {value!r}")
         return ""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        raise ParamError(f"structured_outputs.{kind}", "must be a non-empty string")
     return value
 
 
@@ -122,7 +125,7 @@ def _grammar(kind: str, text: str, any_whitespace: bool):
             return xgrammar.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgrammar.Grammar.from_ebnf(text)
     except Exception as e:  # xgrammar raises RuntimeError with its C++ location in front
-        raise ValueError(f"structured_outputs.{kind} is invalid: {_xgrammar_message(e)}") from None
+        raise ParamError(f"structured_outputs.{kind}", f"is invalid: {_xgrammar_message(e)}") from None
 
 
 # The characters of xgrammar 0.2's JSON strings, fixed in the grammar's text (which xgrammar reads back unchanged):
@@ -168,14 +171,14 @@ def _check_schema_support(schema) -> None:
     for node in _subschemas(schema):
         for keyword in _UNSUPPORTED_KEYWORDS:
             if keyword in node:
-                raise ValueError(f"structured_outputs.json: the keyword {keyword!r} is not supported")
+                raise ParamError("structured_outputs.json", f"uses the keyword {keyword!r}, which is not supported")
         if node.get("uniqueItems") is True:
-            raise ValueError("structured_outputs.json: the keyword 'uniqueItems' is not supported")
+            raise ParamError("structured_outputs.json", "uses the keyword 'uniqueItems', which is not supported")
         if isinstance(node.get("minProperties"), int) and node["minProperties"] > 1:  # free keys may repeat
-            raise ValueError("structured_outputs.json: minProperties above 1 is not supported")
+            raise ParamError("structured_outputs.json", "has minProperties above 1, which is not supported")
         if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
-            raise ValueError("structured_outputs.json: a string with both pattern and minLength/maxLength is not "
-                             "supported (bound the length in the pattern instead)")
+            raise ParamError("structured_outputs.json", "has a string with both pattern and minLength/maxLength, which "
+                             "is not supported (bound the length in the pattern instead)")
 
 
 def _subschemas(node):

@@ -172,7 +172,8 @@ class InProcessExecutor(Executor):
         self.worker.init_kv_cache(self.num_kv_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return _as_executor_error(self.worker.runner.execute_model, scheduler_output)
+        # Synchronous steps carry their grammar bitmask (LLMEngine attaches it), so nothing waits for one here.
+        return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True)

@@ -10,6 +10,7 @@ import pytest
 from cluster.tool_choice import function_schemas, tool_choice_constraint, tool_parser_for_choice
 from cluster.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
 from engine import LLM, SamplingParams
+from engine.errors import ParamError
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -86,13 +87,14 @@ def test_parsers_for_each_choice():
     ([{"type": "function", "function": {"name": ""}}], "required", "tools[0].function.name must be"),
     ([TOOLS[1], TOOLS[1]], "required", "tools[1].function.name 'add' is not unique"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], "required",
-     "tools[0].function.parameters: structured_outputs.json is invalid"),
+     "tools[0].function.parameters is invalid: Unsupported type"),
     (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice names function 'missing'"),
     (TOOLS, {"type": "function"}, "tool_choice must be"),
     (TOOLS, "sometimes", "tool_choice must be"),
     ([], "required", "tool_choice 'required' needs at least one tool"),
 ])
 def test_bad_tools_and_choices_name_the_field(tools, choice, message):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ParamError) as e:
         tool_choice_constraint(tools, choice)
     assert str(e.value).startswith(message), str(e.value)
+    assert message.startswith(e.value.param)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import ParamError
 from engine.llm_engine import LLMEngine
 from engine.structured_outputs import StructuredOutputsParams
 from tests.structured_cases import CHOICES, SCHEMAS, cases, check_output
@@ -32,6 +33,10 @@ def constrained(case: StructuredOutputsParams, seed: int | None = None, **kwargs
     """Greedy without a seed, else sampled at temperature 1 with it."""
     return SamplingParams(**{"temperature": 0.0 if seed is None else 1.0, "seed": seed, "max_tokens": MAX_TOKENS,
                              "structured_outputs": case, **kwargs})
+
+
+def by_index(delta) -> list[tuple[int, list[int]]]:
+    return sorted((seq.index, seq.token_ids) for seq in delta.seqs)
 
 
 def assert_complete_and_valid(case: StructuredOutputsParams, completion) -> None:
@@ -111,18 +116,18 @@ def test_length_limit_ignore_eos_and_stop_strings(llm):
 
 def test_streamed_deltas_add_up_to_valid_outputs(tiny_model_dir):
     engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512)
-    engine.delta_outputs = True
     texts: dict[str, list[str]] = {}
     finals = {}
     all_cases = cases()
     for name, case in all_cases.items():
         engine.add_request(name, "Hello", constrained(case, 3, n=2))
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            for completion in out.outputs:
-                texts.setdefault(f"{out.request_id}/{completion.index}", []).append(completion.text)
-                finals[f"{out.request_id}/{completion.index}"] = completion.finish_reason
+        for delta in engine.step():
+            for seq in delta.seqs:
+                texts.setdefault(f"{delta.request_id}/{seq.index}", []).append(seq.text)
+                finals[f"{delta.request_id}/{seq.index}"] = seq.finish_reason
     assert len(texts) == 2 * len(all_cases)
+    assert max(len(parts) for parts in texts.values()) > 5  # streamed: many deltas per sequence
     for key, parts in texts.items():
         assert finals[key] == "stop"
         check_output(all_cases[key.split("/")[0]], "".join(parts))
@@ -154,13 +159,13 @@ def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_
     for req_id, prompt, params, _ in work:
         if req_id in aborted:
             continue
-        for completion in finished[req_id].outputs:
-            assert_complete_and_valid(params.structured_outputs, completion)
-        roomy.add_request(req_id, prompt, params)
+        for seq in finished[req_id].seqs:
+            assert_complete_and_valid(params.structured_outputs, seq)
+        roomy.add_request(req_id, prompt, params, stream=False)
         while roomy.has_unfinished_requests():
-            for out in roomy.step():
-                if out.finished:
-                    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in finished[req_id].outputs]
+            for delta in roomy.step():
+                if delta.finished:  # not streamed: the one delta holds each sequence's whole output
+                    assert by_index(delta) == by_index(finished[req_id])
     engine.shutdown()
     roomy.shutdown()
 
@@ -182,8 +187,8 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
     assert bits.any() and not bits[tokenizer_size:].any()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert max(out.outputs[0].token_ids, default=0) < tokenizer_size
+        for delta in engine.step():
+            assert all(t < tokenizer_size for seq in delta.seqs for t in seq.token_ids)
     engine.check_integrity()
     engine.shutdown()
 
@@ -193,9 +198,9 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
     (dict(json=[1, 2]), "structured_outputs.json must be a JSON schema object"),
     (dict(json={"type": "strin"}), "structured_outputs.json is invalid: Unsupported type"),
     (dict(json={"type": "integer", "minimum": 5, "maximum": 3}), "structured_outputs.json is invalid"),
-    (dict(json={"allOf": [{"type": "integer"}]}), "structured_outputs.json: the keyword 'allOf' is not supported"),
+    (dict(json={"allOf": [{"type": "integer"}]}), "structured_outputs.json uses the keyword 'allOf', which is not"),
     (dict(json={"type": "object", "properties": {"s": {"type": "string", "pattern": "a+", "maxLength": 3}}}),
-     "structured_outputs.json: a string with both pattern"),
+     "structured_outputs.json has a string with both pattern"),
     (dict(regex="a(b"), "structured_outputs.regex is invalid: Regex parsing error"),
     (dict(regex=""), "structured_outputs.regex must be a non-empty string"),
     (dict(grammar="root ::= foo"), "structured_outputs.grammar is invalid: EBNF parser error"),
@@ -207,9 +212,10 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
     (dict(jsn={}), "structured_outputs has unknown fields"),
 ])
 def test_bad_constraints_are_errors_naming_the_field(value, message):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ParamError) as e:
         SamplingParams(structured_outputs=value)
     assert str(e.value).startswith(message), str(e.value)
+    assert message.startswith(e.value.param)  # the field the HTTP edge reports
 
 
 def test_a_bad_request_leaves_the_engine_serving(llm):
@@ -228,9 +234,9 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir)
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=5))
     finals = {}
     while engine.has_unfinished_requests():
-        finals.update({out.request_id: out for out in engine.step() if out.finished})
+        finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
     assert finals["bad"].error.startswith("structured_outputs: the grammar did not compile")
-    assert finals["bad"].outputs[0].finish_reason == "error"
-    assert finals["plain"].error is None and len(finals["plain"].outputs[0].token_ids) == 5
+    assert finals["bad"].seqs[0].finish_reason == "error"
+    assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
     engine.check_integrity()
     engine.shutdown()
