@@ -37,6 +37,7 @@ from cluster.openapi import openapi_schema
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               GenerateRequest, TokenizeRequest, message_dicts)
 from cluster.responses import Outputs, chat_body, chat_chunks, completion_body, completion_chunks
+from cluster.tool_choice import tool_parser_for_choice
 from engine.request_output import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,23 @@ def _check_length(info: dict, texts: list[str], param: str) -> None:
                                              f"can hold", param)
 
 
+def _tool_parser(req: ChatCompletionRequest, info: dict):
+    """What makes each choice's tool parser (None: no tools, or tool_choice 'none'). 'auto' reads the model's own
+    format, which needs the server's tool-call parser (set, or known from the model's chat template)."""
+    if not req.tools:
+        return None
+    choice, auto_parser = req.tool_choice_value, info["tool_call_parser"]
+    if choice == "auto" and auto_parser is None:
+        if req.tool_choice is None:
+            return None  # OpenAI's default, where the server cannot read calls: the tools are only shown
+        raise errors.InvalidRequestError("tool_choice 'auto' needs a tool-call parser: this model's chat template "
+                                         "has no known tool-call format (start the server with --tool-call-parser)",
+                                         "tool_choice")
+    if tool_parser_for_choice(choice, auto_parser) is None:
+        return None
+    return lambda: tool_parser_for_choice(choice, auto_parser)
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -256,7 +274,7 @@ class Ingress:
         req = CompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
         info = await self._model_info(name, handle)
-        params = req.to_sampling_params(info["sampling_defaults"])
+        params = await asyncio.to_thread(req.to_sampling_params, info["sampling_defaults"])  # a grammar compiles
         prompts = req.prompts()
         _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
         arrival = time.time()
@@ -274,13 +292,15 @@ class Ingress:
         req = ChatCompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
         info = await self._model_info(name, handle)
-        params = req.to_sampling_params(self.config.default_max_tokens, info["sampling_defaults"])
+        params = await asyncio.to_thread(req.to_sampling_params, self.config.default_max_tokens,
+                                         info["sampling_defaults"])
+        tool_parser = _tool_parser(req, info)
         messages = req.message_dicts()
         _check_length(info, ["".join(m["content"] for m in messages)], "messages")
         gen = GenerateRequest(request_id, params, messages=messages, stream=req.stream,
                               add_generation_prompt=req.add_generation_prompt,
-                              chat_template_kwargs=req.chat_template_kwargs, routing_key=req.routing_key(),
-                              arrival_time=time.time())
+                              chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts(),
+                              routing_key=req.routing_key(), arrival_time=time.time())
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
@@ -289,9 +309,9 @@ class Ingress:
         meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
         if req.stream:
             chunk_meta = {**meta, "object": "chat.completion.chunk"}
-            return _sse(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas()), run)
+            return _sse(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
         out = await _unless_disconnected(request, run, run.outputs())
-        return JSONResponse(chat_body(meta, req, run.accepted, out), headers=run.headers)
+        return JSONResponse(chat_body(meta, req, run.accepted, out, tool_parser), headers=run.headers)
 
     async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **card}

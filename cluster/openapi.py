@@ -77,9 +77,21 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # a chat with tools (parsed per tool_choice)
 
 
 class ChatChoice(BaseModel):
@@ -100,9 +112,22 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first chunk
+    arguments: str  # appended to the call's arguments
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None  # in a call's first chunk
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -4,16 +4,17 @@
     streaming:     every delta as it comes ──► one chunk per sequence delta (choices: [one])
 
 A choice's index is prompt index * n + sequence index. An echoed prompt with logprobs carries the prompt's own
-logprobs (the first token's None), as OpenAI's legacy completions and vLLM answer.
+logprobs (the first token's None), as OpenAI's legacy completions and vLLM answer. A chat with tools reads each
+choice's text with a tool parser (cluster/tool_parsers.py): `message.tool_calls` whole, `delta.tool_calls` streamed.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-                              prompt_logprobs_json, usage)
+from cluster.protocol import Accepted, ChatCompletionRequest, CompletionRequest
+from cluster.tool_parsers import NamedToolParser, ToolCall, ToolCallDelta, ToolCallsDelta, ToolParser
 from engine.request_output import RequestDelta, SequenceDelta, TokenLogprob
 
 
@@ -91,33 +92,130 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
         yield {**meta, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_body(meta: dict, req: ChatCompletionRequest, accepted: list[Accepted], out: Outputs) -> dict:
-    body = {**meta, "choices": [
-        {"index": i, "message": {"role": "assistant", "content": c.text},
-         "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(out.choices.items())],
-        "usage": usage(accepted[0].num_prompt_tokens, out.completion_tokens)}
+def chat_body(meta: dict, req: ChatCompletionRequest, accepted: list[Accepted], out: Outputs,
+              tool_parser: Callable[[], ToolParser | None] | None = None) -> dict:
+    """`tool_parser` makes a choice's parser: its output's tool calls become the message's `tool_calls`."""
+    choices = []
+    for i, c in sorted(out.choices.items()):
+        message = {"role": "assistant", "content": c.text}
+        parser = tool_parser() if tool_parser else None
+        finish_reason = c.finish_reason
+        if parser is not None:
+            parsed = parser.parse(c.text)
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": [tool_call_json(call) for call in parsed.tool_calls]}
+            finish_reason = _tool_finish_reason(parser, finish_reason, bool(parsed.tool_calls))
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+    body = {**meta, "choices": choices, "usage": usage(accepted[0].num_prompt_tokens, out.completion_tokens)}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs.get(0, []))
     return body
 
 
 async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Accepted], n: int,
-                      deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[dict]:
+                      deltas: AsyncIterator[tuple[int, RequestDelta]],
+                      tool_parser: Callable[[], ToolParser | None] | None = None) -> AsyncIterator[dict]:
+    """With a tool parser, each choice's text goes through its own: content as it settles, `delta.tool_calls`
+    entries as calls are written (the first of a call with its id and name)."""
     no_usage = {"usage": None} if req.include_usage else {}
     for j in range(n):
         yield _chunk(meta, {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, no_usage)
+    parsers = {j: tool_parser() for j in range(n)} if tool_parser else {}
+    called = set()
     completion_tokens = 0
     async for _, delta in deltas:
         for seq in delta.seqs:
             completion_tokens += len(seq.token_ids)
-            yield _chunk(meta, {"index": seq.index, "delta": {"content": seq.text} if seq.text else {},
+            parser, finish_reason = parsers.get(seq.index), seq.finish_reason
+            if parser is None:
+                message = {"content": seq.text} if seq.text else {}
+            else:
+                message = _merge(parser.feed(seq.text), parser.finish() if finish_reason else None)
+                if message.get("tool_calls"):
+                    called.add(seq.index)
+                if finish_reason:
+                    finish_reason = _tool_finish_reason(parser, finish_reason, seq.index in called)
+                if not message and not finish_reason and not seq.logprobs:
+                    continue  # the parser holds this text back (it may become a call)
+            yield _chunk(meta, {"index": seq.index, "delta": message,
                                 "logprobs": chat_logprobs(seq.logprobs) if seq.logprobs else None,
-                                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}, no_usage)
+                                "finish_reason": finish_reason, "stop_reason": seq.stop_reason}, no_usage)
     if req.include_usage:
         yield {**meta, "choices": [], "usage": usage(accepted[0].num_prompt_tokens, completion_tokens)}
 
 
 def _chunk(meta: dict, choice: dict, no_usage: dict) -> dict:
     return {**meta, "choices": [choice], **no_usage}
+
+
+def _merge(first: ToolCallsDelta, last: ToolCallsDelta | None) -> dict:
+    """One chunk's delta from a feed and (at the end) the parser's finish."""
+    content = first.content + (last.content if last else "")
+    calls = first.tool_calls + (last.tool_calls if last else [])
+    message = {"content": content} if content else {}
+    if calls:
+        message["tool_calls"] = [tool_call_delta_json(d) for d in calls]
+    return message
+
+
+def _tool_finish_reason(parser: ToolParser, finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's: 'tool_calls' when the model stopped after calling tools, 'stop' for a named tool_choice."""
+    if has_calls and finish_reason == "stop" and not isinstance(parser, NamedToolParser):
+        return "tool_calls"
+    return finish_reason
+
+
+def tool_call_json(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
+
+
+# ---- response pieces ---------------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists, `text_offset` from the start of the choice's text. An echoed
+    prompt's first token has no logprob (None), as in OpenAI's and vLLM's answers."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp.logprob is None else ({t: v for _, t, v in lp.top} or {lp.token: lp.logprob})
+                             for lp in logprobs],
+            "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> logprob, rank among the
+    alternatives shown (None if it is not among them) and text."""
+    out = []
+    for entry in entries:
+        if entry.logprob is None:
+            out.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _, _) in enumerate(entry.top, start=1)}
+        item = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": text} for t, text, v in entry.top}
+        item.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": ranks.get(entry.token_id),
+                                              "decoded_token": entry.token})
+        out.append(item)
+    return out
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
+    return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                          for _, t, v in lp.top]}
+                        for lp in logprobs]}

@@ -38,7 +38,7 @@ def function_schemas(tools: list[dict] | None) -> dict[str, dict]:
         try:
             StructuredOutputsParams(json=parameters)
         except ParamError as e:  # "structured_outputs.json is invalid: ..." -> "tools[0].function.parameters is ..."
-            raise ParamError(f"tools[{i}].function.parameters", str(e)[len(e.param) + 1:]) from None
+            raise e.renamed(f"tools[{i}].function.parameters") from None
         schemas[name] = parameters
     return schemas
 

@@ -1,6 +1,6 @@
 """The Serve app for the serve tests: deployed once per session on the session's Ray cluster, on a free port.
 
-    model "tiny"        2 replicas (router and metrics tests), max_model_len 512
+    model "tiny"        2 replicas (router and metrics tests), max_model_len 512, tool calls read as hermes's
     model "tiny-solo"   1 replica, health checked every second (the dead-engine tests kill and restart it)
     model "tiny-queue"  1 replica that takes 1 request at a time and queues 2 more (back pressure: 429)
 """
@@ -26,7 +26,8 @@ def serve_url(ray_cluster):
     port = _get_global_client().http_config.port  # another test module may have started Serve first
     small = {"model": "tiny", "num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
     app = build_app({
-        "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, **small},
+        "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, "tool_call_parser": "hermes",
+                    **small},
                    {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small},
                    {"served_model_name": "tiny-queue", "num_replicas": 1, "max_ongoing_requests": 1,
                     "max_queued_requests": 2, **small}],

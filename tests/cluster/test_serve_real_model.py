@@ -1,6 +1,8 @@
 """`pagoda serve` with no model serves the built-in SmolLM2-135M-Instruct as `smollm2-135m-instruct`, and it
 answers a factual chat question correctly through the real `openai` client."""
 
+import json
+
 import openai
 import pytest
 
@@ -54,3 +56,29 @@ def test_lm_eval_through_pagoda_serve_gives_the_hf_backends_results(real_url, re
             assert abs(ll - hf_ll) < 1e-3 and greedy == hf_greedy
     for ours, theirs in zip(pagoda["samples"]["pagoda_gen"], hf["samples"]["pagoda_gen"]):
         assert ours["filtered_resps"] == theirs["filtered_resps"]
+
+
+def test_structured_answers_of_the_real_model(real_url):
+    """The openai client's parse() and a required tool call, on SmolLM2: the constraint gives the shape, the model
+    the facts."""
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    client = openai.OpenAI(base_url=f"{real_url}/v1", api_key="none", max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    reply = client.chat.completions.parse(model=MODEL, messages=question, response_format=Capital, temperature=0,
+                                          max_tokens=40)
+    assert reply.choices[0].message.parsed.capital == "Paris"
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                       "required": ["city"]}}}
+    call = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather like in Berlin today?"}],
+        tools=[weather], tool_choice="required", temperature=0, max_tokens=40)
+    calls = call.choices[0].message.tool_calls
+    assert call.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    assert "Berlin" in json.loads(calls[0].function.arguments)["city"]

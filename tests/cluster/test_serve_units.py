@@ -10,7 +10,8 @@ from cluster import errors
 from cluster.app import ModelArgs, parse_args
 from cluster.metrics import MetricFamily, merge_families
 from cluster.placement import ReplicaPlacement
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, completion_logprobs
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.responses import completion_logprobs
 from cluster.router import PrefixAffinity
 from engine.errors import EngineDeadError, ParamError
 from engine.request_output import TokenLogprob
