@@ -174,7 +174,7 @@ def test_tokenize_and_detokenize(http, tiny_tokenizer):
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tiny_tokenizer.encode(PROMPT) and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == 512
+    assert body["max_model_len"] == 1024
     chat = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES}).json()
     assert chat["count"] == len(tiny_tokenizer.encode(apply_chat_template(tiny_tokenizer, MESSAGES),
                                                       add_special_tokens=False))

@@ -117,12 +117,15 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit"
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_auto_reads_the_models_own_format(client, stream):
-    """tool_choice 'auto' with the server's hermes parser ("tiny" is served with it). A regex makes the random model
-    write text and then a call in hermes's format, as a trained model would; the parser turns it into tool_calls."""
+    """tool_choice 'auto' (the default with tools) on "tiny", whose chat template renders tools in Hermes's format:
+    the server reads calls with the parser that template implies. A regex makes the random model write text and
+    then a call in that format, as a trained model would; the parser turns it into tool_calls."""
     kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0,
                   extra_body={"guided_regex": "Checking\\. " + re.escape(CALL)})
     if not stream:
         reply = client.chat.completions.create(**kwargs)
+        plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+        assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the template rendered the tools
         message = reply.choices[0].message
         assert message.content == "Checking." and reply.choices[0].finish_reason == "tool_calls"
         assert_valid_calls(message.tool_calls, {"get_weather"})
