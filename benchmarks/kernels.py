@@ -69,12 +69,13 @@ USE_CUDA_GRAPH = False  # --cuda-graph: time replays of a captured graph (no hos
 
 def time_ms(fn, device: torch.device) -> float:
     """Median milliseconds per call: triton's do_bench (L2 flushed before every call) on a GPU, a clock on CPU.
-    Small launches are host-bound under do_bench; --cuda-graph times them as the engine runs them."""
+    Small launches are host-bound under do_bench; --cuda-graph times them as the engine runs them (a function marked
+    `eager`, one with data-dependent shapes that no graph can capture, is timed without)."""
     if device.type == "cuda":
         import triton.testing
 
         torch.cuda.synchronize()  # do_bench_cudagraph runs fn on a new stream, which would not wait for the inputs
-        if USE_CUDA_GRAPH:
+        if USE_CUDA_GRAPH and not getattr(fn, "eager", False):
             return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
     fn()

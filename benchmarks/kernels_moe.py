@@ -44,7 +44,12 @@ def bench_moe(runner, cfg: dict, moe_cfg: dict):
 
         def build(rows=rows):
             args = moe_inputs(rows, moe_cfg, cfg["dtype"], runner.device)
-            impls = {"torch ref": lambda: fused_moe_ref(*args)}
+
+            def ref():
+                return fused_moe_ref(*args)
+
+            ref.eager = True  # transformers' loop picks experts by data (nonzero): no CUDA graph captures it
+            impls = {"torch ref": ref}
             if runner.use_triton:
                 impls["triton"] = lambda: fused_moe_triton(*args)
 

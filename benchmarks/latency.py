@@ -10,6 +10,7 @@ import argparse
 import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
+from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
 from workers.presets import resolve_model
 
 
@@ -22,17 +23,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="on a GPU, also profile this many decode steps of each case (benchmarks/step_profile.py)")
+    add_structured_args(parser)
     parser.add_argument("--output-json", default=None)
 
 
-def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0) -> dict:
+def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0,
+            structured: str | None = None) -> dict:
+    from dataclasses import replace
+
     import torch
 
     from engine.sampling_params import SamplingParams
 
     # No length limit (they are aborted after the measurement): with chunked prefill, the first requests decode
     # while the last ones prefill, and a limit would let them finish before the decode steps are timed.
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
+                            structured_outputs=constraint(structured))
     for i, prompt in enumerate(prompts):
         engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False)
     start = time.perf_counter()
@@ -42,6 +48,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     preemptions = engine.get_stats().num_preemptions
+    grammar = replace(engine.structured.stats)
     running = []
     start = time.perf_counter()
     for _ in range(decode_steps):
@@ -54,6 +61,8 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     row = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps,
            "tokens_per_s": sum(running) / decode_s, "min_running": min(running, default=0),
            "preemptions": engine.get_stats().num_preemptions - preemptions}
+    if structured:
+        row |= {"structured": structured} | grammar_figures(engine.structured.stats, grammar)
     if profile_steps and torch.cuda.is_available():
         from benchmarks.step_profile import print_profile, profile_steps as run_profile
 
@@ -68,7 +77,10 @@ def main(args: argparse.Namespace) -> dict:
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
+    from benchmarks.structured import tokenizer_dir
+
     model_dir, load_format = resolve_model(args.model, args.preset)
+    args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     config = engine_args(args, model=model_dir, load_format=load_format,
                          enable_prefix_caching=False).create_engine_config()
     engine = LLMEngine(config)
@@ -79,14 +91,14 @@ def main(args: argparse.Namespace) -> dict:
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
             prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
-            measure(engine, prompts[:1], 4)  # warm-up of this shape family
-            measured = measure(engine, prompts, args.decode_steps, args.profile_steps)
-            row = {"batch": batch, "prompt_len": prompt_len, **measured}
-            rows.append(row)
+            for structured in structured_variants(args):
+                measure(engine, prompts[:1], 4, structured=structured)  # warm-up of this shape family
+                measured = measure(engine, prompts, args.decode_steps, args.profile_steps, structured)
+                rows.append({"batch": batch, "prompt_len": prompt_len, **measured})
     engine.check_integrity()
     engine.shutdown()
-    print_table(rows, ["batch", "prompt_len", "decode_ms_per_token", "tokens_per_s", "prefill_s", "min_running",
-                       "preemptions"])
+    print_table(rows, ["batch", "prompt_len", "structured", "decode_ms_per_token", "tokens_per_s", "prefill_s",
+                       "min_running", "preemptions", "mask_ms_per_step"])
     result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "smollm2-135m-instruct",
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers, "results": rows}

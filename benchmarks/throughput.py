@@ -3,7 +3,8 @@ batching (`generate_batch`) on the same weights and requests in the same process
 
 Sampling: `--temperature --top-p --top-k --repetition-penalty`, or `--sampling-sweep NAME ...`, which runs each named
 setting (benchmarks/common.py; `seed`: temperature 0.7, top_p 0.9, top_k 50, repetition_penalty 1.1) on one loaded
-engine, one after the other, and prints each one's throughput against the first's.
+engine, one after the other, and prints each one's throughput against the first's. `--structured json-schema` runs
+each setting a second time with every request under a fixed JSON schema (benchmarks/structured.py).
 
     pagoda bench throughput --preset llama-3-8b --compare hf --output-json out.json
     pagoda bench throughput --preset llama-3-8b --no-prefix-caching --sampling-sweep greedy seed
@@ -19,6 +20,7 @@ from dataclasses import replace
 
 from benchmarks.common import (SAMPLING_SETTINGS, add_workload_args, device_name, input_len_range, print_table,
                                synthetic_prompts, write_json)
+from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
 from workers.presets import resolve_model
 
 
@@ -34,6 +36,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampling-sweep", nargs="+", choices=list(SAMPLING_SETTINGS), default=None,
                         help="named sampling settings, each run on the same loaded engine (replaces the flags above)")
     parser.add_argument("--compare", choices=["hf"], default=None)
+    add_structured_args(parser)
     parser.add_argument("--output-json", default=None)
 
 
@@ -55,19 +58,21 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]])
     llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format)))
     requests = [{"prompt_token_ids": p} for p in prompts]
     rows = []
-    for name, setting in sampling_settings(args):
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **setting)
+    for (name, setting), structured in [(s, c) for s in sampling_settings(args) for c in structured_variants(args)]:
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint(structured),
+                                **setting)
         llm.generate(requests[:4], params, use_tqdm=False)  # warm-up
         llm.engine.block_manager.reset_prefix_cache()
-        timing = replace(llm.engine.timing)
+        timing, grammar = replace(llm.engine.timing), replace(llm.engine.structured.stats)
         start = time.perf_counter()
         outs = llm.generate(requests, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         num_blocks = llm.engine.block_manager.num_blocks
         rows.append(_rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
-            "sampling": name, "sampling_params": setting, "num_kv_blocks": num_blocks,
-            "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)})
+            "sampling": name, "sampling_params": setting, "structured": structured, "num_kv_blocks": num_blocks,
+            "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)}
+            | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {}))
     llm.shutdown()
     del llm
     _free_memory()
@@ -139,6 +144,9 @@ def main(args: argparse.Namespace) -> dict:
     import json
     import os
 
+    from benchmarks.structured import tokenizer_dir
+
+    args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     model_dir, load_format = resolve_model(args.model, args.preset)
     if load_format != "random":  # a model name as users type it; none: the tiny model (a quick comparison)
         from engine.model_source import resolve_model as resolve_name
@@ -158,12 +166,24 @@ def main(args: argparse.Namespace) -> dict:
               "output_len": args.output_len, "prefix_caching": args.enable_prefix_caching, "results": rows}
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
-    print_table(rows, ["engine", "sampling", "requests", "elapsed_s", "requests_per_s", "output_tokens_per_s",
-                       "total_tokens_per_s", "vs_first"])
+    print_table(rows, ["engine", "sampling", "structured", "requests", "elapsed_s", "requests_per_s",
+                       "output_tokens_per_s", "total_tokens_per_s", "vs_first"])
     for row in rows[1 if args.compare == "hf" else 0:]:
         steps = row["engine_steps"]
-        print(f"pagoda engine, {row['sampling']}: {steps['steps']} steps, {steps['ms_per_step']:.2f} ms/step, of "
-              f"which waiting for the device {steps['device_wait_ms_per_step']:.2f} ms")
+        print(f"pagoda engine, {row['sampling']}{' ' + row['structured'] if row['structured'] else ''}: "
+              f"{steps['steps']} steps, {steps['ms_per_step']:.2f} ms/step, of which waiting for the device "
+              f"{steps['device_wait_ms_per_step']:.2f} ms")
+        if row["structured"]:
+            print(f"    tokenizer read {row['tokenizer_info_ms']:.0f} ms, grammar compile "
+                  f"{row['grammar_compile_ms_max']:.1f} ms (slowest schema), mask {row['mask_ms_per_step']:.3f} "
+                  f"ms/step over {row['mask_rows_per_step']:.0f} rows")
+    if args.structured:  # each constrained row right after its plain one
+        pagoda_rows = rows[1 if args.compare == "hf" else 0:]
+        result["structured_vs_plain_output_tokens"] = [
+            constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
+            for plain, constrained in zip(pagoda_rows[::2], pagoda_rows[1::2])]
+        print("constrained / plain output tokens/s:",
+              ", ".join(f"{r:.3f}" for r in result["structured_vs_plain_output_tokens"]))
     if "speedup_total_tokens" in result:
         print(f"pagoda / transformers (total tokens/s): {result['speedup_total_tokens']:.1f}x")
     write_json(args.output_json, result)

@@ -24,6 +24,7 @@ from cluster.placement import ReplicaPlacement, ingress_options
 from cluster.ray_utils import resolve_cluster_device
 from cluster.router import DEFAULT_CHUNK_CHARS, DEFAULT_IMBALANCE_THRESHOLD, PrefixAffinityRouter
 from cluster.server import LLMServer, ServerSettings
+from cluster.tool_parsers import TOOL_CALL_PARSERS
 from engine.config import EngineArgs
 from engine.errors import ParamError
 
@@ -88,6 +89,7 @@ class ModelArgs(BaseModel):
     engine_stall_timeout_s: float = Field(120.0, gt=0)
     allow_request_chat_template: bool = False
     chat_template_time_limit_s: float = Field(1.0, gt=0)
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # tool_choice "auto"; None: the chat template's
     router: RouterArgs = RouterArgs()
 
     @model_validator(mode="before")
@@ -167,9 +169,11 @@ def build_app(args: dict | None = None) -> serve.Application:
         device = resolve_cluster_device(m.engine.device)
         placement = m.placement(device)
         name = m.names[0]
-        settings = ServerSettings(name, placement, m.graceful_shutdown_timeout_s, app_args.debug,
-                                  m.allow_request_chat_template, m.chat_template_time_limit_s,
-                                  m.engine_stall_timeout_s)
+        settings = ServerSettings(name, placement, drain_timeout_s=m.graceful_shutdown_timeout_s, debug=app_args.debug,
+                                  allow_request_chat_template=m.allow_request_chat_template,
+                                  chat_template_time_limit_s=m.chat_template_time_limit_s,
+                                  engine_stall_timeout_s=m.engine_stall_timeout_s,
+                                  tool_call_parser=m.tool_call_parser)
         server = LLMServer.options(name=f"LLMServer_{_slug(name)}", **_server_options(m, placement))
         handle = server.bind(replace(m.engine, device=device), settings)
         for alias in m.names:

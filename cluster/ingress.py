@@ -35,9 +35,10 @@ from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              GenerateRequest, TokenizeRequest, chat_logprobs, completion_logprobs, message_dicts,
-                              usage)
-from engine.request_output import RequestDelta, SequenceDelta
+                              GenerateRequest, TokenizeRequest, message_dicts)
+from cluster.responses import Outputs, chat_body, chat_chunks, completion_body, completion_chunks
+from cluster.tool_choice import tool_parser_for_choice
+from engine.request_output import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +122,13 @@ class _Run:
             for task in tasks:
                 task.cancel()
 
-    async def finals(self) -> dict[int, SequenceDelta]:
-        """Every sequence's whole output (requests that do not stream get one delta, the final), by the choice
-        index of the response."""
-        choices = {}
+    async def outputs(self) -> Outputs:
+        """Every sequence's whole output and every prompt's prompt logprobs (requests that do not stream get one
+        delta, the final)."""
+        out = Outputs()
         async for p, delta in self.deltas():
-            for seq in delta.seqs:
-                choices[p * self.n + seq.index] = seq
-        return choices
+            out.add(p, self.n, delta)
+        return out
 
     def cancel(self) -> None:
         for gen in self.gens:
@@ -209,8 +209,29 @@ def _error_response(exc: BaseException, request_id: str | None) -> Response:
     return JSONResponse(errors.error_body(error, request_id), status_code=error.status_code, headers=headers)
 
 
-def _chunk(meta: dict, choice: dict, no_usage: dict) -> dict:
-    return {**meta, "choices": [choice], **no_usage}
+def _check_length(info: dict, texts: list[str], param: str) -> None:
+    """A prompt longer than any the model can hold is refused here, before it travels or is tokenized."""
+    for text in texts:
+        if len(text) > info["max_prompt_chars"]:
+            raise errors.InvalidRequestError(f"{param} is {len(text)} characters, more than this model's context "
+                                             f"can hold", param)
+
+
+def _tool_parser(req: ChatCompletionRequest, info: dict):
+    """What makes each choice's tool parser (None: no tools, or tool_choice 'none'). 'auto' reads the model's own
+    format, which needs the server's tool-call parser (set, or known from the model's chat template)."""
+    if not req.tools:
+        return None
+    choice, auto_parser = req.tool_choice_value, info["tool_call_parser"]
+    if choice == "auto" and auto_parser is None:
+        if req.tool_choice is None:
+            return None  # OpenAI's default, where the server cannot read calls: the tools are only shown
+        raise errors.InvalidRequestError("tool_choice 'auto' needs a tool-call parser: this model's chat template "
+                                         "has no known tool-call format (start the server with --tool-call-parser)",
+                                         "tool_choice")
+    if tool_parser_for_choice(choice, auto_parser) is None:
+        return None
+    return lambda: tool_parser_for_choice(choice, auto_parser)
 
 
 @serve.deployment(name="Ingress")
@@ -221,7 +242,7 @@ class Ingress:
         self.model_cards = model_cards
         self.config = IngressConfig(**(config or {}))
         self.created = int(time.time())
-        self._limits: dict[str, int] = {}  # served model name -> the longest prompt, in characters
+        self._info: dict[str, dict] = {}  # served model name -> its replicas' model_info
 
     # ---- OpenAI API -----------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -252,9 +273,10 @@ class Ingress:
     async def _completions(self, request: Request, body: bytes, request_id: str) -> Response:
         req = CompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
-        params = req.to_sampling_params()
+        info = await self._model_info(name, handle)
+        params = await asyncio.to_thread(req.to_sampling_params, info["sampling_defaults"])  # a grammar compiles
         prompts = req.prompts()
-        await self._check_length(name, handle, [p for p in prompts if isinstance(p, str)], "prompt")
+        _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
         arrival = time.time()
         run = await self._start(name, handle, [
             GenerateRequest(f"{request_id}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
@@ -262,47 +284,23 @@ class Ingress:
             for i, p in enumerate(prompts)], params.n, request_id)
         meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return _sse(self._stream_completion(run, req, meta), run)
-        choices = await _unless_disconnected(request, run, run.finals())
-        echoed = {i: run.accepted[i // run.n].prompt_text or "" for i in choices}
-        body = {**meta, "choices": [
-            {"index": i, "text": echoed[i] + c.text,
-             "logprobs": completion_logprobs(c.logprobs, len(echoed[i])) if c.logprobs is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
-            "usage": usage(run.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))}
-        return JSONResponse(body, headers=run.headers)
-
-    async def _stream_completion(self, run: _Run, req: CompletionRequest, meta: dict) -> AsyncIterator[dict]:
-        offsets: dict[int, int] = {}
-        no_usage = {"usage": None} if req.include_usage else {}
-        for p, accepted in enumerate(run.accepted):
-            for j in range(run.n):
-                offsets[p * run.n + j] = len(accepted.prompt_text or "")
-                if accepted.prompt_text:
-                    yield _chunk(meta, {"index": p * run.n + j, "text": accepted.prompt_text, "logprobs": None,
-                                        "finish_reason": None}, no_usage)
-        completion_tokens = 0
-        async for p, delta in run.deltas():
-            for seq in delta.seqs:
-                index = p * run.n + seq.index
-                completion_tokens += len(seq.token_ids)
-                logprobs = completion_logprobs(seq.logprobs, offsets[index]) if seq.logprobs is not None else None
-                offsets[index] += len(seq.text)
-                yield _chunk(meta, {"index": index, "text": seq.text, "logprobs": logprobs,
-                                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}, no_usage)
-        if req.include_usage:
-            yield {**meta, "choices": [], "usage": usage(run.prompt_tokens, completion_tokens)}
+            return _sse(completion_chunks(meta, req, run.accepted, run.n, run.deltas()), run)
+        out = await _unless_disconnected(request, run, run.outputs())
+        return JSONResponse(completion_body(meta, req, run.accepted, run.n, out), headers=run.headers)
 
     async def _chat(self, request: Request, body: bytes, request_id: str) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
         name, handle = self._model(req.model)
-        params = req.to_sampling_params(self.config.default_max_tokens)
+        info = await self._model_info(name, handle)
+        params = await asyncio.to_thread(req.to_sampling_params, self.config.default_max_tokens,
+                                         info["sampling_defaults"])
+        tool_parser = _tool_parser(req, info)
         messages = req.message_dicts()
-        await self._check_length(name, handle, ["".join(m["content"] for m in messages)], "messages")
+        _check_length(info, ["".join(m["content"] for m in messages)], "messages")
         gen = GenerateRequest(request_id, params, messages=messages, stream=req.stream,
                               add_generation_prompt=req.add_generation_prompt,
-                              chat_template_kwargs=req.chat_template_kwargs, routing_key=req.routing_key(),
-                              arrival_time=time.time())
+                              chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts(),
+                              routing_key=req.routing_key(), arrival_time=time.time())
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
@@ -310,29 +308,10 @@ class Ingress:
             raise
         meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return _sse(self._stream_chat(run, req, {**meta, "object": "chat.completion.chunk"}), run)
-        choices = await _unless_disconnected(request, run, run.finals())
-        body = {**meta, "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text},
-             "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
-            "usage": usage(run.prompt_tokens, sum(len(c.token_ids) for c in choices.values()))}
-        return JSONResponse(body, headers=run.headers)
-
-    async def _stream_chat(self, run: _Run, req: ChatCompletionRequest, meta: dict) -> AsyncIterator[dict]:
-        no_usage = {"usage": None} if req.include_usage else {}
-        for j in range(run.n):
-            yield _chunk(meta, {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}, no_usage)
-        completion_tokens = 0
-        async for _, delta in run.deltas():
-            for seq in delta.seqs:
-                completion_tokens += len(seq.token_ids)
-                yield _chunk(meta, {"index": seq.index, "delta": {"content": seq.text} if seq.text else {},
-                                    "logprobs": chat_logprobs(seq.logprobs) if seq.logprobs else None,
-                                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}, no_usage)
-        if req.include_usage:
-            yield {**meta, "choices": [], "usage": usage(run.prompt_tokens, completion_tokens)}
+            chunk_meta = {**meta, "object": "chat.completion.chunk"}
+            return _sse(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
+        out = await _unless_disconnected(request, run, run.outputs())
+        return JSONResponse(chat_body(meta, req, run.accepted, out, tool_parser), headers=run.headers)
 
     async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **card}
@@ -452,16 +431,11 @@ class Ingress:
             raise errors.ModelNotFoundError(model, list(self.models))
         return model, self.models[model]
 
-    async def _check_length(self, name: str, handle, texts: list[str], param: str) -> None:
-        """A prompt longer than any the model can hold is refused here, before it travels or is tokenized."""
-        if name not in self._limits:
-            info = await self._call(handle.model_info.remote())
-            self._limits[name] = info["max_prompt_chars"]
-        limit = self._limits[name]
-        for text in texts:
-            if len(text) > limit:
-                raise errors.InvalidRequestError(f"{param} is {len(text)} characters, more than this model's context "
-                                                 f"can hold", param)
+    async def _model_info(self, name: str, handle) -> dict:
+        """What the edge needs of a model (its longest prompt, its sampling defaults), asked of a replica once."""
+        if name not in self._info:
+            self._info[name] = await self._call(handle.model_info.remote())
+        return self._info[name]
 
     async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> _Run:
         """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request.

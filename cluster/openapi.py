@@ -34,9 +34,15 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class TopLogprob(BaseModel):
@@ -59,6 +65,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):
@@ -70,9 +77,21 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # a chat with tools (parsed per tool_choice)
 
 
 class ChatChoice(BaseModel):
@@ -90,11 +109,25 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first chunk
+    arguments: str  # appended to the call's arguments
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None  # in a call's first chunk
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

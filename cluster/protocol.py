@@ -10,6 +10,7 @@ cross: the engine's own `RequestDelta`s (engine/request_output.py), forwarded as
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -17,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
 
 from cluster.errors import ErrorInfo, InvalidRequestError
+from cluster.tool_choice import tool_choice_constraint
 from engine.errors import ParamError
-from engine.request_output import TokenLogprob
+from engine.structured_outputs import StructuredOutputsParams
 from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, SamplingParams
 
 _INT32 = 2**31 - 1
@@ -37,6 +39,7 @@ class GenerateRequest:
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's function tools)
     stream: bool = True  # False: the replica yields Accepted, then one list holding the final delta
     echo: bool = False  # return the prompt text in Accepted
     routing_key: str = ""  # prompt text the router hashes for prefix-cache affinity (see cluster/router.py)
@@ -62,8 +65,21 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(_Strict):
-    """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
+    """What completions and chat share: OpenAI's sampling fields and vLLM's extras (structured outputs: one of
+    response_format, vLLM's structured_outputs or its older guided_* fields)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -87,12 +103,20 @@ class _Request(_Strict):
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's: no effect by nature, so accepted
     metadata: dict[str, str] | None = None  # likewise
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def _sampling_kwargs(self, **overrides) -> dict[str, Any]:
-        """The fields the request shares with SamplingParams (by name) that it set, then `overrides` as given."""
+    def _sampling_kwargs(self, defaults: dict[str, Any] | None, **overrides) -> dict[str, Any]:
+        """The model's defaults (its generation_config.json), then the fields the request shares with
+        SamplingParams (by name) that it set, then `overrides` as given."""
         chosen = {name: getattr(self, name) for name in self.model_fields_set & _SAMPLING_FIELDS}
-        chosen |= {"n": self.n, "min_tokens": self.min_tokens, "logit_bias": self._logit_bias()}
-        return {k: v for k, v in chosen.items() if v is not None} | overrides
+        chosen |= {"n": self.n, "min_tokens": self.min_tokens, "logit_bias": self._logit_bias(),
+                   "structured_outputs": self._constraint()}
+        return dict(defaults or {}) | {k: v for k, v in chosen.items() if v is not None} | overrides
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -101,6 +125,9 @@ class _Request(_Strict):
             return {int(token): bias for token, bias in self.logit_bias.items()}
         except ValueError:
             raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias")
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return output_constraint(self)
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +142,7 @@ class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt tokens' logprobs
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -129,15 +157,21 @@ class CompletionRequest(_Request):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        return make_params(self._sampling_kwargs(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs,
+                                                 prompt_logprobs=self.prompt_logprobs_wanted))
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs shows the prompt's logprobs too (the evaluation harnesses' loglikelihood)."""
         if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        return make_params(self._sampling_kwargs(max_tokens=self.max_tokens, logprobs=self.logprobs))
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ContentPart(_Strict):
@@ -145,12 +179,45 @@ class ContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    refusal: str | None = None  # as OpenAI's client sends an earlier answer back
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the schema is always enforced where a call is constrained
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -158,25 +225,50 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the rendered prompt's logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # none given: auto with tools
+    parallel_tool_calls: bool = True
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_stream_options()
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not supported with stream=true in chat", "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", "response_format")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens
         try:
-            return make_params(self._sampling_kwargs(max_tokens=max_tokens, logprobs=logprobs))
+            return make_params(self._sampling_kwargs(defaults, max_tokens=max_tokens, logprobs=logprobs,
+                                                     prompt_logprobs=self.prompt_logprobs))
         except InvalidRequestError as e:
             e.param = self.param_name(e.param)
             raise
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        if self.tool_choice is not None and not self.tools:
+            raise InvalidRequestError("tool_choice is only allowed when tools are given", "tool_choice")
+        if not self.parallel_tool_calls and self.tool_choice_value == "auto":
+            raise InvalidRequestError("parallel_tool_calls=false is enforced only with tool_choice 'required' or a "
+                                      "named function (with 'auto' the model's own format decides)",
+                                      "parallel_tool_calls")
+        return output_constraint(self, tool_choice_constraint(self.tool_dicts(), self.tool_choice_value,
+                                                              self.parallel_tool_calls))
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None
+
+    @property
+    def tool_choice_value(self) -> str | dict:
+        """tool_choice as OpenAI reads it: 'auto' when tools are given without one, else 'none'."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def message_dicts(self) -> list[dict]:
         return message_dicts(self.messages)
@@ -209,16 +301,57 @@ class DetokenizeRequest(_Strict):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template expects them: text parts joined into one string."""
+    """Messages as chat templates expect them: text parts joined into one string, a tool call's arguments as the
+    object they encode (templates write them with `tojson`)."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         entry = message.model_dump(exclude_none=True)
+        entry.pop("refusal", None)
         if isinstance(message.content, list):
             entry["content"] = "".join(part.text for part in message.content)
         elif message.content is None:
             entry["content"] = ""
+        for j, call in enumerate(entry.get("tool_calls", [])):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                raise InvalidRequestError("is not JSON", f"messages[{i}].tool_calls[{j}].function.arguments")
         out.append(entry)
     return out
+
+
+def output_constraint(req: _Request, tool_constraint: StructuredOutputsParams | None = None,
+                      ) -> StructuredOutputsParams | None:
+    """The request's structured-output constraint, from whichever field gives it (at most one may); errors name
+    that field as the client wrote it."""
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = ("response_format", {"json_object": True})
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequestError("response_format.json_schema is required with type 'json_schema'",
+                                      "response_format.json_schema")
+        schema = fmt.json_schema.schema_
+        given["response_format"] = ("response_format.json_schema.schema",
+                                    {"json": schema} if schema is not None else {"json_object": True})
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = (None, req.structured_outputs)
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            given[f"guided_{kind}"] = (f"guided_{kind}", {kind: value})
+    if tool_constraint is not None:
+        given["tool_choice"] = (None, tool_constraint)
+    if len(given) > 1:
+        raise InvalidRequestError(f"only one of {', '.join(given)} may constrain the output", list(given)[1])
+    if not given:
+        return None
+    param, value = next(iter(given.values()))
+    try:
+        return StructuredOutputsParams.from_value(value)
+    except ParamError as e:
+        raise (e.renamed(param) if param else e) from None
 
 
 def make_params(kwargs: dict[str, Any]) -> SamplingParams:
@@ -229,29 +362,5 @@ def make_params(kwargs: dict[str, Any]) -> SamplingParams:
         raise InvalidRequestError(str(e), e.param) from e
 
 
-# ---- OpenAI response pieces ----------------------------------------------------------------------------------------
 def error_info(e: ParamError) -> ErrorInfo:
     return ErrorInfo(400, str(e), e.param)
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, `text_offset` from the start of the choice's text."""
-    offsets = []
-    for lp in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.token)
-    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{t: v for _, t, v in lp.top} or {lp.token: lp.logprob} for lp in logprobs],
-            "text_offset": offsets}
-
-
-def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
-    return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                          for _, t, v in lp.top]}
-                        for lp in logprobs]}

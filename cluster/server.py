@@ -27,9 +27,11 @@ from cluster.errors import ErrorInfo
 from cluster.metrics import ReplicaMetrics
 from cluster.placement import ReplicaPlacement
 from cluster.protocol import Accepted, GenerateRequest, error_info
+from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, ParamError
+from engine.sampling_params import default_sampling_overrides
 from engine.request_output import RequestDelta
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 
@@ -49,6 +51,7 @@ class ServerSettings:
     allow_request_chat_template: bool = False  # chat_template_kwargs.chat_template: a client's template runs here
     chat_template_time_limit_s: float = 1.0  # ... for at most this long
     engine_stall_timeout_s: float = 120.0  # requests in flight, no step for this long: the health check fails
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format; None: the chat template's
 
 
 @serve.deployment(name="LLMServer")
@@ -124,6 +127,8 @@ class LLMServer:
             raise ParamError("chat_template_kwargs", "chat_template is not allowed on this server (the operator can "
                                                      "allow it: app arg allow_request_chat_template)")
         limit = self.settings.chat_template_time_limit_s if template is not None else None
+        if request.tools is not None:
+            kwargs["tools"] = request.tools
         return apply_chat_template(self.engine.tokenizer, request.messages, request.add_generation_prompt,
                                    template, time_limit_s=limit, **kwargs)
 
@@ -186,8 +191,10 @@ class LLMServer:
         return {"prompt": await asyncio.to_thread(self._decode, tokens)}
 
     def model_info(self) -> dict:
+        parser = self.settings.tool_call_parser or tool_parser_for_template(self.engine.tokenizer.chat_template)
         return {"max_model_len": self.engine.max_model_len, "max_prompt_chars": self.engine.limits.max_prompt_chars,
-                "replica": self.replica_id}
+                "sampling_defaults": default_sampling_overrides(self.engine.config.model), "replica": self.replica_id,
+                "tool_call_parser": parser}
 
     # ---- control plane (broadcast by the ingress) -----------------------------------------------------------------
     def collect_metrics(self):

@@ -9,6 +9,7 @@ import shutil
 import sys
 from dataclasses import asdict, fields
 
+from cluster.tool_parsers import TOOL_CALL_PARSERS
 from engine import envs
 from engine.arg_utils import add_engine_args, engine_args
 from engine.config import EngineArgs
@@ -52,8 +53,11 @@ def serve_app_args(args: argparse.Namespace) -> dict:
     if args.served_model_name:
         model["served_model_name"] = args.served_model_name[0] if len(args.served_model_name) == 1 \
             else args.served_model_name
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (Pagoda turns tool_choice 'auto' on "
+                         "whenever a parser is set or the chat template implies one)")
     for name in ("replica_num_cpus", "stream_interval_s", "max_queued_requests", "accelerator_type",
-                 "replica_resources"):
+                 "replica_resources", "tool_call_parser"):
         if getattr(args, name) is not None:
             model[name] = getattr(args, name)
     if args.engine_in_replica:
@@ -190,6 +194,11 @@ def _add_serve_parser(sub) -> None:
                      help="stream what accumulated at most this often (default 0.1; 0: every step)")
     srv.add_argument("--engine-in-replica", action="store_true",
                      help="run the engine's step loop in the replica's process instead of an actor of its own")
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                     help="the model's tool-call format, read for tool_choice 'auto' (default: the one its chat "
+                          "template implies, if any)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's flag: requires --tool-call-parser ('auto' is on whenever a parser is known)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
     srv.add_argument("--disable-log-requests", action="store_true",
                      help="accepted for vLLM's users: Pagoda does not log requests")

@@ -7,6 +7,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "EngineArgs": "engine.config",
+    "StructuredOutputsParams": "engine.structured_outputs",
     "LLMEngine": "engine.llm_engine",
     "AsyncLLMEngine": "engine.async_engine",
     "RequestDelta": "engine.request_output",

@@ -12,6 +12,17 @@ class ParamError(ValueError):
         super().__init__(f"{param} {message}" if param else message)
         self.param = param
 
+    @property
+    def message(self) -> str:
+        """What is wrong, without the field's name."""
+        text = str(self)
+        return text[len(self.param) + 1:] if self.param and text.startswith(f"{self.param} ") else text
+
+    def renamed(self, param: str) -> ParamError:
+        """The same error about the field as the client named it (`tools[0].function.parameters` for the schema it
+        became)."""
+        return ParamError(param, self.message)
+
     def __reduce__(self):  # crosses Ray's process boundaries intact
         return _rebuild_param_error, (self.param, str(self))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class ExecutorError(RuntimeError):
@@ -21,6 +21,9 @@ class Executor(ABC):
 
     num_kv_blocks: int
     supports_overlap: bool = False  # execute_model_async returns before the step's tokens are on the host
+    # execute_model_async may leave a step's constrained rows unsampled until the driver supplies their grammar
+    # bitmask (StepHandle.sample); otherwise the bitmask must travel in the SchedulerOutput.
+    supports_deferred_sampling: bool = False
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -46,13 +49,30 @@ class Executor(ABC):
 
 
 class StepHandle:
-    """A step in flight. `result()` returns its ModelRunnerOutput or raises ExecutorError."""
+    """A step in flight. `result()` returns its ModelRunnerOutput or raises ExecutorError.
 
-    def __init__(self, output: ModelRunnerOutput | None = None, wait=None):
+    With deferred sampling, `bitmask_req_ids` names the constrained requests whose grammar bitmask the step waits
+    for: its forward runs, and it samples once `sample(bitmask)` supplies them."""
+
+    def __init__(self, output: ModelRunnerOutput | None = None, wait=None, bitmask_req_ids: list[str] | None = None,
+                 sample=None):
         self._output = output
         self._wait = wait
+        self.bitmask_req_ids = bitmask_req_ids or []
+        self._sample = sample
+        self._error: ExecutorError | None = None
+
+    def sample(self, bitmask: GrammarBitmask) -> None:
+        """Supplies the awaited bitmask. A failure is raised by `result()`, as the step's other failures are."""
+        self.bitmask_req_ids = []
+        try:
+            self._sample(bitmask)
+        except ExecutorError as e:
+            self._error = e
 
     def result(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
         if self._output is None:
             self._output = self._wait()
         return self._output

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
 from engine.errors import ParamError
-from engine.executor import Executor, ExecutorError, create_executor
+from engine.executor import Executor, ExecutorError, StepHandle, create_executor
+from engine.grammar import StructuredOutputManager
 from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
 from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup, TokenStrings
@@ -78,6 +79,7 @@ class LLMEngine:
         self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,
                                                   config.scheduler.max_num_seqs)
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.token_strings = TokenStrings(self.tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -120,6 +122,8 @@ class LLMEngine:
                                 leader=seqs[0] if i else None, sample_seed=seed, arrival_time=arrival_time))
         self.groups[request_id] = RequestGroup(request_id, token_ids, params, seqs, self.tokenizer,
                                                self.token_strings, stream, arrival_time)
+        if params.structured_outputs is not None:
+            self.structured.add(seqs)  # compiles off this thread; the scheduler admits them once it is done
         for seq in seqs:
             self.scheduler.add_request(seq)
         self.num_prompt_tokens += len(token_ids)
@@ -152,50 +156,78 @@ class LLMEngine:
             self.timing.busy_s += time.perf_counter() - start
 
     def _step(self) -> list[RequestDelta]:
-        if not self._can_overlap():
-            if self._pending is not None:
-                return self._finish_pending()  # leaving overlap: drain the step in flight first
-            sched = self.scheduler.schedule()
-            if self._is_idle(sched):
-                return []
+        deltas = self._start_grammars() if self.structured.is_compiling else []
+        overlap = self._can_overlap()
+        if not overlap and self._pending is not None:
+            return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
+        sched = self.scheduler.schedule()
+        if self._is_idle(sched):
+            if self._pending is None:
+                self.structured.wait_for_compile(timeout_s=0.01)  # nothing to run: rather than spin
+            return deltas + self._finish_pending()
+        if not (overlap and self.executor.supports_deferred_sampling):
+            sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
+        if not overlap:
             try:
                 result = self.executor.execute_model(sched)
             except ExecutorError as e:
-                return self._fail_step(sched, e)
-            return self._process(sched, result)
-        sched = self.scheduler.schedule()
-        if self._is_idle(sched):
-            return self._finish_pending()
+                return deltas + self._fail_step(sched, e)
+            return deltas + self._process(sched, self.scheduler.update_from_output(sched, result))
         try:
             handle = self.executor.execute_model_async(sched)
         except ExecutorError as e:
-            return self._finish_pending() + self._fail_step(sched, e)
-        outputs = self._finish_pending()
+            return deltas + self._finish_pending() + self._fail_step(sched, e)
+        # Deferred sampling: step N+1's forward runs while step N's tokens advance the grammars, and N+1 samples
+        # with the bitmask they give, before N's deltas are made.
+        deltas += self._finish_pending(before_deltas=lambda: self._supply_bitmask(handle))
         self._pending = (sched, handle)
-        return outputs
+        return deltas
 
     def _can_overlap(self) -> bool:
         # Every sampling setting can run a step ahead of its last token: penalties read the token histories that
-        # the workers keep on the device.
-        return self.config.scheduler.async_scheduling and self.executor.supports_overlap
+        # the workers keep on the device. A grammar bitmask that must travel with its step needs the last token on
+        # the host, unless the executor can defer sampling until the driver supplies it.
+        if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
+            return False
+        return (self.executor.supports_deferred_sampling or not self.structured.num_live
+                or not any(req.grammar is not None for req in self.scheduler.running))
 
     @staticmethod
     def _is_idle(sched) -> bool:
         return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
 
-    def _finish_pending(self) -> list[RequestDelta]:
-        if self._pending is None:
-            return []
-        sched, handle = self._pending
-        self._pending = None
-        start = time.perf_counter()
-        try:
-            result = handle.result()
-        except ExecutorError as e:
-            return self._fail_step(sched, e)
-        finally:
+    def _finish_pending(self, before_deltas=None) -> list[RequestDelta]:
+        """Reads back the step in flight and advances its requests; then runs `before_deltas` (if any) and makes
+        the deltas."""
+        pending, self._pending = self._pending, None
+        sched, seqs, failed = None, None, []
+        if pending is not None:
+            sched, handle = pending
+            start = time.perf_counter()
+            try:
+                result = handle.result()
+            except ExecutorError as e:
+                result, failed = None, self._fail_step(sched, e)
             self.timing.wait_s += time.perf_counter() - start
-        return self._process(sched, result)
+            if result is not None:
+                seqs = self.scheduler.update_from_output(sched, result)
+        if before_deltas is not None:
+            before_deltas()
+        return failed if seqs is None else self._process(sched, seqs)
+
+    # ---- structured outputs --------------------------------------------------------------------------------------
+    def _start_grammars(self) -> list[RequestDelta]:
+        """Matchers for the grammars compiled since the last step; a request whose grammar failed fails alone."""
+        deltas = []
+        for grammar in self.structured.poll():
+            req = self.scheduler.requests.get(grammar.req_id)
+            if req is not None:
+                deltas += self._fail_requests([req.parent_id], grammar.error)
+        return deltas
+
+    def _supply_bitmask(self, handle: StepHandle) -> None:
+        if handle.bitmask_req_ids:
+            handle.sample(self.structured.fill_bitmask(handle.bitmask_req_ids, self.scheduler.requests))
 
     def _fail_step(self, sched, error: ExecutorError) -> list[RequestDelta]:
         """A fatal error fails every request of the step (the engine stops next). Otherwise a step of one request
@@ -209,10 +241,12 @@ class LLMEngine:
         logger.error("step failed, failing %d requests: %s", len(seqs), error)
         return self._fail_requests([r.parent_id for r in seqs], str(error))
 
-    def _process(self, sched, result) -> list[RequestDelta]:
+    def _process(self, sched, seqs: list[Request]) -> list[RequestDelta]:
+        """Detokenizes the sequences that got a token in a step (ending those that hit a stop string) and makes
+        the deltas due."""
         self._record_step_tokens(sched.total_num_scheduled_tokens)
         touched: dict[str, RequestGroup] = {}
-        for seq in self.scheduler.update_from_output(sched, result):
+        for seq in seqs:
             group = self.groups.get(seq.parent_id)
             if group is None:
                 continue
@@ -235,6 +269,8 @@ class LLMEngine:
         return tokens
 
     def _emit(self, group: RequestGroup, now: float, error: str | None = None) -> RequestDelta:
+        if error is None and group.is_finished:  # a grammar that rejected a token says so
+            error = next((s.grammar.error for s in group.seqs if s.grammar is not None and s.grammar.error), None)
         delta = group.make_delta(now, error)
         if delta.finished:
             del self.groups[group.request_id]
@@ -267,12 +303,14 @@ class LLMEngine:
         self.block_manager.check_integrity()
         for req in self.scheduler.running:
             assert req.status == RequestStatus.RUNNING, req
+        self.structured.check_integrity(self.scheduler.requests)
         if not self.groups:
             assert not self.scheduler.requests, f"requests left: {list(self.scheduler.requests)}"
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "blocks leaked"
 
     def shutdown(self) -> None:
         self._pending = None
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

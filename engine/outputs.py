@@ -12,8 +12,12 @@ state per request and append the tokens they sample themselves, so the driver ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -40,6 +44,15 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The allowed next tokens of some requests, packed as xgrammar packs them: token t is allowed for req_ids[i]
+    when bit t % 32 of bitmask[i, t // 32] is 1. A numpy array: the contract carries no tensors."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
+
+
+@dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -47,6 +60,9 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # drop from the persistent batch (finished, aborted)
     preempted_req_ids: list[str] = field(default_factory=list)  # drop too; they come back as new requests
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the step
+    # The allowed tokens of the constrained requests that sample in this step, when the driver knows them at launch
+    # (None: no constraint, or the in-process executor supplies them later, see StepHandle.sample).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

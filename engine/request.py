@@ -12,9 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import Logprobs, PromptLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,6 +79,7 @@ class Request:
     first_scheduled_time: float | None = None  # time.time() of its first step
     first_token_time: float | None = None
     is_suspect: bool = False  # in a step that failed: runs alone until it samples again (Scheduler.isolate)
+    grammar: RequestGrammar | None = None  # structured outputs: this sequence's matcher (engine/grammar.py)
 
     def __post_init__(self):
         if not self.parent_id:

@@ -67,7 +67,7 @@ class RequestGroup:
         return RequestDelta(self.request_id, seqs, finished, error, self._metrics() if finished else None,
                             self._prompt_logprobs())
 
-    def _prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+    def _prompt_logprobs(self) -> list[TokenLogprob] | None:
         """The prompt's logprobs, once, on the first delta (the prompt is computed by then)."""
         k = self.params.prompt_logprobs
         if k is None or self.sent_prompt_logprobs:
@@ -76,8 +76,8 @@ class RequestGroup:
         entries = self.seqs[0].prompt_logprobs or [None] * len(self.prompt_token_ids)
         strings, out = self.token_strings, []
         for token_id, entry in zip(self.prompt_token_ids, entries):
-            if entry is None:
-                out.append(None)
+            if entry is None:  # the first token: nothing predicts it
+                out.append(TokenLogprob(token_id, strings(token_id), None))
                 continue
             top = sorted(((t, v) for t, v in entry.items()), key=lambda item: -item[1])[:k]
             out.append(TokenLogprob(token_id, strings(token_id), entry.get(token_id, float("nan")),

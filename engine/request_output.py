@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """One output token: its log-probability and the top alternatives (best first), with the strings the API
-    shows for them."""
+    """One token: its log-probability and the top alternatives (best first), with the strings the API shows for
+    them. `logprob` is None only for a prompt's first token, which nothing predicts."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, token string, logprob)
 
 
@@ -75,9 +75,9 @@ class RequestDelta:
     finished: bool = False
     error: str | None = None  # the engine failed the request (it is finished)
     metrics: RequestMetrics | None = None  # on the last delta
-    # With SamplingParams.prompt_logprobs, on the request's first delta: one entry per prompt token (None for the
-    # first, which nothing predicts), its top alternatives among `top`.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first delta: one entry per prompt token (the first's
+    # logprob None: nothing predicts it), its top alternatives among `top`.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -126,7 +126,7 @@ class RequestOutput:
             outputs.append(CompletionOutput(seq.index, seq.text, list(seq.token_ids), logprobs, seq.finish_reason,
                                             seq.stop_reason, cumulative))
         prompt_logprobs = None if delta.prompt_logprobs is None else [
-            None if entry is None else {t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob}
+            None if entry.logprob is None else {t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob}
             for entry in delta.prompt_logprobs]
         return cls(delta.request_id, prompt, prompt_token_ids, outputs, delta.finished, delta.metrics, delta.error,
                    prompt_logprobs)

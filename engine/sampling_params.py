@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ParamError
+from engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -35,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (and the prompt token's own)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
     # Filled by the engine, never by users: every token id that ends the request (eos unless ignore_eos, plus
     # stop_token_ids). The worker needs them to enforce min_tokens.
     all_stop_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -54,6 +56,8 @@ class SamplingParams:
                 raise ParamError("logit_bias", "keys must be token ids and values numbers") from None
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -87,6 +91,10 @@ class SamplingParams:
             _check(token_id >= 0, "logit_bias", f"token id {token_id} is negative")
             _check(-100.0 <= _finite(bias, "logit_bias") <= 100.0, "logit_bias",
                    f"bias {bias} for token {token_id} not in [-100, 100]")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     @property
     def is_greedy(self) -> bool:

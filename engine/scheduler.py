@@ -50,6 +50,8 @@ class Scheduler:
             self.waiting.remove(req)  # waiting requests hold no state on the workers
         req.status = status
         self.block_manager.free(req)
+        if req.grammar is not None:
+            req.grammar.release()
         return req
 
     @property
@@ -119,6 +121,9 @@ class Scheduler:
             req = self.waiting.popleft()
             if suspect_only and (not req.is_suspect or out.new_reqs):
                 skipped.append(req)
+                continue
+            if req.grammar is not None and not req.grammar.is_ready:
+                skipped.append(req)  # its grammar is still compiling
                 continue
             if not self._try_fork(req):
                 skipped.append(req)  # its leader's prompt is not in the cache yet
@@ -216,7 +221,10 @@ class Scheduler:
             req.num_pending_tokens -= 1
             req.is_suspect = False
             req.append_output(token_id, logprobs)
-            status = self._check_stop(req, token_id)
+            if req.grammar is not None and not req.grammar.accept(token_id):
+                status = RequestStatus.FINISHED_ERROR  # never with the mask applied: fail it, not the engine
+            else:
+                status = self._check_stop(req, token_id)
             if status is not None:
                 self.finish_request(req_id, status)
             updated.append(req)
@@ -227,6 +235,8 @@ class Scheduler:
         if req.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
             req.stop_reason = token_id if token_id in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_finished:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing but a stop token could follow
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

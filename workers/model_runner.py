@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from engine.config import SchedulerConfig
-from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.outputs import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
+from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
@@ -70,6 +71,7 @@ class ModelRunner:
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
                         if is_driver else None)
         self._sampling: tuple | None = None  # (req ids, SamplingTensors, history slots) of the last sampled batch
+        self.awaiting: PendingStep | None = None  # a launched step whose sampling waits for a grammar bitmask
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device)
@@ -113,12 +115,17 @@ class ModelRunner:
         return self.execute_model_async(sched).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
+    def execute_model_async(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
         """Launches the step and returns before its sampled tokens reach the host. A request whose previous token
-        is still on the device (sampled by the step launched just before) reads it from there."""
+        is still on the device (sampled by the step launched just before) reads it from there.
+
+        Constrained requests sample with `sched.grammar_bitmask`; without one (defer_sampling) the forward is
+        launched and sampling waits for `PendingStep.sample(bitmask)`, which the driver calls once it has read the
+        previous step's tokens and advanced its grammars (the forward runs on the device meanwhile)."""
+        assert self.awaiting is None, f"step launched while {self.awaiting.bitmask_req_ids} await their bitmask"
         self.update_states(sched)
         if sched.is_empty:
-            return PendingStep(self, [], None, [])
+            return PendingStep(self, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
         hidden, sample_rows = self._forward(states, counts)
@@ -132,27 +139,43 @@ class ModelRunner:
         if self.scoring:
             self.scoring -= {s.req_id for s in states if s.num_computed_tokens >= len(s.prompt_token_ids) - 1}
         if not sampling_states:
-            return PendingStep(self, [], None, [], prompt_logprobs)
+            return PendingStep(self, [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
+        step = PendingStep(self, sampling_states, logits, prompt_logprobs)
+        constrained = constrained_req_ids(sampling_states) if self.is_driver else []
+        if constrained and sched.grammar_bitmask is None:
+            assert defer_sampling, f"{constrained} follow a grammar, but the step carries no bitmask"
+            step.bitmask_req_ids = constrained
+            self.awaiting = step
+            return step
+        self._sample(step, sched.grammar_bitmask)
+        return step
+
+    @torch.inference_mode()
+    def _sample(self, step: PendingStep, bitmask: GrammarBitmask | None) -> None:
+        self.awaiting = None
+        states, logits = step.states, step.logits
         rows = []
         if self.is_driver:
+            if bitmask is not None:
+                apply_grammar_bitmask(logits, bitmask, [s.req_id for s in states])
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._sample_seed(s),
-                                s.num_pending, s.knobs) for s in sampling_states]
-            tensors, penalties = self._sampling_inputs(sampling_states, rows, logits.shape[1])
+                                s.num_pending, s.knobs) for s in states]
+            tensors, penalties = self._sampling_inputs(states, rows, logits.shape[1])
             batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True)
             if penalties is not None:  # the histories take this step's tokens on the device
                 self.history.append(self._sampling[2], batch.tokens.index_select(0, tensors.penalty_index))
         else:
-            batch = SampledBatch(torch.zeros(len(sampling_states), dtype=torch.long, device=self.device), [])
+            batch = SampledBatch(torch.zeros(len(states), dtype=torch.long, device=self.device), [])
         from workers import parallel
 
         if parallel.get_tp_size() > 1:  # the other ranks learn the tokens so their states stay in step
             batch.tokens = parallel.broadcast_from_rank0(batch.tokens)
-        for i, state in enumerate(sampling_states):
+        for state in states:
             state.num_pending += 1
         self.prev_tokens = batch.tokens
-        self.prev_rows = {state.req_id: i for i, state in enumerate(sampling_states)}
-        return PendingStep(self, sampling_states, batch.start_copy(), rows, prompt_logprobs)
+        self.prev_rows = {state.req_id: i for i, state in enumerate(states)}
+        step.sampled, step.rows, step.logits, step.bitmask_req_ids = batch.start_copy(), rows, None, []
 
     @staticmethod
     def _sample_seed(state: RequestState) -> int | None:
@@ -222,16 +245,23 @@ class ModelRunner:
 
 class PendingStep:
     """A launched step; `result()` waits for its tokens, appends them to the request states and returns the
-    ModelRunnerOutput (None on ranks other than 0)."""
+    ModelRunnerOutput (None on ranks other than 0). With `bitmask_req_ids`, it waits for `sample(bitmask)` first."""
 
-    def __init__(self, runner: ModelRunner, states: list[RequestState], sampled: SampledBatch | None,
-                 rows: list[SamplingRow], prompt_logprobs: PromptLogprobsBatch | None = None):
+    def __init__(self, runner: ModelRunner, states: list[RequestState], logits: torch.Tensor | None = None,
+                 prompt_logprobs: PromptLogprobsBatch | None = None):
         self.runner = runner
         self.states = states
-        self.sampled = sampled  # SampledBatch (tokens only on ranks other than 0), its host copy started
-        self.rows = rows
+        self.logits = logits  # [N, V] until sampled
+        self.bitmask_req_ids: list[str] = []  # deferred sampling: the constrained rows whose bitmask it awaits
+        self.sampled: SampledBatch | None = None  # (tokens only on ranks other than 0), its host copy started
+        self.rows: list[SamplingRow] = []
         self.prompt_logprobs = prompt_logprobs  # rank 0 only
         self._output: ModelRunnerOutput | None = None
+
+    def sample(self, bitmask: GrammarBitmask) -> None:
+        """Deferred sampling: applies the driver's bitmask and samples."""
+        assert self.bitmask_req_ids and self.runner.awaiting is self, "this step does not await a bitmask"
+        self.runner._sample(self, bitmask)
 
     def result(self) -> ModelRunnerOutput | None:
         if self._output is not None:
@@ -239,6 +269,8 @@ class PendingStep:
         if not self.states:
             self._output = ModelRunnerOutput()
         else:
+            if self.sampled is None:
+                raise RuntimeError(f"the step was never sampled: {self.bitmask_req_ids} await their bitmask")
             token_ids, logprobs = finish(self.sampled, self.rows)
             self._append(token_ids)
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids, logprobs)

@@ -17,6 +17,7 @@ from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import parallel
 from kernels.fp8 import FP8_DTYPE
+from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
 from workers.kv_scales import attention_layers, calibrate_kv_scales
 from workers.model_runner import ModelRunner
@@ -115,6 +116,8 @@ class Worker:
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if self.device_kind == "cuda":
             self._warm_up_prefill(num_blocks)
+            if self.rank == 0:  # the rank that samples
+                warm_up_grammar_mask(self.model.vocab_size, self.device)
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_blocks: int) -> None:
@@ -170,6 +173,7 @@ class InProcessExecutor(Executor):
     """A single rank in the engine's own process: no actor call per step."""
 
     supports_overlap = True
+    supports_deferred_sampling = True
 
     def __init__(self, config: EngineConfig):
         if resolve_device(config.parallel.device) == "cpu":
@@ -181,11 +185,13 @@ class InProcessExecutor(Executor):
         self.worker.init_kv_cache(self.num_kv_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Synchronous steps carry their grammar bitmask (LLMEngine attaches it), so nothing waits for one here.
         return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output)
-        return StepHandle(wait=lambda: _as_executor_error(pending.result))
+        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True)
+        return StepHandle(wait=lambda: _as_executor_error(pending.result), bitmask_req_ids=pending.bitmask_req_ids,
+                          sample=lambda bitmask: _as_executor_error(pending.sample, bitmask))
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

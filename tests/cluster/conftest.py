@@ -1,6 +1,6 @@
 """The Serve app for the serve tests: deployed once per session on the session's Ray cluster, on a free port.
 
-    model "tiny"        2 replicas (router and metrics tests), max_model_len 512
+    model "tiny"        2 replicas (router and metrics tests), max_model_len 1024, a chat template with tools
     model "tiny-solo"   1 replica, health checked every second (the dead-engine tests kill and restart it)
     model "tiny-queue"  1 replica that takes 1 request at a time and queues 2 more (back pressure: 429)
 """
@@ -12,6 +12,21 @@ from tests.ports import free_port
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 32  # chats that give no max_tokens (the fuzzer's) stop here, not at the context's end
+# The tiny model's template (workers/tiny_model.py), which renders the same without tools, plus tools and calls in
+# Hermes's format: the server reads tool_choice "auto" with the parser this template implies.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\\nTools:\\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}"
+    "{% endfor %}{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{{ '<tool_call>' }}{{ call['function'] | tojson }}{{ '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +41,8 @@ def serve_url(ray_cluster):
     port = _get_global_client().http_config.port  # another test module may have started Serve first
     small = {"model": "tiny", "num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
     app = build_app({
-        "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 512, **small},
+        "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 1024,
+                    "chat_template": TOOLS_CHAT_TEMPLATE, **small},
                    {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small},
                    {"served_model_name": "tiny-queue", "num_replicas": 1, "max_ongoing_requests": 1,
                     "max_queued_requests": 2, **small}],

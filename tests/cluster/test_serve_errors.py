@@ -54,7 +54,7 @@ def test_oversized_body_is_413_before_parsing(http):
     ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
     ("/v1/completions", {"model": "tiny"}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, "prompt"),  # over max_model_len 512
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 1200}, "prompt"),  # over max_model_len 1024
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "no role"}]}, "messages"),

@@ -119,6 +119,36 @@ def test_echo_and_token_prompts(client, tiny_tokenizer):
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, tiny_model_dir):
+    """lm-eval's loglikelihood request: the echoed prompt's tokens with their logprobs (the first None), then the
+    completion's; streamed, the same tokens and logprobs."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
+    (ref,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1,
+                                                   prompt_logprobs=1), use_tqdm=False)
+    llm.shutdown()
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1, extra_body=NO_EOS)
+    out = client.completions.create(**body)
+    lp = out.choices[0].logprobs
+    ids = ref.prompt_token_ids + ref.outputs[0].token_ids
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [entry[t] for entry, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])]
+    expected += [entry[t] for entry, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:], expected))
+    assert lp.text_offset[0] == 0 and out.choices[0].text.startswith(PROMPT)
+    streamed = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert tokens == lp.tokens and values[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(values[1:], lp.token_logprobs[1:]))
+    scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    prompt_lps = scored.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ref.prompt_token_ids)
+    first = prompt_lps[1][str(ref.prompt_token_ids[1])]
+    assert abs(first["logprob"] - ref.prompt_logprobs[1][ref.prompt_token_ids[1]]) < 1e-4
+
+
 def test_http_matches_offline_llm_greedy_tokens(client, ray_cluster, serve_url):
     from engine import LLM, SamplingParams
 
@@ -144,7 +174,7 @@ def test_tokenize_and_detokenize(http, tiny_tokenizer):
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tiny_tokenizer.encode(PROMPT) and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == 512
+    assert body["max_model_len"] == 1024
     chat = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES}).json()
     assert chat["count"] == len(tiny_tokenizer.encode(apply_chat_template(tiny_tokenizer, MESSAGES),
                                                       add_special_tokens=False))

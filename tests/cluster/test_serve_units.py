@@ -10,7 +10,8 @@ from cluster import errors
 from cluster.app import ModelArgs, parse_args
 from cluster.metrics import MetricFamily, merge_families
 from cluster.placement import ReplicaPlacement
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, completion_logprobs
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.responses import completion_logprobs
 from cluster.router import PrefixAffinity
 from engine.errors import EngineDeadError, ParamError
 from engine.request_output import TokenLogprob
@@ -119,7 +120,7 @@ def test_pydantic_errors_name_the_field():
     ({"prompt": [1, True]}, "prompt"),  # nor true a token id
     ({"prompt": "x", "n": "2"}, "n"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),  # not implemented: refused, not ignored
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
     ({"prompt": "x", "priority": 1}, "priority"),
 ])
 def test_requests_are_validated_strictly_and_completely(body, param):

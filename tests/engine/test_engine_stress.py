@@ -9,6 +9,7 @@ import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.workloads import run_workload
 
 WORDS = "the quick brown fox jumps over a lazy dog while models read prompts and write tokens".split()
 
@@ -43,24 +44,8 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
                                  max_num_batched_tokens=24, max_num_seqs=6)
     engine.executor.supports_overlap = overlap
     rng = random.Random(seed + 100)
-    pending = list(work)
-    finished, aborted = {}, set()
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):  # requests arrive while others run
-            if pending:
-                req_id, prompt, params, _ = pending.pop(0)
-                engine.add_request(req_id, prompt, params, stream=False)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        for req_id, _, _, abort in work:
-            if abort and req_id in engine.groups and rng.random() < 0.3:
-                engine.abort_request(req_id)
-                aborted.add(req_id)
-        engine.block_manager.check_integrity()
-        steps += 1
-        assert steps < 2000, "the workload did not finish"
+    finished, aborted = run_workload(engine, work, rng, abort_probability=0.3,
+                                     check=engine.block_manager.check_integrity)
     engine.step()  # the workers drop what finished last
     engine.check_integrity()
     runner = engine.executor.worker.runner

@@ -75,7 +75,8 @@ def test_streaming_outputs_carry_them_once_and_short_prompts(tiny_checkpoints):
     assert len(long) == 5 and long[0].prompt_logprobs is not None
     assert len(long[0].prompt_logprobs) == len(engine.tokenizer.encode(PARITY_PROMPTS[3]))
     assert all(out.prompt_logprobs is None for out in long[1:])
-    assert outputs["one"][0].prompt_logprobs == [None]  # a one-token prompt: nothing to score
+    (first,) = outputs["one"][0].prompt_logprobs  # a one-token prompt: nothing to score
+    assert (first.token_id, first.logprob, first.top) == (7, None, [])
     engine.check_integrity()
 
 

@@ -1,0 +1,196 @@
+"""`StructuredOutputsParams`: a constraint on a request's output (vLLM's offline API), validated into an xgrammar
+`Grammar` without the tokenizer, so that the HTTP edge can answer 400 before anything reaches the engine.
+
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", ...}))
+    kinds: json (a JSON schema, dict or string) | json_object | regex | choice (list of strings) | grammar (EBNF)
+
+JSON is compact by default: no whitespace between tokens (`{"a":1,"b":[2,3]}`), so a model that was never trained
+on the schema still reaches its end in a bounded number of tokens; `any_whitespace=True` allows free whitespace
+(it is vLLM's `disable_any_whitespace`, inverted). The tokenizer-dependent compilation is engine/grammar.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json as jsonlib
+import re
+from dataclasses import dataclass, field
+
+from engine.errors import ParamError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_COMPACT_SEPARATORS = (",", ":")
+_GRAMMAR_CACHE_SIZE = 256
+# xgrammar prefixes its messages with a timestamp and a C++ source location: "[11:30:36] /project/cpp/x.cc:94: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of the kinds. Raises ParamError (a ValueError) naming the field ("structured_outputs.regex ...")."""
+
+    json: str | dict | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None  # the output is one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF), rule `root`
+    json_object: bool = False  # any JSON object
+    any_whitespace: bool = False  # json / json_object: allow whitespace between tokens
+    key: tuple = field(default=(), init=False, repr=False, compare=False)  # (kind, canonical text, whitespace)
+
+    def __post_init__(self):
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ParamError("structured_outputs", f"must set exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(kinds) or 'none'}")
+        kind = kinds[0]
+        if self.any_whitespace and kind not in ("json", "json_object"):
+            raise ParamError("structured_outputs.any_whitespace", f"applies to json and json_object, not {kind}")
+        if kind == "choice":
+            object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, list) else self.choice)
+        object.__setattr__(self, "key", (kind, _canonical_text(self, kind), bool(self.any_whitespace)))
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return self.key[0]
+
+    def validate(self) -> None:
+        """Builds (once, cached) the grammar: a bad schema, regex or grammar raises ParamError here."""
+        grammar_for(self)
+
+    @classmethod
+    def from_value(cls, value) -> StructuredOutputsParams:
+        """A StructuredOutputsParams, or a dict of its fields (as the HTTP layer has it)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(KINDS) - {"any_whitespace"})
+            if unknown:
+                raise ParamError("structured_outputs", f"has unknown fields {unknown}")
+            return cls(**value)
+        raise ParamError("structured_outputs",
+                         f"must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+
+
+def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
+    """The constraint as one string (the cache key). A schema is re-serialized with its keys in their order: the order
+    of `properties` is the order in which the output writes them."""
+    value = getattr(params, kind)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = jsonlib.loads(value)
+            except ValueError as e:
+                raise ParamError("structured_outputs.json", f"is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ParamError("structured_outputs.json", f"must be a JSON schema object, got {type(value).__name__}")
+        try:
+            return jsonlib.dumps(value, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ParamError("structured_outputs.json", f"is not JSON-serializable: {e}") from None
+    if kind == "choice":
+        if not isinstance(value, tuple) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        return jsonlib.dumps(list(value), ensure_ascii=False)
+    if kind == "json_object":
+        if value is not True:
+            raise ParamError("structured_outputs.json_object", f"must be a boolean, got {value!r}")
+        return ""
+    if not isinstance(value, str) or not value:
+        raise ParamError(f"structured_outputs.{kind}", "must be a non-empty string")
+    return value
+
+
+def grammar_for(params: StructuredOutputsParams):
+    """The xgrammar `Grammar` of a constraint (tokenizer-independent; LRU-cached by the constraint's key)."""
+    return _grammar(*params.key)
+
+
+@functools.lru_cache(maxsize=_GRAMMAR_CACHE_SIZE)
+def _grammar(kind: str, text: str, any_whitespace: bool):
+    import xgrammar
+
+    if kind == "json":
+        _check_schema_support(jsonlib.loads(text))
+    try:
+        if kind == "json":
+            return _fix_json_strings(xgrammar.Grammar.from_json_schema(text, **_json_options(any_whitespace)))
+        if kind == "json_object":  # strict_mode off: any properties (on, {"type": "object"} would allow only {})
+            return _fix_json_strings(xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                                       **_json_options(any_whitespace)))
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(text)
+        if kind == "choice":
+            alternatives = " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(text))
+            return xgrammar.Grammar.from_ebnf(f"root ::= {alternatives}")
+        return xgrammar.Grammar.from_ebnf(text)
+    except Exception as e:  # xgrammar raises RuntimeError with its C++ location in front
+        raise ParamError(f"structured_outputs.{kind}", f"is invalid: {_xgrammar_message(e)}") from None
+
+
+# The characters of xgrammar 0.2's JSON strings, fixed in the grammar's text (which xgrammar reads back unchanged):
+# its length-bounded strings take control characters, which JSON forbids raw in a string (json.loads rejects them),
+# and every string takes the UTF-8 bytes of UTF-16 surrogates (ED A0..BF xx), which are not UTF-8 at all.
+_STRING_CHARACTER_FIXES = {
+    r'[^\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]',  # bounded strings
+    r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]',  # the others
+}
+
+
+def _fix_json_strings(grammar):
+    import xgrammar
+
+    text = str(grammar)
+    for old, new in _STRING_CHARACTER_FIXES.items():
+        text = text.replace(old, new)
+    return xgrammar.Grammar.from_ebnf(text)
+
+
+def _json_options(any_whitespace: bool) -> dict:
+    if any_whitespace:
+        return {"any_whitespace": True}
+    return {"any_whitespace": False, "separators": _COMPACT_SEPARATORS}
+
+
+def _xgrammar_message(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(e).__name__).strip()
+
+
+# JSON Schema keywords that xgrammar does not enforce: outputs could fail the schema, so a schema using one is an error.
+_UNSUPPORTED_KEYWORDS = ("allOf", "not", "if", "then", "else", "contains", "minContains", "maxContains",
+                         "dependentRequired", "dependentSchemas", "propertyNames", "unevaluatedProperties",
+                         "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+_SCHEMA_VALUES = ("additionalProperties", "items")  # a subschema (or a list of them: old-style tuple items)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def _check_schema_support(schema) -> None:
+    """What xgrammar would silently ignore, so that outputs could fail the schema, is an error instead."""
+    for node in _subschemas(schema):
+        for keyword in _UNSUPPORTED_KEYWORDS:
+            if keyword in node:
+                raise ParamError("structured_outputs.json", f"uses the keyword {keyword!r}, which is not supported")
+        if node.get("uniqueItems") is True:
+            raise ParamError("structured_outputs.json", "uses the keyword 'uniqueItems', which is not supported")
+        if isinstance(node.get("minProperties"), int) and node["minProperties"] > 1:  # free keys may repeat
+            raise ParamError("structured_outputs.json", "has minProperties above 1, which is not supported")
+        if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+            raise ParamError("structured_outputs.json", "has a string with both pattern and minLength/maxLength, which "
+                             "is not supported (bound the length in the pattern instead)")
+
+
+def _subschemas(node):
+    """Every (sub)schema of a schema, following only the keywords that hold subschemas."""
+    if not isinstance(node, dict):
+        return
+    yield node
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for child in node[key].values():
+                yield from _subschemas(child)
+    for key in _SCHEMA_VALUES + _SCHEMA_LISTS:
+        children = node.get(key)
+        for child in children if isinstance(children, list) else [children]:
+            yield from _subschemas(child)

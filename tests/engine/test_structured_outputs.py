@@ -1,0 +1,256 @@
+"""Structured outputs end to end on the built-in tiny model (random weights): whatever the model prefers, every
+constrained output is complete and valid (jsonschema, re, Python's parser), with preemption, chunked prefill, n > 1,
+aborts, streaming, overlapped (deferred sampling) and synchronous steps; bad constraints are errors naming the field.
+"""
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import ParamError
+from engine.llm_engine import LLMEngine
+from engine.structured_outputs import StructuredOutputsParams
+from tests.structured_cases import CHOICES, SCHEMAS, cases, check_output
+from tests.workloads import run_workload
+
+MAX_TOKENS = 120  # every case ends well before (about 50 tokens at most with these weights)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=64)
+    yield llm
+    llm.engine.check_integrity()
+    llm.shutdown()
+
+
+def constrained(case: StructuredOutputsParams, seed: int | None = None, **kwargs) -> SamplingParams:
+    """Greedy without a seed, else sampled at temperature 1 with it."""
+    return SamplingParams(**{"temperature": 0.0 if seed is None else 1.0, "seed": seed, "max_tokens": MAX_TOKENS,
+                             "structured_outputs": case, **kwargs})
+
+
+def by_index(delta) -> list[tuple[int, list[int]]]:
+    return sorted((seq.index, seq.token_ids) for seq in delta.seqs)
+
+
+def assert_complete_and_valid(case: StructuredOutputsParams, completion) -> None:
+    assert completion.finish_reason == "stop", (completion.text, completion.finish_reason)
+    check_output(case, completion.text)
+
+
+def test_every_kind_gives_valid_outputs_sampled_and_greedy(llm):
+    names, params = [], []
+    for name, case in cases().items():
+        for seed in [None, 0, 1, 2]:
+            names.append(name)
+            params.append(constrained(case, seed, n=2 if seed == 2 else 1))
+    outs = llm.generate(["Hello"] * len(params), params, use_tqdm=False)
+    for name, p, out in zip(names, params, outs):
+        for completion in out.outputs:
+            assert_complete_and_valid(p.structured_outputs, completion)
+    texts = [c.text for out in outs[4 * list(cases()).index("choice"):][:4] for c in out.outputs]
+    assert len(set(texts)) > 1 and set(texts) <= set(CHOICES)
+    assert llm.engine.structured.stats.num_compiles <= len(cases())  # one compilation per constraint
+    llm.engine.check_integrity()
+
+
+def test_json_object_and_free_whitespace(llm):
+    obj = StructuredOutputsParams(json_object=True)
+    outs = llm.generate(["Hello"] * 4, [constrained(obj, seed, max_tokens=400) for seed in range(4)], use_tqdm=False)
+    finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert finished  # unbounded strings: most of these random-weight objects run to the length limit
+    for completion in finished:
+        assert isinstance(json.loads(completion.text), dict)
+    spaced = StructuredOutputsParams(json=SCHEMAS["person"], any_whitespace=True)
+    outs = llm.generate(["Hello"] * 6, [constrained(spaced, seed) for seed in range(6)], use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS["person"])
+    assert any(re.search(r"[ \n\t]", re.sub(r'"(?:[^"\\]|\\.)*"', "", t)) for t in texts)  # whitespace allowed
+
+
+def test_overlapped_steps_sample_what_synchronous_steps_sample(tiny_model_dir, llm):
+    """Deferred sampling (the in-process default: the forward runs, the bitmask follows) and the bitmask inside
+    the step (synchronous steps, as with tp > 1) give the same tokens; unconstrained requests in the same batch get
+    the tokens they get alone."""
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [constrained(case, seed) for case in cases().values() for seed in (None, 5)] + [plain] * 2
+    prompts = ["Hello", "The quick brown fox"] * (len(params) // 2)
+    assert llm.engine.executor.supports_deferred_sampling
+    overlapped = llm.generate(prompts, params, use_tqdm=False)
+    alone = llm.generate(prompts[-2:], plain, use_tqdm=False)
+    sync = LLM(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=64)
+    sync.engine.executor.supports_overlap = False
+    synchronous = sync.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(overlapped, synchronous):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in overlapped[-2:]] == [o.outputs[0].token_ids for o in alone]
+    assert sync.engine.structured.stats.num_fills > 0
+    sync.engine.check_integrity()
+    sync.shutdown()
+
+
+def test_length_limit_ignore_eos_and_stop_strings(llm):
+    person = StructuredOutputsParams(json=SCHEMAS["person"])
+    cut = llm.generate(["Hello"], constrained(person, 0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 4  # a truncated JSON, as OpenAI reports it
+    with pytest.raises(ValueError):
+        json.loads(cut.text)
+    # The grammar ends the request even when eos may not (nothing but a stop token could follow).
+    full = llm.generate(["Hello"], constrained(person, 0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert_complete_and_valid(person, full)
+    assert full.token_ids[-1] not in llm.engine.eos_token_ids
+    with_eos = llm.generate(["Hello"], constrained(person, 0), use_tqdm=False)[0].outputs[0]
+    assert with_eos.text == full.text
+    stopped = llm.generate(["Hello"], constrained(person, 0, stop=['"age"']), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == '"age"'
+    assert full.text.startswith(stopped.text) and len(stopped.text) < len(full.text)
+    llm.engine.check_integrity()  # every matcher released (length, stop, stop string)
+
+
+def test_streamed_deltas_add_up_to_valid_outputs(tiny_model_dir):
+    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512)
+    texts: dict[str, list[str]] = {}
+    finals = {}
+    all_cases = cases()
+    for name, case in all_cases.items():
+        engine.add_request(name, "Hello", constrained(case, 3, n=2))
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for seq in delta.seqs:
+                texts.setdefault(f"{delta.request_id}/{seq.index}", []).append(seq.text)
+                finals[f"{delta.request_id}/{seq.index}"] = seq.finish_reason
+    assert len(texts) == 2 * len(all_cases)
+    assert max(len(parts) for parts in texts.values()) > 5  # streamed: many deltas per sequence
+    for key, parts in texts.items():
+        assert finals[key] == "stop"
+        check_output(all_cases[key.split("/")[0]], "".join(parts))
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_dir):
+    """A pool too small for the batch (preemption, recompute), 6-token steps (chunked prefill), n > 1, aborts, new
+    requests while others run: every finished output is valid, each seeded one is what the request gets alone, and
+    no matcher outlives its request."""
+    all_cases = list(cases().items())
+    rng = random.Random(0)
+    work = []
+    for i in range(24):
+        name, case = rng.choice(all_cases)
+        prompt = " ".join(rng.choices("the quick brown fox jumps over a lazy dog".split(), k=rng.randint(1, 12)))
+        work.append((f"r{i}-{name}", prompt, constrained(case, i, n=rng.choice([1, 1, 2])), rng.random() < 0.15))
+    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24,
+                                 max_num_batched_tokens=6, max_num_seqs=8)
+    for name, case in all_cases:  # compiled before the workload: when requests start no longer depends on timing
+        engine.add_request(f"warm-{name}", "Hello", constrained(case, 0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    finished, aborted = run_workload(engine, work, rng, abort_probability=0.2, check=engine.check_integrity)
+    assert engine.scheduler.num_preemptions > 0
+    assert set(finished) | aborted == {w[0] for w in work}
+    roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
+    for req_id, prompt, params, _ in work:
+        if req_id in aborted:
+            continue
+        for seq in finished[req_id].seqs:
+            assert_complete_and_valid(params.structured_outputs, seq)
+        roomy.add_request(req_id, prompt, params, stream=False)
+        while roomy.has_unfinished_requests():
+            for delta in roomy.step():
+                if delta.finished:  # not streamed: the one delta holds each sequence's whole output
+                    assert by_index(delta) == by_index(finished[req_id])
+    engine.shutdown()
+    roomy.shutdown()
+
+
+def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
+    from workers.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(str(tmp_path / "wide"), config_overrides={"vocab_size": 1100})  # tokenizer: 1000
+    engine = LLMEngine.from_args(model=model_dir, device="cpu", num_kv_blocks=64)
+    tokenizer_size = len(engine.tokenizer)
+    assert engine.vocab_size == 1100 > tokenizer_size
+    case = StructuredOutputsParams(json_object=True)
+    engine.add_request("a", "Hello", constrained(case, 0, max_tokens=30))
+    engine.structured.poll()
+    engine.structured.wait_for_compile(timeout_s=60)
+    engine.structured.poll()
+    bitmask = engine.structured.fill_bitmask(["a"], engine.scheduler.requests).bitmask
+    assert bitmask.shape == (1, -(-tokenizer_size // 32))  # the tokenizer's width: the kernel disallows the rest
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
+    assert bits.any() and not bits[tokenizer_size:].any()
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            assert all(t < tokenizer_size for seq in delta.seqs for t in seq.token_ids)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("value, message", [
+    (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
+    (dict(json=[1, 2]), "structured_outputs.json must be a JSON schema object"),
+    (dict(json={"type": "strin"}), "structured_outputs.json is invalid: Unsupported type"),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 3}), "structured_outputs.json is invalid"),
+    (dict(json={"allOf": [{"type": "integer"}]}), "structured_outputs.json uses the keyword 'allOf', which is not"),
+    (dict(json={"type": "object", "properties": {"s": {"type": "string", "pattern": "a+", "maxLength": 3}}}),
+     "structured_outputs.json has a string with both pattern"),
+    (dict(regex="a(b"), "structured_outputs.regex is invalid: Regex parsing error"),
+    (dict(regex=""), "structured_outputs.regex must be a non-empty string"),
+    (dict(grammar="root ::= foo"), "structured_outputs.grammar is invalid: EBNF parser error"),
+    (dict(choice=[]), "structured_outputs.choice must be a non-empty list"),
+    (dict(choice=["a", ""]), "structured_outputs.choice must be a non-empty list of non-empty strings"),
+    (dict(json_object=True, regex="a"), "structured_outputs must set exactly one of"),
+    (dict(), "structured_outputs must set exactly one of"),
+    (dict(regex="a", any_whitespace=True), "structured_outputs.any_whitespace applies to json"),
+    (dict(jsn={}), "structured_outputs has unknown fields"),
+])
+def test_bad_constraints_are_errors_naming_the_field(value, message):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(structured_outputs=value)
+    assert str(e.value).startswith(message), str(e.value)
+    assert message.startswith(e.value.param)  # the field the HTTP edge reports
+
+
+def test_the_real_model_answers_in_the_schema(real_llm):
+    """SmolLM2-135M-Instruct, greedy: the constraint keeps it to compact JSON of the schema, and it still knows."""
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
+                                               "capital": {"type": "string", "maxLength": 30}},
+              "required": ["country", "capital"]}
+    question = [{"role": "user", "content": "What is the capital of France? Reply with a JSON object with the keys "
+                                            "country and capital."}]
+    out = real_llm.chat(question, constrained(StructuredOutputsParams(json=schema), max_tokens=60),
+                        use_tqdm=False)[0].outputs[0]
+    assert_complete_and_valid(StructuredOutputsParams(json=schema), out)
+    assert json.loads(out.text)["capital"] == "Paris"
+    real_llm.engine.check_integrity()
+
+
+def test_a_bad_request_leaves_the_engine_serving(llm):
+    with pytest.raises(ValueError, match="^structured_outputs.regex"):
+        llm.generate(["Hello"], SamplingParams(structured_outputs={"regex": "(("}), use_tqdm=False)
+    case = StructuredOutputsParams(choice=CHOICES)
+    assert llm.generate(["Hello"], constrained(case), use_tqdm=False)[0].outputs[0].text in CHOICES
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir):
+    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
+    # Fault injection (nothing valid fails xgrammar's compiler): a tokenizer that xgrammar cannot read makes the
+    # compiler's construction, in the compile thread, raise.
+    engine.structured.tokenizer = object()
+    engine.add_request("bad", "Hello", constrained(StructuredOutputsParams(regex="[ab]+")))
+    engine.add_request("plain", "Hello", SamplingParams(max_tokens=5))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
+    assert finals["bad"].error.startswith("structured_outputs: the grammar did not compile")
+    assert finals["bad"].seqs[0].finish_reason == "error"
+    assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
+    engine.check_integrity()
+    engine.shutdown()
