@@ -30,10 +30,17 @@ def test_gpu_fp8_float32_matches_the_oracle(tiny_checkpoints, enforce_eager):
     llm.shutdown()
 
 
-def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "mistral-window-8", "qwen3", "phi3", "mixtral"])
+def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_path, monkeypatch, arch):
     """bf16, chunked prefill and preemption: the Triton paths and the torch references (PAGODA_KERNELS=ref) pick
-    the same tokens nearly everywhere (bf16 rounding may flip a near tie)."""
-    model_dir = tiny_checkpoints["llama"]
+    the same tokens nearly everywhere (bf16 rounding may flip a near tie). Every family's FP8 linears; a window
+    of 8 over the e4m3 pool (the windowed decode and prefill kernels with KV scales); Mixtral's bf16 experts."""
+    if arch == "mistral-window-8":
+        from workers.tiny_model import make_tiny_model
+
+        model_dir = make_tiny_model(str(tmp_path / arch), arch="mistral", seed=2, config_overrides={"sliding_window": 8})
+    else:
+        model_dir = tiny_checkpoints[arch]
     kwargs = dict(model=model_dir, dtype="bfloat16", device="cuda", quantization="fp8", kv_cache_dtype="fp8",
                   num_kv_blocks=12, block_size=4, max_num_batched_tokens=16)
     llm = LLM(**kwargs)
