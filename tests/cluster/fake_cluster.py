@@ -111,30 +111,44 @@ class FakeCluster:
             return ""
 
     def processes(self) -> set[int]:
-        """Every live process of this cluster: all of them run below the head's `ray start`."""
-        return alive(descendants(self.proc.pid)) if self.proc is not None else set()
-
-    def node_processes(self, node_id: str) -> set[int]:
-        return {pid for pid in self.processes() if environ(pid).get(NODE_ID_VAR) == node_id}
+        return cluster_processes(self.proc.pid) if self.proc is not None else set()
 
     def kill_node(self, node_id: str) -> int:
-        """Kills every process of one worker node at once, as a machine that goes away; returns how many."""
-        return len(_kill_frozen(lambda: self.node_processes(node_id)))
+        return kill_node(self.proc.pid, node_id)
 
     def stop(self) -> None:
         if self.proc is not None:
-            _kill_frozen(lambda: self.processes() | alive({self.proc.pid}))
+            kill_frozen(_freeze(lambda: self.processes() | alive({self.proc.pid})))
             self.proc.wait(timeout=30)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def _kill_frozen(find) -> set[int]:
-    """SIGSTOP what `find()` returns until it finds nothing new (a stopped process cannot start another, so no
-    child escapes as an orphan), then SIGKILL all of it."""
+def cluster_processes(head_pid: int) -> set[int]:
+    """Every live process of the cluster whose head `ray start` is head_pid: all of them run below it."""
+    return alive(descendants(head_pid))
+
+
+def freeze_node(head_pid: int, node_id: str) -> set[int]:
+    """Stops (SIGSTOP) every process of one worker node: a machine that stops answering, its connections open."""
+    return _freeze(lambda: {pid for pid in cluster_processes(head_pid) if environ(pid).get(NODE_ID_VAR) == node_id})
+
+
+def kill_node(head_pid: int, node_id: str) -> int:
+    """Kills every process of one worker node at once; returns how many."""
+    return len(kill_frozen(freeze_node(head_pid, node_id)))
+
+
+def _freeze(find) -> set[int]:
+    """SIGSTOP what `find()` returns until it finds nothing new: a stopped process cannot start another, so no
+    child escapes as an orphan."""
     frozen: set[int] = set()
     while new := find() - frozen:
         kill(new, signal.SIGSTOP)
         frozen |= new
+    return frozen
+
+
+def kill_frozen(frozen: set[int]) -> set[int]:
     kill(frozen, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while alive(frozen) and time.monotonic() < deadline:
