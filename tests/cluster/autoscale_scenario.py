@@ -29,7 +29,7 @@ import httpx
 APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
-LONG_MAX_TOKENS = 400
+LONG_MAX_TOKENS = 1800  # long enough to be in flight when a replica starts to drain
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Scenario:
         self.url = f"http://127.0.0.1:{port}"
         self.mark("serve_started")
         app = build_app({
-            "models": [{"served_model_name": "tiny", "max_model_len": 512, "num_kv_blocks": 512, "max_num_seqs": 4,
+            "models": [{"served_model_name": "tiny", "max_model_len": 2048, "num_kv_blocks": 2048, "max_num_seqs": 4,
                         "replica_num_cpus": 1, "replica_resources": {"model_slot": 1},
                         "health_check_period_s": 2, "graceful_shutdown_timeout_s": 60,
                         "autoscaling_config": {"min_replicas": 1, "max_replicas": MAX_REPLICAS,
@@ -228,12 +228,14 @@ class Scenario:
         self.kill_a_node()
         self.phase = "down"
         stop.set()
-        long_stop, long_load = self.start_load(4, LONG_MAX_TOKENS)  # streams in flight while a replica drains
+        load.join(timeout=max(1.0, self.deadline - time.monotonic()))
+        self.mark("load stopped")
+        # Long streams, two a replica (the router takes the less loaded), in flight while a replica drains.
+        long_stop, long_load = self.start_load(2 * MAX_REPLICAS, LONG_MAX_TOKENS)
         self.wait("scaled down to 1 replica", lambda: len(self.report.ticks[-1].replicas) == 1 == self.running())
         self.wait("idle nodes removed", lambda: len(self.report.ticks[-1].model_nodes) == 1)
         long_stop.set()
-        for thread in (load, long_load):
-            thread.join(timeout=max(1.0, self.deadline - time.monotonic()))
+        long_load.join(timeout=max(1.0, self.deadline - time.monotonic()))
         self.mark("load finished")
         self._stop_monitor.set()
         return self.report
