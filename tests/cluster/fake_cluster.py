@@ -3,7 +3,9 @@
 
     FakeCluster.start()   `ray start --head --block` (own GCS port, own short temp dir, RAY_FAKE_CLUSTER=1)
         head: GCS, raylet, the autoscaler (monitor) ──launches/terminates──► worker nodes: raylet + workers
-    FakeCluster.kill_node(node_id)   every process of that node (found by RAY_OVERRIDE_NODE_ID_FOR_TESTING)
+    freeze_node(head_pid, node_id)   SIGSTOP every process of a node (its raylet and workers carry
+                                     RAY_OVERRIDE_NODE_ID_FOR_TESTING; its agents run below its raylet): a host
+                                     that stops answering; kill_frozen() then ends them (kill_node: both at once)
     FakeCluster.stop()    every process below the head's `ray start`, and the temp dir
 
 Not `ray.cluster_utils.AutoscalingCluster`: it runs `ray stop --force`, which kills every Ray process on the
@@ -130,7 +132,11 @@ def cluster_processes(head_pid: int) -> set[int]:
 
 def freeze_node(head_pid: int, node_id: str) -> set[int]:
     """Stops (SIGSTOP) every process of one worker node: a machine that stops answering, its connections open."""
-    return _freeze(lambda: {pid for pid in cluster_processes(head_pid) if environ(pid).get(NODE_ID_VAR) == node_id})
+    def find() -> set[int]:  # the node's raylet and workers carry its id; its agents run below its raylet
+        own = {pid for pid in cluster_processes(head_pid) if environ(pid).get(NODE_ID_VAR) == node_id}
+        return own.union(*(descendants(pid) for pid in own))
+
+    return _freeze(find)
 
 
 def kill_node(head_pid: int, node_id: str) -> int:
