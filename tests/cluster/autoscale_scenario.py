@@ -135,7 +135,8 @@ class Scenario:
             except Exception as e:  # noqa: BLE001 - the controller may be busy: the next tick tries again
                 print(f"monitor: {e}", file=sys.stderr)
                 continue
-            replicas = {r["replica_id"].rsplit("#", 1)[-1]: [_name(r["state"]), r.get("node_id") or ""] for r in deployment["replicas"]}
+            replicas = {r["replica_id"].rsplit("#", 1)[-1]: [_name(r["state"]), r.get("node_id") or ""]
+                        for r in deployment["replicas"]}
             prefix = f"EngineCore:{APP}#{DEPLOYMENT}#"
             engines = {a["Name"][len(prefix):]: a["Address"]["NodeID"] for a in actors
                        if (a.get("Name") or "").startswith(prefix)}
@@ -243,21 +244,23 @@ class Scenario:
     def kill_a_node(self) -> None:
         """The node of the replica with the most requests in flight stops answering once that replica has some
         queued (no token yet) and some streaming; once the cluster has noticed, its processes are killed."""
-        from tests.cluster.fake_cluster import freeze_node, kill_frozen
+        from tests.cluster.fake_cluster import freeze_node, kill_frozen, node_processes
+
+        known = {tag: node_processes(self.head_pid, node) for tag, (_, node) in self.report.ticks[-1].replicas.items()}
 
         def victim() -> str | None:
             by_replica: dict[str, list[Record]] = {}
             for r in self.in_flight():
                 by_replica.setdefault(r.replica, []).append(r)
             for replica, records in sorted(by_replica.items(), key=lambda kv: -len(kv[1])):
-                if any(r.tokens == 0 for r in records) and any(r.tokens > 0 for r in records):
+                if sum(r.tokens == 0 for r in records) >= 2 and any(r.tokens > 0 for r in records):
                     return replica
             return None
 
         self.wait("a replica with requests queued and streaming", lambda: victim() is not None)
         replica = victim()
         node = self.report.ticks[-1].replicas[replica][1]
-        frozen = freeze_node(self.head_pid, node)
+        frozen = freeze_node(self.head_pid, node, known.get(replica, set()))
         self.mark(f"froze node {node[-5:]} of replica {replica}")
         killed = self.report.killed
         in_flight = [r for r in self.in_flight() if r.replica == replica]  # nothing more comes from the node
