@@ -14,14 +14,17 @@ tokenizer while that actor loads the model; then one request runs to its first t
     replica_other     the rest of the replica's start-up (its own tokenizer, once the engine is ready)
     first_token       a 16-token prompt -> its first token
 
-A second run (--repeat 2) finds what the first left behind: Triton's kernel cache on disk, the weights in the
-page cache, Ray's worker processes already on the node's disk.
+A second run (--repeat 2) finds what the first left behind: Triton's kernels compiled on disk (--kernel-cache
+fresh starts from an empty cache, as a new pod does), the weights in the page cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
+from dataclasses import replace
 
 from benchmarks.common import device_name, print_table, write_json
 
@@ -31,6 +34,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     add_engine_args(parser)
     parser.add_argument("--repeat", type=int, default=1, help="start this many replicas, one after another")
+    parser.add_argument("--kernel-cache", default=None,
+                        help="TRITON_CACHE_DIR for the cluster this starts ('fresh': a new empty one, as on a new "
+                             "pod; run 2 then shows what a cache kept across replicas and restarts saves)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -99,11 +105,12 @@ def main(args: argparse.Namespace) -> dict:
     from cluster.ray_utils import ensure_ray_initialized, resolve_cluster_device
     from engine.arg_utils import engine_args
 
+    if args.kernel_cache:  # read by every Ray process when the cluster starts (joining one: its own setting)
+        os.environ["TRITON_CACHE_DIR"] = (tempfile.mkdtemp(prefix="pagoda-triton-") if args.kernel_cache == "fresh"
+                                          else args.kernel_cache)
     ensure_ray_initialized(num_cpus_needed=args.tensor_parallel_size + 1)
     base = engine_args(args)
     device = resolve_cluster_device(base.device)
-    from dataclasses import replace
-
     engine = replace(base, device=device)
     placement = ReplicaPlacement(engine.tensor_parallel_size, device, num_cpus=1.0, engine_process=True)
     runs = [start_once(engine, placement) for _ in range(args.repeat)]
@@ -114,6 +121,7 @@ def main(args: argparse.Namespace) -> dict:
     print_table(rows, ["phase", *(f"run {i + 1} s" for i in range(len(runs)))])
     result = {"benchmark": "cold-start", "device": device_name(), "model": args.preset or args.model or "tiny",
               "load_format": engine.load_format, "tensor_parallel_size": engine.tensor_parallel_size,
-              "enforce_eager": engine.enforce_eager, "runs": runs}
+              "enforce_eager": engine.enforce_eager, "kernel_cache": os.environ.get("TRITON_CACHE_DIR"),
+              "runs": runs}
     write_json(args.output_json, result)
     return result

@@ -1,6 +1,6 @@
 """Where an engine's start-up goes: seconds per phase, recorded where each phase runs, reported in `EngineInfo`.
 
-    replica placed ─► engine actor's process starts ─► process (Ray worker boot, the actor class's imports)
+    replica placed ─► the engine actor's process starts ─► process (Ray's worker boot, the actor's imports)
       ─► tokenizer ─► imports (torch, kernels) ─► device ─► weights ─► kv_profile ─► kv_alloc ─► cuda_graphs
       ─► warm_up ─► ready (scheduler, block manager) ─► first request
 

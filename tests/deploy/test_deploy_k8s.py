@@ -263,3 +263,18 @@ def test_schema_check_rejects_resources_as_a_mapping(repo, kuberay_schemas):
     doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["resources"] = {"model_slot": 1}
     errors = _errors(kuberay_schemas, doc)
     assert any("rayStartParams/resources" in "/".join(map(str, e.absolute_path)) for e in errors), _describe(errors)
+
+
+@pytest.mark.parametrize("manifest", sorted(SERVE_FILES))
+def test_gpu_pods_share_the_kernel_cache(repo, manifest):
+    """TRITON_CACHE_DIR lies on the read-write kernel-cache claim: kernels compiled once serve every replica."""
+    claim = yaml.safe_load((repo / "k8s" / "kernel-cache-pvc.yaml").read_text())
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    (group,) = _rayservice(repo, manifest)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = group["template"]["spec"]
+    container = spec["containers"][0]
+    cache_dir = {e["name"]: e["value"] for e in container["env"]}["TRITON_CACHE_DIR"]
+    (mount,) = [m for m in container["volumeMounts"] if cache_dir.startswith(m["mountPath"] + "/")]
+    assert not mount.get("readOnly")
+    volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
