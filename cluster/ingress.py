@@ -84,10 +84,10 @@ class _Run:
                         yield delta
                 return
             except Exception as e:
-                if produced and _is_replica_loss(e):  # the client has part of it: no retry can continue it
+                if produced and _is_actor_loss(e):  # the client has part of it: no retry can continue it
                     raise errors.ServiceUnavailableError("the replica serving this request was lost after it had "
                                                          "produced output; send the request again") from e
-                if self.restart is None or not _is_replica_loss(e):
+                if produced or self.restart is None or not _is_replica_loss(e):
                     raise
                 logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
                                self.request_id, type(e).__name__)
@@ -141,11 +141,16 @@ class _Run:
 
 def _is_replica_loss(e: BaseException) -> bool:
     """The replica (or its engine) went away: the request itself is not at fault."""
+    cause = errors.unwrap(e)
+    return _is_actor_loss(e) or (
+        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
+
+
+def _is_actor_loss(e: BaseException) -> bool:
+    """The replica's actor itself is gone (its process or its node), as Ray reports it."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    cause = errors.unwrap(e)
-    return isinstance(cause, (ActorDiedError, ActorUnavailableError, RayActorError)) or (
-        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
+    return isinstance(errors.unwrap(e), (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
 class _AcceptTimeout(errors.ServiceUnavailableError):
