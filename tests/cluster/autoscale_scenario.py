@@ -5,12 +5,13 @@
     deploy   the tiny model: replicas on `model` nodes ({model_slot: 1}), the ingress on the head ({head: 1}),
              1..MAX replicas under Pagoda's policy; the first replica makes the autoscaler add the first node
     up       streams until MAX replicas run, each on a node of its own that the autoscaler added
-    kill     every process of one replica's node while it has requests queued and streaming
-    down     the load stops, a few long streams go on: replicas drain and stop, idle nodes go
+    kill     one replica's node stops answering (SIGSTOP) while it has requests queued and streaming; once the
+             cluster has declared it dead its processes are killed, and its replica is replaced on a new node
+    down     the load stops, two long streams a replica go on: a replica drains and stops, the idle node goes
 
 A monitor thread records, every tick: replicas by state, the model nodes alive, where every engine actor runs
 against its replica. Every HTTP request is recorded (replica, tokens received, how it ended). The test
-(test_autoscale_fake_cluster.py) asserts on the report; run alone, this prints it for a person to read.
+(test_autoscale_fake_cluster.py) asserts on the report; PAGODA_AUTOSCALE_REPORT=path keeps it for a person.
 """
 
 from __future__ import annotations
