@@ -30,7 +30,7 @@ import httpx
 APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
-LONG_MAX_TOKENS = 1800  # long enough to be in flight when a replica starts to drain
+LONG_MAX_TOKENS = 400  # streams back to back, two a replica: one is in flight when a replica starts to drain
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Scenario:
         app = build_app({
             "models": [{"served_model_name": "tiny", "max_model_len": 2048, "num_kv_blocks": 2048, "max_num_seqs": 4,
                         "replica_num_cpus": 1, "replica_resources": {"model_slot": 1},
-                        "health_check_period_s": 2, "graceful_shutdown_timeout_s": 60,
+                        "health_check_period_s": 2, "graceful_shutdown_timeout_s": 300,  # drain: slow machines too
                         "autoscaling_config": {"min_replicas": 1, "max_replicas": MAX_REPLICAS,
                                                "target_ongoing_requests": 64, "policy": "pagoda",
                                                "upscale_delay_s": 1,
