@@ -7,7 +7,8 @@
     up       streams until MAX replicas run, each on a node of its own that the autoscaler added
     kill     one replica's node stops answering (SIGSTOP) while it has requests queued and streaming; once the
              cluster has declared it dead its processes are killed, and its replica is replaced on a new node
-    down     the load stops, two long streams a replica go on: a replica drains and stops, the idle node goes
+    down     the load stops, as many long streams as one replica runs go on: a replica drains and stops, the idle
+             node goes
 
 A monitor thread records, every tick: replicas by state, the model nodes alive, where every engine actor runs
 against its replica. Every HTTP request is recorded (replica, tokens received, how it ended). The test
@@ -30,7 +31,8 @@ import httpx
 APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
-LONG_MAX_TOKENS = 400  # streams back to back, two a replica: one is in flight when a replica starts to drain
+LONG_MAX_TOKENS = 400  # streams back to back: some are in flight when a replica starts to drain
+MAX_NUM_SEQS = 4  # per replica: more requests wait in its engine (the policy's waiting signal)
 
 
 @dataclass
@@ -104,8 +106,8 @@ class Scenario:
         self.url = f"http://127.0.0.1:{port}"
         self.mark("serve_started")
         app = build_app({
-            "models": [{"served_model_name": "tiny", "max_model_len": 2048, "num_kv_blocks": 2048, "max_num_seqs": 4,
-                        "replica_num_cpus": 1, "replica_resources": {"model_slot": 1},
+            "models": [{"served_model_name": "tiny", "max_model_len": 2048, "num_kv_blocks": 2048,
+                        "max_num_seqs": MAX_NUM_SEQS, "replica_num_cpus": 1, "replica_resources": {"model_slot": 1},
                         "health_check_period_s": 2, "graceful_shutdown_timeout_s": 300,  # drain: slow machines too
                         "autoscaling_config": {"min_replicas": 1, "max_replicas": MAX_REPLICAS,
                                                "target_ongoing_requests": 64, "policy": "pagoda",
@@ -158,7 +160,7 @@ class Scenario:
         self.mark(what)
 
     # ---- load ------------------------------------------------------------------------------------------------------
-    async def _one(self, client: httpx.AsyncClient, max_tokens: int) -> Record:
+    async def _one(self, client: httpx.AsyncClient, max_tokens: int, accepted: asyncio.Event) -> Record:
         record = Record(self.phase, self.now())
         self.report.records.append(record)
         words = " ".join(random.choice(["red", "blue", "green", "cat", "dog", "sun"]) for _ in range(12))
@@ -167,6 +169,7 @@ class Scenario:
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 record.status, record.replica = response.status_code, response.headers.get("x-pagoda-replica", "")
+                accepted.set()
                 if response.status_code != 200:
                     record.error = (await response.aread()).decode()[:300]
                     return record
@@ -190,16 +193,23 @@ class Scenario:
             record.error = f"{type(e).__name__}: {e}"[:300]
         finally:
             record.end = self.now()
+            accepted.set()  # a failed request does not hold the next client back
         return record
 
     async def _load(self, stop: threading.Event, streams: int, max_tokens: int) -> None:
-        async def worker():
+        """`streams` clients, each sending one stream after another. Each client's first stream waits until the
+        previous client's was accepted, so that the router sees it when it places the next."""
+        accepted = [asyncio.Event() for _ in range(streams)]
+
+        async def worker(i: int):
+            if i:
+                await accepted[i - 1].wait()
             while not stop.is_set():
-                await self._one(client, max_tokens)
+                await self._one(client, max_tokens, accepted[i])
 
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=30),
                                      limits=httpx.Limits(max_connections=streams + 8)) as client:
-            await asyncio.gather(*(worker() for _ in range(streams)))
+            await asyncio.gather(*(worker(i) for i in range(streams)))
 
     def start_load(self, streams: int, max_tokens: int) -> tuple[threading.Event, threading.Thread]:
         stop = threading.Event()
@@ -232,8 +242,9 @@ class Scenario:
         stop.set()
         load.join(timeout=max(1.0, self.deadline - time.monotonic()))
         self.mark("load stopped")
-        # Long streams, two a replica (the router takes the less loaded), in flight while a replica drains.
-        long_stop, long_load = self.start_load(2 * MAX_REPLICAS, LONG_MAX_TOKENS)
+        # Long streams in flight while a replica drains: as many as one replica runs at once (more would wait,
+        # and waiting requests ask for a replica more), spread over the replicas by the router.
+        long_stop, long_load = self.start_load(MAX_NUM_SEQS, LONG_MAX_TOKENS)
         self.wait("scaled down to 1 replica", lambda: len(self.report.ticks[-1].replicas) == 1 == self.running())
         self.wait("idle nodes removed", lambda: len(self.report.ticks[-1].model_nodes) == 1)
         long_stop.set()
