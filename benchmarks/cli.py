@@ -1,4 +1,4 @@
-"""`pagoda bench {latency,throughput,serve}` (also `python -m benchmarks ...`)."""
+"""`pagoda bench {latency,throughput,serve,sampler,kernels,quality,cold-start}` (also `python -m benchmarks ...`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "sampler": "the sampler alone: device and host time of one step for each sampling setting",
     "kernels": "Triton kernels against torch and the H200's ceilings",
     "quality": "a quantized model (--quantization, --kv-cache-dtype) against transformers, teacher-forced",
+    "cold-start": "one replica from placed to its first token, per phase (engine actor, weights, CUDA graphs...)",
 }
 
 
@@ -22,13 +23,17 @@ def add_bench_parser(sub) -> None:
         if name == "kernels":
             continue  # its own script: python -m benchmarks.kernels
         parser = bench_sub.add_parser(name, help=help_text)
-        importlib.import_module(f"benchmarks.{name}").add_args(parser)
+        importlib.import_module(_module(name)).add_args(parser)
         parser.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    importlib.import_module(f"benchmarks.{args.benchmark}").main(args)
+    importlib.import_module(_module(args.benchmark)).main(args)
     return 0
+
+
+def _module(name: str) -> str:
+    return f"benchmarks.{name.replace('-', '_')}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,9 @@ class WorkerActor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
+    def startup_phases(self) -> dict[str, float]:
+        return dict(self.worker.startup.phases)
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | StepFailure | None:
         try:
             if self.is_cuda:
@@ -209,6 +212,7 @@ class RayExecutor(Executor):
         self._dead_error: str | None = None
         self._is_shut_down = False
         self._last_contact = time.monotonic()
+        self._startup_phases: dict[str, float] = {}
         ensure_ray_initialized(num_cpus_needed=self.world_size + 1)
         try:
             caller_pg = get_current_placement_group()
@@ -224,6 +228,9 @@ class RayExecutor(Executor):
             raise
         logger.info("%d ranks on %s, %d KV blocks, step broadcast through %s", self.world_size, device,
                     self.num_kv_blocks, "a compiled graph" if self.is_compiled_graph else "actor calls")
+
+    def startup_phases(self) -> dict[str, float]:
+        return dict(self._startup_phases)
 
     @property
     def is_compiled_graph(self) -> bool:
@@ -273,6 +280,7 @@ class RayExecutor(Executor):
         if len(set(per_rank)) > 1:
             logger.info("KV blocks per rank %s: using %d on every rank", per_rank, num_blocks)
         _get_all([a.init_kv_cache.remote(num_blocks) for a in self.actors], timeout_s)
+        self._startup_phases = ray.get(self.actors[0].startup_phases.remote(), timeout=timeout_s)
         return num_blocks
 
     # ---- steps -----------------------------------------------------------------------------------------------

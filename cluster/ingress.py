@@ -56,7 +56,8 @@ class IngressConfig:
     api_key: str | None = None
     max_body_bytes: int = 10 * 1024 * 1024
     accept_timeout_s: float = 60.0  # waiting for a replica to accept a request (none ready: 503)
-    control_timeout_s: float = 10.0  # broadcasts: /health, /metrics, /debug/*
+    control_timeout_s: float = 10.0  # broadcasts: /metrics, /debug/* (a replica silent this long is left out)
+    health_timeout_s: float = 5.0  # /health: a replica that does not answer its check this long is unhealthy
     debug: bool = False  # enables /debug/integrity and /debug/fail_engine
     default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context (OpenAI's)
 
@@ -83,6 +84,9 @@ class _Run:
                         yield delta
                 return
             except Exception as e:
+                if produced and _is_actor_loss(e):  # the client has part of it: no retry can continue it
+                    raise errors.ServiceUnavailableError("the replica serving this request was lost after it had "
+                                                         "produced output; send the request again") from e
                 if produced or self.restart is None or not _is_replica_loss(e):
                     raise
                 logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
@@ -137,11 +141,16 @@ class _Run:
 
 def _is_replica_loss(e: BaseException) -> bool:
     """The replica (or its engine) went away: the request itself is not at fault."""
+    cause = errors.unwrap(e)
+    return _is_actor_loss(e) or (
+        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
+
+
+def _is_actor_loss(e: BaseException) -> bool:
+    """The replica's actor itself is gone (its process or its node), as Ray reports it."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    cause = errors.unwrap(e)
-    return isinstance(cause, (ActorDiedError, ActorUnavailableError, RayActorError)) or (
-        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
+    return isinstance(errors.unwrap(e), (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
 class _AcceptTimeout(errors.ServiceUnavailableError):
@@ -232,6 +241,19 @@ def _tool_parser(req: ChatCompletionRequest, info: dict):
     if tool_parser_for_choice(choice, auto_parser) is None:
         return None
     return lambda: tool_parser_for_choice(choice, auto_parser)
+
+
+async def _broadcast(handle, method: str, timeout_s: float) -> list:
+    """`method` on every replica: its result, or the exception it raised, or a TimeoutError for a replica that did
+    not answer within timeout_s. Serve's `results_async(timeout_s=...)` fails the whole call when one replica
+    hangs (a node that stopped answering), which made /health report the model down while others served."""
+    response = handle.broadcast(method)
+    try:  # Serve's own API has no per-replica timeout: its replica results, each awaited on its own
+        replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
+    except AttributeError:  # a Serve without that private method: the whole broadcast under one timeout
+        return await response.results_async(timeout_s=timeout_s, return_exceptions=True)
+    return list(await asyncio.gather(*(asyncio.wait_for(r.get_async(), timeout_s) for r in replica_results),
+                                     return_exceptions=True))
 
 
 @serve.deployment(name="Ingress")
@@ -339,7 +361,7 @@ class Ingress:
         try:
             models = {}
             for name in dict.fromkeys(self.models.values()):  # aliases share one deployment
-                results = await self._broadcast_handle(name, "check_health")
+                results = await _broadcast(name, "check_health", self.config.health_timeout_s)
                 healthy = sum(not isinstance(r, Exception) for r in results)
                 models[self._name_of(name)] = {"replicas": len(results), "healthy": healthy}
                 if not healthy:
@@ -494,8 +516,7 @@ class Ingress:
         return await self._broadcast_handle(self.models[name], method)
 
     async def _broadcast_handle(self, handle, method: str) -> list:
-        return await handle.broadcast(method).results_async(timeout_s=self.config.control_timeout_s,
-                                                            return_exceptions=True)
+        return await _broadcast(handle, method, self.config.control_timeout_s)
 
     def _name_of(self, handle) -> str:
         return next(name for name, h in self.models.items() if h is handle)

@@ -57,6 +57,7 @@ class ServerSettings:
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings):
+        placed = time.time()  # the replica's actor runs: its resources were granted
         self.settings = settings
         self.model_name = settings.served_model_name
         self.replica_id = _replica_tag()
@@ -75,8 +76,11 @@ class LLMServer:
         self._closed = threading.Event()
         self._metrics_thread = threading.Thread(target=self._sync_metrics_loop, name="pagoda-metrics", daemon=True)
         self._metrics_thread.start()
-        logger.info("replica %s of %s ready (max_model_len %d)", self.replica_id, self.model_name,
-                    self.engine.max_model_len)
+        self.ready_after_s = time.time() - placed
+        startup = self.engine.startup
+        logger.info("replica %s of %s ready (max_model_len %d) %.1f s after its __init__ began; engine start-up: "
+                    "%s", self.replica_id, self.model_name, self.engine.max_model_len, self.ready_after_s,
+                    startup.describe() if startup else "not reported")
 
     # ---- the request path --------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Accepted | list[RequestDelta] | ErrorInfo]:

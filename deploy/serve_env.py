@@ -31,6 +31,13 @@ HAPROXY_TIMEOUT_CLIENT = ("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", "120")
 DRAINING_PERIOD = ("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 # gRPC between deployments defaults to 4 MiB messages: a request body of up to max_body_bytes (10 MiB) must fit.
 GRPC_MESSAGE = ("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(64 << 20))
+# How soon the GCS declares a node dead (its replicas' requests are then retried or ended): a health check every
+# period, dead after `failure_threshold` failures in a row. A node whose processes died refuses at once: noticed
+# within threshold x period = 10 s (Ray's defaults: 15 s). A node that stops answering (a hung host, a network
+# partition) fails each check by timeout: noticed within threshold x (timeout + period) = 25 s (Ray's: 65 s,
+# which held a killed node's requests that long). The GCS (the head) reads them when it starts.
+NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "3000",
+                   "RAY_health_check_failure_threshold": "5"}
 
 
 def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:

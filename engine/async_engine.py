@@ -109,6 +109,7 @@ class AsyncLLMEngine:
         self.connection = connection or LocalConnection(config)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)  # while a core loads
         info = self.connection.start()
+        self.startup = info.startup  # where the engine's start-up went (engine/startup.py)
         self.max_model_len = info.max_model_len
         self.vocab_size = config.model.vocab_size
         self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,

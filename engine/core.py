@@ -26,6 +26,7 @@ from engine.errors import EngineDeadError, ParamError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.startup import StartupTimes, process_started_at
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class EngineInfo:
     max_model_len: int
     num_kv_blocks: int
     stats: EngineStats
+    startup: StartupTimes | None = None  # where this engine's start-up went (engine/startup.py)
 
 
 class EngineCore:
@@ -70,7 +72,12 @@ class EngineCore:
     queue work for the step thread or read what it published."""
 
     def __init__(self, config: EngineConfig):
+        started_at, entered = process_started_at(), time.time()
+        self.startup = StartupTimes(process_started_at=started_at)
+        if started_at is not None:  # the process's start to here: Ray's worker boot, the actor class's imports
+            self.startup.add("process", max(0.0, entered - started_at))
         self.engine = LLMEngine(config)
+        self.startup.merge(self.engine.startup)
         self._cond = threading.Condition()
         self._outbox: list[RequestDelta] = []
         self._ids_lock = threading.Lock()  # guards the two below
@@ -78,9 +85,12 @@ class EngineCore:
         self._aborted_first: OrderedDict[str, None] = OrderedDict()  # aborts that came before their add
         self.loop = EngineLoop(self.engine, self._publish)
         self.loop.start()
+        self.startup.add("ready", max(0.0, time.time() - entered - self.startup.total_s()
+                                      + self.startup.phases.get("process", 0.0)))
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.engine.max_model_len, self.engine.block_manager.num_blocks, self.loop.stats)
+        return EngineInfo(self.engine.max_model_len, self.engine.block_manager.num_blocks, self.loop.stats,
+                          self.startup)
 
     def apply(self, messages: list[AddRequest | AbortRequest]) -> None:
         """Adds and aborts, in order. An add whose abort came first is dropped (its client is gone already)."""

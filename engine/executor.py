@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 from engine.config import EngineConfig
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from engine.startup import StartupTimes
 
 
 class ExecutorError(RuntimeError):
@@ -44,6 +45,10 @@ class Executor(ABC):
         """What each rank runs on (device, all-reduce), for benchmarks and logs."""
         return []
 
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds per start-up phase of rank 0 (engine/startup.py: device, weights, kv_profile, ...)."""
+        return {}
+
     def shutdown(self) -> None:
         """Releases workers and memory. Idempotent."""
 
@@ -78,12 +83,16 @@ class StepHandle:
         return self._output
 
 
-def create_executor(config: EngineConfig) -> Executor:
-    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray)."""
+def create_executor(config: EngineConfig, startup: StartupTimes | None = None) -> Executor:
+    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray).
+    The import (torch, the kernels) is the `imports` phase of `startup`."""
+    startup = startup or StartupTimes()
     if config.parallel.tensor_parallel_size == 1 and not config.parallel.use_ray:
-        from workers.worker import InProcessExecutor
+        with startup.phase("imports"):
+            from workers.worker import InProcessExecutor
 
         return InProcessExecutor(config)
-    from cluster.actor_group import RayExecutor
+    with startup.phase("imports"):
+        from cluster.actor_group import RayExecutor
 
     return RayExecutor(config)

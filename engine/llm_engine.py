@@ -22,6 +22,7 @@ from engine.request_group import RequestGroup, TokenStrings
 from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.startup import StartupTimes
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,15 @@ class LLMEngine:
         from engine.tokenizer import load_tokenizer
 
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)
-        self.executor = executor or create_executor(config)
+        self.startup = StartupTimes()  # tokenizer, imports, then the executor's (rank 0's) phases
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)
+        start = time.perf_counter()
+        self.executor = executor or create_executor(config, self.startup)
+        self.startup.merge(StartupTimes(self.executor.startup_phases()))
+        # What the phases do not cover: starting worker processes and their rendezvous (tensor parallel).
+        self.startup.add("workers_start", max(0.0, time.perf_counter() - start - self.startup.total_s()
+                                              + self.startup.phases["tokenizer"]))
         block_size = config.cache.block_size
         num_blocks = self.executor.num_kv_blocks
         self.max_model_len = min(config.model.max_model_len, num_blocks * block_size)

@@ -2,6 +2,8 @@
 
 Lifecycle (the same in-process and inside a Ray actor):
     init_device() -> load_model() -> determine_num_blocks() -> init_kv_cache(n) -> execute_model(...) * N
+Each start-up call records its phases in `startup` (engine/startup.py): device, weights, kv_profile, kv_alloc,
+cuda_graphs, warm_up.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from engine import envs
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.startup import StartupTimes
 from workers import parallel
 from kernels.fp8 import FP8_DTYPE
 from workers.grammar_mask import warm_up_grammar_mask
@@ -41,8 +44,13 @@ class Worker:
         self.kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.model = None
         self.runner: ModelRunner | None = None
+        self.startup = StartupTimes()
 
     def init_device(self) -> None:
+        with self.startup.phase("device"):
+            self._init_device()
+
+    def _init_device(self) -> None:
         if self.device_kind == "cuda":
             index = self.device_index if self.device_index is not None else 0
             self.device = torch.device("cuda", index)
@@ -58,11 +66,14 @@ class Worker:
 
     def load_model(self) -> None:
         model_config = self.config.model
-        self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
-                                model_config.load_format, model_config.seed, model_config.max_model_len,
-                                model_config.quant_config)
+        with self.startup.phase("weights"):
+            self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
+                                    model_config.load_format, model_config.seed, model_config.max_model_len,
+                                    model_config.quant_config)
         if self.kv_dtype == FP8_DTYPE:
-            scales = calibrate_kv_scales(self.model, self.device, self.dtype, model_config.hf_config.get("bos_token_id"))
+            with self.startup.phase("kv_scales"):
+                scales = calibrate_kv_scales(self.model, self.device, self.dtype,
+                                             model_config.hf_config.get("bos_token_id"))
             logger.info("rank %d: KV cache in float8_e4m3fn, per-head scales %s .. %s (K), %s .. %s (V)", self.rank,
                         *_scale_range(k for k, _ in scales), *_scale_range(v for _, v in scales))
 
@@ -78,8 +89,9 @@ class Worker:
             return cache.num_kv_blocks
         if self.device_kind == "cpu":
             return num_blocks_cpu(cache.cpu_kv_cache_bytes, self.block_bytes)
-        self._profile_run()
-        return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes)
+        with self.startup.phase("kv_profile"):
+            self._profile_run()
+            return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes)
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
@@ -106,18 +118,21 @@ class Worker:
         torch.cuda.synchronize(self.device)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
-                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype,
-                                    self.device)
-        self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
-                                  self.config.scheduler, is_driver=self.rank == 0,
-                                  use_cuda_graphs=not self.config.parallel.enforce_eager)
+        with self.startup.phase("kv_alloc"):
+            caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
+                                        self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype,
+                                        self.device)
+        with self.startup.phase("cuda_graphs"):  # the runner captures the decode graphs as it is built
+            self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
+                                      self.config.scheduler, is_driver=self.rank == 0,
+                                      use_cuda_graphs=not self.config.parallel.enforce_eager)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if self.device_kind == "cuda":
-            self._warm_up_prefill(num_blocks)
-            if self.rank == 0:  # the rank that samples
-                warm_up_grammar_mask(self.model.vocab_size, self.device)
+            with self.startup.phase("warm_up"):
+                self._warm_up_prefill(num_blocks)
+                if self.rank == 0:  # the rank that samples
+                    warm_up_grammar_mask(self.model.vocab_size, self.device)
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_blocks: int) -> None:
@@ -198,6 +213,9 @@ class InProcessExecutor(Executor):
 
     def describe(self) -> list[dict]:
         return [self.worker.describe()]
+
+    def startup_phases(self) -> dict[str, float]:
+        return dict(self.worker.startup.phases)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -119,3 +119,17 @@ def test_bench_host_step(tmp_path):
                                      "--sampling", "greedy", "seed", "--modes", "delta"]))
     assert [(r["executor"], r["sampling"]) for r in runner["results"]] == [("runner", "greedy"), ("runner", "seed")]
     assert all(r["host_ms_per_step_p50"] > 0 for r in runner["results"])
+
+
+def test_bench_cold_start(tmp_path, ray_cluster):
+    """A replica's start-up as Serve runs it, on the session's cluster: every phase measured, twice."""
+    result = _run(tmp_path, "bench", "cold-start", "--num-kv-blocks", "64", "--repeat", "2")
+    assert len(result["runs"]) == 2
+    for run in result["runs"]:
+        phases = run["phases"]
+        assert {"replica_process", "engine_scheduled", "engine.process", "engine.tokenizer", "engine.imports",
+                "engine.weights", "engine.kv_alloc", "engine.ready", "first_token"} <= set(phases), phases
+        assert all(v >= 0 for v in phases.values())
+        assert 0 < phases["engine.weights"] and 0 < phases["first_token"]
+        # the phases account for the whole start (each is measured, not derived from the total)
+        assert sum(phases.values()) == pytest.approx(run["placed_to_first_token_s"], rel=0.1, abs=1.0)

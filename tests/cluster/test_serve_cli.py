@@ -16,48 +16,10 @@ import httpx
 import pytest
 
 from tests.ports import free_port
+from tests.procs import alive, descendants, kill, names
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def names(pids: set[int]) -> set[str]:
-    result = set()
-    for pid in pids:
-        try:
-            result.add(Path(f"/proc/{pid}/comm").read_text().strip())
-        except OSError:
-            continue
-    return result
-
-
-def alive(pids: set[int]) -> set[int]:
-    result = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            result.add(pid)
-    return result
 
 
 @pytest.mark.timeout(360)
@@ -108,9 +70,5 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        for pid in alive(tree):  # only processes this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill(alive(tree))  # only processes this test started
         shutil.rmtree(ray_tmp, ignore_errors=True)

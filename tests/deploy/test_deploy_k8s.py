@@ -232,3 +232,60 @@ def test_dashboard_configmap_is_rendered_from_the_dashboard(repo):
     configmap = yaml.safe_load(committed)
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(configmap["data"]["pagoda.json"]) == json.loads(dashboard_text)
+
+
+def _start_resources(group) -> dict:
+    """rayStartParams' resources: a JSON object inside a YAML string, as `ray start --resources` takes it."""
+    text = group["rayStartParams"].get("resources")
+    return json.loads(yaml.safe_load(text)) if text else {}
+
+
+@pytest.mark.parametrize("manifest", sorted(SERVE_FILES))
+def test_replicas_on_the_gpu_group_ingress_on_the_head(repo, manifest):
+    """What the app asks for (replica_resources, ingress_resources) is what the groups declare, so the Ray
+    autoscaler grows the GPU group for a pending replica and never puts the ingress on a GPU pod."""
+    service = _rayservice(repo, manifest)
+    cluster = service["spec"]["rayClusterConfig"]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    head = _start_resources(cluster["headGroupSpec"])
+    (group,) = cluster["workerGroupSpecs"]
+    gpu = _start_resources(group)
+    for model in args["models"]:
+        wanted = model["replica_resources"]
+        assert wanted and set(wanted) <= set(gpu) and not set(wanted) & set(head), (wanted, gpu, head)
+        assert all(gpu[k] // wanted[k] == 1 for k in wanted), "one replica per pod"
+    ingress = args["ingress_resources"]
+    assert set(ingress) <= set(head) and not set(ingress) & set(gpu)
+    assert all(args["ingress_replicas"] * ingress[k] <= head[k] for k in ingress), "every ingress replica fits"
+
+
+@pytest.mark.parametrize("manifest", sorted(SERVE_FILES))
+def test_head_bounds_the_time_to_notice_a_lost_node(repo, manifest):
+    from deploy.serve_env import NODE_HEALTH_ENV
+
+    head = _rayservice(repo, manifest)["spec"]["rayClusterConfig"]["headGroupSpec"]
+    env = {e["name"]: e["value"] for e in head["template"]["spec"]["containers"][0]["env"]}
+    assert {k: env.get(k) for k in NODE_HEALTH_ENV} == NODE_HEALTH_ENV
+
+
+def test_schema_check_rejects_resources_as_a_mapping(repo, kuberay_schemas):
+    """rayStartParams values are strings: resources written as a YAML mapping would not reach `ray start`."""
+    doc = copy.deepcopy(_rayservice(repo, "rayservice-8b.yaml"))
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["resources"] = {"model_slot": 1}
+    errors = _errors(kuberay_schemas, doc)
+    assert any("rayStartParams/resources" in "/".join(map(str, e.absolute_path)) for e in errors), _describe(errors)
+
+
+@pytest.mark.parametrize("manifest", sorted(SERVE_FILES))
+def test_gpu_pods_share_the_kernel_cache(repo, manifest):
+    """TRITON_CACHE_DIR lies on the read-write kernel-cache claim: kernels compiled once serve every replica."""
+    claim = yaml.safe_load((repo / "k8s" / "kernel-cache-pvc.yaml").read_text())
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    (group,) = _rayservice(repo, manifest)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = group["template"]["spec"]
+    container = spec["containers"][0]
+    cache_dir = {e["name"]: e["value"] for e in container["env"]}["TRITON_CACHE_DIR"]
+    (mount,) = [m for m in container["volumeMounts"] if cache_dir.startswith(m["mountPath"] + "/")]
+    assert not mount.get("readOnly")
+    volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]

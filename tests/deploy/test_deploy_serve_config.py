@@ -48,3 +48,22 @@ def test_serve_schema_check_can_fail(repo):
     config["applications"][0]["import_path"] = "build_app"
     with pytest.raises(pydantic.ValidationError, match="import path"):
         ServeDeploySchema.model_validate(config)
+
+
+@pytest.mark.parametrize("name", SERVE_FILES)
+def test_pagoda_policy_is_on_and_serves_own_one_flag_away(repo, name):
+    """The config names Pagoda's policy and its knobs; `policy: ongoing_requests` gives Serve's own policy."""
+    app = pytest.importorskip("cluster.app")
+    from cluster.autoscaling import POLICY_PATH
+
+    args = _load(repo, name)["applications"][0]["args"]
+    scaling = args["models"][0]["autoscaling_config"]
+    assert scaling["policy"] == "pagoda"
+    assert {"target_kv_cache_usage", "target_waiting_requests", "upscale_delay_s", "downscale_delay_s"} <= set(scaling)
+    config = app.parse_args(args).models[0].autoscaling_config.serve_config()
+    assert config["policy"]["policy_function"] == POLICY_PATH
+    assert config["policy"]["policy_kwargs"]["target_kv_cache_usage"] == scaling["target_kv_cache_usage"]
+    serves_own = copy.deepcopy(args)
+    serves_own["models"][0]["autoscaling_config"]["policy"] = "ongoing_requests"
+    config = app.parse_args(serves_own).models[0].autoscaling_config.serve_config()
+    assert "policy" not in config and config["upscale_delay_s"] == scaling["upscale_delay_s"]

@@ -1,0 +1,63 @@
+"""Processes of a test's own: what runs below a pid (from /proc), which are alive, what they are called, their
+environment. Tests kill only what they started (never by name, never `ray stop`)."""
+
+import os
+import signal
+from pathlib import Path
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def names(pids: set[int]) -> set[str]:
+    result = set()
+    for pid in pids:
+        try:
+            result.add(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return result
+
+
+def alive(pids: set[int]) -> set[int]:
+    result = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            result.add(pid)
+    return result
+
+
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment as it started ({} when it is gone or not readable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def kill(pids: set[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
