@@ -23,12 +23,14 @@ import torch
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FP8_DTYPE, quantize_per_token, quantize_weight
 from kernels.linear import linear_cublas, linear_triton
-from kernels.linear_fp8 import linear_fp8_ref, linear_fp8_scaled_mm, linear_fp8_triton
+from kernels.linear_fp8 import linear_fp8_ref, linear_fp8_scaled_mm, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 
 FP8_ROWS = [1, 2, 4, 8, 16]
 GEMM_ROWS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 KV_CASES = [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (256, 2048)]
+SWAP_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+                for n, w in ((64, 4), (128, 8), (128, 4)) for k in (256, 512) for st in (3, 4)]
 TUNE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
                 for n in (32, 64) for k in (256, 512, 1024) for w in (4, 8) for st in (2, 3, 4)]
 
@@ -67,7 +69,26 @@ def _check(layers, x, fns) -> float:
     return error
 
 
-def fp8_linear_case(runner, cfg: dict, rows: int, configs: dict, kernel: str = "fp8 linear"):
+def decode_impls() -> dict:
+    """linear_fp8's decode-sized choices (kernels/linear_fp8.py DECODE_IMPL) and cuBLASLt's, as (x, w, q, s, g) -> y."""
+    def quant_triton(x, w, q, s, g):
+        x_q, x_s = quantize_per_token(x)
+        return linear_fp8_triton(x_q, q, s, gated=g, x_scale=x_s)
+
+    def quant_swap(x, w, q, s, g, config=None):
+        x_q, x_s = quantize_per_token(x)
+        return linear_fp8_swap(x_q, x_s, q, s, gated=g, config=config)
+
+    impls = {"fp8 fused": lambda x, w, q, s, g: linear_fp8_triton(x, q, s, gated=g),
+             "fp8 quant+triton": quant_triton, "fp8 quant+swap": quant_swap,
+             "fp8 quant+scaled_mm": lambda x, w, q, s, g: linear_fp8_scaled_mm(x, q, s, gated=g)}
+    for c in SWAP_CONFIGS:
+        name = "fp8 swap n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c)
+        impls[name] = functools.partial(lambda x, w, q, s, g, c: quant_swap(x, w, q, s, g, c), c=c)
+    return impls
+
+
+def fp8_linear_case(runner, cfg: dict, rows: int, impls: dict, kernel: str = "fp8 linear"):
     from benchmarks.kernels import LINEAR_COPIES, llama_linears
 
     device = runner.device
@@ -76,15 +97,17 @@ def fp8_linear_case(runner, cfg: dict, rows: int, configs: dict, kernel: str = "
         layers = _layers(cfg, LINEAR_COPIES, device)
         x = {op: torch.randn(rows, cols, dtype=torch.bfloat16, device=device)
              for op, (_, cols, _) in llama_linears(cfg).items()}
-        impls = {"bf16 cuBLAS": _chain(layers, x, lambda x, w, q, s, g: linear_cublas(x, w, gated=g)),
+        timed = {"bf16 cuBLAS": _chain(layers, x, lambda x, w, q, s, g: linear_cublas(x, w, gated=g)),
                  "bf16 triton": _chain(layers, x, lambda x, w, q, s, g: linear_triton(x, w, gated=g))}
-        fns = []
-        for name, c in configs.items():
-            fn = functools.partial(lambda x, w, q, s, g, c: linear_fp8_triton(x, q, s, gated=g, config=c), c=c)
-            impls[name] = _chain(layers, x, fn)
-            fns.append(fn)
+        for name, fn in impls.items():  # each checked on its own: one wrong impl is reported, the rest timed
+            try:
+                if runner.check:
+                    print(f"{kernel:<16} rows {rows:<19} {name}: max error {_check(layers, x, [fn]):.3g}")
+                timed[name] = _chain(layers, x, fn)
+            except Exception as exc:  # noqa: BLE001
+                runner._fail(kernel, f"rows {rows}", name, exc)
         num_bytes = sum(w_q.numel() for layer in layers for _, w_q, _, _ in layer.values())
-        return impls, dict(bytes=num_bytes), lambda: _check(layers, x, fns)
+        return timed, dict(bytes=num_bytes), None
 
     runner.case(kernel, f"rows {rows}", build)
 
@@ -167,7 +190,7 @@ def bench_fp8(runner, cfg: dict):
     if not runner.use_triton:
         return  # CPU smoke: nothing here runs without a GPU (torch._scaled_mm, fp8 tensor cores)
     for rows in FP8_ROWS:
-        fp8_linear_case(runner, cfg, rows, {"fp8 triton": None})
+        fp8_linear_case(runner, cfg, rows, decode_impls())
     bench_fp8_gemm(runner, cfg)
     bench_fp8_kv_decode(runner, cfg)
 
@@ -175,5 +198,7 @@ def bench_fp8(runner, cfg: dict):
 def bench_tune_fp8(runner, cfg: dict):
     configs = {"default": None}
     configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c for c in TUNE_CONFIGS})
+    impls = {name: functools.partial(lambda x, w, q, s, g, c: linear_fp8_triton(x, q, s, gated=g, config=c), c=c)
+             for name, c in configs.items()}
     for rows in (1, 8, 16):
-        fp8_linear_case(runner, cfg, rows, configs, "tune fp8 linear")
+        fp8_linear_case(runner, cfg, rows, impls, "tune fp8 linear")

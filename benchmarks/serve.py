@@ -104,14 +104,14 @@ def run(args: argparse.Namespace) -> dict:
     delays = np.cumsum(gaps) - gaps[0]
     bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
-    start = time.perf_counter()
     if args.client == "openai":
         from benchmarks.serve_openai import run_clients
 
-        results = run_clients(args, bodies, delays)
+        results, elapsed = run_clients(args, bodies, delays)
     else:
+        start = time.perf_counter()
         results = asyncio.run(_run_aiohttp(args, headers, bodies, delays))
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)

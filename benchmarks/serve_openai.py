@@ -12,20 +12,26 @@ import time
 import numpy as np
 
 
-def run_clients(args: argparse.Namespace, bodies: list[dict], delays) -> list[dict]:
+def run_clients(args: argparse.Namespace, bodies: list[dict], delays) -> tuple[list[dict], float]:
+    """(results in the order of bodies, seconds from the common start to the last request's end). The clock starts
+    at the moment every process was told to send (not at the spawn), so process start-up is not counted."""
     k = max(args.client_processes, 1)
-    start_at = time.time() + 2.0  # every process starts its clock at the same moment, after its imports
+    start_at = time.time() + 5.0  # every process starts its clock at the same moment, after its imports
     jobs = [(args.url, args.api_key, args.timeout_s, args.max_concurrency, bodies[i::k],
              [float(d) for d in delays[i::k]], start_at) for i in range(k)]
     with multiprocessing.get_context("spawn").Pool(k) as pool:
         parts = pool.starmap(_client_process, jobs)
     results = [None] * len(bodies)
-    for i, part in enumerate(parts):
+    for i, (part, _) in enumerate(parts):
         results[i::k] = part
-    return results
+    late = max(max(started - start_at, 0.0) for _, (started, _) in parts)
+    if late > 0.5:
+        print(f"warning: a client process started sending {late:.1f} s late (its imports); counted in the time")
+    return results, max(ended for _, (_, ended) in parts) - start_at
 
 
-def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, start_at) -> list[dict]:
+def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, start_at):
+    """(results, (when it started sending, when its last request ended)), as time.time()."""
     import openai
 
     async def main():
@@ -33,8 +39,10 @@ def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, st
                                     timeout=timeout_s)
         limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         await asyncio.sleep(max(start_at - time.time(), 0))
+        started = time.time()
         try:
-            return await asyncio.gather(*(_one(client, body, delay, limit) for body, delay in zip(bodies, delays)))
+            results = await asyncio.gather(*(_one(client, body, delay, limit) for body, delay in zip(bodies, delays)))
+            return results, (started, time.time())
         finally:
             await client.close()
 

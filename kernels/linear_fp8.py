@@ -7,16 +7,21 @@
                            scale for every row (`input_scale`, from a checkpoint)
     w_scale                [N] per output row, or [ceil(N / bn), ceil(K / bk)] per block (`block_size`)
 
-One Triton kernel serves every batch size on a GPU, with two kinds of launch settings:
+On a GPU, by batch size (per-row weight scales; block-scaled checkpoints and float32 x take the Triton GEMM
+kernel at every size):
 
-    decode-sized (<= MAX_ROWS rows)   1 row tile of 16, a wide BLOCK_N per program: streams the weight bytes
-                                      (1 byte each) at the memory's speed, SiLU-and-mul fused in the epilogue
-    GEMM (more rows)                  64/128 x 128 tiles, grouped along M for L2 reuse
+    decode-sized (<= MAX_ROWS rows)   quantize_per_token, then _fp8_linear_swap_kernel: the weight tile is the MMA's
+                                      tall side (64 rows, a Hopper wgmma's height) and x's few rows its narrow one,
+                                      so x is not padded to 64 rows; streams the weight bytes, SiLU-and-mul fused
+    larger (prefill, big batches)     quantize_per_token, then cuBLASLt's `torch._scaled_mm` (rowwise scales)
 
-Its prologue finds each row's largest |x| (a pass over the row's K, from L2) and the loop quantizes x tile by tile
-in registers before an fp8 x fp8 tensor-core dot, so a dynamic activation is never written to memory in FP8.
-Above `SCALED_MM_MIN_ROWS` rows (prefill), x is quantized by one pass (`quantize_per_token`) and cuBLASLt's
-`torch._scaled_mm` (rowwise scales) does the GEMM; `python -m benchmarks.kernels --only fp8` measures both.
+The H200 measurements that chose them (benchmarks/results/h200-kernels-fp8.json, `python -m benchmarks.kernels
+--only fp8`): at 1-16 rows the swap kernel reads a Llama-3-8B layer's weights in 0.60-0.62 ms (65-67% of copy
+bandwidth) against 0.89 ms for the bf16 decode kernel and 1.14-1.24 ms for _fp8_linear_kernel quantizing x in its
+loop (its prologue re-reads x for every program; the 16-row MMA pads x); from 32 rows _scaled_mm beat the Triton
+GEMM at every size (e.g. 256 rows: 0.30 ms against 0.46 with x quantized first, 1.29 quantizing in the prologue).
+_fp8_linear_kernel stays for block scales, float32 x (its PRECISE dot) and as `DECODE_IMPL`
+"fused" / "quant".
 """
 
 import functools
@@ -50,7 +55,13 @@ from kernels.fp8 import (
 )
 
 MAX_ROWS = 16  # the decode-sized launch settings up to this many rows
-SCALED_MM_MIN_ROWS = 1024  # from here on (per-channel weights on a GPU): quantize_per_token + torch._scaled_mm
+# From here on (per-row weight scales on a GPU): quantize_per_token + torch._scaled_mm. On the H200 it beat the
+# Triton GEMM at every size measured, 32 to 8,192 rows (benchmarks/results/h200-kernels-fp8.json).
+SCALED_MM_MIN_ROWS = MAX_ROWS + 1
+# Decode-sized layers with per-row weight scales: "fused" (_fp8_linear_kernel quantizing x in its loop), "quant"
+# (quantize_per_token, then that kernel on e4m3 x), "swap" (quantize_per_token, then _fp8_linear_swap_kernel),
+# "scaled_mm" (as larger batches).
+DECODE_IMPL = "swap"  # measured on the H200: benchmarks/results/h200-kernels-fp8.json
 
 
 @triton.jit
@@ -58,12 +69,13 @@ def _fp8_linear_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
     stride_x, stride_w, stride_o, stride_ws, up_row,
     X_MODE: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, EXACT: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """X_MODE 0: x is e4m3 with scales [M]; 1: x is float, quantized per row here; 2: float, one scale [1].
     W_BLOCK_N = 0: per-row weight scales [N]; else block scales [N / W_BLOCK_N, K / W_BLOCK_K] (BLOCK_K divides
-    W_BLOCK_K, so a K tile lies in one scale block)."""
+    W_BLOCK_K, so a K tile lies in one scale block). PRECISE (the interpreter, float32 x): the FP8 values multiplied
+    in float32 (their products are exact there) rather than by Hopper's FP8 MMA, whose accumulation is imprecise."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)  # GROUP_M row tiles side by side share each weight tile in L2
@@ -103,7 +115,7 @@ def _fp8_linear_kernel(
             xv = to_e4m3(xv.to(tl.float32) * x_inv[:, None], EXACT)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-        if EXACT:  # the interpreter multiplies float32 (fp8 products are exact in float32)
+        if PRECISE:
             part = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # one K tile of imprecise Hopper fp8 accumulation, then float32 adds
             part = tl.dot(xv, tl.trans(w), max_num_imprecise_acc=BLOCK_K)
@@ -114,7 +126,7 @@ def _fp8_linear_kernel(
         if GATED:
             up_n = up_row + offs_n
             w_up = tl.load(w_ptr + up_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-            if EXACT:
+            if PRECISE:
                 part = tl.dot(xv.to(tl.float32), tl.trans(w_up.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(xv, tl.trans(w_up), max_num_imprecise_acc=BLOCK_K)
@@ -130,6 +142,47 @@ def _fp8_linear_kernel(
         if GATED:
             acc_up = acc_up * tl.load(w_scale_ptr + up_row + offs_n, mask=n_mask, other=0.0)[None, :]
     store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _fp8_linear_swap_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode-sized, x already e4m3 with row scales [M], per-row weight scales: the weight tile is the MMA's tall
+    side (BLOCK_N = 64 rows a warp group, Hopper's wgmma height) and x's few rows its narrow side (BLOCK_M = 16), so
+    x is not padded to 64 rows and both operands stay FP8 (K-major, as FP8 wgmma wants them)."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_mask = cols < K
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
+        if EXACT:
+            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(xv), max_num_imprecise_acc=BLOCK_K)
+        if GATED:
+            w_up = tl.load(w_ptr + (up_row + offs_n)[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
+            if EXACT:
+                acc_up += tl.dot(w_up.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
+            else:
+                acc_up += tl.dot(w_up, tl.trans(xv), max_num_imprecise_acc=BLOCK_K)
+    x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
+    out = tl.trans(acc) * x_scale[:, None] * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    out_up = out
+    if GATED:
+        out_up = (tl.trans(acc_up) * x_scale[:, None]
+                  * tl.load(w_scale_ptr + up_row + offs_n, mask=n_mask, other=0.0)[None, :])
+    store_output(out, out_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
 
 
 def _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale=None) -> None:
@@ -187,15 +240,16 @@ def default_config(num_rows: int, out_features: int, gated: bool, block_k: int |
 
 
 def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None,
-                      x_scale=None, config: dict | None = None):
-    """Triton launcher of `linear_fp8` (any number of rows). x_scale: x is already e4m3 with these row scales."""
+                      x_scale=None, config: dict | None = None, out_dtype=None):
+    """Triton launcher of `linear_fp8` (any number of rows). x_scale: x is already e4m3 with these row scales
+    (out_dtype: the result's, bf16 by default then)."""
     _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale)
     check_launchable(*[t for t in (x, weight, weight_scale, bias, input_scale, x_scale) if t is not None])
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     num_rows, in_features = x.shape
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-    out_dtype = torch.bfloat16 if x_scale is not None else x.dtype
+    out_dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
     out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return out
@@ -208,7 +262,8 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
         bias if bias is not None else weight_scale, out, num_rows, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0), weight_scale.stride(0), out_features,
         X_MODE=mode, W_BLOCK_N=block_size[0] if block_size else 0, W_BLOCK_K=block_size[1] if block_size else 0,
-        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), BLOCK_M=cfg["BLOCK_M"],
+        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(),
+        PRECISE=is_interpreting() or out_dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -232,10 +287,7 @@ def linear_fp8_ref(x, weight, weight_scale, bias=None, gated=False, block_size=N
 def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_scale=None):
     """`linear_fp8` for prefill-sized batches with per-row weight scales: quantize_per_token (one pass), then
     torch._scaled_mm (cuBLASLt, rowwise scales on Hopper), then silu_and_mul when gated."""
-    if input_scale is None:
-        x_q, x_scale = quantize_per_token(x)
-    else:
-        x_q, x_scale = quantize_ref(x, 1.0 / input_scale), input_scale.float().expand(x.shape[0])
+    x_q, x_scale = _quantize_input(x, input_scale)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None].contiguous(), scale_b=weight_scale[None, :],
                            out_dtype=x.dtype)
     if bias is not None:  # added here: not every cuBLASLt rowwise-scaled kernel takes a bias
@@ -243,12 +295,62 @@ def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_
     return silu_and_mul(out) if gated else out
 
 
+def swap_config(gated: bool) -> dict:
+    """Launch settings of _fp8_linear_swap_kernel: one warp group per 64 weight rows, K tiles of 512 bytes, 4
+    stages (the launcher halves the K tile where the stages do not fit: gated layers). The best of the sweep in
+    benchmarks/kernels_fp8.py (SWAP_CONFIGS) on the H200."""
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
+
+
+def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, out_dtype=torch.bfloat16,
+                    config: dict | None = None):
+    """Decode-sized (<= MAX_ROWS rows) `linear_fp8` of e4m3 x with row scales, per-row weight scales: the Triton
+    launcher of _fp8_linear_swap_kernel."""
+    _check_inputs(x_q, weight, weight_scale, bias, gated, None, None, x_scale)
+    check_launchable(*[t for t in (x_q, x_scale, weight, weight_scale, bias) if t is not None])
+    check_last_dim_contiguous("x", x_q)
+    check_last_dim_contiguous("weight", weight)
+    num_rows, in_features = x_q.shape
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"x must have at most {MAX_ROWS} rows here, got {num_rows}")
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x_q.device)
+    if num_rows == 0 or out_features == 0:
+        return out
+    cfg = swap_config(gated) | (config or {})
+    limit = shared_memory_per_block(x_q.device)
+    while cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"] * (2 if gated else 1)) > limit:
+        cfg["BLOCK_K"] //= 2  # shrink to fit, as default_config does
+    _fp8_linear_swap_kernel[(cdiv(out_features, cfg["BLOCK_N"]),)](
+        x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, num_rows, out_features,
+        in_features, x_q.stride(0), weight.stride(0), out.stride(0), out_features,
+        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _quantize_input(x, input_scale):
+    """(x_q, row scales [T]): x quantized per token, or by a checkpoint's static scale."""
+    if input_scale is None:
+        return quantize_per_token(x)
+    return quantize_ref(x, 1.0 / input_scale.float()), input_scale.float().expand(x.shape[0]).contiguous()
+
+
 def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
     """x [T, K] (float) @ dequantized weight [N, K] (e4m3, scales per row or per block).T (+ bias [N]) -> [T, N]
     in x's dtype; gated: silu(gate) * up of a [gate ; up] weight -> [T, N / 2]. See the module doc."""
     if not use_triton(x):
         return linear_fp8_ref(x, weight, weight_scale, bias, gated, block_size, input_scale)
-    if (x.shape[0] >= SCALED_MM_MIN_ROWS and block_size is None and x.dtype != torch.float32
-            and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):  # cuBLASLt's FP8 alignment
+    per_row = block_size is None and x.dtype != torch.float32  # float32: the kernel's precise dot
+    if (per_row and x.shape[0] >= SCALED_MM_MIN_ROWS and x.shape[1] % 16 == 0
+            and weight.shape[0] % 16 == 0):  # cuBLASLt's FP8 alignment
         return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale)
+    if per_row and x.shape[0] <= MAX_ROWS and DECODE_IMPL != "fused":
+        if DECODE_IMPL == "scaled_mm" and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+            return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale)
+        x_q, x_scale = _quantize_input(x, input_scale)
+        if DECODE_IMPL == "swap":
+            return linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias, gated, x.dtype)
+        return linear_fp8_triton(x_q, weight, weight_scale, bias, gated, x_scale=x_scale, out_dtype=x.dtype)
     return linear_fp8_triton(x, weight, weight_scale, bias, gated, block_size, input_scale)

@@ -22,7 +22,8 @@ from kernels.fp8 import (
     quantize_weight_blocks,
 )
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
-from kernels.linear_fp8 import MAX_ROWS, linear_fp8, linear_fp8_ref, linear_fp8_triton
+import kernels.linear_fp8 as linear_fp8_module
+from kernels.linear_fp8 import MAX_ROWS, linear_fp8, linear_fp8_ref, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import (
     paged_attention_decode_ref,
     paged_attention_decode_triton,
@@ -124,6 +125,48 @@ def test_linear_kernel_static_and_prequantized_inputs(device, poisoned_allocatio
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), linear_fp8_ref(**inputs), atol=0.02, rtol=0.02)
 
+
+
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("gated,bias", [(False, False), (True, True)])
+def test_swap_kernel_matches_ref(rows, gated, bias, device, poisoned_allocations):
+    """The decode-sized swap kernel on e4m3 x: 40 outputs, 200 inputs (partial N and K tiles), small tiles."""
+    inputs = make_linear(rows, 40, 200, torch.bfloat16, device, gated, bias)
+    x_q, x_scale = quantize_per_token(inputs["x"])
+    config = dict(BLOCK_N=16, BLOCK_K=64)
+    out = linear_fp8_swap(x_q, x_scale, inputs["weight"], inputs["weight_scale"], inputs["bias"], gated,
+                          torch.bfloat16, config)
+    ref = linear_fp8_ref(**inputs)
+    assert out.shape == ref.shape == (rows, 40) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+    with pytest.raises(ValueError, match="at most"):
+        big = quantize_per_token(make_linear(MAX_ROWS + 1, 40, 200, torch.bfloat16, device)["x"])
+        linear_fp8_swap(*big, inputs["weight"], inputs["weight_scale"])
+
+
+@pytest.mark.parametrize("impl", ["fused", "quant", "swap"])
+def test_every_decode_implementation_gives_the_refs_result(impl, device, monkeypatch, poisoned_allocations):
+    """linear_fp8's decode-sized paths (DECODE_IMPL) in bf16, with a checkpoint's static input scale too: the
+    launcher each names runs (under the interpreter on CPU, where linear_fp8 itself would take the reference)."""
+    monkeypatch.setattr(linear_fp8_module, "DECODE_IMPL", impl)
+    monkeypatch.setattr(linear_fp8_module, "use_triton", lambda tensor: True)
+    calls = []
+    for name in ("linear_fp8_swap", "linear_fp8_triton"):
+        launcher = getattr(linear_fp8_module, name)
+        monkeypatch.setattr(linear_fp8_module, name,
+                            lambda *a, _f=launcher, _n=name, **k: calls.append((_n, a[0].dtype)) or _f(*a, **k))
+    monkeypatch.setattr(linear_fp8_module, "swap_config", lambda gated: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
+                                                                              num_warps=4, num_stages=2))
+    for gated, static in [(False, None), (True, None), (False, torch.tensor([0.25]))]:
+        inputs = make_linear(3, 40, 200, torch.bfloat16, device, gated, bias=True)
+        if static is not None:
+            inputs["input_scale"] = static.to(device)
+        out, ref = linear_fp8(**inputs), linear_fp8_ref(**inputs)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+    expected = {"fused": ("linear_fp8_triton", torch.bfloat16), "quant": ("linear_fp8_triton", FP8_DTYPE),
+                "swap": ("linear_fp8_swap", FP8_DTYPE)}[impl]
+    assert calls == [expected] * 3
 
 def test_linear_ref_is_the_dequantized_matmul():
     """The definition the transformers oracle copies: per-token fake-quantized x times the dequantized weight."""
@@ -297,10 +340,12 @@ def test_fp8_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     monkeypatch.setattr(bench_fp8, "GEMM_ROWS", [20])
     monkeypatch.setattr(bench_fp8, "KV_CASES", [(2, 40)])
     monkeypatch.setattr(bench, "LINEAR_COPIES", 1)
+    monkeypatch.setattr(bench_fp8, "SWAP_CONFIGS", bench_fp8.SWAP_CONFIGS[:1])
     cfg = dict(bench.SMOKE, num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, inter=64, dtype=torch.bfloat16)
     runner = bench.Runner(device, check=True, use_triton=True)
     bench_fp8.bench_fp8(runner, cfg)
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["impl"]) for r in runner.results}
-    assert ("fp8 linear", "fp8 triton") in impls and ("fp8 gemm", "fp8 quant+scaled_mm") in impls
+    assert {("fp8 linear", name) for name in bench_fp8.decode_impls()} <= impls
+    assert ("fp8 gemm", "fp8 quant+scaled_mm") in impls
     assert ("fp8 kv decode", "fp8 triton") in impls
