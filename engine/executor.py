@@ -6,7 +6,6 @@ from abc import ABC, abstractmethod
 
 from engine.config import EngineConfig
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from engine.startup import StartupTimes
 
 
 class ExecutorError(RuntimeError):
@@ -83,16 +82,13 @@ class StepHandle:
         return self._output
 
 
-def create_executor(config: EngineConfig, startup: StartupTimes | None = None) -> Executor:
-    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray).
-    The import (torch, the kernels) is the `imports` phase of `startup`."""
-    startup = startup or StartupTimes()
+def executor_class(config: EngineConfig) -> type[Executor]:
+    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray). The
+    import (torch, the kernels) is the start-up's `imports` phase."""
     if config.parallel.tensor_parallel_size == 1 and not config.parallel.use_ray:
-        with startup.phase("imports"):
-            from workers.worker import InProcessExecutor
+        from workers.worker import InProcessExecutor
 
-        return InProcessExecutor(config)
-    with startup.phase("imports"):
-        from cluster.actor_group import RayExecutor
+        return InProcessExecutor
+    from cluster.actor_group import RayExecutor
 
-    return RayExecutor(config)
+    return RayExecutor

@@ -9,20 +9,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
 from engine.errors import ParamError
-from engine.executor import Executor, ExecutorError, StepHandle, create_executor
+from engine.executor import Executor, ExecutorError, StepHandle, executor_class
 from engine.grammar import StructuredOutputManager
-from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
+from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup, TokenStrings
 from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.startup import StartupTimes
+from engine.startup import BackgroundPhase, StartupTimes
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,24 @@ class StepTiming:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
-        from engine.tokenizer import load_tokenizer
-
+        """Loads the tokenizer on a thread of its own while the executor loads the model (the tokenizer's load is
+        mostly transformers' import, seconds on a cold process); joined before anything reads it. A failed load
+        raises here as it would inline, once the executor is up, and releases the executor."""
         self.config = config
-        self.startup = StartupTimes()  # tokenizer, imports, then the executor's (rank 0's) phases
-        with self.startup.phase("tokenizer"):
-            self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)
-        start = time.perf_counter()
-        self.executor = executor or create_executor(config, self.startup)
-        self.startup.merge(StartupTimes(self.executor.startup_phases()))
-        # What the phases do not cover: starting worker processes and their rendezvous (tensor parallel).
-        self.startup.add("workers_start", max(0.0, time.perf_counter() - start - self.startup.total_s()
-                                              + self.startup.phases["tokenizer"]))
+        self.startup = StartupTimes()  # imports, the executor's (rank 0's) phases, tokenizer_wait; tokenizer beside
+        make_executor = None
+        if executor is None:
+            # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch
+            # too: two threads importing one package at once can deadlock in importlib.
+            with self.startup.phase("imports"):
+                make_executor = executor_class(config)
+        tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model))
+        self.executor = self._start_executor(lambda: executor or make_executor(config))
+        try:
+            self.tokenizer, max_chars_per_token = tokenizer.join(self.startup)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         block_size = config.cache.block_size
         num_blocks = self.executor.num_kv_blocks
         self.max_model_len = min(config.model.max_model_len, num_blocks * block_size)
@@ -84,8 +91,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
-        self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,
-                                                  config.scheduler.max_num_seqs)
+        self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
+                                   max_chars_per_token)
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.token_strings = TokenStrings(self.tokenizer)
@@ -96,6 +103,15 @@ class LLMEngine:
         self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
         self.timing = StepTiming()
         self._ids = itertools.count()
+
+    def _start_executor(self, make_executor: Callable[[], Executor]) -> Executor:
+        start = time.perf_counter()
+        executor = make_executor()
+        phases = StartupTimes(executor.startup_phases())
+        # What the phases do not cover: starting worker processes and their rendezvous (tensor parallel).
+        phases.add("workers_start", max(0.0, time.perf_counter() - start - phases.total_s()))
+        self.startup.merge(phases)
+        return executor
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
@@ -320,6 +336,14 @@ class LLMEngine:
         self._pending = None
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def _load_tokenizer(model_config) -> tuple[object, int]:
+    """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread."""
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_config.tokenizer_path, model_config.chat_template)
+    return tokenizer, longest_token_chars(tokenizer)
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

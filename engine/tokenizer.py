@@ -13,12 +13,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generatio
                                       "return_dict", "chat_template", "tools", "documents"})
 
 
-
 def load_tokenizer(path: str, chat_template: str | None = None):
-    """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own."""
+    """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own. A directory
+    transformers cannot read a tokenizer from is a ValueError naming it (transformers' own message does not)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {path!r} could not be loaded: {type(e).__name__}: {e}") from e
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -56,7 +56,9 @@ class CudaGraphRunner:
                 self.model(ids, pos, self.kv_caches, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the engine's other start-up threads (the tokenizer's load, engine/llm_engine.py) go on
+            # during the capture; a CUDA call of theirs must not invalidate it, as the default "global" mode lets it.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 hidden = self.model(ids, pos, self.kv_caches, meta)
             if self.pool is None:
                 self.pool = graph.pool()
