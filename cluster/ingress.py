@@ -6,7 +6,8 @@
 Each request: authorize (Bearer key) → read the body (size limit, before parsing) → validate (strict pydantic) →
 pick the model's LLMServer handle by `model` → one streaming handle call per prompt → wait for every replica to
 accept (or refuse) → answer: JSON built from each prompt's final delta, or SSE, one chunk per delta, whose status
-is already known to be 200. A client that disconnects aborts its requests, streaming or not. Any exception
+is already known to be 200. A client that disconnects aborts its requests, streaming or not (the request's streams,
+their retry after a lost replica, the disconnect watch and the SSE body: cluster/request_run.py). Any exception
 becomes an OpenAI error JSON through cluster.errors.to_http_error, with the request id; every 5xx is logged.
 
 Two Serve constraints shape this file: no `from __future__ import annotations` (class-based routes resolve the
@@ -21,12 +22,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,9 +37,9 @@ from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               GenerateRequest, TokenizeRequest, message_dicts)
-from cluster.responses import Outputs, chat_body, chat_chunks, completion_body, completion_chunks
+from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
+from cluster.request_run import AcceptTimeout, RequestRun, is_replica_loss, sse_response, unless_disconnected
 from cluster.tool_choice import tool_parser_for_choice
-from engine.request_output import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -60,152 +61,6 @@ class IngressConfig:
     health_timeout_s: float = 5.0  # /health: a replica that does not answer its check this long is unhealthy
     debug: bool = False  # enables /debug/integrity and /debug/fail_engine
     default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context (OpenAI's)
-
-
-class _Run:
-    """The replica streams of one HTTP request, one per prompt, each already accepted. A stream whose replica is
-    lost before it produced anything is started again once, on another replica (`restart`): its client sees
-    nothing of it; one lost after its first token ends with an error."""
-
-    def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str, restart=None):
-        self.gens, self.accepted, self.n, self.request_id = gens, accepted, n, request_id
-        self.restart = restart  # async (prompt index) -> a new, accepted stream
-        self.prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
-        self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted)),
-                        "X-Pagoda-Request-Id": request_id}
-
-    async def _stream(self, i: int) -> AsyncIterator[RequestDelta]:
-        produced = False
-        while True:
-            try:
-                async for item in self.gens[i]:
-                    for delta in _checked(item, self.request_id):
-                        produced = produced or bool(delta.num_new_tokens) or delta.finished
-                        yield delta
-                return
-            except Exception as e:
-                if produced and _is_actor_loss(e):  # the client has part of it: no retry can continue it
-                    raise errors.ServiceUnavailableError("the replica serving this request was lost after it had "
-                                                         "produced output; send the request again") from e
-                if produced or self.restart is None or not _is_replica_loss(e):
-                    raise
-                logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
-                               self.request_id, type(e).__name__)
-                restart, self.restart = self.restart, None
-                self.gens[i] = await restart(i)
-
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
-        """(prompt index, delta) as they arrive from every stream; an error item raises."""
-        if len(self.gens) == 1:
-            async for delta in self._stream(0):
-                yield 0, delta
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i):
-            try:
-                async for delta in self._stream(i):
-                    queue.put_nowait((i, delta))
-            except Exception as e:
-                queue.put_nowait((i, e))
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.gens))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def outputs(self) -> Outputs:
-        """Every sequence's whole output and every prompt's prompt logprobs (requests that do not stream get one
-        delta, the final)."""
-        out = Outputs()
-        async for p, delta in self.deltas():
-            out.add(p, self.n, delta)
-        return out
-
-    def cancel(self) -> None:
-        for gen in self.gens:
-            gen.cancel()
-
-
-def _is_replica_loss(e: BaseException) -> bool:
-    """The replica (or its engine) went away: the request itself is not at fault."""
-    cause = errors.unwrap(e)
-    return _is_actor_loss(e) or (
-        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, _AcceptTimeout))
-
-
-def _is_actor_loss(e: BaseException) -> bool:
-    """The replica's actor itself is gone (its process or its node), as Ray reports it."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(errors.unwrap(e), (ActorDiedError, ActorUnavailableError, RayActorError))
-
-
-class _AcceptTimeout(errors.ServiceUnavailableError):
-    """No replica took the request in time: waiting again would only double the wait."""
-
-
-def _checked(item, request_id: str) -> list[RequestDelta]:
-    if isinstance(item, ErrorInfo):
-        raise item.to_exception()
-    for delta in item:
-        if delta.error is not None:
-            logger.error("request %s: the engine failed it: %s", request_id, delta.error)
-            raise errors.InternalServerError("the engine failed this request")
-    return item
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body was read already: the next ASGI message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, run: _Run, work: Awaitable):
-    """`work`'s result; the run is cancelled (its requests aborted) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise errors.ClientDisconnectedError("the client went away")
-    finally:
-        watcher.cancel()
-        run.cancel()
-
-
-def _sse(chunks: AsyncIterator[dict], run: _Run) -> StreamingResponse:
-    async def events():
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except Exception as e:  # the status is sent already: report in the stream, as OpenAI does
-            error = errors.to_http_error(e)
-            if error.status_code >= 500:
-                logger.warning("request %s failed mid-stream: %s", run.request_id, error.message)
-            yield f"data: {json.dumps(errors.error_body(error, run.request_id))}\n\n"
-        finally:
-            run.cancel()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers=run.headers | {"Cache-Control": "no-cache"})
 
 
 def _error_response(exc: BaseException, request_id: str | None) -> Response:
@@ -306,8 +161,8 @@ class Ingress:
             for i, p in enumerate(prompts)], params.n, request_id)
         meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return _sse(completion_chunks(meta, req, run.accepted, run.n, run.deltas()), run)
-        out = await _unless_disconnected(request, run, run.outputs())
+            return sse_response(completion_chunks(meta, req, run.accepted, run.n, run.deltas()), run)
+        out = await unless_disconnected(request, run, run.outputs())
         return JSONResponse(completion_body(meta, req, run.accepted, run.n, out), headers=run.headers)
 
     async def _chat(self, request: Request, body: bytes, request_id: str) -> Response:
@@ -331,8 +186,8 @@ class Ingress:
         meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
         if req.stream:
             chunk_meta = {**meta, "object": "chat.completion.chunk"}
-            return _sse(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
-        out = await _unless_disconnected(request, run, run.outputs())
+            return sse_response(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
+        out = await unless_disconnected(request, run, run.outputs())
         return JSONResponse(chat_body(meta, req, run.accepted, out, tool_parser), headers=run.headers)
 
     async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
@@ -459,7 +314,7 @@ class Ingress:
             self._info[name] = await self._call(handle.model_info.remote())
         return self._info[name]
 
-    async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> _Run:
+    async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> RequestRun:
         """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request.
         A replica lost before it accepted is retried once (on another replica)."""
         gens = [handle.options(stream=True).generate.remote(r) for r in requests]
@@ -469,7 +324,7 @@ class Ingress:
                 try:
                     first = await self._accepted(name, gen)
                 except Exception as e:
-                    if not _is_replica_loss(e):
+                    if not is_replica_loss(e):
                         raise
                     gens[i], first = await self._resend(name, handle, requests[i])
                 accepted.append(first)
@@ -482,7 +337,7 @@ class Ingress:
             gen, _ = await self._resend(name, handle, requests[i])
             return gen
 
-        return _Run(gens, accepted, n, request_id, restart)
+        return RequestRun(gens, accepted, n, request_id, restart)
 
     async def _resend(self, name: str, handle, request: GenerateRequest):
         retry = replace(request, request_id=f"{request.request_id}-retry")
@@ -497,7 +352,7 @@ class Ingress:
         try:
             first = await asyncio.wait_for(gen.__anext__(), self.config.accept_timeout_s)
         except asyncio.TimeoutError:
-            raise _AcceptTimeout(
+            raise AcceptTimeout(
                 f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
         if isinstance(first, ErrorInfo):
             raise first.to_exception()

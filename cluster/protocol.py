@@ -133,6 +133,11 @@ class _Request(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats` (with include_usage): every chunk carries the usage so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")

@@ -58,7 +58,7 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                             deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[dict]:
     """The echoed prompt goes first: at once, or, when its logprobs are asked for, with the first delta (which
     brings them)."""
-    no_usage = {"usage": None} if req.include_usage else {}
+    usage_so_far = _chunk_usage(req, sum(a.num_prompt_tokens for a in accepted))
     offsets: dict[int, int] = {}
     waiting_echo = set()
     for p, a in enumerate(accepted):
@@ -68,7 +68,7 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                 waiting_echo.add(p)
             elif a.prompt_text:
                 yield _chunk(meta, {"index": p * n + j, "text": a.prompt_text, "logprobs": None,
-                                    "finish_reason": None}, no_usage)
+                                    "finish_reason": None}, usage_so_far(0))
     completion_tokens = 0
     async for p, delta in deltas:
         if p in waiting_echo:
@@ -76,7 +76,8 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
             entries = delta.prompt_logprobs or []
             for j in range(n):
                 yield _chunk(meta, {"index": p * n + j, "text": accepted[p].prompt_text,
-                                    "logprobs": completion_logprobs(entries, 0), "finish_reason": None}, no_usage)
+                                    "logprobs": completion_logprobs(entries, 0), "finish_reason": None},
+                             usage_so_far(completion_tokens))
         for seq in delta.seqs:
             index = p * n + seq.index
             completion_tokens += len(seq.token_ids)
@@ -86,7 +87,7 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                       "stop_reason": seq.stop_reason}
             if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
-            yield _chunk(meta, choice, no_usage)
+            yield _chunk(meta, choice, usage_so_far(completion_tokens))
     if req.include_usage:
         prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
         yield {**meta, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
@@ -119,10 +120,10 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
                       tool_parser: Callable[[], ToolParser | None] | None = None) -> AsyncIterator[dict]:
     """With a tool parser, each choice's text goes through its own: content as it settles, `delta.tool_calls`
     entries as calls are written (the first of a call with its id and name)."""
-    no_usage = {"usage": None} if req.include_usage else {}
+    usage_so_far = _chunk_usage(req, accepted[0].num_prompt_tokens)
     for j in range(n):
         yield _chunk(meta, {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}, no_usage)
+                            "finish_reason": None}, usage_so_far(0))
     parsers = {j: tool_parser() for j in range(n)} if tool_parser else {}
     called = set()
     completion_tokens = 0
@@ -142,13 +143,22 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
                     continue  # the parser holds this text back (it may become a call)
             yield _chunk(meta, {"index": seq.index, "delta": message,
                                 "logprobs": chat_logprobs(seq.logprobs) if seq.logprobs else None,
-                                "finish_reason": finish_reason, "stop_reason": seq.stop_reason}, no_usage)
+                                "finish_reason": finish_reason, "stop_reason": seq.stop_reason},
+                         usage_so_far(completion_tokens))
     if req.include_usage:
         yield {**meta, "choices": [], "usage": usage(accepted[0].num_prompt_tokens, completion_tokens)}
 
 
-def _chunk(meta: dict, choice: dict, no_usage: dict) -> dict:
-    return {**meta, "choices": [choice], **no_usage}
+def _chunk_usage(req, prompt_tokens: int) -> Callable[[int], dict]:
+    """completion tokens so far -> a chunk's usage field: none without include_usage, null with it (the last chunk
+    brings the usage), the counts so far with continuous_usage_stats."""
+    if req.continuous_usage:
+        return lambda completion_tokens: {"usage": usage(prompt_tokens, completion_tokens)}
+    return lambda completion_tokens: {"usage": None} if req.include_usage else {}
+
+
+def _chunk(meta: dict, choice: dict, usage_field: dict) -> dict:
+    return {**meta, "choices": [choice], **usage_field}
 
 
 def _merge(first: ToolCallsDelta, last: ToolCallsDelta | None) -> dict:

@@ -18,7 +18,8 @@ kernel at every size):
 The H200 measurements that chose them (benchmarks/results/h200-kernels-fp8.json, `python -m benchmarks.kernels
 --only fp8`): at 1-16 rows the swap kernel reads a Llama-3-8B layer's weights in 0.60-0.62 ms (65-67% of copy
 bandwidth) against 0.89 ms for the bf16 decode kernel and 1.14-1.24 ms for _fp8_linear_kernel quantizing x in its
-loop (its prologue re-reads x for every program; the 16-row MMA pads x); from 32 rows _scaled_mm beat the Triton
+loop (its 16-row tiles compile to mma.sync on f16, each FP8 weight converted first; the swap kernel's to FP8
+wgmma m64n16k32: tests/kernels/test_kernel_compile.py reads the PTX); from 32 rows _scaled_mm beat the Triton
 GEMM at every size (e.g. 256 rows: 0.30 ms against 0.46 with x quantized first, 1.29 quantizing in the prologue).
 _fp8_linear_kernel stays for block scales, float32 x (its PRECISE dot) and as `DECODE_IMPL`
 "fused" / "quant".
@@ -230,8 +231,12 @@ def default_config(num_rows: int, out_features: int, gated: bool, block_k: int |
         if block_k % cfg["BLOCK_K"]:
             raise ValueError(f"weight block size {block_k} along K must be a power of two or a multiple of 128")
     limit = shared_memory_per_block(device)
-    while (cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_itemsize + cfg["BLOCK_N"] * (2 if gated else 1))
-           > limit and (cfg["num_stages"] > 2 or cfg["BLOCK_K"] > 32)):
+
+    def shared_bytes() -> int:  # the pipelined tiles, and float32 x's precise dot stages its operands in float32
+        tiles = cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_itemsize + cfg["BLOCK_N"] * (2 if gated else 1))
+        return tiles + (cfg["BLOCK_K"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * 4 if x_itemsize == 4 else 0)
+
+    while shared_bytes() > limit and (cfg["num_stages"] > 2 or cfg["BLOCK_K"] > 32):
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         else:

@@ -7,8 +7,8 @@
     up       streams until MAX replicas run, each on a node of its own that the autoscaler added
     kill     one replica's node stops answering (SIGSTOP) while it has requests queued and streaming; once the
              cluster has declared it dead its processes are killed, and its replica is replaced on a new node
-    down     the load stops, as many long streams as one replica runs go on: a replica drains and stops, the idle
-             node goes
+    down     long streams start (one replica's worth), then the load stops: a replica drains its long streams
+             and stops, the idle node goes
 
 A monitor thread records, every tick: replicas by state, the model nodes alive, where every engine actor runs
 against its replica. Every HTTP request is recorded (replica, tokens received, how it ended). The test
@@ -31,7 +31,7 @@ import httpx
 APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
-LONG_MAX_TOKENS = 400  # streams back to back: some are in flight when a replica starts to drain
+LONG_MAX_TOKENS = 240  # streams back to back: some are in flight when a replica starts to drain
 MAX_NUM_SEQS = 4  # per replica: more requests wait in its engine (the policy's waiting signal)
 
 
@@ -160,12 +160,13 @@ class Scenario:
         self.mark(what)
 
     # ---- load ------------------------------------------------------------------------------------------------------
-    async def _one(self, client: httpx.AsyncClient, max_tokens: int, accepted: asyncio.Event) -> Record:
+    async def _one(self, client: httpx.AsyncClient, max_tokens: int, accepted: asyncio.Event,
+                   prefix: str | None = None) -> Record:
         record = Record(self.phase, self.now())
         self.report.records.append(record)
         words = " ".join(random.choice(["red", "blue", "green", "cat", "dog", "sun"]) for _ in range(12))
-        body = {"model": "tiny", "prompt": f"{random.random()} {words}", "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True}
+        body = {"model": "tiny", "prompt": f"{prefix or random.random()} {words}", "max_tokens": max_tokens,
+                "stream": True, "ignore_eos": True}
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 record.status, record.replica = response.status_code, response.headers.get("x-pagoda-replica", "")
@@ -196,26 +197,52 @@ class Scenario:
             accepted.set()  # a failed request does not hold the next client back
         return record
 
-    async def _load(self, stop: threading.Event, streams: int, max_tokens: int) -> None:
+    async def _load(self, stop: threading.Event, streams: int, max_tokens: int, prefixes: list[str]) -> None:
         """`streams` clients, each sending one stream after another. Each client's first stream waits until the
-        previous client's was accepted, so that the router sees it when it places the next."""
+        previous client's was accepted, so that the router sees it when it places the next. Client i's prompts start
+        with prefixes[i % len(prefixes)] (when given), else each prompt is new."""
         accepted = [asyncio.Event() for _ in range(streams)]
 
         async def worker(i: int):
             if i:
                 await accepted[i - 1].wait()
             while not stop.is_set():
-                await self._one(client, max_tokens, accepted[i])
+                await self._one(client, max_tokens, accepted[i], prefixes[i % len(prefixes)] if prefixes else None)
 
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=30),
                                      limits=httpx.Limits(max_connections=streams + 8)) as client:
             await asyncio.gather(*(worker(i) for i in range(streams)))
 
-    def start_load(self, streams: int, max_tokens: int) -> tuple[threading.Event, threading.Thread]:
+    def start_load(self, streams: int, max_tokens: int,
+                   prefixes: list[str] = ()) -> tuple[threading.Event, threading.Thread]:
         stop = threading.Event()
-        thread = threading.Thread(target=lambda: asyncio.run(self._load(stop, streams, max_tokens)), daemon=True)
+        thread = threading.Thread(target=lambda: asyncio.run(self._load(stop, streams, max_tokens, list(prefixes))),
+                                  daemon=True)
         thread.start()
         return stop, thread
+
+    def prefix_per_replica(self) -> list[str]:
+        """A prompt prefix for each running replica, longer than the router's 64-character chunks, found by asking:
+        a prefix goes where it was first routed (cluster/router.py's prefix affinity), so streams that start with it
+        go to that replica too (while loads are within its imbalance threshold)."""
+        tags, found = set(self.report.ticks[-1].replicas), {}
+
+        async def probe(prefix: str, client: httpx.AsyncClient):
+            body = {"model": "tiny", "prompt": prefix, "max_tokens": 1}
+            response = await client.post("/v1/completions", json=body)
+            found.setdefault(response.headers.get("x-pagoda-replica", ""), prefix)
+
+        async def probes():
+            async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(300, connect=30)) as client:
+                for round_ in range(6):
+                    if tags <= set(found):
+                        return
+                    await asyncio.gather(*(probe(f"drain prefix {round_}.{i} " + "x" * 80, client) for i in range(4)))
+
+        asyncio.run(probes())
+        if not tags <= set(found):
+            raise RuntimeError(f"no prefix found for replicas {sorted(tags - set(found))} in 24 requests")
+        return [found[tag] for tag in sorted(tags)]
 
     def in_flight(self) -> list[Record]:
         return [r for r in list(self.report.records) if r.end is None and r.replica]
@@ -239,12 +266,17 @@ class Scenario:
         self.phase = "kill"
         self.kill_a_node()
         self.phase = "down"
+        # Long streams in flight while a replica drains: as many as one replica runs at once (more would wait, and
+        # waiting requests ask for a replica more). They start once both replicas carry about as much of the short
+        # load, with one prompt prefix per replica (the router keeps a prefix where it first went while loads are
+        # about even; by load alone an idle newcomer would take them all), so half go to each replica. Only then does
+        # the short load stop, and with it the policy's reason for two replicas: whichever replica Serve stops has
+        # long streams to drain. (Started after the load, they found a replica already stopping.)
+        self.wait("the load balanced over the replicas", self._balanced)
+        long_stop, long_load = self.start_load(MAX_NUM_SEQS, LONG_MAX_TOKENS, self.prefix_per_replica())
         stop.set()
         load.join(timeout=max(1.0, self.deadline - time.monotonic()))
         self.mark("load stopped")
-        # Long streams in flight while a replica drains: as many as one replica runs at once (more would wait,
-        # and waiting requests ask for a replica more), spread over the replicas by the router.
-        long_stop, long_load = self.start_load(MAX_NUM_SEQS, LONG_MAX_TOKENS)
         self.wait("scaled down to 1 replica", lambda: len(self.report.ticks[-1].replicas) == 1 == self.running())
         self.wait("idle nodes removed", lambda: len(self.report.ticks[-1].model_nodes) == 1)
         long_stop.set()
@@ -252,6 +284,11 @@ class Scenario:
         self.mark("load finished")
         self._stop_monitor.set()
         return self.report
+
+    def _balanced(self) -> bool:
+        """Every replica has a full batch in flight, and none two requests more than another."""
+        counts = [sum(r.replica == tag for r in self.in_flight()) for tag in self.report.ticks[-1].replicas]
+        return min(counts) >= MAX_NUM_SEQS and max(counts) - min(counts) <= 2
 
     def kill_a_node(self) -> None:
         """The node of the replica with the most requests in flight stops answering once that replica has some

@@ -35,6 +35,21 @@ def test_streamed_completion_equals_non_streamed(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(client, chat):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens sent up to it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    args = dict(model="tiny", max_tokens=9, temperature=0, stream=True, stream_options=options, extra_body=NO_EOS)
+    if chat:
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **args))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **args))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 9 and (counts[0] == 0 or not chat)  # chat: the role first
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[-1].choices == []
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
 def test_chat_usage_counts_the_chat_template(client, tiny_tokenizer):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
                                          extra_body=NO_EOS)

@@ -32,9 +32,10 @@ def test_gpu_fp8_float32_matches_the_oracle(tiny_checkpoints, enforce_eager):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral-window-8", "qwen3", "phi3", "mixtral"])
 def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_path, monkeypatch, arch):
-    """bf16, chunked prefill and preemption: the Triton paths and the torch references (PAGODA_KERNELS=ref) pick
-    the same tokens nearly everywhere (bf16 rounding may flip a near tie). Every family's FP8 linears; a window
-    of 8 over the e4m3 pool (the windowed decode and prefill kernels with KV scales); Mixtral's bf16 experts."""
+    """bf16, chunked prefill and preemption: what the Triton / cuBLASLt paths generate, scored teacher-forced by
+    the torch references (PAGODA_KERNELS=ref): the references' best token at nearly every position, and where not,
+    a near tie (bf16 rounding). Teacher-forced, so one flipped tie does not make the rest of a sequence differ.
+    Every family's FP8 linears; a window of 8 over the e4m3 pool; Mixtral's bf16 experts."""
     if arch == "mistral-window-8":
         from workers.tiny_model import make_tiny_model
 
@@ -48,11 +49,18 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
     assert llm.engine.scheduler.num_preemptions > 0
     llm.shutdown()
     monkeypatch.setenv("PAGODA_KERNELS", "ref")
-    llm = LLM(**kwargs)
-    refs = greedy_ids(llm, model_dir)
+    llm = LLM(**{**kwargs, "num_kv_blocks": 64})
+    scored = llm.generate([{"prompt_token_ids": p + o} for p, o in zip(prompt_ids(model_dir), ours)],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     llm.shutdown()
-    same = sum(a == b for x, y in zip(ours, refs) for a, b in zip(x, y))
-    assert same >= 0.9 * sum(map(len, refs)), (ours, refs)
+    agree, gaps = 0, []
+    for prompt, generated, out in zip(prompt_ids(model_dir), ours, scored):
+        for position, token in enumerate(generated, start=len(prompt)):
+            entry = out.prompt_logprobs[position]  # the token's own logprob and the references' best
+            best = max(entry.values())
+            agree += entry[token] == best
+            gaps.append(best - entry[token])
+    assert agree >= 0.9 * len(gaps) and max(gaps) < 0.2, (agree, len(gaps), max(gaps))
 
 
 def test_gpu_8b_shape_random_fp8_weights_and_pool():

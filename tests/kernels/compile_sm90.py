@@ -87,8 +87,12 @@ CASE = ["?"]
 
 
 def resources(compiled) -> dict:
-    """Registers and spills from the cubin (cuobjdump), shared memory from Triton's metadata."""
-    usage = {"shared_bytes": compiled.metadata.shared, "hash": compiled.hash}
+    """Registers and spills from the cubin (cuobjdump), shared memory from Triton's metadata, MMA kinds from the
+    PTX."""
+    usage = {"shared_bytes": compiled.metadata.shared, "hash": compiled.hash,
+             # the tensor-core instructions in the PTX: Hopper's wgmma (with its operand types) or Ampere's mma.sync
+             "mma": sorted(set(re.findall(r"\b(?:wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]+",
+                                          compiled.asm.get("ptx", ""))))}
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -166,6 +170,14 @@ def compile_fp8() -> None:
         fp8_linear(f"fp8 linear qkv, {rows} rows", rows, 6144, 4096)
         fp8_linear(f"fp8 linear gate_up + silu, {rows} rows", rows, 2 * 14336, 4096, gated=True)
         fp8_linear(f"fp8 linear down, {rows} rows", rows, 4096, 14336)
+    for rows in (1, 16):  # the decode-sized swap kernel (linear_fp8's choice up to 16 rows), 8B and 70B layers
+        for name, out_rows, in_features, gated in [("qkv", 6144, 4096, False), ("gate_up", 2 * 14336, 4096, True),
+                                                   ("down", 4096, 14336, False), ("70b gate_up", 2 * 28672, 8192, True),
+                                                   ("70b down", 8192, 28672, False)]:
+            CASE[0] = f"fp8 swap {name}, {rows} rows"
+            linear_fp8.linear_fp8_swap(empty(rows, in_features, dtype=FP8), empty(rows, dtype=torch.float32),
+                                       empty(out_rows, in_features, dtype=FP8), empty(out_rows, dtype=torch.float32),
+                                       gated=gated)
     fp8_linear("fp8 linear fp32 x, 4 rows", 4, 4096, 4096, x_dtype=torch.float32)
     fp8_linear("fp8 linear static input scale, 64 rows", 64, 4096, 4096, input_scale=empty(1, dtype=torch.float32))
     fp8_linear("fp8 linear pre-quantized x, 2048 rows", 2048, 4096, 4096, x_dtype=FP8,

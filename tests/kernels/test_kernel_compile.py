@@ -33,7 +33,9 @@ def compiled() -> list[dict]:
 
 def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
-    assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel", "_linear_kernel",
+    assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel",
+                       "_fp8_linear_swap_kernel",
+                       "_linear_kernel",
                        "_moe_gemm_kernel", "_prefill_kernel", "_quantize_per_token_kernel", "_rms_norm_kernel",
                        "_rotary_kernel", "_sample_kernel", "_silu_and_mul_kernel", "_write_kv_cache_kernel"}
 
@@ -50,3 +52,12 @@ def test_no_register_spills_and_shared_memory_fits(compiled):
         assert row["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK, row
         if "spill_bytes" in row:  # cuobjdump ships with triton's NVIDIA backend
             assert row["spill_bytes"] <= (MAX_SPILL_BYTES if row["num_warps"] == 16 else 0), row
+
+
+def test_fp8_decode_kernel_multiplies_e4m3_on_hopper_tensor_cores(compiled):
+    """The swap kernel's point: x's few rows as the MMA's narrow side, so Triton emits FP8 wgmma (m64 n16) with
+    both operands e4m3. The 16-row tiles of _fp8_linear_kernel convert the FP8 weights to f16 for Ampere's mma.sync
+    instead, which held it below the bf16 kernel's speed on the H200 (benchmarks/results/h200-kernels-fp8.json)."""
+    swap = [row for row in compiled if row["kernel"] == "_fp8_linear_swap_kernel"]
+    assert swap and all(any(m.startswith("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") for m in row["mma"])
+                        for row in swap), [(row["case"], row["mma"]) for row in swap]

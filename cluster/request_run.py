@@ -1,0 +1,165 @@
+"""One HTTP request's generation across model replicas, for the ingress (cluster/ingress.py): its replica streams
+(one per prompt), the retry of a stream whose replica was lost before it produced anything, the abort when the
+client disconnects, and the SSE response. Kept apart from the ingress's routes: nothing here knows FastAPI's app."""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from cluster import errors
+from cluster.errors import ErrorInfo
+from cluster.protocol import Accepted
+from cluster.responses import Outputs
+from engine.request_output import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRun:
+    """The replica streams of one HTTP request, one per prompt, each already accepted. A stream whose replica is
+    lost before it produced anything is started again once, on another replica (`restart`): its client sees
+    nothing of it; one lost after its first token ends with an error."""
+
+    def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str, restart=None):
+        self.gens, self.accepted, self.n, self.request_id = gens, accepted, n, request_id
+        self.restart = restart  # async (prompt index) -> a new, accepted stream
+        self.prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
+        self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted)),
+                        "X-Pagoda-Request-Id": request_id}
+
+    async def _stream(self, i: int) -> AsyncIterator[RequestDelta]:
+        produced = False
+        while True:
+            try:
+                async for item in self.gens[i]:
+                    for delta in _checked(item, self.request_id):
+                        produced = produced or bool(delta.num_new_tokens) or delta.finished
+                        yield delta
+                return
+            except Exception as e:
+                if produced and is_actor_loss(e):  # the client has part of it: no retry can continue it
+                    raise errors.ServiceUnavailableError("the replica serving this request was lost after it had "
+                                                         "produced output; send the request again") from e
+                if produced or self.restart is None or not is_replica_loss(e):
+                    raise
+                logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
+                               self.request_id, type(e).__name__)
+                restart, self.restart = self.restart, None
+                self.gens[i] = await restart(i)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(prompt index, delta) as they arrive from every stream; an error item raises."""
+        if len(self.gens) == 1:
+            async for delta in self._stream(0):
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i):
+            try:
+                async for delta in self._stream(i):
+                    queue.put_nowait((i, delta))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.gens))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def outputs(self) -> Outputs:
+        """Every sequence's whole output and every prompt's prompt logprobs (requests that do not stream get one
+        delta, the final)."""
+        out = Outputs()
+        async for p, delta in self.deltas():
+            out.add(p, self.n, delta)
+        return out
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            gen.cancel()
+
+
+def is_replica_loss(e: BaseException) -> bool:
+    """The replica (or its engine) went away: the request itself is not at fault."""
+    cause = errors.unwrap(e)
+    return is_actor_loss(e) or (
+        isinstance(cause, errors.ServiceUnavailableError) and not isinstance(cause, AcceptTimeout))
+
+
+def is_actor_loss(e: BaseException) -> bool:
+    """The replica's actor itself is gone (its process or its node), as Ray reports it."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(errors.unwrap(e), (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+class AcceptTimeout(errors.ServiceUnavailableError):
+    """No replica took the request in time: waiting again would only double the wait."""
+
+
+def _checked(item, request_id: str) -> list[RequestDelta]:
+    if isinstance(item, ErrorInfo):
+        raise item.to_exception()
+    for delta in item:
+        if delta.error is not None:
+            logger.error("request %s: the engine failed it: %s", request_id, delta.error)
+            raise errors.InternalServerError("the engine failed this request")
+    return item
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read already: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, run: RequestRun, work: Awaitable):
+    """`work`'s result; the run is cancelled (its requests aborted) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise errors.ClientDisconnectedError("the client went away")
+    finally:
+        watcher.cancel()
+        run.cancel()
+
+
+def sse_response(chunks: AsyncIterator[dict], run: RequestRun) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as e:  # the status is sent already: report in the stream, as OpenAI does
+            error = errors.to_http_error(e)
+            if error.status_code >= 500:
+                logger.warning("request %s failed mid-stream: %s", run.request_id, error.message)
+            yield f"data: {json.dumps(errors.error_body(error, run.request_id))}\n\n"
+        finally:
+            run.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers=run.headers | {"Cache-Control": "no-cache"})
