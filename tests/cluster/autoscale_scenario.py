@@ -32,7 +32,11 @@ APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
 LONG_MAX_TOKENS = 240  # streams back to back: some are in flight when a replica starts to drain
-MAX_NUM_SEQS = 4  # per replica: more requests wait in its engine (the policy's waiting signal)
+MAX_NUM_SEQS = 4  # per replica: more requests wait in its engine
+# The policy scales on ongoing requests here (its waiting-requests signal is set out of reach): the 24 short streams
+# ask for 3 replicas (2 at most), the drain phase's LONG_STREAMS for one.
+TARGET_ONGOING = 10
+LONG_STREAMS = TARGET_ONGOING
 
 
 @dataclass
@@ -110,7 +114,8 @@ class Scenario:
                         "max_num_seqs": MAX_NUM_SEQS, "replica_num_cpus": 1, "replica_resources": {"model_slot": 1},
                         "health_check_period_s": 2, "graceful_shutdown_timeout_s": 300,  # drain: slow machines too
                         "autoscaling_config": {"min_replicas": 1, "max_replicas": MAX_REPLICAS,
-                                               "target_ongoing_requests": 64, "policy": "pagoda",
+                                               "target_ongoing_requests": TARGET_ONGOING, "policy": "pagoda",
+                                               "target_waiting_requests": 1000,
                                                "upscale_delay_s": 1,
                                                "downscale_delay_s": 6, "metrics_interval_s": 0.5,
                                                "look_back_period_s": 2}}],
@@ -160,12 +165,11 @@ class Scenario:
         self.mark(what)
 
     # ---- load ------------------------------------------------------------------------------------------------------
-    async def _one(self, client: httpx.AsyncClient, max_tokens: int, accepted: asyncio.Event,
-                   prefix: str | None = None) -> Record:
+    async def _one(self, client: httpx.AsyncClient, max_tokens: int, accepted: asyncio.Event) -> Record:
         record = Record(self.phase, self.now())
         self.report.records.append(record)
         words = " ".join(random.choice(["red", "blue", "green", "cat", "dog", "sun"]) for _ in range(12))
-        body = {"model": "tiny", "prompt": f"{prefix or random.random()} {words}", "max_tokens": max_tokens,
+        body = {"model": "tiny", "prompt": f"{random.random()} {words}", "max_tokens": max_tokens,
                 "stream": True, "ignore_eos": True}
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -197,52 +201,26 @@ class Scenario:
             accepted.set()  # a failed request does not hold the next client back
         return record
 
-    async def _load(self, stop: threading.Event, streams: int, max_tokens: int, prefixes: list[str]) -> None:
+    async def _load(self, stop: threading.Event, streams: int, max_tokens: int) -> None:
         """`streams` clients, each sending one stream after another. Each client's first stream waits until the
-        previous client's was accepted, so that the router sees it when it places the next. Client i's prompts start
-        with prefixes[i % len(prefixes)] (when given), else each prompt is new."""
+        previous client's was accepted, so that the router sees it when it places the next."""
         accepted = [asyncio.Event() for _ in range(streams)]
 
         async def worker(i: int):
             if i:
                 await accepted[i - 1].wait()
             while not stop.is_set():
-                await self._one(client, max_tokens, accepted[i], prefixes[i % len(prefixes)] if prefixes else None)
+                await self._one(client, max_tokens, accepted[i])
 
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=30),
                                      limits=httpx.Limits(max_connections=streams + 8)) as client:
             await asyncio.gather(*(worker(i) for i in range(streams)))
 
-    def start_load(self, streams: int, max_tokens: int,
-                   prefixes: list[str] = ()) -> tuple[threading.Event, threading.Thread]:
+    def start_load(self, streams: int, max_tokens: int) -> tuple[threading.Event, threading.Thread]:
         stop = threading.Event()
-        thread = threading.Thread(target=lambda: asyncio.run(self._load(stop, streams, max_tokens, list(prefixes))),
-                                  daemon=True)
+        thread = threading.Thread(target=lambda: asyncio.run(self._load(stop, streams, max_tokens)), daemon=True)
         thread.start()
         return stop, thread
-
-    def prefix_per_replica(self) -> list[str]:
-        """A prompt prefix for each running replica, longer than the router's 64-character chunks, found by asking:
-        a prefix goes where it was first routed (cluster/router.py's prefix affinity), so streams that start with it
-        go to that replica too (while loads are within its imbalance threshold)."""
-        tags, found = set(self.report.ticks[-1].replicas), {}
-
-        async def probe(prefix: str, client: httpx.AsyncClient):
-            body = {"model": "tiny", "prompt": prefix, "max_tokens": 1}
-            response = await client.post("/v1/completions", json=body)
-            found.setdefault(response.headers.get("x-pagoda-replica", ""), prefix)
-
-        async def probes():
-            async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(300, connect=30)) as client:
-                for round_ in range(6):
-                    if tags <= set(found):
-                        return
-                    await asyncio.gather(*(probe(f"drain prefix {round_}.{i} " + "x" * 80, client) for i in range(4)))
-
-        asyncio.run(probes())
-        if not tags <= set(found):
-            raise RuntimeError(f"no prefix found for replicas {sorted(tags - set(found))} in 24 requests")
-        return [found[tag] for tag in sorted(tags)]
 
     def in_flight(self) -> list[Record]:
         return [r for r in list(self.report.records) if r.end is None and r.replica]
@@ -266,14 +244,12 @@ class Scenario:
         self.phase = "kill"
         self.kill_a_node()
         self.phase = "down"
-        # Long streams in flight while a replica drains: as many as one replica runs at once (more would wait, and
-        # waiting requests ask for a replica more). They start once both replicas carry about as much of the short
-        # load, with one prompt prefix per replica (the router keeps a prefix where it first went while loads are
-        # about even; by load alone an idle newcomer would take them all), so half go to each replica. Only then does
-        # the short load stop, and with it the policy's reason for two replicas: whichever replica Serve stops has
-        # long streams to drain. (Started after the load, they found a replica already stopping.)
-        self.wait("the load balanced over the replicas", self._balanced)
-        long_stop, long_load = self.start_load(MAX_NUM_SEQS, LONG_MAX_TOKENS, self.prefix_per_replica())
+        # Long streams in flight while a replica drains: LONG_STREAMS of them, started while both replicas still
+        # run the short load. The router gives each to the shorter queue of two, so once the newer replica has
+        # caught up with the other the rest alternate: both replicas hold some (fewer and an idle newcomer could
+        # take them all). Only then does the short load stop, and with it the policy's reason for two replicas
+        # (LONG_STREAMS ongoing are one replica's target): whichever replica Serve stops has long streams to drain.
+        long_stop, long_load = self.start_load(LONG_STREAMS, LONG_MAX_TOKENS)
         stop.set()
         load.join(timeout=max(1.0, self.deadline - time.monotonic()))
         self.mark("load stopped")
@@ -284,11 +260,6 @@ class Scenario:
         self.mark("load finished")
         self._stop_monitor.set()
         return self.report
-
-    def _balanced(self) -> bool:
-        """Every replica has a full batch in flight, and none two requests more than another."""
-        counts = [sum(r.replica == tag for r in self.in_flight()) for tag in self.report.ticks[-1].replicas]
-        return min(counts) >= MAX_NUM_SEQS and max(counts) - min(counts) <= 2
 
     def kill_a_node(self) -> None:
         """The node of the replica with the most requests in flight stops answering once that replica has some
