@@ -66,6 +66,17 @@ DECODE_IMPL = "swap"  # measured on the H200: benchmarks/results/h200-kernels-fp
 
 
 @triton.jit
+def _fp8_dot(a, b, PRECISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a @ b of e4m3 tiles (K = BLOCK_K), float32: multiplied in float32 when PRECISE (the products of FP8 values are
+    exact there), else by Hopper's FP8 MMA, its imprecise accumulation promoted once per K tile."""
+    if PRECISE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+    return out
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
     stride_x, stride_w, stride_o, stride_ws, up_row,
@@ -116,10 +127,7 @@ def _fp8_linear_kernel(
             xv = to_e4m3(xv.to(tl.float32) * x_inv[:, None], EXACT)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-        if PRECISE:
-            part = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:  # one K tile of imprecise Hopper fp8 accumulation, then float32 adds
-            part = tl.dot(xv, tl.trans(w), max_num_imprecise_acc=BLOCK_K)
+        part = _fp8_dot(xv, tl.trans(w), PRECISE, BLOCK_K)
         if W_BLOCK_N != 0:
             part *= tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_ws + k0 // W_BLOCK_K, mask=n_mask,
                             other=0.0)[None, :]
@@ -127,10 +135,7 @@ def _fp8_linear_kernel(
         if GATED:
             up_n = up_row + offs_n
             w_up = tl.load(w_ptr + up_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-            if PRECISE:
-                part = tl.dot(xv.to(tl.float32), tl.trans(w_up.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(xv, tl.trans(w_up), max_num_imprecise_acc=BLOCK_K)
+            part = _fp8_dot(xv, tl.trans(w_up), PRECISE, BLOCK_K)
             if W_BLOCK_N != 0:
                 part *= tl.load(w_scale_ptr + (up_n // W_BLOCK_N) * stride_ws + k0 // W_BLOCK_K, mask=n_mask,
                                 other=0.0)[None, :]
@@ -167,16 +172,10 @@ def _fp8_linear_swap_kernel(
                      other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-        if EXACT:
-            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(xv), max_num_imprecise_acc=BLOCK_K)
+        acc += _fp8_dot(w, tl.trans(xv), EXACT, BLOCK_K)
         if GATED:
             w_up = tl.load(w_ptr + (up_row + offs_n)[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-            if EXACT:
-                acc_up += tl.dot(w_up.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
-            else:
-                acc_up += tl.dot(w_up, tl.trans(xv), max_num_imprecise_acc=BLOCK_K)
+            acc_up += _fp8_dot(w_up, tl.trans(xv), EXACT, BLOCK_K)
     x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
     out = tl.trans(acc) * x_scale[:, None] * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     out_up = out
@@ -207,6 +206,16 @@ def _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale,
     if gated and (n % 2 or (block_size is not None and (n // 2) % block_size[0])):
         raise ValueError(f"a gated weight stacks gate and up rows: an even row count (whole scale blocks each), "
                          f"got {n}")
+
+
+def _launch_output(x, weight, gated: bool, out_dtype, *others) -> torch.Tensor:
+    """A launcher's checks that its tensors can go to a kernel (others: the optional ones, None where absent), and
+    its output [T, N] (N / 2 when gated)."""
+    check_launchable(x, weight, *[t for t in others if t is not None])
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    return torch.empty(x.shape[0], out_features, dtype=out_dtype, device=x.device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,14 +258,10 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
     """Triton launcher of `linear_fp8` (any number of rows). x_scale: x is already e4m3 with these row scales
     (out_dtype: the result's, bf16 by default then)."""
     _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale)
-    check_launchable(*[t for t in (x, weight, weight_scale, bias, input_scale, x_scale) if t is not None])
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("weight", weight)
-    num_rows, in_features = x.shape
-    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-    out_dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
-    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x.device)
-    if num_rows == 0 or out_features == 0:
+    out = _launch_output(x, weight, gated, out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype),
+                         weight_scale, bias, input_scale, x_scale)
+    (num_rows, in_features), out_features = x.shape, out.shape[1]
+    if out.numel() == 0:
         return out
     cfg = {**default_config(num_rows, out_features, gated, block_size[1] if block_size else None, x.dtype.itemsize,
                             x.device), **(config or {})}
@@ -312,15 +317,11 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
     """Decode-sized (<= MAX_ROWS rows) `linear_fp8` of e4m3 x with row scales, per-row weight scales: the Triton
     launcher of _fp8_linear_swap_kernel."""
     _check_inputs(x_q, weight, weight_scale, bias, gated, None, None, x_scale)
-    check_launchable(*[t for t in (x_q, x_scale, weight, weight_scale, bias) if t is not None])
-    check_last_dim_contiguous("x", x_q)
-    check_last_dim_contiguous("weight", weight)
-    num_rows, in_features = x_q.shape
-    if num_rows > MAX_ROWS:
-        raise ValueError(f"x must have at most {MAX_ROWS} rows here, got {num_rows}")
-    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x_q.device)
-    if num_rows == 0 or out_features == 0:
+    if x_q.shape[0] > MAX_ROWS:
+        raise ValueError(f"x must have at most {MAX_ROWS} rows here, got {x_q.shape[0]}")
+    out = _launch_output(x_q, weight, gated, out_dtype, x_scale, weight_scale, bias)
+    (num_rows, in_features), out_features = x_q.shape, out.shape[1]
+    if out.numel() == 0:
         return out
     cfg = swap_config(gated) | (config or {})
     limit = shared_memory_per_block(x_q.device)
