@@ -28,7 +28,7 @@ serve: setup
 	$(BIN)/pagoda serve
 
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -ra -m gpu

@@ -150,13 +150,15 @@ class AsyncLLMEngine:
         finished = False
         try:
             while not finished:
-                batch = [await queue.get()]
+                items = [await queue.get()]
                 while not queue.empty():
-                    batch.append(queue.get_nowait())
-                if isinstance(batch[-1], BaseException):
-                    raise batch[-1]
-                finished = batch[-1].finished
-                yield batch
+                    items.append(queue.get_nowait())
+                batch = [item for item in items if not isinstance(item, BaseException)]
+                if batch:  # deltas that came before a death are the request's own end (its error finish) or not
+                    finished = batch[-1].finished
+                    yield batch
+                if not finished and len(batch) < len(items):
+                    raise next(item for item in items if isinstance(item, BaseException))
         finally:
             self._queues.pop(request_id, None)
             if not finished:

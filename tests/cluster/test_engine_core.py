@@ -12,8 +12,9 @@ from cluster.placement import ReplicaPlacement
 from cluster.ray_utils import actor_env_vars
 from engine.async_engine import AsyncLLMEngine, CoreConnection, LocalConnection
 from engine.config import EngineArgs
-from engine.core import AbortRequest, AddRequest, EngineCore
+from engine.core import AbortRequest, AddRequest, EngineCore, PollResult
 from engine.errors import EngineDeadError
+from engine.request_output import RequestDelta, SequenceDelta
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
@@ -229,5 +230,32 @@ def test_the_messages_of_one_event_loop_turn_go_in_one_ordered_call(config):
     try:
         asyncio.run(burst())
         assert recorder.sent[0] == [("AddRequest", f"r{i}") for i in range(4)]
+    finally:
+        engine.shutdown()
+
+
+class _DiesAfterFailing(_Recorder):
+    """A core whose loop dies in the step that fails the requests: one poll brings their error finishes and the
+    death together (as when a worker dies mid-step). The core itself is real; only that one poll is made up."""
+
+    async def poll(self, timeout_s):
+        result = await self.local.poll(timeout_s)
+        added = [request_id for call in self.sent for kind, request_id in call if kind == "AddRequest"]
+        if not added:
+            return result
+        failed = [RequestDelta(r, [SequenceDelta(0, finish_reason="error")], finished=True, error="step failed")
+                  for r in added]
+        return PollResult(failed, result.stats, [], dead_error="worker died")
+
+
+def test_a_request_failed_in_the_step_that_killed_the_engine_ends_with_its_error_finish(config):
+    engine = AsyncLLMEngine(config, _DiesAfterFailing(config))
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    try:
+        deltas = asyncio.run(_collect(engine, "r", PROMPTS[0], params))
+        assert deltas[-1].finished and deltas[-1].error == "step failed"
+        assert deltas[-1].seqs[0].finish_reason == "error"
+        with pytest.raises(EngineDeadError, match="worker died"):
+            engine.check_health()
     finally:
         engine.shutdown()
