@@ -161,6 +161,7 @@ class BlockManager:
         """dst shares src's blocks that cover its first num_tokens tokens (n > 1: one prompt, many completions).
         A shared, partly filled last block is copied when dst first writes into it."""
         assert dst.req_id not in self.tables, f"{dst.req_id} already has blocks"
+        assert num_tokens > 0, "a fork shares at least one token"
         shared = self.tables[src.req_id][:-(-num_tokens // self.block_size)]
         for block_id in shared:
             self._take(block_id)

@@ -173,8 +173,8 @@ class Scheduler:
         if leader.status == RequestStatus.RUNNING and leader.num_computed_tokens < req.num_prompt_tokens - 1:
             return False  # the leader's prompt is still being computed (maybe again, after a preemption)
         req.leader = None
-        if leader.status == RequestStatus.RUNNING:
-            num_shared = req.num_prompt_tokens - 1
+        num_shared = req.num_prompt_tokens - 1  # a one-token prompt shares nothing: it is this request's to compute
+        if leader.status == RequestStatus.RUNNING and num_shared > 0:
             self.block_manager.fork(leader, req, num_shared)
             req.num_computed_tokens = num_shared
             req.num_cached_tokens = num_shared

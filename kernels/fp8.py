@@ -14,7 +14,12 @@ of range at the top (the largest value lands in [224, 448]).
 Triton's interpreter converts float32 to float8 by truncating (and mishandles a rounding carry), so under the
 interpreter `to_e4m3` rounds in float32 arithmetic first and the cast is then exact; on a GPU it is the hardware's
 round-to-nearest-even conversion, the same result.
+
+`QuantizedRows` carries activations quantized where they were computed (RMSNorm's fused quantization,
+kernels/rms_norm.py) to the FP8 linear that reads them (kernels/linear_fp8.py), with no bf16 copy between.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +39,23 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACTIVATION_EXP = 8  # activations: the row's largest value maps into [224, 448]
 KV_EXP = 6  # KV cache: the calibrated largest value maps into [56, 112], room for 4x larger values later
+
+
+@dataclass
+class QuantizedRows:
+    """x [T, K] ~ values * scale[:, None]: per-token quantized activations (the definitions above)."""
+
+    values: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T] float32, powers of two
+    dtype: torch.dtype  # x's own dtype: the consuming linear's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 values * scale."""
+        return dequantize(self.values, self.scale[:, None])
 
 
 # ---- torch ---------------------------------------------------------------------------------------------------------
@@ -109,7 +131,7 @@ def to_e4m3(x, EXACT: tl.constexpr):
         magic = (((tl.maximum(biased, -6) + 20 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
         ax = tl.abs(x)
         rounded = (ax + magic) - magic
-        x = tl.where(x < 0, -rounded, rounded)
+        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit: -0.0 stays -0.0
     return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 

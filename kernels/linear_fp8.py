@@ -3,17 +3,20 @@
     linear_fp8(x, w_q, w_scale)          y = dequant(quant(x)) @ dequant(w_q).T (+ bias), in x's dtype
     linear_fp8(..., gated=True)          silu(gate) * up of such a [gate ; up] output (the Llama MLP)
 
-    x_scale, input_scale   dynamic: each row's power-of-two scale (computed here); static: one power-of-two
+    x_scale, input_scale   dynamic: each row's power-of-two scale (computed here, or x comes as `QuantizedRows`
+                           from the kernel that computed it: RMSNorm, SiLU-and-mul); static: one power-of-two
                            scale for every row (`input_scale`, from a checkpoint)
+    quantize_output        gated: the SiLU-and-mul output as QuantizedRows, for the FP8 layer that reads it
     w_scale                [N] per output row, or [ceil(N / bn), ceil(K / bk)] per block (`block_size`)
 
 On a GPU, by batch size (per-row weight scales; block-scaled checkpoints and float32 x take the Triton GEMM
 kernel at every size):
 
-    decode-sized (<= MAX_ROWS rows)   quantize_per_token, then _fp8_linear_swap_kernel: the weight tile is the MMA's
+    decode-sized (<= MAX_ROWS rows)   x quantized (quantize_per_token, unless it came as QuantizedRows), then
+                                      _fp8_linear_swap_kernel: the weight tile is the MMA's
                                       tall side (64 rows, a Hopper wgmma's height) and x's few rows its narrow one,
                                       so x is not padded to 64 rows; streams the weight bytes, SiLU-and-mul fused
-    larger (prefill, big batches)     quantize_per_token, then cuBLASLt's `torch._scaled_mm` (rowwise scales)
+    larger (prefill, big batches)     x quantized as above, then cuBLASLt's `torch._scaled_mm` (rowwise scales)
 
 The H200 measurements that chose them (benchmarks/results/h200-kernels-fp8.json, `python -m benchmarks.kernels
 --only fp8`): at 1-16 rows the swap kernel reads a Llama-3-8B layer's weights in 0.60-0.62 ms (65-67% of copy
@@ -46,7 +49,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.linear import store_output
 from kernels.fp8 import (
     FP8_DTYPE,
-    dequantize,
+    QuantizedRows,
     dequantize_weight,
     pow2_scales,
     quantize_per_token,
@@ -258,8 +261,8 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
     """Triton launcher of `linear_fp8` (any number of rows). x_scale: x is already e4m3 with these row scales
     (out_dtype: the result's, bf16 by default then)."""
     _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale)
-    out = _launch_output(x, weight, gated, out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype),
-                         weight_scale, bias, input_scale, x_scale)
+    out_dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)  # float32: the PRECISE dot
+    out = _launch_output(x, weight, gated, out_dtype, weight_scale, bias, input_scale, x_scale)
     (num_rows, in_features), out_features = x.shape, out.shape[1]
     if out.numel() == 0:
         return out
@@ -283,26 +286,26 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
 def linear_fp8_ref(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
     """Torch reference of `linear_fp8` (and its CPU implementation): quantize x, dequantize both, F.linear in
     float32; the result in x's dtype, then silu_and_mul's reference when gated."""
-    _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale)
-    if input_scale is None:
-        x_q, x_scale = quantize_per_token_ref(x)
-        x_deq = dequantize(x_q, x_scale[:, None])
-    else:
-        x_deq = dequantize(quantize_ref(x, 1.0 / input_scale.float()), input_scale.float())
+    if not isinstance(x, QuantizedRows):
+        _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale)
+    rows = _quantize_input(x, input_scale, quantize_per_token_ref)
+    _check_inputs(rows.values, weight, weight_scale, bias, gated, block_size, None, rows.scale)
     w_deq = dequantize_weight(weight, weight_scale, block_size)
-    out = torch.nn.functional.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
+    out = torch.nn.functional.linear(rows.dequantize(), w_deq, None if bias is None else bias.float())
+    out = out.to(rows.dtype)
     return silu_and_mul_ref(out) if gated else out
 
 
-def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_scale=None):
-    """`linear_fp8` for prefill-sized batches with per-row weight scales: quantize_per_token (one pass), then
-    torch._scaled_mm (cuBLASLt, rowwise scales on Hopper), then silu_and_mul when gated."""
-    x_q, x_scale = _quantize_input(x, input_scale)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None].contiguous(), scale_b=weight_scale[None, :],
-                           out_dtype=x.dtype)
+def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_scale=None, quantize_output=False):
+    """`linear_fp8` for prefill-sized batches with per-row weight scales: quantize_per_token (one pass, unless x
+    is QuantizedRows already), then torch._scaled_mm (cuBLASLt, rowwise scales on Hopper), then silu_and_mul when
+    gated (quantizing its output in the same kernel when asked)."""
+    rows = _quantize_input(x, input_scale)
+    out = torch._scaled_mm(rows.values, weight.t(), scale_a=rows.scale[:, None].contiguous(),
+                           scale_b=weight_scale[None, :], out_dtype=rows.dtype)
     if bias is not None:  # added here: not every cuBLASLt rowwise-scaled kernel takes a bias
         out += bias
-    return silu_and_mul(out) if gated else out
+    return silu_and_mul(out, quantize_output) if gated else out
 
 
 def swap_config(gated: bool) -> dict:
@@ -336,27 +339,48 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
     return out
 
 
-def _quantize_input(x, input_scale):
-    """(x_q, row scales [T]): x quantized per token, or by a checkpoint's static scale."""
+def _quantize_input(x, input_scale, per_token=quantize_per_token) -> QuantizedRows:
+    """x quantized per token (`per_token`), or by a checkpoint's static scale; QuantizedRows as they are."""
+    if isinstance(x, QuantizedRows):
+        if input_scale is not None:
+            raise ValueError("x is quantized per token already: a layer with a static input_scale cannot take it")
+        return x
     if input_scale is None:
-        return quantize_per_token(x)
-    return quantize_ref(x, 1.0 / input_scale.float()), input_scale.float().expand(x.shape[0]).contiguous()
+        return QuantizedRows(*per_token(x), x.dtype)
+    scale = input_scale.float()
+    return QuantizedRows(quantize_ref(x, 1.0 / scale), scale.expand(x.shape[0]).contiguous(), x.dtype)
 
 
-def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
-    """x [T, K] (float) @ dequantized weight [N, K] (e4m3, scales per row or per block).T (+ bias [N]) -> [T, N]
-    in x's dtype; gated: silu(gate) * up of a [gate ; up] weight -> [T, N / 2]. See the module doc."""
-    if not use_triton(x):
-        return linear_fp8_ref(x, weight, weight_scale, bias, gated, block_size, input_scale)
+def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None,
+               quantize_output=False):
+    """x [T, K] (float, or QuantizedRows) @ dequantized weight [N, K] (e4m3, scales per row or per block).T
+    (+ bias [N]) -> [T, N] in x's dtype; gated: silu(gate) * up of a [gate ; up] weight -> [T, N / 2], as
+    QuantizedRows with quantize_output (for the FP8 layer that reads it). See the module doc."""
+    if quantize_output and not gated:
+        raise ValueError("quantize_output is for a gated layer: its SiLU-and-mul output feeds an FP8 layer")
+    rows = x if isinstance(x, QuantizedRows) else None
+    if rows is not None and block_size is not None:
+        raise ValueError("QuantizedRows take per-row weight scales (a block-scaled weight quantizes x itself)")
+    if not use_triton(x.values if rows is not None else x):
+        return _output(linear_fp8_ref(x, weight, weight_scale, bias, gated, block_size, input_scale), quantize_output)
     per_row = block_size is None and x.dtype != torch.float32  # float32: the kernel's precise dot
-    if (per_row and x.shape[0] >= SCALED_MM_MIN_ROWS and x.shape[1] % 16 == 0
-            and weight.shape[0] % 16 == 0):  # cuBLASLt's FP8 alignment
-        return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale)
-    if per_row and x.shape[0] <= MAX_ROWS and DECODE_IMPL != "fused":
-        if DECODE_IMPL == "scaled_mm" and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
-            return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale)
-        x_q, x_scale = _quantize_input(x, input_scale)
-        if DECODE_IMPL == "swap":
-            return linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias, gated, x.dtype)
-        return linear_fp8_triton(x_q, weight, weight_scale, bias, gated, x_scale=x_scale, out_dtype=x.dtype)
-    return linear_fp8_triton(x, weight, weight_scale, bias, gated, block_size, input_scale)
+    decode = x.shape[0] <= MAX_ROWS
+    aligned = x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0  # cuBLASLt's FP8 alignment
+    if per_row and aligned and (not decode or DECODE_IMPL == "scaled_mm"):
+        return linear_fp8_scaled_mm(x, weight, weight_scale, bias, gated, input_scale, quantize_output)
+    if rows is None and not (per_row and decode and DECODE_IMPL != "fused"):  # x quantized in the kernel's loop
+        return _output(linear_fp8_triton(x, weight, weight_scale, bias, gated, block_size, input_scale),
+                       quantize_output)
+    rows = _quantize_input(x, input_scale)
+    if per_row and decode and DECODE_IMPL == "swap":
+        out = linear_fp8_swap(rows.values, rows.scale, weight, weight_scale, bias, gated, rows.dtype)
+    else:
+        out = linear_fp8_triton(rows.values, weight, weight_scale, bias, gated, x_scale=rows.scale,
+                                out_dtype=rows.dtype)
+    return _output(out, quantize_output)
+
+
+def _output(out: torch.Tensor, quantize: bool):
+    """A gated layer's output, quantized per token for the FP8 layer after it when asked (a pass of its own on
+    these paths; after cuBLASLt's GEMM it is fused into SiLU-and-mul)."""
+    return QuantizedRows(*quantize_per_token(out), out.dtype) if quantize else out

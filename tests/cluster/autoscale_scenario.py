@@ -244,11 +244,13 @@ class Scenario:
         self.phase = "kill"
         self.kill_a_node()
         self.phase = "down"
-        # Long streams in flight while a replica drains: LONG_STREAMS of them, started while both replicas still
-        # run the short load. The router gives each to the shorter queue of two, so once the newer replica has
-        # caught up with the other the rest alternate: both replicas hold some (fewer and an idle newcomer could
-        # take them all). Only then does the short load stop, and with it the policy's reason for two replicas
-        # (LONG_STREAMS ongoing are one replica's target): whichever replica Serve stops has long streams to drain.
+        # Long streams in flight while a replica drains: LONG_STREAMS of them, started while both replicas run the
+        # short load about evenly. The router gives each to the shorter queue of two, so once the queues are level
+        # the streams alternate: both replicas hold some. (The replacement starts empty while the survivor holds
+        # every short stream; started then, all the long ones went to the newcomer, and Serve stopped the other.)
+        # Only then does the short load stop, and with it the policy's reason for two replicas (LONG_STREAMS
+        # ongoing are one replica's target): whichever replica Serve stops has long streams to drain.
+        self.wait("both replicas carry the short load", self.short_load_level, timeout_s=180)
         long_stop, long_load = self.start_load(LONG_STREAMS, LONG_MAX_TOKENS)
         stop.set()
         load.join(timeout=max(1.0, self.deadline - time.monotonic()))
@@ -260,6 +262,17 @@ class Scenario:
         self.mark("load finished")
         self._stop_monitor.set()
         return self.report
+
+    def short_load_level(self) -> bool:
+        """Each running replica has short streams in flight, and their counts differ by less than LONG_STREAMS
+        minus 2: of LONG_STREAMS streams placed on the shorter queue each, both replicas get at least one. The
+        requests retried off the lost replica count too: they carry its tag (the retry is the ingress's), so
+        while any is in flight, where the load is is not known."""
+        running = [tag for tag, (state, _) in self.report.ticks[-1].replicas.items() if state == "RUNNING"]
+        in_flight = self.in_flight()
+        counts = [sum(r.replica == tag for r in in_flight) for tag in running]
+        return (len(counts) == MAX_REPLICAS and min(counts) > 0 and max(counts) - min(counts) <= LONG_STREAMS - 2
+                and all(r.replica in running for r in in_flight))
 
     def kill_a_node(self) -> None:
         """The node of the replica with the most requests in flight stops answering once that replica has some

@@ -135,6 +135,23 @@ def test_n_siblings_share_the_leaders_prompt_blocks():
     assert s.block_manager.num_free_blocks == 64
 
 
+def test_n_siblings_of_a_one_token_prompt_share_nothing_and_compute_it_themselves():
+    """A one-token prompt (an empty text prompt is just BOS) has nothing computed to share: each sibling starts
+    like a request of its own (the fork assertion killed the engine: found by the HTTP fuzzing test)."""
+    s = make_scheduler(block_size=4)
+    params = SamplingParams(n=2, max_tokens=3)
+    leader = Request("p#0", [0], params, 3, parent_id="p")
+    sib = Request("p#1", [0], params, 3, parent_id="p", index=1, leader=leader)
+    for r in (leader, sib):
+        s.add_request(r)
+    first = fake_step(s)
+    assert {r.req_id: r.num_computed_tokens for r in first.new_reqs} == {"p#0": 0, "p#1": 0}
+    assert first.num_scheduled_tokens == {"p#0": 1, "p#1": 1}
+    run_all(s)
+    assert leader.output_token_ids == sib.output_token_ids == [1, 1, 1]
+    assert s.block_manager.num_free_blocks == 64
+
+
 def test_finish_and_abort_free_blocks_and_tell_workers():
     s = make_scheduler()
     s.add_request(make_req("a", 6, max_tokens=50))

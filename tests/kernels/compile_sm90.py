@@ -187,6 +187,12 @@ def compile_fp8() -> None:
                                  block_size=(128, 128))
     CASE[0] = "quantize_per_token 14336"
     fp8.quantize_per_token_triton(empty(8, 14336))
+    CASE[0] = "silu_and_mul -> fp8 14336"  # SiLU-and-mul quantizing its output for the FP8 down projection
+    activation.silu_and_mul_triton(empty(64, 2 * 14336), quantize=True)
+    for hidden in (4096, 8192):  # RMSNorm quantizing its output for the FP8 q/k/v and gate/up (8B, 70B)
+        CASE[0] = f"rms_norm+residual -> fp8 {hidden}"
+        x = empty(4, hidden)
+        rms_norm.rms_norm_triton(x, empty(hidden), 1e-5, x, quantize=True)
     scales = (empty(8, dtype=torch.float32), empty(8, dtype=torch.float32))
     CASE[0] = "rotary + fp8 kv write 32/8 x 128"
     rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 1024),

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from kernels.fp8 import QuantizedRows, quantize_per_token_ref
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (3e-2, 2e-2)}  # see rms_norm
 
@@ -28,6 +29,24 @@ def test_triton_matches_ref(dtype, inter, device, poisoned_allocations):
     x = make_x(5, inter, dtype, device)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), atol=atol, rtol=rtol)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy, under the interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [100, 5000])  # one block, and several (4096 wide) per row
+def test_fused_quantization_is_bitwise_silu_and_mul_then_quantize_per_token(dtype, inter, device,
+                                                                           poisoned_allocations):
+    x = make_x(6, inter, dtype, device)
+    x[2] *= 1e-3  # rows of different magnitudes: a scale each
+    for act in (silu_and_mul_triton, silu_and_mul_ref):
+        values, scale = quantize_per_token_ref(act(x))
+        fused = act(x, quantize=True)
+        assert isinstance(fused, QuantizedRows) and fused.dtype == dtype and fused.shape == (6, inter)
+        assert torch.equal(fused.values.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(fused.scale, scale)
+        assert len(set(scale.tolist())) > 1
+    empty = silu_and_mul_triton(x[:, :0], quantize=True)
+    assert empty.shape == (6, 0) and torch.equal(empty.scale, quantize_per_token_ref(x[:, :0])[1])
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy, under the interpreter

@@ -10,6 +10,7 @@ import torch
 
 from kernels.fp8 import (
     FP8_DTYPE,
+    QuantizedRows,
     dequantize,
     dequantize_weight,
     pow2_ceil,
@@ -167,6 +168,69 @@ def test_every_decode_implementation_gives_the_refs_result(impl, device, monkeyp
     expected = {"fused": ("linear_fp8_triton", torch.bfloat16), "quant": ("linear_fp8_triton", FP8_DTYPE),
                 "swap": ("linear_fp8_swap", FP8_DTYPE)}[impl]
     assert calls == [expected] * 3
+
+@pytest.mark.parametrize("impl", ["fused", "quant", "swap"])
+def test_quantized_rows_give_what_the_layer_quantizing_x_gives(impl, device, monkeypatch, poisoned_allocations):
+    """x handed over as QuantizedRows (RMSNorm's fused quantization) gives the result of x quantized in the layer,
+    on every decode-sized path and float32's precise one (interpreter), and in the reference exactly."""
+    monkeypatch.setattr(linear_fp8_module, "DECODE_IMPL", impl)
+    monkeypatch.setattr(linear_fp8_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(linear_fp8_module, "swap_config", lambda gated: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
+                                                                              num_warps=4, num_stages=2))
+    for dtype, gated in [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)]:
+        inputs = make_linear(3, 40, 200, dtype, device, gated, bias=True)
+        rows = QuantizedRows(*quantize_per_token_ref(inputs["x"]), dtype)
+        out, expected = linear_fp8(**{**inputs, "x": rows}), linear_fp8(**inputs)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+        assert torch.equal(linear_fp8_ref(**{**inputs, "x": rows}), linear_fp8_ref(**inputs))
+    blocked = make_linear(3, 128, 128, torch.bfloat16, device, block=(64, 64))
+    with pytest.raises(ValueError, match="per-row weight scales"):
+        linear_fp8(**{**blocked, "x": QuantizedRows(*quantize_per_token_ref(blocked["x"]), torch.bfloat16)})
+    inputs = make_linear(3, 40, 200, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="static input_scale"):
+        linear_fp8(**{**inputs, "x": QuantizedRows(*quantize_per_token_ref(inputs["x"]), torch.bfloat16)},
+                   input_scale=torch.tensor([0.25], device=device))
+
+
+@pytest.mark.parametrize("impl", ["fused", "quant", "swap"])
+def test_gated_layer_quantizes_its_output_for_the_next(impl, device, monkeypatch, poisoned_allocations):
+    """quantize_output: the SiLU-and-mul output as QuantizedRows, bit for bit quantize_per_token of the output
+    without it, on each decode-sized path (interpreter) and the reference; only a gated layer takes it."""
+    monkeypatch.setattr(linear_fp8_module, "DECODE_IMPL", impl)
+    monkeypatch.setattr(linear_fp8_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(linear_fp8_module, "swap_config", lambda gated: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
+                                                                              num_warps=4, num_stages=2))
+    inputs = make_linear(3, 40, 200, torch.bfloat16, device, gated=True, bias=True)
+    for uses_triton in (True, False):
+        monkeypatch.setattr(linear_fp8_module, "use_triton", lambda tensor, _t=uses_triton: _t)
+        out, rows = linear_fp8(**inputs), linear_fp8(**inputs, quantize_output=True)
+        values, scale = quantize_per_token_ref(out)
+        assert isinstance(rows, QuantizedRows) and rows.dtype == torch.bfloat16
+        assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(rows.scale, scale)
+    with pytest.raises(ValueError, match="gated"):
+        linear_fp8(**{**inputs, "gated": False}, quantize_output=True)
+
+
+def test_scaled_mm_path_takes_and_gives_quantized_rows(device, monkeypatch, poisoned_allocations):
+    """From 17 rows (torch._scaled_mm, which runs on CPU too): QuantizedRows in give what x in gives, and a gated
+    layer's quantize_output (SiLU-and-mul's fused kernel, interpreted) is quantize_per_token of its output."""
+    import kernels.activation as activation
+
+    monkeypatch.setattr(linear_fp8_module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(activation, "use_triton", lambda tensor: True)
+    inputs = make_linear(MAX_ROWS + 4, 48, 64, torch.bfloat16, device, gated=True, bias=True)
+    rows = QuantizedRows(*quantize_per_token_ref(inputs["x"]), torch.bfloat16)
+    out = linear_fp8(**inputs)
+    assert torch.equal(linear_fp8(**{**inputs, "x": rows}), out)
+    ref = linear_fp8_ref(**inputs)
+    torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+    quantized = linear_fp8(**inputs, quantize_output=True)
+    values, scale = quantize_per_token_ref(out)
+    assert torch.equal(quantized.values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(quantized.scale, scale)
+
 
 def test_linear_ref_is_the_dequantized_matmul():
     """The definition the transformers oracle copies: per-token fake-quantized x times the dequantized weight."""

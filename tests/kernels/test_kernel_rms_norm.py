@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, quantize_per_token_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref, rms_norm_triton
 
 # fp16: one ulp (the sum of squares is reduced in another order than torch's). bf16: the interpreter truncates
@@ -47,6 +48,29 @@ def test_triton_matches_ref(dtype, hidden, with_residual, device, poisoned_alloc
         out, ref = rms_norm_triton(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6)
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_quantization_is_bitwise_the_norm_then_quantize_per_token(dtype, with_residual, device,
+                                                                       poisoned_allocations):
+    """quantize=True: the e4m3 values and scales quantize_per_token gives of the unfused output, bit for bit (the
+    kernel against itself unfused, and the reference against itself), and the same residual."""
+    x, residual, weight = make_inputs(13, 1000, dtype, device)
+    x[3] *= 1e-3  # rows of very different magnitudes: a scale each
+    residual = residual if with_residual else None
+    for norm in (rms_norm_triton, rms_norm_ref):
+        plain = norm(x, weight, 1e-6, residual)
+        fused = norm(x, weight, 1e-6, residual, quantize=True)
+        if with_residual:
+            (plain, plain_residual), (fused, fused_residual) = plain, fused
+            assert torch.equal(fused_residual, plain_residual)
+        values, scale = quantize_per_token_ref(plain)
+        assert isinstance(fused, QuantizedRows) and fused.dtype == dtype and fused.shape == x.shape
+        assert fused.values.dtype == FP8_DTYPE and fused.scale.dtype == torch.float32
+        assert torch.equal(fused.values.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(fused.scale, scale)
+        assert len(set(scale.tolist())) > 1
 
 
 def test_triton_strided_rows_and_float32_weight(device, poisoned_allocations):

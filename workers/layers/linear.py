@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fp8 import QuantizedRows
 from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
 from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config
@@ -78,10 +79,17 @@ class ColumnParallelLinear(nn.Module):
         shard = self.shard(shard_id)
         copy_loaded(param.data[shard.dst], loaded[shard.src_rows] if param.dim() == 1 else shard.index(loaded))
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)]
+    @property
+    def takes_quantized_rows(self) -> bool:
+        return takes_quantized_rows(self)
+
+    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False, quantize_output: bool = False):
+        # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)], as
+        # QuantizedRows with quantize_output (for an FP8 layer after that takes_quantized_rows)
         if self.quant_config is not None:
-            return linear_fp8(x, self.weight, self.weight_scale, self.bias, gated, self.block_size, self.input_scale)
+            return linear_fp8(x, self.weight, self.weight_scale, self.bias, gated, self.block_size, self.input_scale,
+                              quantize_output)
+        assert not quantize_output, "only an FP8 layer quantizes its output"
         return linear(x, self.weight, self.bias, gated)
 
 
@@ -191,7 +199,11 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         copy_loaded(param.data, self.shard(shard_id).index(loaded))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_quantized_rows(self) -> bool:
+        return takes_quantized_rows(self)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
         if self.quant_config is not None:
             y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
@@ -203,6 +215,13 @@ class RowParallelLinear(nn.Module):
         else:
             y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
+
+
+def takes_quantized_rows(layer: nn.Module) -> bool:
+    """FP8 weights with per-row scales and per-token activations: the kernel before the layer (an RMSNorm, a
+    SiLU-and-mul) may hand it its input quantized (kernels/fp8.py `QuantizedRows`) instead of the layer quantizing
+    it in a pass of its own."""
+    return layer.quant_config is not None and layer.block_size is None and layer.input_scale is None
 
 
 def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device) -> None:

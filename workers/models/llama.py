@@ -97,7 +97,7 @@ class LlamaAttentionBlock(nn.Module):
                               device=device)
 
     def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # h: [T, hidden] -> [T, hidden]
+        # h: [T, hidden] (or QuantizedRows when qkv_proj.takes_quantized_rows) -> [T, hidden]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))  # [T, H*D], [T, H_kv*D], [T, H_kv*D]
         num_tokens = h.shape[0]
         if self.qk_norm:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
@@ -125,9 +125,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device, reduce_results)
 
+    @property
+    def takes_quantized_rows(self) -> bool:
+        return self.gate_up_proj.takes_quantized_rows
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [T, hidden] -> silu(gate) * up [T, I / tp] (one kernel for decode batches) -> [T, hidden]
-        return self.down_proj(self.gate_up_proj(h, gated=True))
+        # h: [T, hidden] (or QuantizedRows, see takes_quantized_rows) -> silu(gate) * up [T, I / tp] (one kernel
+        # for decode batches; quantized for an FP8 down_proj) -> [T, hidden]
+        return self.down_proj(self.gate_up_proj(h, gated=True,
+                                                quantize_output=self.down_proj.takes_quantized_rows))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -140,13 +146,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
 
     def forward(self, positions, h, residual, k_cache, v_cache, meta):
-        # h: [T, hidden]; residual: [T, hidden] | None (the residual stream before this layer's add)
+        # h: [T, hidden]; residual: [T, hidden] | None (the residual stream before this layer's add). Before FP8
+        # q/k/v and gate/up projections, the norms hand over their output quantized (no separate quantizing pass).
+        quantize = self.self_attn.qkv_proj.takes_quantized_rows
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_layernorm(h, quantize=quantize)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, quantize)
         h = self.self_attn(positions, h, k_cache, v_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, self.mlp.takes_quantized_rows)
         return self.mlp(h), residual
 
 

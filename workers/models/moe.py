@@ -26,6 +26,8 @@ from workers.parallel import all_reduce
 class SparseMoeBlock(nn.Module):
     """h [T, hidden] -> the routed experts' weighted sum (+ the gated shared expert), all-reduced once."""
 
+    takes_quantized_rows = False  # the router and the experts read h in the model's dtype
+
     def __init__(self, cfg: dict, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  round_weights: bool, shared_intermediate_size: int, dtype, device):
         super().__init__()
