@@ -21,7 +21,8 @@ from cluster.errors import ErrorInfo, InvalidRequestError
 from cluster.tool_choice import tool_choice_constraint
 from engine.errors import ParamError
 from engine.structured_outputs import StructuredOutputsParams
-from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, SamplingParams
+from engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, REPETITION_PENALTY_RANGE,
+                                    SamplingParams)
 
 _INT32 = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=_INT32)]
@@ -89,7 +90,7 @@ class _Request(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=1e4)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None

@@ -62,7 +62,10 @@ class RequestGrammar:
                  manager: StructuredOutputManager):
         self.req_id = req_id
         self.compiled = compiled
-        self.stop_token_ids = stop_token_ids  # allowed only where the grammar may end (none: ignore_eos)
+        # The request's EOS tokens: allowed only where the grammar may end (none: ignore_eos). Its other
+        # stop_token_ids are plain text to the grammar: allowed where the grammar allows them, and sampling one
+        # ends the request as a stop token does (as a stop string may, mid-grammar).
+        self.stop_token_ids = stop_token_ids
         self.matcher = None
         self.num_accepted = 0
         self.is_finished = False  # the grammar is complete and allows nothing more
@@ -137,7 +140,7 @@ class StructuredOutputManager:
         """Gives each sequence of one request its own RequestGrammar over one shared compilation."""
         params = seqs[0].sampling_params
         compiled = self._compile(params.structured_outputs)
-        stop_token_ids = tuple(t for t in params.all_stop_token_ids if t < self.vocab_size)
+        stop_token_ids = tuple(t for t in params.all_stop_token_ids if t in self.eos_token_ids)
         for seq in seqs:
             seq.grammar = RequestGrammar(seq.req_id, compiled, stop_token_ids, self)
             self.live[seq.req_id] = seq.grammar

@@ -13,6 +13,9 @@ MAX_LOGPROBS = 20
 MAX_N = 1024
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 64
+# Positive logits are divided by the repetition penalty and negative ones multiplied: within this range the result
+# stays finite in float32 at any temperature (1e-40 made every penalized logit inf, and the row sampled token 0).
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 @dataclass
@@ -68,8 +71,7 @@ class SamplingParams:
         _check(0.0 < _finite(self.top_p, "top_p") <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int(self.top_k, "top_k", 0, 2**31 - 1, "must be -1 (disable), 0 (disable) or at least 1")
         _check_float(self.min_p, "min_p", 0.0, 1.0)
-        _check(0.0 < _finite(self.repetition_penalty, "repetition_penalty") <= 1e4, "repetition_penalty",
-               f"must be in (0, 10000], got {self.repetition_penalty}")
+        _check_float(self.repetition_penalty, "repetition_penalty", *REPETITION_PENALTY_RANGE)
         _check_float(self.presence_penalty, "presence_penalty", -2.0, 2.0)
         _check_float(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
         if self.max_tokens is not None:

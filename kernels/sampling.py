@@ -16,7 +16,8 @@ Top-p by rejection, no sort: a drawn token outside the nucleus becomes the pivot
 outside too) and the row draws again among the tokens above it. The nucleus always lies above the pivot, so the
 token accepted follows the nucleus' renormalized distribution exactly, and each round accepts with probability at
 least top_p (usually far more: a rejection cuts the candidates below a random one). The last of MAX_ROUNDS rounds
-takes the argmax, which is always in the nucleus.
+takes the argmax, which is always in the nucleus. The most likely token always is (nothing lies above it), also at a
+top_p that float32 rounds to 0 (a request's 5e-324 is valid): such a row is greedy.
 
 A top-k row reads only its largest logits when given them (`subset`, from torch.topk) and they hold all of its
 candidates, i.e. the ties at the k-th logit do not run past them; the noise follows token ids, so the draw is the one
@@ -128,7 +129,8 @@ def _sample_row(base, ids_base, num_cols, vocab, inv_t, kth, top_p, log_min_p, n
             pivot = tl.load(base + column) * inv_t
             done = 1
             if (top_p < 1.0) & (r < MAX_ROUNDS - 1):
-                if _mass_above(base, num_cols, inv_t, kth, pivot, BLOCK) >= top_p:
+                mass = _mass_above(base, num_cols, inv_t, kth, pivot, BLOCK)
+                if (mass >= top_p) & (mass > 0.0):  # the most likely token stays, even at a top_p of 0
                     done = 0  # outside the nucleus: it is the new pivot
     token = column.to(tl.int64)
     if HAS_IDS:
@@ -264,7 +266,8 @@ def sample_ref(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, sub
         if is_last:
             break
         mass_above = (p_k[active] * (zk_a > z_t)).sum(dim=-1) / total[active]
-        active = active[(top_p[active] < 1.0) & (mass_above >= top_p[active])]  # outside the nucleus: again
+        outside = (mass_above >= top_p[active]) & (mass_above > 0)  # the most likely token stays, even at 0
+        active = active[(top_p[active] < 1.0) & outside]  # outside the nucleus: again
         if active.numel() == 0:
             break
     return token

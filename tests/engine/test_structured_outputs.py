@@ -114,6 +114,22 @@ def test_length_limit_ignore_eos_and_stop_strings(llm):
     llm.engine.check_integrity()  # every matcher released (length, stop, stop string)
 
 
+def test_a_stop_token_id_the_grammar_needs_stops_the_request_there(llm):
+    """stop_token_ids that are not EOS are plain tokens to the grammar: where the grammar needs one, it is
+    sampled and ends the request (like a stop string). They used to be masked as EOS is, which left an empty
+    mask where one was the only token allowed, and the request failed ("the grammar rejected token 0")."""
+    person = StructuredOutputsParams(json=SCHEMAS["person"])
+    full = llm.generate(["Hello"], constrained(person), use_tqdm=False)[0].outputs[0]
+    assert_complete_and_valid(person, full)
+    for position in (1, len(full.token_ids) // 2):
+        token = full.token_ids[position]
+        first = full.token_ids.index(token)
+        stopped = llm.generate(["Hello"], constrained(person, stop_token_ids=[token]), use_tqdm=False)[0].outputs[0]
+        assert (stopped.finish_reason, stopped.stop_reason) == ("stop", token), stopped
+        assert stopped.token_ids == full.token_ids[:first + 1]
+    llm.engine.check_integrity()
+
+
 def test_streamed_deltas_add_up_to_valid_outputs(tiny_model_dir):
     engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512)
     texts: dict[str, list[str]] = {}

@@ -50,6 +50,20 @@ def test_triton_matches_ref(vocab, block, device, poisoned_allocations):
     assert got[0].item() == x[0].argmax().item()  # greedy: the first argmax
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(device):
+    """top_p 5e-324 is valid (in (0, 1]) and is 0 in float32: the nucleus is the most likely token alone. (It was
+    rejected too, and the next round found no candidate at all: token 0, banned here as a grammar's mask bans it.)
+    Peaked rows draw the most likely token first, so with few rounds left the old behaviour shows at once."""
+    settings = [(0.1, 0, 5e-324, 0.0), (0.05, 0, 5e-324, 0.0), (0.1, 7, 5e-324, 0.0), (0.1, 0, 1e-30, 0.1)] * 4
+    x = logits(len(settings), 300, device, seed=3)
+    x[:, 0] = NEG_INF
+    args = knobs(settings, x)
+    assert args[2].eq(0).sum() >= 12
+    for max_rounds in (2, 3, 32):
+        for sample in (sample_triton, sample_ref):
+            assert torch.equal(sample(x, *args, max_rounds=max_rounds), x.argmax(dim=-1)), (sample, max_rounds)
+
+
 def test_triton_single_block_and_one_round(device):
     x = logits(len(SETTINGS), 37, device, seed=1)
     args = knobs(SETTINGS, x)

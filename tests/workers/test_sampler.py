@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import REPETITION_PENALTY_RANGE, SamplingParams
 from workers.sampler import (SamplingRow, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p,
                              penalty_batch, sample, sample_async)
 from workers.token_history import TokenHistory, apply_history_penalties
@@ -82,6 +82,19 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     x = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     out = apply_penalties(x.clone(), [_row(prompt=[0], output=[1], repetition_penalty=2.0)])
     assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_the_extreme_repetition_penalties_keep_logits_finite():
+    """At the ends of the allowed range, with logits as large as a logit bias makes them: finite penalized
+    logits, and a penalized token still sampled by its distribution (1e-40 gave inf, and token 0 every time)."""
+    x = torch.tensor([[-100.0, 3.0, 100.0, 1.0]])
+    low, high = REPETITION_PENALTY_RANGE
+    for penalty in (low, high):
+        out = apply_penalties(x.clone(), [_row(prompt=[0, 1, 2, 3], repetition_penalty=penalty)])
+        assert torch.isfinite(out).all(), (penalty, out)
+    assert set(_draw(200, logits=x[0], prompt=[0, 1, 2, 3], repetition_penalty=low)) == {2}
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=low / 2)
 
 
 def test_frequency_and_presence_penalties_use_output_counts():
