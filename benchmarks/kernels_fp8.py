@@ -29,8 +29,11 @@ from kernels.paged_attention import paged_attention_decode_ref, paged_attention_
 FP8_ROWS = [1, 2, 4, 8, 16]
 GEMM_ROWS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 KV_CASES = [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (256, 2048)]
-SWAP_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+SWAP_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, SPLIT_K=1)
                 for n, w in ((64, 4), (128, 8), (128, 4)) for k in (256, 512) for st in (3, 4)]
+# Split-K (kernels/linear_fp8.py auto_split_k): more programs for the layers of fewer 64-row tiles than SMs.
+SWAP_CONFIGS += [dict(BLOCK_N=64, BLOCK_K=k, num_warps=4, num_stages=4, SPLIT_K=split)
+                 for k in (256, 512) for split in (2, "auto")]
 TUNE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
                 for n in (32, 64) for k in (256, 512, 1024) for w in (4, 8) for st in (2, 3, 4)]
 
@@ -84,6 +87,7 @@ def decode_impls() -> dict:
              "fp8 quant+scaled_mm": lambda x, w, q, s, g: linear_fp8_scaled_mm(x, q, s, gated=g)}
     for c in SWAP_CONFIGS:
         name = "fp8 swap n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c)
+        name += f" split {c['SPLIT_K']}" if c["SPLIT_K"] != 1 else ""
         impls[name] = functools.partial(lambda x, w, q, s, g, c: quant_swap(x, w, q, s, g, c), c=c)
     return impls
 

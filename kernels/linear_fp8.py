@@ -155,20 +155,25 @@ def _fp8_linear_kernel(
 
 @triton.jit
 def _fp8_linear_swap_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
+    stride_o, up_row,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EXACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Decode-sized, x already e4m3 with row scales [M], per-row weight scales: the weight tile is the MMA's tall
     side (BLOCK_N = 64 rows a warp group, Hopper's wgmma height) and x's few rows its narrow side (BLOCK_M = 16), so
-    x is not padded to 64 rows and both operands stay FP8 (K-major, as FP8 wgmma wants them)."""
+    x is not padded to 64 rows and both operands stay FP8 (K-major, as FP8 wgmma wants them). SPLIT_K > 1: program
+    (n, s) takes the s-th of SPLIT_K slices of K, and the last of a tile's programs to finish adds the slices up
+    (`_add_up_slices`): more programs for a layer of few 64-row tiles (fewer tiles than SMs)."""
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
+    per_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = tl.program_id(1) * per_slice
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, tl.minimum(K, k_begin + per_slice), BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_mask = cols < K
         xv = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :],
@@ -185,7 +190,46 @@ def _fp8_linear_swap_kernel(
     if GATED:
         out_up = (tl.trans(acc_up) * x_scale[:, None]
                   * tl.load(w_scale_ptr + up_row + offs_n, mask=n_mask, other=0.0)[None, :])
-    store_output(out, out_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS, GATED)
+    if SPLIT_K == 1:
+        store_output(out, out_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS,
+                     GATED)
+    else:
+        tile = rows[:, None] * N + offs_n[None, :]
+        if _add_up_slices(out, out_up, part_ptr, count_ptr, tile, n_mask, BLOCK_M * N, GATED, SPLIT_K):
+            out, out_up = _slices_sum(part_ptr, tile, n_mask, BLOCK_M * N, GATED, SPLIT_K, BLOCK_M, BLOCK_N)
+            store_output(out, out_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS,
+                         GATED)
+
+
+@triton.jit
+def _add_up_slices(out, out_up, part_ptr, count_ptr, tile, n_mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Stores this program's slice of a tile's sums (float32 [SPLIT_K, 2, BLOCK_M, N] workspace) and counts it;
+    True for the tile's last program, which then adds them up and resets the count (to 0, for the next launch: a
+    CUDA graph replays the same counts)."""
+    base = part_ptr + tl.program_id(1) * 2 * slot
+    tl.store(base + tile, out, mask=n_mask[None, :])
+    if GATED:
+        tl.store(base + slot + tile, out_up, mask=n_mask[None, :])
+    tl.debug_barrier()  # every thread's slice is stored before the count says so
+    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+    is_last = done == SPLIT_K - 1
+    if is_last:
+        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    return is_last
+
+
+@triton.jit
+def _slices_sum(part_ptr, tile, n_mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The tile's SPLIT_K slices added in slice order (the same result whichever program is last), read from L2."""
+    out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    out_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        base = part_ptr + split * 2 * slot
+        out += tl.load(base + tile, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+        if GATED:
+            out_up += tl.load(base + slot + tile, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+    return out, out_up
 
 
 def _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale, x_scale=None) -> None:
@@ -311,8 +355,29 @@ def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_
 def swap_config(gated: bool) -> dict:
     """Launch settings of _fp8_linear_swap_kernel: one warp group per 64 weight rows, K tiles of 512 bytes, 4
     stages (the launcher halves the K tile where the stages do not fit: gated layers). The best of the sweep in
-    benchmarks/kernels_fp8.py (SWAP_CONFIGS) on the H200."""
-    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
+    benchmarks/kernels_fp8.py (SWAP_CONFIGS) on the H200. SPLIT_K: 1, or "auto" (`auto_split_k`: not measured on
+    the H200 yet, so not the default)."""
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1}
+
+
+def auto_split_k(num_tiles: int, in_features: int, block_k: int, num_sms: int) -> int:
+    """Slices of K for a layer of fewer tiles than ~90% of the SMs (Llama-3-8B's o and down projections: 64 tiles
+    of 64 rows on 132 SMs), each slice at least two K tiles long; else 1."""
+    split = round(0.9 * num_sms / num_tiles) if num_tiles < 0.75 * num_sms else 1
+    return max(1, min(split, 4, in_features // (2 * block_k)))
+
+
+_SPLIT_COUNTS: dict = {}  # device -> int32 zeros: one count per tile, kept at 0 between launches by the kernel
+
+
+def _split_counts(device, num_tiles: int) -> torch.Tensor | None:
+    """The tile counts of split-K launches on `device` (grown outside CUDA graph capture only: None during one)."""
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None or counts.numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _SPLIT_COUNTS[device] = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, out_dtype=torch.bfloat16,
@@ -330,10 +395,20 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
     limit = shared_memory_per_block(x_q.device)
     while cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"] * (2 if gated else 1)) > limit:
         cfg["BLOCK_K"] //= 2  # shrink to fit, as default_config does
-    _fp8_linear_swap_kernel[(cdiv(out_features, cfg["BLOCK_N"]),)](
-        x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, num_rows, out_features,
-        in_features, x_q.stride(0), weight.stride(0), out.stride(0), out_features,
-        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), BLOCK_M=cfg["BLOCK_M"],
+    num_tiles = cdiv(out_features, cfg["BLOCK_N"])
+    split = cfg.get("SPLIT_K", 1)
+    if split == "auto":
+        split = auto_split_k(num_tiles, in_features, cfg["BLOCK_K"], num_sms(x_q.device))
+    counts = _split_counts(x_q.device, num_tiles) if split > 1 else None
+    if counts is None:
+        split = 1
+    parts = torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x_q.device) \
+        if split > 1 else out
+    _fp8_linear_swap_kernel[(num_tiles, split)](
+        x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, parts,
+        counts if counts is not None else x_scale, num_rows, out_features, in_features, x_q.stride(0),
+        weight.stride(0), out.stride(0), out_features,
+        HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

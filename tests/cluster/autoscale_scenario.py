@@ -31,7 +31,7 @@ import httpx
 APP, DEPLOYMENT = "pagoda", "LLMServer_tiny"
 MAX_REPLICAS = 2
 MAX_TOKENS = 48
-LONG_MAX_TOKENS = 240  # streams back to back: some are in flight when a replica starts to drain
+LONG_MAX_TOKENS = 160  # streams back to back: some are in flight when a replica starts to drain
 MAX_NUM_SEQS = 4  # per replica: more requests wait in its engine
 # The policy scales on ongoing requests here (its waiting-requests signal is set out of reach): the 24 short streams
 # ask for 3 replicas (2 at most), the drain phase's LONG_STREAMS for one.
@@ -243,7 +243,6 @@ class Scenario:
         self.wait(f"{MAX_REPLICAS} replicas running", lambda: self.running() == MAX_REPLICAS)
         self.phase = "kill"
         self.kill_a_node()
-        self.phase = "down"
         # Long streams in flight while a replica drains: LONG_STREAMS of them, started while both replicas run the
         # short load about evenly. The router gives each to the shorter queue of two, so once the queues are level
         # the streams alternate: both replicas hold some. (The replacement starts empty while the survivor holds
@@ -251,6 +250,7 @@ class Scenario:
         # Only then does the short load stop, and with it the policy's reason for two replicas (LONG_STREAMS
         # ongoing are one replica's target): whichever replica Serve stops has long streams to drain.
         self.wait("both replicas carry the short load", self.short_load_level, timeout_s=180)
+        self.phase = "down"
         long_stop, long_load = self.start_load(LONG_STREAMS, LONG_MAX_TOKENS)
         stop.set()
         load.join(timeout=max(1.0, self.deadline - time.monotonic()))

@@ -178,6 +178,12 @@ def compile_fp8() -> None:
             linear_fp8.linear_fp8_swap(empty(rows, in_features, dtype=FP8), empty(rows, dtype=torch.float32),
                                        empty(out_rows, in_features, dtype=FP8), empty(out_rows, dtype=torch.float32),
                                        gated=gated)
+    for name, out_rows, in_features, gated, split in [("down", 4096, 14336, False, "auto"),
+                                                      ("gate_up", 2 * 14336, 4096, True, 2)]:  # split-K variants
+        CASE[0] = f"fp8 swap {name} split {split}, 16 rows"
+        linear_fp8.linear_fp8_swap(empty(16, in_features, dtype=FP8), empty(16, dtype=torch.float32),
+                                   empty(out_rows, in_features, dtype=FP8), empty(out_rows, dtype=torch.float32),
+                                   gated=gated, config={"SPLIT_K": split})
     fp8_linear("fp8 linear fp32 x, 4 rows", 4, 4096, 4096, x_dtype=torch.float32)
     fp8_linear("fp8 linear static input scale, 64 rows", 64, 4096, 4096, input_scale=empty(1, dtype=torch.float32))
     fp8_linear("fp8 linear pre-quantized x, 2048 rows", 2048, 4096, 4096, x_dtype=FP8,

@@ -24,7 +24,8 @@ from kernels.fp8 import (
 )
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 import kernels.linear_fp8 as linear_fp8_module
-from kernels.linear_fp8 import MAX_ROWS, linear_fp8, linear_fp8_ref, linear_fp8_swap, linear_fp8_triton
+from kernels.linear_fp8 import (MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap,
+                                 linear_fp8_triton)
 from kernels.paged_attention import (
     paged_attention_decode_ref,
     paged_attention_decode_triton,
@@ -143,6 +144,25 @@ def test_swap_kernel_matches_ref(rows, gated, bias, device, poisoned_allocations
     with pytest.raises(ValueError, match="at most"):
         big = quantize_per_token(make_linear(MAX_ROWS + 1, 40, 200, torch.bfloat16, device)["x"])
         linear_fp8_swap(*big, inputs["weight"], inputs["weight_scale"])
+
+
+@pytest.mark.parametrize("gated,bias", [(False, False), (True, True)])
+def test_swap_kernel_split_k_adds_up_to_the_unsplit_result(gated, bias, device, poisoned_allocations):
+    """SPLIT_K slices of K (3 slices of 5 K tiles: the last one short), their partial sums added by each tile's
+    last program: the unsplit result (float32 sums in another grouping), twice in a row (the counts reset), and
+    "auto" picks a split for a layer of few tiles only."""
+    inputs = make_linear(5, 40, 300, torch.bfloat16, device, gated, bias)
+    x_q, x_scale = quantize_per_token(inputs["x"])
+    args = (x_q, x_scale, inputs["weight"], inputs["weight_scale"], inputs["bias"], gated, torch.bfloat16)
+    unsplit = linear_fp8_swap(*args, dict(BLOCK_N=16, BLOCK_K=64))
+    for _ in range(2):
+        split = linear_fp8_swap(*args, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3))
+        torch.testing.assert_close(split, unsplit, atol=1e-2, rtol=1e-2)
+        assert (split != unsplit).float().mean() < 0.05
+    assert linear_fp8_module._SPLIT_COUNTS[x_q.device].eq(0).all()
+    assert auto_split_k(64, 14336, 512, 132) == 2 and auto_split_k(64, 4096, 512, 132) == 2
+    assert auto_split_k(96, 4096, 512, 132) == auto_split_k(224, 4096, 512, 132) == 1
+    assert auto_split_k(8, 1024, 512, 132) == 1  # a slice takes two K tiles at least
 
 
 @pytest.mark.parametrize("impl", ["fused", "quant", "swap"])
