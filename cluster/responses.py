@@ -58,7 +58,8 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                             deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[dict]:
     """The echoed prompt goes first: at once, or, when its logprobs are asked for, with the first delta (which
     brings them)."""
-    usage_so_far = _chunk_usage(req, sum(a.num_prompt_tokens for a in accepted))
+    prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
+    usage_so_far = _chunk_usage(req, prompt_tokens)
     offsets: dict[int, int] = {}
     waiting_echo = set()
     for p, a in enumerate(accepted):
@@ -89,7 +90,6 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                 choice["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
             yield _chunk(meta, choice, usage_so_far(completion_tokens))
     if req.include_usage:
-        prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
         yield {**meta, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -22,7 +22,7 @@ from kernels._triton import (
     triton,
     use_triton,
 )
-from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, quantize_per_token_ref, to_e4m3
+from kernels.fp8 import EMPTY_ROW_SCALE, FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 
 BLOCK = 1024
 
@@ -89,7 +89,7 @@ def silu_and_mul_triton(x, quantize=False):
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, scale, x.stride(0), out.stride(0), inter_size, BLOCK=block,
                                                   EXACT=is_interpreting(), num_warps=8 if block >= 2048 else 4)
     elif num_tokens:
-        scale.fill_(2.0 ** -126)  # pow2_scale(0), as quantize_per_token gives an empty row
+        scale.fill_(EMPTY_ROW_SCALE)
     return QuantizedRows(out, scale, x.dtype)
 
 
@@ -98,7 +98,7 @@ def silu_and_mul_ref(x, quantize=False):
     _check_inputs(x)
     gate, up = x.chunk(2, dim=-1)
     out = torch.nn.functional.silu(gate) * up
-    return QuantizedRows(*quantize_per_token_ref(out), x.dtype) if quantize else out
+    return QuantizedRows.of(out, reference=True) if quantize else out
 
 
 def silu_and_mul(x, quantize=False):

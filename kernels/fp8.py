@@ -39,6 +39,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACTIVATION_EXP = 8  # activations: the row's largest value maps into [224, 448]
 KV_EXP = 6  # KV cache: the calibrated largest value maps into [56, 112], room for 4x larger values later
+EMPTY_ROW_SCALE = 2.0 ** -126  # pow2_scale(0): the scale of a row with no elements
 
 
 @dataclass
@@ -48,6 +49,12 @@ class QuantizedRows:
     values: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T] float32, powers of two
     dtype: torch.dtype  # x's own dtype: the consuming linear's output dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor, reference: bool = False) -> "QuantizedRows":
+        """x quantized per token: `quantize_per_token` (or its torch reference)."""
+        values, scale = (quantize_per_token_ref if reference else quantize_per_token)(x)
+        return cls(values, scale, x.dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -176,7 +183,7 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         _quantize_per_token_kernel[(num_rows,)](x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block_k,
                                                 EXACT=is_interpreting(), num_warps=8 if block_k >= 2048 else 4)
     elif num_rows:
-        scale.fill_(2.0 ** -126)  # pow2_scale(0)
+        scale.fill_(EMPTY_ROW_SCALE)
     return out, scale
 
 

@@ -52,8 +52,6 @@ from kernels.fp8 import (
     QuantizedRows,
     dequantize_weight,
     pow2_scales,
-    quantize_per_token,
-    quantize_per_token_ref,
     quantize_ref,
     to_e4m3,
 )
@@ -330,10 +328,11 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
 def linear_fp8_ref(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None):
     """Torch reference of `linear_fp8` (and its CPU implementation): quantize x, dequantize both, F.linear in
     float32; the result in x's dtype, then silu_and_mul's reference when gated."""
-    if not isinstance(x, QuantizedRows):
+    if isinstance(x, QuantizedRows):
+        _check_inputs(x.values, weight, weight_scale, bias, gated, block_size, None, x.scale)
+    else:
         _check_inputs(x, weight, weight_scale, bias, gated, block_size, input_scale)
-    rows = _quantize_input(x, input_scale, quantize_per_token_ref)
-    _check_inputs(rows.values, weight, weight_scale, bias, gated, block_size, None, rows.scale)
+    rows = _quantize_input(x, input_scale, reference=True)
     w_deq = dequantize_weight(weight, weight_scale, block_size)
     out = torch.nn.functional.linear(rows.dequantize(), w_deq, None if bias is None else bias.float())
     out = out.to(rows.dtype)
@@ -414,14 +413,15 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
     return out
 
 
-def _quantize_input(x, input_scale, per_token=quantize_per_token) -> QuantizedRows:
-    """x quantized per token (`per_token`), or by a checkpoint's static scale; QuantizedRows as they are."""
+def _quantize_input(x, input_scale, reference: bool = False) -> QuantizedRows:
+    """x quantized per token (`reference`: by the torch reference), or by a checkpoint's static scale;
+    QuantizedRows as they are."""
     if isinstance(x, QuantizedRows):
         if input_scale is not None:
             raise ValueError("x is quantized per token already: a layer with a static input_scale cannot take it")
         return x
     if input_scale is None:
-        return QuantizedRows(*per_token(x), x.dtype)
+        return QuantizedRows.of(x, reference)
     scale = input_scale.float()
     return QuantizedRows(quantize_ref(x, 1.0 / scale), scale.expand(x.shape[0]).contiguous(), x.dtype)
 
@@ -458,4 +458,4 @@ def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None,
 def _output(out: torch.Tensor, quantize: bool):
     """A gated layer's output, quantized per token for the FP8 layer after it when asked (a pass of its own on
     these paths; after cuBLASLt's GEMM it is fused into SiLU-and-mul)."""
-    return QuantizedRows(*quantize_per_token(out), out.dtype) if quantize else out
+    return QuantizedRows.of(out) if quantize else out

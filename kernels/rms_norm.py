@@ -26,7 +26,7 @@ from kernels._triton import (
     triton,
     use_triton,
 )
-from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, quantize_per_token_ref, to_e4m3
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def rms_norm_ref(x, weight, eps, residual=None, quantize=False):
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out = (weight * normed).to(x.dtype)
     if quantize:
-        out = QuantizedRows(*quantize_per_token_ref(out), x.dtype)
+        out = QuantizedRows.of(out, reference=True)
     return out if residual is None else (out, x)
 
 

@@ -96,8 +96,12 @@ class LlamaAttentionBlock(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window,
                               device=device)
 
+    @property
+    def takes_quantized_rows(self) -> bool:
+        return self.qkv_proj.takes_quantized_rows
+
     def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # h: [T, hidden] (or QuantizedRows when qkv_proj.takes_quantized_rows) -> [T, hidden]
+        # h: [T, hidden] (or QuantizedRows, see takes_quantized_rows) -> [T, hidden]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))  # [T, H*D], [T, H_kv*D], [T, H_kv*D]
         num_tokens = h.shape[0]
         if self.qk_norm:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
@@ -148,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions, h, residual, k_cache, v_cache, meta):
         # h: [T, hidden]; residual: [T, hidden] | None (the residual stream before this layer's add). Before FP8
         # q/k/v and gate/up projections, the norms hand over their output quantized (no separate quantizing pass).
-        quantize = self.self_attn.qkv_proj.takes_quantized_rows
+        quantize = self.self_attn.takes_quantized_rows
         if residual is None:
             residual, h = h, self.input_layernorm(h, quantize=quantize)
         else:
