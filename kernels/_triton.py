@@ -46,12 +46,15 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    """The public functions' choice: the Triton launcher for CUDA tensors, else the torch reference.
+def references_forced() -> bool:
+    """`PAGODA_KERNELS=ref`: the torch references everywhere, also on a GPU (debugging, bisecting a numerical
+    difference). They sync the host (boolean indexing), so the worker captures no CUDA graphs then."""
+    return envs.get("PAGODA_KERNELS").lower() == "ref"
 
-    `PAGODA_KERNELS=ref` forces the references everywhere (debugging, bisecting a numerical difference).
-    """
-    return HAS_TRITON and tensor.is_cuda and envs.get("PAGODA_KERNELS").lower() != "ref"
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """The public functions' choice: the Triton launcher for CUDA tensors, else the torch reference."""
+    return HAS_TRITON and tensor.is_cuda and not references_forced()
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

@@ -67,13 +67,14 @@ DECODE_IMPL = "swap"  # measured on the H200: benchmarks/results/h200-kernels-fp
 
 
 @triton.jit
-def _fp8_dot(a, b, PRECISE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """a @ b of e4m3 tiles (K = BLOCK_K), float32: multiplied in float32 when PRECISE (the products of FP8 values are
-    exact there), else by Hopper's FP8 MMA, its imprecise accumulation promoted once per K tile."""
+def _fp8_dot(a, b, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
+    """a @ b of e4m3 tiles, float32: multiplied in float32 when PRECISE (the products of FP8 values are exact
+    there), else by Hopper's FP8 MMA, whose accumulator keeps fewer bits than float32: its partial sums are
+    promoted into a float32 one every PROMOTE_K products."""
     if PRECISE:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        out = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+        out = tl.dot(a, b, max_num_imprecise_acc=PROMOTE_K)
     return out
 
 
@@ -156,7 +157,7 @@ def _fp8_linear_swap_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
     stride_o, up_row,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EXACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):
     """Decode-sized, x already e4m3 with row scales [M], per-row weight scales: the weight tile is the MMA's tall
     side (BLOCK_N = 64 rows a warp group, Hopper's wgmma height) and x's few rows its narrow side (BLOCK_M = 16), so
@@ -178,10 +179,10 @@ def _fp8_linear_swap_kernel(
                      other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-        acc += _fp8_dot(w, tl.trans(xv), EXACT, BLOCK_K)
+        acc += _fp8_dot(w, tl.trans(xv), EXACT, PROMOTE_K)
         if GATED:
             w_up = tl.load(w_ptr + (up_row + offs_n)[:, None] * stride_w + cols[None, :], mask=w_mask, other=0.0)
-            acc_up += _fp8_dot(w_up, tl.trans(xv), EXACT, BLOCK_K)
+            acc_up += _fp8_dot(w_up, tl.trans(xv), EXACT, PROMOTE_K)
     x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
     out = tl.trans(acc) * x_scale[:, None] * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     out_up = out
@@ -354,9 +355,13 @@ def linear_fp8_scaled_mm(x, weight, weight_scale, bias=None, gated=False, input_
 def swap_config(gated: bool) -> dict:
     """Launch settings of _fp8_linear_swap_kernel: one warp group per 64 weight rows, K tiles of 512 bytes, 4
     stages (the launcher halves the K tile where the stages do not fit: gated layers). The best of the sweep in
-    benchmarks/kernels_fp8.py (SWAP_CONFIGS) on the H200. SPLIT_K: 1, or "auto" (`auto_split_k`: not measured on
-    the H200 yet, so not the default)."""
-    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1}
+    benchmarks/kernels_fp8.py (SWAP_CONFIGS) on the H200. SPLIT_K: 1, or "auto" (`auto_split_k`), which measured
+    1-2% slower on the H200 (benchmarks/results/h200-kernels-fp8.json). PROMOTE_K: the FP8 MMA's partial sums go
+    into float32 once per K tile; every 128 or 32 products brought the bf16 outputs closer to the float32
+    reference (11% / 4% rounding otherwise, against 15%) but cost 14% / 18% of 8B decode at batch 1
+    (benchmarks/results/h200-fp8-accumulation.json), for errors far below e4m3's own."""
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1,
+            "PROMOTE_K": 512}
 
 
 def auto_split_k(num_tiles: int, in_features: int, block_k: int, num_sms: int) -> int:
@@ -408,7 +413,8 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
         counts if counts is not None else x_scale, num_rows, out_features, in_features, x_q.stride(0),
         weight.stride(0), out.stride(0), out_features,
         HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        PROMOTE_K=min(cfg.get("PROMOTE_K", cfg["BLOCK_K"]), cfg["BLOCK_K"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

@@ -225,13 +225,21 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Stop tokens get -inf while a row has produced fewer than min_tokens tokens."""
+    """Stop tokens get -inf while a row has produced fewer than min_tokens tokens, unless nothing else is left to
+    sample (a grammar that allows only its end, a logit_bias of -inf on every other token): then min_tokens yields
+    and the row may stop early, rather than sample from an empty distribution."""
     blocked = lambda r: (list(r.params.all_stop_token_ids)  # noqa: E731
                          if r.num_outputs < r.params.min_tokens else [])
-    if not any(blocked(row) for row in rows):
+    under = [i for i, row in enumerate(rows) if blocked(row)]
+    if not under:
         return x
     row_idx, token_idx = _scatter_index(rows, blocked, x.device)
+    kept = x[row_idx, token_idx]
     x[row_idx, token_idx] = float("-inf")
+    under_idx = to_device(under, torch.long, x.device)
+    stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    stuck[under_idx] = (x[under_idx] == float("-inf")).all(dim=-1)  # no other token left to sample
+    x[row_idx, token_idx] = torch.where(stuck[row_idx], kept, float("-inf"))
     return x
 
 

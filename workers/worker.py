@@ -19,6 +19,7 @@ from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.startup import StartupTimes
 from workers import parallel
+from kernels._triton import references_forced
 from kernels.fp8 import FP8_DTYPE
 from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
@@ -125,7 +126,8 @@ class Worker:
         with self.startup.phase("cuda_graphs"):  # the runner captures the decode graphs as it is built
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
-                                      use_cuda_graphs=not self.config.parallel.enforce_eager)
+                                      use_cuda_graphs=not (self.config.parallel.enforce_eager
+                                                           or references_forced()))
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if self.device_kind == "cuda":

@@ -255,6 +255,19 @@ def test_a_bad_request_leaves_the_engine_serving(llm):
     assert llm.generate(["Hello"], constrained(case), use_tqdm=False)[0].outputs[0].text in CHOICES
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_stop_tokens(llm):
+    """min_tokens blocks the stop tokens; the choice "x" allows only its token, a stop token here: the request
+    ends there ("stop", the choice, fewer than min_tokens tokens), neither sampling from an empty mask nor
+    failing."""
+    x = llm.engine.tokenizer.encode("x", add_special_tokens=False)
+    assert len(x) == 1
+    for seed in (None, 0):
+        params = constrained(StructuredOutputsParams(choice=["x"]), seed, min_tokens=5, stop_token_ids=x)
+        completion = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+        assert completion.finish_reason == "stop" and list(completion.token_ids) == x, completion
+    llm.engine.check_integrity()
+
+
 def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir):
     engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
     # Fault injection (nothing valid fails xgrammar's compiler): a tokenizer that xgrammar cannot read makes the

@@ -32,12 +32,23 @@ def test_gpu_fp8_float32_matches_the_oracle(tiny_checkpoints, enforce_eager):
     llm.shutdown()
 
 
+def token_logprobs(llm, sequences, prompt_lens):
+    """Teacher-forced: each generated token's logprob under `llm`, position by position."""
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in sequences],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([out.prompt_logprobs[pos][ids[pos]] for out, ids, start in zip(outs, sequences, prompt_lens)
+                         for pos in range(start, len(ids))])
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral-window-8", "qwen3", "phi3", "mixtral"])
 def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_path, monkeypatch, arch):
     """bf16, chunked prefill and preemption: what the Triton / cuBLASLt paths generate, scored teacher-forced by
-    the torch references (PAGODA_KERNELS=ref): the references' best token at nearly every position, and where not,
-    a near tie (bf16 rounding). Teacher-forced, so one flipped tie does not make the rest of a sequence differ.
-    Every family's FP8 linears; a window of 8 over the e4m3 pool; Mixtral's bf16 experts."""
+    them and by the torch references (PAGODA_KERNELS=ref). In bf16 the two differ by more than summation order:
+    Hopper's FP8 MMA and cuBLASLt accumulate in fewer bits than float32 (11-15% of bf16 outputs round otherwise on
+    the 8B projections, benchmarks/results/h200-fp8-accumulation.json), and an input one bf16 step apart can round
+    to another e4m3 value. So the measure is FP8's own effect on the same tokens (the references with FP8 against
+    the references without): the kernels stay well inside it. Every family's FP8 linears; a window of 8 over the
+    e4m3 pool; Mixtral's bf16 experts."""
     if arch == "mistral-window-8":
         from workers.tiny_model import make_tiny_model
 
@@ -47,22 +58,24 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
     kwargs = dict(model=model_dir, dtype="bfloat16", device="cuda", quantization="fp8", kv_cache_dtype="fp8",
                   num_kv_blocks=12, block_size=4, max_num_batched_tokens=16)
     llm = LLM(**kwargs)
-    ours = greedy_ids(llm, model_dir)
+    prompts = prompt_ids(model_dir)
+    sequences = [p + o for p, o in zip(prompts, greedy_ids(llm, model_dir))]
     assert llm.engine.scheduler.num_preemptions > 0
     llm.shutdown()
-    monkeypatch.setenv("PAGODA_KERNELS", "ref")
+    lens = [len(p) for p in prompts]
     llm = LLM(**{**kwargs, "num_kv_blocks": 64})
-    scored = llm.generate([{"prompt_token_ids": p + o} for p, o in zip(prompt_ids(model_dir), ours)],
-                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    kernels = token_logprobs(llm, sequences, lens)
     llm.shutdown()
-    agree, gaps = 0, []
-    for prompt, generated, out in zip(prompt_ids(model_dir), ours, scored):
-        for position, token in enumerate(generated, start=len(prompt)):
-            entry = out.prompt_logprobs[position]  # the token's own logprob and the references' best
-            best = max(entry.values())
-            agree += entry[token] == best
-            gaps.append(best - entry[token])
-    assert agree >= 0.9 * len(gaps) and max(gaps) < 0.2, (agree, len(gaps), max(gaps))
+    monkeypatch.setenv("PAGODA_KERNELS", "ref")  # the references sync the host: the engine captures no graphs
+    scores = {}
+    for name, quantized in (("fp8", {}), ("bf16", {"quantization": None, "kv_cache_dtype": "auto"})):
+        llm = LLM(**{**kwargs, "num_kv_blocks": 64, **quantized})
+        assert llm.engine.executor.describe()[0]["cuda_graphs"] is False
+        scores[name] = token_logprobs(llm, sequences, lens)
+        llm.shutdown()
+    kernel_error = (kernels - scores["fp8"]).abs().mean().item()
+    fp8_effect = (scores["fp8"] - scores["bf16"]).abs().mean().item()
+    assert fp8_effect > 0 and kernel_error < 0.5 * fp8_effect, (kernel_error, fp8_effect)
 
 
 def test_gpu_8b_shape_random_fp8_weights_and_pool():

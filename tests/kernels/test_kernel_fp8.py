@@ -396,8 +396,11 @@ def test_gpu_fp8_llama3_8b_projections(rows, cuda):
                                          (4096, 14336, False)]:
         inputs = make_linear(rows, out_rows, in_features, torch.bfloat16, cuda, gated)
         out, ref = linear_fp8(**inputs), linear_fp8_ref(**inputs)
-        torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
-        assert (out != ref).float().mean() < 0.1  # most elements round the same
+        torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=3e-2)
+        # Hopper's FP8 MMA (ours, promoted to float32 every 512 products) and cuBLASLt both accumulate in fewer
+        # bits than the float32 reference: 15% and 11% of the bf16 outputs round otherwise, all within 0.5% of the
+        # largest (benchmarks/results/h200-fp8-accumulation.json); most round the same.
+        assert (out != ref).float().mean() < 0.2
 
 
 @pytest.mark.gpu

@@ -192,6 +192,18 @@ def test_min_tokens_blocks_stop_tokens():
     assert 0 not in _draw(500, output=[], min_tokens=1, all_stop_token_ids=(0,))
 
 
+def test_min_tokens_yields_where_only_stop_tokens_are_left():
+    """A row whose every other token is -inf (a grammar that allows only its end) samples a stop token rather
+    than from an empty distribution; the row beside it still has its stop tokens blocked."""
+    only_stop = torch.full_like(LOGITS, float("-inf"))
+    only_stop[[4, 5]] = LOGITS[[4, 5]]
+    params = dict(min_tokens=3, all_stop_token_ids=(4, 5))
+    for temperature in (0.0, 1.0):
+        rows = [_row(output=[3], temperature=temperature, **params) for _ in range(2)]
+        tokens, _ = sample(torch.stack([only_stop, LOGITS]), rows, torch.Generator().manual_seed(0))
+        assert tokens[0] in (4, 5) and tokens[1] not in (4, 5)
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
 
