@@ -414,7 +414,8 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
         weight.stride(0), out.stride(0), out_features,
         HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        PROMOTE_K=min(cfg.get("PROMOTE_K", cfg["BLOCK_K"]), cfg["BLOCK_K"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PROMOTE_K=min(cfg.get("PROMOTE_K", cfg["BLOCK_K"]), cfg["BLOCK_K"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
