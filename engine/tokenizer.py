@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -19,12 +20,36 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **_known_class_kwargs(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer {path!r} could not be loaded: {type(e).__name__}: {e}") from e
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _known_class_kwargs(path: str) -> dict:
+    """AutoTokenizer reads the model's config to pick the tokenizer class, and importing the model's config class
+    imports much of transformers' modelling code (torch.distributed.tensor, sympy: seconds of a cold start, most of
+    the tokenizer's load). Where tokenizer_config.json names its class and asks for no remote code, the choice needs
+    only the config's model type: a plain config that carries it picks the same class. Otherwise: no shortcut."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+        model_type = None
+        if os.path.exists(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if (not isinstance(tokenizer_config, dict) or not isinstance(tokenizer_config.get("tokenizer_class"), str)
+            or "auto_map" in tokenizer_config or not isinstance(model_type, (str, type(None)))):
+        return {}
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(name_or_path=path)
+    config.model_type = model_type
+    return {"config": config}
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
