@@ -74,7 +74,7 @@ class LLMEngine:
             # too: two threads importing one package at once can deadlock in importlib.
             with self.startup.phase("imports"):
                 make_executor = executor_class(config)
-        tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model))
+        tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config))
         self.executor = self._start_executor(lambda: executor or make_executor(config))
         try:
             self.tokenizer, max_chars_per_token = tokenizer.join(self.startup)
@@ -338,11 +338,14 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _load_tokenizer(model_config) -> tuple[object, int]:
-    """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread."""
+def _load_tokenizer(config: EngineConfig) -> tuple[object, int]:
+    """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread. Beside a
+    GPU model's start the tokenizer loads in a child process (engine/tokenizer.py says why)."""
+    from engine.config import resolve_device
     from engine.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model_config.tokenizer_path, model_config.chat_template)
+    in_child = resolve_device(config.parallel.device) == "cuda"
+    tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template, in_child=in_child)
     return tokenizer, longest_token_chars(tokenizer)
 
 

@@ -2,54 +2,85 @@
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import pickle
+import subprocess
 import sys
 import time
 
 from engine.errors import ParamError
+
+logger = logging.getLogger(__name__)
 
 # Template variables the server sets itself; a request's chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize",
                                       "return_dict", "chat_template", "tools", "documents"})
 
 
-def load_tokenizer(path: str, chat_template: str | None = None):
+def load_tokenizer(path: str, chat_template: str | None = None, in_child: bool = False):
     """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own. A directory
-    transformers cannot read a tokenizer from is a ValueError naming it (transformers' own message does not)."""
-    from transformers import AutoTokenizer
+    transformers cannot read a tokenizer from is a ValueError naming it (transformers' own message does not).
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **_known_class_kwargs(path))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer {path!r} could not be loaded: {type(e).__name__}: {e}") from e
+    `in_child`: AutoTokenizer runs in a child process and the tokenizer comes back pickled, unless this process has
+    imported AutoTokenizer already. To choose the class, AutoTokenizer imports much of transformers' modelling code
+    (generation, torch.distributed.tensor, sympy, scikit-learn where installed: 10 s of CPU on the H200's host),
+    which beside a GPU model's load and CUDA-graph capture held the GIL they need; unpickling imports only the
+    tokenizer's own class. It costs more CPU in all (the child imports torch too), so it is for a process with other
+    work to do and cores to spare. Where the child cannot run or its tokenizer cannot be pickled, the load runs here."""
+    tokenizer = _load_in_child(path) if in_child and _AUTO_MODULE not in sys.modules else None
+    if tokenizer is None:
+        tokenizer = _load_here(path)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def _known_class_kwargs(path: str) -> dict:
-    """AutoTokenizer reads the model's config to pick the tokenizer class, and importing the model's config class
-    imports much of transformers' modelling code (torch.distributed.tensor, sympy: seconds of a cold start, most of
-    the tokenizer's load). Where tokenizer_config.json names its class and asks for no remote code, the choice needs
-    only the config's model type: a plain config that carries it picks the same class. Otherwise: no shortcut."""
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            tokenizer_config = json.load(f)
-        model_type = None
-        if os.path.exists(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if (not isinstance(tokenizer_config, dict) or not isinstance(tokenizer_config.get("tokenizer_class"), str)
-            or "auto_map" in tokenizer_config or not isinstance(model_type, (str, type(None)))):
-        return {}
-    from transformers import PretrainedConfig
+_AUTO_MODULE = "transformers.models.auto.tokenization_auto"
 
-    config = PretrainedConfig(name_or_path=path)
-    config.model_type = model_type
-    return {"config": config}
+# The child: AutoTokenizer's own choice of class and loading; ("ok", tokenizer) or ("error", message) on stdout
+# (anything transformers prints goes to stderr, which is the parent's).
+_CHILD = """
+import pickle, sys
+out, sys.stdout = sys.stdout.buffer, sys.stderr
+from transformers import AutoTokenizer
+try:
+    result = ("ok", AutoTokenizer.from_pretrained(sys.argv[1]))
+except (OSError, ValueError) as e:
+    result = ("error", f"{type(e).__name__}: {e}")
+out.write(pickle.dumps(result))
+"""
+
+
+def _load_here(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(_load_error(path, f"{type(e).__name__}: {e}")) from e
+
+
+def _load_in_child(path: str):
+    """The tokenizer AutoTokenizer loads in a child process (same interpreter, same import path); None where that
+    did not work for a reason other than the tokenizer's own (logged: the caller loads it in process)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, env=env, check=False)
+        status, value = pickle.loads(done.stdout) if done.returncode == 0 else ("failed", f"exit {done.returncode}")
+    except Exception as e:  # no interpreter to start, a tokenizer class that does not pickle
+        status, value = "failed", f"{type(e).__name__}: {e}"
+    if status == "error":
+        raise ValueError(_load_error(path, value))
+    if status != "ok":
+        logger.warning("tokenizer %r: the child process could not load it (%s); loading it in this process",
+                       path, value)
+        return None
+    return value
+
+
+def _load_error(path: str, cause: str) -> str:
+    return f"tokenizer {path!r} could not be loaded: {cause}"
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -1,100 +1,76 @@
-"""The tokenizer's load (engine/tokenizer.py): where tokenizer_config.json names its class, Pagoda gives AutoTokenizer
-a plain config carrying the model type instead of letting it import the model's config class (which imports much of
-transformers' modelling code). The oracle is AutoTokenizer's own path: the same class, the same token ids, the same
-special tokens and chat template, for every family's checkpoint and for configs naming model-specific classes."""
+"""The tokenizer's load in a child process (engine/tokenizer.py, `in_child`): AutoTokenizer runs there and the
+tokenizer comes back pickled, so the engine's process never imports what AutoTokenizer imports to choose a class.
+The oracle is AutoTokenizer in this process: the same class, vocabulary, special tokens, token ids and chat
+template, for every family's checkpoint; the same error for a directory without a tokenizer; a child that cannot
+start falls back to loading in process."""
 
-import json
+import logging
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer import _known_class_kwargs, load_tokenizer
+import engine.tokenizer
+from engine.tokenizer import _load_in_child, load_tokenizer
 
 TEXT = "<|im_start|>user\nHello, world! The cache is split into blocks.<|im_end|>\n  tabs\tand unicode: é ü 中"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _variant(source: str, root, name: str, tokenizer_class: str | None, model_type: str | None = "llama",
-             extra: dict | None = None) -> str:
-    """A copy of `source`'s tokenizer whose tokenizer_config.json names `tokenizer_class` (None: names none) and
-    whose config.json has `model_type` (None: no config.json)."""
-    path = root / name
-    path.mkdir()
-    for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(os.path.join(source, file), path / file)
-    with open(path / "tokenizer_config.json") as f:
-        config = json.load(f)
-    config.pop("tokenizer_class", None)
-    if tokenizer_class is not None:
-        config["tokenizer_class"] = tokenizer_class
-    with open(path / "tokenizer_config.json", "w") as f:
-        json.dump({**config, **(extra or {})}, f)
-    if model_type is None:
-        os.remove(path / "config.json")
-    else:
-        with open(path / "config.json") as f:
-            model_config = json.load(f)
-        with open(path / "config.json", "w") as f:
-            json.dump({**model_config, "model_type": model_type}, f)
-    return str(path)
-
-
-def _assert_same(path: str) -> None:
-    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
-    assert type(ours) is type(theirs), path
-    assert ours(TEXT)["input_ids"] == theirs(TEXT)["input_ids"] and len(ours(TEXT)["input_ids"]) > 5
-    assert ours.decode(ours(TEXT)["input_ids"]) == theirs.decode(theirs(TEXT)["input_ids"])
+def _assert_same(ours, theirs) -> None:
+    assert type(ours) is type(theirs)
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs) > 100
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder
+    assert ours.all_special_tokens == theirs.all_special_tokens
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (theirs.bos_token_id, theirs.eos_token_id,
                                                                           theirs.pad_token_id)
-    assert ours.all_special_tokens == theirs.all_special_tokens and len(ours) == len(theirs)
-    if theirs.chat_template is not None:
-        rendered = ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-        assert rendered == theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-        assert "What is the capital?" in rendered
+    ids = theirs(TEXT)["input_ids"]
+    assert ours(TEXT)["input_ids"] == ids and len(ids) > 5
+    assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.chat_template == theirs.chat_template is not None
+    rendered = ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert rendered == theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert "What is the capital?" in rendered
 
 
-def test_every_family_s_tokenizer_loads_as_autotokenizer_loads_it(tiny_checkpoints):
-    for path in tiny_checkpoints.values():
-        assert "config" in _known_class_kwargs(path), path  # the shortcut is taken
-        _assert_same(path)
+def test_tokenizers_come_back_from_the_child_as_autotokenizer_loads_them(tiny_checkpoints, real_model_dir):
+    # the tiny checkpoints share one tokenizer: qwen2's is the one whose model type AutoTokenizer maps to a class of
+    # its own (Qwen2Tokenizer) other than the generic class its tokenizer_config.json names; SmolLM2's is real
+    for path in (tiny_checkpoints["qwen2"], real_model_dir):
+        _assert_same(_load_in_child(path), AutoTokenizer.from_pretrained(path))
 
 
-@pytest.mark.parametrize("tokenizer_class,model_type", [
-    ("PreTrainedTokenizerFast", "llama"), ("LlamaTokenizerFast", "llama"), ("LlamaTokenizer", "mistral"),
-    ("Qwen2Tokenizer", "qwen2"), ("GPT2TokenizerFast", "gpt2"), ("TokenizersBackend", None)])
-def test_a_named_class_is_chosen_as_autotokenizer_chooses_it(tiny_model_dir, tmp_path, tokenizer_class, model_type):
-    path = _variant(tiny_model_dir, tmp_path, "variant", tokenizer_class, model_type)
-    assert "config" in _known_class_kwargs(path)
-    _assert_same(path)
+def test_a_directory_without_a_tokenizer_fails_the_same_way_in_the_child(tmp_path):
+    empty = str(tmp_path / "no-tokenizer")
+    os.mkdir(empty)
+    with pytest.raises(ValueError, match=f"tokenizer '{empty}' could not be loaded") as here:
+        load_tokenizer(empty)
+    with pytest.raises(ValueError) as child:
+        _load_in_child(empty)
+    assert str(child.value) == str(here.value)
 
 
-def test_no_shortcut_where_the_class_is_not_named_or_remote_code_is_asked_for(tiny_model_dir, tmp_path):
-    unnamed = _variant(tiny_model_dir, tmp_path, "unnamed", None)
-    assert _known_class_kwargs(unnamed) == {}
-    _assert_same(unnamed)  # AutoTokenizer's own path, from the model's config
-    remote = _variant(tiny_model_dir, tmp_path, "remote", "PreTrainedTokenizerFast",
-                      extra={"auto_map": {"AutoTokenizer": ["tok.Tok", None]}})
-    assert _known_class_kwargs(remote) == {}
-    assert _known_class_kwargs(str(tmp_path / "missing")) == {}
+def test_a_child_that_cannot_start_leaves_the_load_to_this_process(tiny_model_dir, monkeypatch, caplog):
+    # a failure injected where nothing real fails on this machine: an interpreter that is not there
+    monkeypatch.setattr(engine.tokenizer.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(engine.tokenizer, "_AUTO_MODULE", "no.such.module")  # as if AutoTokenizer were not imported
+    with caplog.at_level(logging.WARNING, logger="engine.tokenizer"):
+        tokenizer = load_tokenizer(tiny_model_dir, chat_template="{{ 'custom' }}", in_child=True)
+    assert "the child process could not load it" in caplog.text
+    assert tokenizer.chat_template == "{{ 'custom' }}"
+    assert tokenizer(TEXT)["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"]
 
 
-def test_loading_a_tokenizer_does_not_import_the_model_code(tiny_model_dir):
-    """What the shortcut is for, shown by what gets imported (not by timing): in a fresh interpreter, the load leaves
-    the modules behind the model's config class (torch.distributed.tensor, sympy) unimported, while AutoTokenizer's
-    own path imports them."""
-    probe = ("import sys, torch; from engine.tokenizer import load_tokenizer; from transformers import AutoTokenizer; "
-             "{load}({path!r}); print(sorted(m for m in ('torch.distributed.tensor', 'sympy') if m in sys.modules))")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root}
-    imported = {}
-    for load in ("load_tokenizer", "AutoTokenizer.from_pretrained"):
-        result = subprocess.run([sys.executable, "-c", probe.format(load=load, path=tiny_model_dir)], env=env,
-                                capture_output=True, text=True, timeout=300, check=True)
-        imported[load] = result.stdout.strip().splitlines()[-1]
-    assert imported["load_tokenizer"] == "[]", imported
-    if imported["AutoTokenizer.from_pretrained"] == "[]":
-        pytest.skip("this transformers' AutoTokenizer imports no model code either: nothing for the shortcut to save")
+def test_a_fresh_process_loads_in_the_child_and_never_imports_autotokenizer(tiny_model_dir):
+    """What the child is for, shown by what gets imported (not by timing): in a fresh interpreter, the load with
+    in_child gives the ids AutoTokenizer gives and leaves AutoTokenizer's module unimported."""
+    code = ("import sys, torch; from engine.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer({tiny_model_dir!r}, in_child=True); print(t({TEXT!r})['input_ids']); "
+            "print('transformers.models.auto.tokenization_auto' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=300, check=True)
+    expected = str(AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"])
+    assert done.stdout.strip().splitlines()[-2:] == [expected, "False"], done.stdout + done.stderr
