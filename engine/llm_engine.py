@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup import BackgroundPhase, StartupTimes
+from engine.tokenizer import TokenizerChild
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +66,19 @@ class StepTiming:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         """Loads the tokenizer on a thread of its own while the executor loads the model (the tokenizer's load is
-        mostly transformers' import, seconds on a cold process); joined before anything reads it. A failed load
+        mostly transformers' import, seconds on a cold process); joined before anything reads it. For a GPU model
+        the load itself runs in a child process, started first (engine/tokenizer.py TokenizerChild). A failed load
         raises here as it would inline, once the executor is up, and releases the executor."""
         self.config = config
         self.startup = StartupTimes()  # imports, the executor's (rank 0's) phases, tokenizer_wait; tokenizer beside
         make_executor = None
+        child = TokenizerChild(config.model.tokenizer_path) if _expects_gpu(config) else None  # before the imports
         if executor is None:
             # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch
             # too: two threads importing one package at once can deadlock in importlib.
             with self.startup.phase("imports"):
                 make_executor = executor_class(config)
-        tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config))
+        tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model, child))
         self.executor = self._start_executor(lambda: executor or make_executor(config))
         try:
             self.tokenizer, max_chars_per_token = tokenizer.join(self.startup)
@@ -338,15 +342,20 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _load_tokenizer(config: EngineConfig) -> tuple[object, int]:
-    """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread. Beside a
-    GPU model's start the tokenizer loads in a child process (engine/tokenizer.py says why)."""
-    from engine.config import resolve_device
+def _load_tokenizer(model_config, child: TokenizerChild | None) -> tuple[object, int]:
+    """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread."""
     from engine.tokenizer import load_tokenizer
 
-    in_child = resolve_device(config.parallel.device) == "cuda"
-    tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template, in_child=in_child)
+    tokenizer = load_tokenizer(model_config.tokenizer_path, model_config.chat_template, child)
     return tokenizer, longest_token_chars(tokenizer)
+
+
+def _expects_gpu(config: EngineConfig) -> bool:
+    """Whether the model will run on a GPU, known before torch is imported (the tokenizer's child process starts
+    first: engine/tokenizer.py TokenizerChild): 'auto' counts a visible NVIDIA device node. A wrong guess only
+    moves the tokenizer's load between processes."""
+    device = config.parallel.device
+    return device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl"))
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

@@ -4,6 +4,7 @@
       ─► imports (torch, kernels) ─► device ─► weights ─► kv_scales (FP8 KV only) ─► kv_profile ─► kv_alloc
       ─► cuda_graphs ─► warm_up ─► tokenizer_wait ─► ready (scheduler, block manager) ─► first request
                  └─ tokenizer (its own thread, from the end of imports on) ─┘
+      (a GPU engine's tokenizer loads in a child process, started before the imports; the thread waits for it)
 
 `phases` is the critical path: its phases ran one after another, so they add up to the start-up's time.
 `overlapped` holds the phases that ran on a thread of their own beside them (`BackgroundPhase`); what the critical

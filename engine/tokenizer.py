@@ -18,25 +18,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generatio
                                       "return_dict", "chat_template", "tools", "documents"})
 
 
-def load_tokenizer(path: str, chat_template: str | None = None, in_child: bool = False):
+def load_tokenizer(path: str, chat_template: str | None = None, child: TokenizerChild | None = None):
     """The tokenizer of a checkpoint directory; `chat_template` (the template's text) replaces its own. A directory
     transformers cannot read a tokenizer from is a ValueError naming it (transformers' own message does not).
-
-    `in_child`: AutoTokenizer runs in a child process and the tokenizer comes back pickled, unless this process has
-    imported AutoTokenizer already. To choose the class, AutoTokenizer imports much of transformers' modelling code
-    (generation, torch.distributed.tensor, sympy, scikit-learn where installed: 10 s of CPU on the H200's host),
-    which beside a GPU model's load and CUDA-graph capture held the GIL they need; unpickling imports only the
-    tokenizer's own class. It costs more CPU in all (the child imports torch too), so it is for a process with other
-    work to do and cores to spare. Where the child cannot run or its tokenizer cannot be pickled, the load runs here."""
-    tokenizer = _load_in_child(path) if in_child and _AUTO_MODULE not in sys.modules else None
+    `child`: the tokenizer comes from that child process where it could load it (below), else from this one."""
+    tokenizer = child.result() if child is not None else None
     if tokenizer is None:
-        tokenizer = _load_here(path)
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(_load_error(path, f"{type(e).__name__}: {e}")) from e
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
 
-
-_AUTO_MODULE = "transformers.models.auto.tokenization_auto"
 
 # The child: AutoTokenizer's own choice of class and loading; ("ok", tokenizer) or ("error", message) on stdout
 # (anything transformers prints goes to stderr, which is the parent's).
@@ -52,31 +49,43 @@ out.write(pickle.dumps(result))
 """
 
 
-def _load_here(path: str):
-    from transformers import AutoTokenizer
+class TokenizerChild:
+    """AutoTokenizer in a child process (same interpreter, same import path), started at construction; `result()`
+    is the tokenizer, pickled back. To choose the class, AutoTokenizer imports much of transformers' modelling code
+    (generation, torch.distributed.tensor, sympy, scikit-learn where installed: 12 s on the H200's host), which in
+    the engine's process held the GIL that the model's load and CUDA-graph capture beside it needed (the capture
+    took 10 s instead of 2.5); unpickling imports only the tokenizer's own class. The child costs more CPU in all
+    (it imports torch too), so it is for a process with other work to do and cores to spare: a GPU engine's."""
 
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(_load_error(path, f"{type(e).__name__}: {e}")) from e
+    def __init__(self, path: str):
+        self.path = path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, env=env)
+            self._failure = None
+        except OSError as e:  # no interpreter to start
+            self._process, self._failure = None, f"{type(e).__name__}: {e}"
 
-
-def _load_in_child(path: str):
-    """The tokenizer AutoTokenizer loads in a child process (same interpreter, same import path); None where that
-    did not work for a reason other than the tokenizer's own (logged: the caller loads it in process)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, env=env, check=False)
-        status, value = pickle.loads(done.stdout) if done.returncode == 0 else ("failed", f"exit {done.returncode}")
-    except Exception as e:  # no interpreter to start, a tokenizer class that does not pickle
-        status, value = "failed", f"{type(e).__name__}: {e}"
-    if status == "error":
-        raise ValueError(_load_error(path, value))
-    if status != "ok":
-        logger.warning("tokenizer %r: the child process could not load it (%s); loading it in this process",
-                       path, value)
-        return None
-    return value
+    def result(self):
+        """The child's tokenizer; None where the child failed for a reason other than the tokenizer's own (logged:
+        the caller loads it itself). A tokenizer that cannot be loaded raises ValueError as load_tokenizer does."""
+        status, value = "failed", self._failure
+        if self._process is not None:
+            try:
+                out, _ = self._process.communicate()
+                if self._process.returncode != 0:
+                    value = f"exit {self._process.returncode}"
+                else:
+                    status, value = pickle.loads(out)
+            except Exception as e:  # a tokenizer class that does not pickle
+                value = f"{type(e).__name__}: {e}"
+        if status == "error":
+            raise ValueError(_load_error(self.path, value))
+        if status != "ok":
+            logger.warning("tokenizer %r: the child process could not load it (%s); loading it in this process",
+                           self.path, value)
+            return None
+        return value
 
 
 def _load_error(path: str, cause: str) -> str:

@@ -1,8 +1,8 @@
-"""The tokenizer's load in a child process (engine/tokenizer.py, `in_child`): AutoTokenizer runs there and the
+"""The tokenizer's load in a child process (engine/tokenizer.py TokenizerChild): AutoTokenizer runs there and the
 tokenizer comes back pickled, so the engine's process never imports what AutoTokenizer imports to choose a class.
 The oracle is AutoTokenizer in this process: the same class, vocabulary, special tokens, token ids and chat
-template, for every family's checkpoint; the same error for a directory without a tokenizer; a child that cannot
-start falls back to loading in process."""
+template; the same error for a directory without a tokenizer; a child that cannot start falls back to loading in
+process; a GPU engine starts the child before its imports and takes its tokenizer from it."""
 
 import logging
 import os
@@ -12,8 +12,12 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+import engine.llm_engine
 import engine.tokenizer
-from engine.tokenizer import _load_in_child, load_tokenizer
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import TokenizerChild, load_tokenizer
 
 TEXT = "<|im_start|>user\nHello, world! The cache is split into blocks.<|im_end|>\n  tabs\tand unicode: é ü 中"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
@@ -40,7 +44,7 @@ def test_tokenizers_come_back_from_the_child_as_autotokenizer_loads_them(tiny_ch
     # the tiny checkpoints share one tokenizer: qwen2's is the one whose model type AutoTokenizer maps to a class of
     # its own (Qwen2Tokenizer) other than the generic class its tokenizer_config.json names; SmolLM2's is real
     for path in (tiny_checkpoints["qwen2"], real_model_dir):
-        _assert_same(_load_in_child(path), AutoTokenizer.from_pretrained(path))
+        _assert_same(load_tokenizer(path, child=TokenizerChild(path)), AutoTokenizer.from_pretrained(path))
 
 
 def test_a_directory_without_a_tokenizer_fails_the_same_way_in_the_child(tmp_path):
@@ -49,28 +53,58 @@ def test_a_directory_without_a_tokenizer_fails_the_same_way_in_the_child(tmp_pat
     with pytest.raises(ValueError, match=f"tokenizer '{empty}' could not be loaded") as here:
         load_tokenizer(empty)
     with pytest.raises(ValueError) as child:
-        _load_in_child(empty)
+        load_tokenizer(empty, child=TokenizerChild(empty))
     assert str(child.value) == str(here.value)
 
 
 def test_a_child_that_cannot_start_leaves_the_load_to_this_process(tiny_model_dir, monkeypatch, caplog):
     # a failure injected where nothing real fails on this machine: an interpreter that is not there
     monkeypatch.setattr(engine.tokenizer.sys, "executable", "/nonexistent/python")
-    monkeypatch.setattr(engine.tokenizer, "_AUTO_MODULE", "no.such.module")  # as if AutoTokenizer were not imported
     with caplog.at_level(logging.WARNING, logger="engine.tokenizer"):
-        tokenizer = load_tokenizer(tiny_model_dir, chat_template="{{ 'custom' }}", in_child=True)
+        tokenizer = load_tokenizer(tiny_model_dir, chat_template="{{ 'custom' }}",
+                                   child=TokenizerChild(tiny_model_dir))
     assert "the child process could not load it" in caplog.text
     assert tokenizer.chat_template == "{{ 'custom' }}"
     assert tokenizer(TEXT)["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"]
 
 
 def test_a_fresh_process_loads_in_the_child_and_never_imports_autotokenizer(tiny_model_dir):
-    """What the child is for, shown by what gets imported (not by timing): in a fresh interpreter, the load with
-    in_child gives the ids AutoTokenizer gives and leaves AutoTokenizer's module unimported."""
-    code = ("import sys, torch; from engine.tokenizer import load_tokenizer; "
-            f"t = load_tokenizer({tiny_model_dir!r}, in_child=True); print(t({TEXT!r})['input_ids']); "
-            "print('transformers.models.auto.tokenization_auto' in sys.modules)")
+    """What the child is for, shown by what gets imported (not by timing): in a fresh interpreter, the load from a
+    child gives the ids AutoTokenizer gives and leaves AutoTokenizer's module unimported."""
+    code = ("import sys, torch; from engine.tokenizer import TokenizerChild, load_tokenizer; "
+            f"t = load_tokenizer({tiny_model_dir!r}, child=TokenizerChild({tiny_model_dir!r})); "
+            f"print(t({TEXT!r})['input_ids']); print('transformers.models.auto.tokenization_auto' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
                           text=True, timeout=300, check=True)
     expected = str(AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"])
     assert done.stdout.strip().splitlines()[-2:] == [expected, "False"], done.stdout + done.stderr
+
+
+def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_imports(tiny_model_dir, monkeypatch):
+    children = []
+    real_init, real_executor_class = TokenizerChild.__init__, engine.llm_engine.executor_class
+
+    def init(self, path):
+        real_init(self, path)
+        children.append(self)
+
+    def executor_class(config):  # the imports phase begins here
+        assert children, "the imports began before the tokenizer's child process started"
+        return real_executor_class(config)
+
+    monkeypatch.setattr(TokenizerChild, "__init__", init)
+    monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
+    assert not engine.llm_engine._expects_gpu(EngineArgs(model=tiny_model_dir, device="cpu").create_engine_config())
+    # the engine as on a GPU, with the model itself on the CPU (no GPU here)
+    monkeypatch.setattr(engine.llm_engine, "_expects_gpu", lambda config: True)
+    llm = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config())
+    try:
+        assert len(children) == 1 and children[0]._process.returncode == 0  # the child ran to its end
+        assert llm.tokenizer(TEXT)["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"]
+        llm.add_request("r", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        deltas = []
+        while llm.has_unfinished_requests():
+            deltas += llm.step()
+        assert sum(d.num_new_tokens for d in deltas) == 4 and "".join(s.text for d in deltas for s in d.seqs)
+    finally:
+        llm.shutdown()
