@@ -199,6 +199,43 @@ def bench_fp8(runner, cfg: dict):
     bench_fp8_kv_decode(runner, cfg)
 
 
+# FP8 KV decode: tile configs, each with bfloat16 and float16 dots (decode_config's "f16_dots")
+FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048)]
+FP8_KV_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st)
+                       for n, w, st in [(64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 4, 3)]]
+
+
+def bench_tune_fp8_kv_decode(runner, cfg: dict):
+    """Decode attention over an e4m3 pool: the default, then each config with both dot types; in bytes of FP8 K/V."""
+    from benchmarks.kernels import cold_kv
+
+    device, heads, dim = runner.device, cfg["num_heads"], cfg["head_dim"]
+    scale = 1 / math.sqrt(dim)
+    kv_scale = torch.ones(cfg["num_kv_heads"], device=device)
+    for batch, ctx in FP8_KV_TUNE_CASES:
+
+        def build(batch=batch, ctx=ctx):
+            copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
+            turn = itertools.cycle([(k.to(FP8_DTYPE), v.to(FP8_DTYPE), t) for k, v, t, _, _ in copies])
+            bf16_turn = itertools.cycle([c[:3] for c in copies])
+            q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+
+            def decode(config=None):
+                return paged_attention_decode_triton(q, *next(turn), lens, scale, config=config, k_scale=kv_scale,
+                                                     v_scale=kv_scale)
+
+            impls = {"default": decode, "bf16 pool default": lambda: paged_attention_decode_triton(
+                q, *next(bf16_turn), lens, scale)}
+            for c in FP8_KV_TUNE_CONFIGS:
+                for f16 in (False, True):
+                    name = "n{block_n} w{num_warps} st{num_stages}".format(**c) + (" f16" if f16 else " bf16")
+                    impls[name] = lambda c=c, f16=f16: decode({**c, "f16_dots": f16})
+            return impls, dict(bytes=kv_bytes // 2), None
+
+        runner.case("tune fp8 kv decode", f"batch {batch} ctx {ctx}", build)
+
+
 def bench_tune_fp8(runner, cfg: dict):
     configs = {"default": None}
     configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c for c in TUNE_CONFIGS})
@@ -206,3 +243,4 @@ def bench_tune_fp8(runner, cfg: dict):
              for name, c in configs.items()}
     for rows in (1, 8, 16):
         fp8_linear_case(runner, cfg, rows, impls, "tune fp8 linear")
+    bench_tune_fp8_kv_decode(runner, cfg)

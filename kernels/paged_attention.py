@@ -43,6 +43,7 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
+FP8_WIDE_TILE_PROGRAMS = 1024  # decode over an e4m3 cache: 128-key tiles up to this many programs (decode_config)
 
 
 @triton.jit
@@ -153,7 +154,7 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+    window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -191,6 +192,11 @@ def _decode_kernel(
                     mask=row_mask[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        elif F16_DOTS:
+            # e4m3 K/V: both dots in float16, so each e4m3 value takes one conversion (to bfloat16 it takes three,
+            # through float16 and float32) and the probabilities keep 3 more bits; e4m3 is exact in float16, and q
+            # is held to float16's range (past it, the softmax is one-hot either way)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -393,7 +399,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: torch.device,
-                  windowed_fp8: bool = False) -> dict:
+                  kv_fp8: bool = False, windowed: bool = False) -> dict:
     """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile).
 
     With at most PROGRAMS_PER_SM programs per SM (few sequences, split contexts) each program must keep more of
@@ -403,18 +409,24 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     fused_merge: split contexts are merged inside the decode kernel (`_merge_if_last`), not by a second kernel.
     H200 (`--tune --only decode --cuda-graph`): batch 1 at 8k 12.8 us against 13.5, at 32k 38.6 against 39.4;
     batch 8 at 8k 68.2 against 69.6.
-    windowed_fp8 (a sliding window over an e4m3 cache): with many programs, 32-key tiles. At 64 keys and 3 stages
-    the e4m3 -> bf16 conversions and the window's bounds spill a register on sm_90 (ptxas keeps 128 registers for 4
-    programs an SM); 32 keys fit in 127 without a spill (tests/kernels/compile_sm90.py).
+    An e4m3 cache (kv_fp8) takes float16 dots (f16_dots, see _decode_kernel). H200, Llama-3-8B heads, the kernel
+    alone (`--tune --only fp8`), batch 256 / 64 at 2k: 441 / 144 us against 498 / 151 us with bfloat16 dots (the
+    bf16 pool: 494 / 126 us); 128-key tiles: 390 / 104 us. In the engine (8B FP8 decode at 2k) 128-key tiles took
+    batch 64 from 9.32 to 7.96 ms/token but batch 256 from 20.30 to 21.50 (one run each), so they are used from
+    PROGRAMS_PER_SM x SMs up to FP8_WIDE_TILE_PROGRAMS programs (512 measured better, 2048 worse; the bound between
+    is not measured). With a sliding window over an e4m3 cache, 32-key tiles instead: at
+    64 keys and 3 stages the e4m3 -> bf16 conversions and the window's bounds spilled a register on sm_90 (ptxas
+    keeps 128 registers for 4 programs an SM); 32 keys fit in 127 without a spill (tests/kernels/compile_sm90.py).
     """
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True)
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
-    if windowed_fp8 and not few:
-        block_n = 32
+    if kv_fp8 and not few:
+        wide = head_dim <= 128 and num_programs <= FP8_WIDE_TILE_PROGRAMS
+        block_n = 32 if windowed else 128 if wide else block_n
     deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
-    return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True)
+    return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True, f16_dots=kv_fp8)
 
 
 def prefill_config(max_query_len: int, queries_per_kv: int, head_dim: int, dtype: torch.dtype,
@@ -501,7 +513,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device,
-                        windowed_fp8=sliding_window is not None and k_cache.dtype == FP8_DTYPE) | (config or {})
+                        kv_fp8=k_cache.dtype == FP8_DTYPE, windowed=sliding_window is not None) | (config or {})
     fused = num_splits > 1 and bool(cfg["fused_merge"] if fused_merge is None else fused_merge)
     queries_per_kv = num_heads // num_kv_heads
     part_out = part_lse = counters = out  # placeholders, unused with one split
@@ -521,6 +533,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
+        F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg.get("f16_dots", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:

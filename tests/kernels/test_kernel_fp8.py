@@ -5,6 +5,8 @@ KV-write kernels must match their references bit for bit; the linear and attenti
 order of their float32 sums.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ import kernels.linear_fp8 as linear_fp8_module
 from kernels.linear_fp8 import (MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap,
                                  linear_fp8_triton)
 from kernels.paged_attention import (
+    decode_config,
     paged_attention_decode_ref,
     paged_attention_decode_triton,
     paged_attention_prefill_ref,
@@ -343,6 +346,33 @@ def test_fp8_decode_matches_ref(dtype, num_splits, device, poisoned_allocations)
     dense = paged_attention_decode_ref(q.float(), dequantize(k_cache, k_scale[:, None]),
                                        dequantize(v_cache, v_scale[:, None]), tables, lens, 0.2)
     torch.testing.assert_close(ref.float(), dense, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", [{"f16_dots": False}, {"f16_dots": True}, {"f16_dots": True, "block_n": 128},
+                                    {"f16_dots": False, "block_n": 128}],
+                         ids=["bf16 dots", "f16 dots", "f16 dots, 128-key tiles", "bf16 dots, 128-key tiles"])
+def test_fp8_decode_dot_types_and_wide_tiles_match_ref(config, device, poisoned_allocations):
+    # a bf16 query over an e4m3 pool, sequences spanning several 128-key tiles and ending mid-tile
+    seq_lens = [3, 130, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 16, device, seed=3)
+    q = torch.randn(3, 8, 32).to(torch.bfloat16).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2, k_scale=k_scale, v_scale=v_scale)
+    for num_splits in (1, 2):
+        out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.2, num_splits=num_splits,
+                                            config=config, k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_decode_config_takes_float16_dots_and_wide_tiles_where_measured_faster():
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    config = functools.partial(decode_config, 128, torch.bfloat16, device=cpu)
+    assert config(64 * 8, kv_fp8=True) == dict(block_n=128, num_warps=4, num_stages=3, fused_merge=True,
+                                               f16_dots=True)
+    assert config(256 * 8, kv_fp8=True)["block_n"] == 64 and config(256 * 8, kv_fp8=True)["f16_dots"]
+    assert config(64 * 8, kv_fp8=True, windowed=True)["block_n"] == 32  # no register spill on sm_90
+    assert config(8 * 8 * 4, kv_fp8=True)["block_n"] == 64  # few programs: deep pipelines of 64-key tiles
+    assert not config(64 * 8)["f16_dots"] and config(64 * 8)["block_n"] == 64  # a bf16 pool: as before
 
 
 def test_fp8_prefill_matches_ref(device, poisoned_allocations):
