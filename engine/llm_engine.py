@@ -76,8 +76,13 @@ class LLMEngine:
         if executor is None:
             # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch
             # too: two threads importing one package at once can deadlock in importlib.
-            with self.startup.phase("imports"):
-                make_executor = executor_class(config)
+            try:
+                with self.startup.phase("imports"):
+                    make_executor = executor_class(config)
+            except BaseException:
+                if child is not None:
+                    child.close()
+                raise
         tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model, child))
         self.executor = self._start_executor(lambda: executor or make_executor(config))
         try:

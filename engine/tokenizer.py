@@ -61,10 +61,17 @@ class TokenizerChild:
         self.path = path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, env=env)
+            self._process = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE, env=env)
             self._failure = None
         except OSError as e:  # no interpreter to start
             self._process, self._failure = None, f"{type(e).__name__}: {e}"
+
+    def close(self) -> None:
+        """Ends the child if it is still running (a start-up that failed before reading its result)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
     def result(self):
         """The child's tokenizer; None where the child failed for a reason other than the tokenizer's own (logged:

@@ -6,6 +6,7 @@ process; a GPU engine starts the child before its imports and takes its tokenize
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -108,3 +109,23 @@ def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_import
         assert sum(d.num_new_tokens for d in deltas) == 4 and "".join(s.text for d in deltas for s in d.seqs)
     finally:
         llm.shutdown()
+
+
+def test_a_start_up_that_fails_in_its_imports_ends_the_child(tiny_model_dir, monkeypatch):
+    children = []
+    real_init = TokenizerChild.__init__
+
+    def init(self, path):
+        real_init(self, path)
+        children.append(self)
+
+    def executor_class(config):
+        raise RuntimeError("the kernels failed to import")  # injected: nothing here fails to import for real
+
+    monkeypatch.setattr(TokenizerChild, "__init__", init)
+    monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
+    monkeypatch.setattr(engine.llm_engine, "_expects_gpu", lambda config: True)
+    with pytest.raises(RuntimeError, match="failed to import"):
+        LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config())
+    # killed while it was still importing (its imports take seconds), not left blocked on a pipe nobody reads
+    assert len(children) == 1 and children[0]._process.returncode == -signal.SIGKILL
