@@ -120,6 +120,15 @@ class ModelArgs(BaseModel):
         return self
 
     @property
+    def max_prompts_at_once(self) -> int | None:
+        """The most calls (one per prompt of a batch) Serve admits at once: every replica's max_ongoing_requests (at
+        the most replicas there can be) plus the caller's queue. None: no queue limit."""
+        if self.max_queued_requests == -1:
+            return None
+        replicas = self.autoscaling_config.max_replicas if self.autoscaling_config else self.num_replicas or 1
+        return self.max_ongoing_requests * replicas + self.max_queued_requests
+
+    @property
     def names(self) -> list[str]:
         name = self.served_model_name
         return list(name) if isinstance(name, list) else [name]
@@ -181,7 +190,8 @@ def build_app(args: dict | None = None) -> serve.Application:
             cards[alias] = {"root": m.engine.model or _default_name(None)}
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
-              "default_max_tokens": app_args.default_max_tokens}
+              "default_max_tokens": app_args.default_max_tokens,
+              "max_prompts": {alias: m.max_prompts_at_once for m in app_args.models for alias in m.names}}
     # The ingress drains its streams for as long as the models drain theirs (Serve's default, 20 s, cut the
     # streams of a 30 s model drain), plus a margin for their last chunks.
     drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.models) + 5.0

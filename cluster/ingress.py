@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -61,6 +61,9 @@ class IngressConfig:
     health_timeout_s: float = 5.0  # /health: a replica that does not answer its check this long is unhealthy
     debug: bool = False  # enables /debug/integrity and /debug/fail_engine
     default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context (OpenAI's)
+    # served model name -> the most prompts one completion request may batch: more than its deployment admits at
+    # once would be a 429 that no retry could pass (None: no limit)
+    max_prompts: dict[str, int | None] = field(default_factory=dict)
 
 
 def _error_response(exc: BaseException, request_id: str | None) -> Response:
@@ -153,6 +156,11 @@ class Ingress:
         info = await self._model_info(name, handle)
         params = await asyncio.to_thread(req.to_sampling_params, info["sampling_defaults"])  # a grammar compiles
         prompts = req.prompts()
+        limit = self.config.max_prompts.get(name)
+        if limit is not None and len(prompts) > limit:
+            raise errors.InvalidRequestError(
+                f"{len(prompts)} prompts in one request: {name!r} admits {limit} at once (its replicas' "
+                "max_ongoing_requests and the max_queued_requests); send them in smaller batches", "prompt")
         _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
         arrival = time.time()
         run = await self._start(name, handle, [

@@ -94,6 +94,16 @@ def test_a_full_queue_is_429_with_retry_after(http):
     wait_until_idle(http, "tiny-queue")
 
 
+def test_a_batch_larger_than_the_model_admits_at_once_is_400_not_429(http):
+    """tiny-queue admits 3 calls at once (one replica, max_ongoing_requests 1, max_queued_requests 2): a batch of 4
+    prompts would be refused by Serve on an idle server too, so a 429 that no retry passes; it is a 400 instead."""
+    body = {"model": "tiny-queue", "prompt": ["a", "b", "c", "d"], "max_tokens": 2}
+    error = assert_error(http.post("/v1/completions", json=body), 400, "prompt")
+    assert "4 prompts" in error["error"]["message"] and "admits 3" in error["error"]["message"]
+    ok = http.post("/v1/completions", json={**body, "prompt": ["a"]})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
 @pytest.mark.parametrize("kwargs, what", [
     ({"chat_template": "{% for i in range(10**5) %}{% for j in range(10**5) %}x{% endfor %}{% endfor %}"},
      "not allowed"),

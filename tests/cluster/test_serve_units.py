@@ -370,3 +370,14 @@ def test_autoscaling_args_pick_the_policy():
     from ray.serve.config import AutoscalingConfig
 
     AutoscalingConfig(**config)  # Serve accepts what Pagoda builds
+
+
+def test_a_model_admits_its_replicas_slots_and_its_queue_at_once():
+    def admits(**kwargs):
+        return ModelArgs(model="tiny", **kwargs).max_prompts_at_once
+
+    assert admits(max_ongoing_requests=1, max_queued_requests=2) == 3  # one replica by default
+    assert admits(num_replicas=3, max_ongoing_requests=4, max_queued_requests=5) == 17
+    assert admits(autoscaling_config={"min_replicas": 1, "max_replicas": 4}, max_ongoing_requests=2,
+                  max_queued_requests=0) == 8  # at the most replicas the autoscaler may start
+    assert admits(max_queued_requests=-1) is None  # no queue limit: no batch limit
