@@ -419,7 +419,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     keeps 128 registers for 4 programs an SM); 32 keys fit in 127 without a spill (tests/kernels/compile_sm90.py).
     """
     if dtype == torch.float32:
-        return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True)
+        return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True, f16_dots=False)  # IEEE fp32 dots
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
     if kv_fp8 and not few:
@@ -533,7 +533,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         FUSED_MERGE=fused,
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
-        F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg.get("f16_dots", False)),
+        F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg["f16_dots"]),  # a config override: e4m3 caches only
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:

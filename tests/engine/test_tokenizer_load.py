@@ -81,19 +81,27 @@ def test_a_fresh_process_loads_in_the_child_and_never_imports_autotokenizer(tiny
     assert done.stdout.strip().splitlines()[-2:] == [expected, "False"], done.stdout + done.stderr
 
 
-def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_imports(tiny_model_dir, monkeypatch):
-    children = []
-    real_init, real_executor_class = TokenizerChild.__init__, engine.llm_engine.executor_class
+@pytest.fixture
+def children(monkeypatch) -> list[TokenizerChild]:
+    """Every TokenizerChild started while the test runs (real ones, recorded)."""
+    started, real_init = [], TokenizerChild.__init__
 
     def init(self, path):
         real_init(self, path)
-        children.append(self)
+        started.append(self)
+
+    monkeypatch.setattr(TokenizerChild, "__init__", init)
+    return started
+
+
+def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_imports(tiny_model_dir, monkeypatch,
+                                                                                  children):
+    real_executor_class = engine.llm_engine.executor_class
 
     def executor_class(config):  # the imports phase begins here
         assert children, "the imports began before the tokenizer's child process started"
         return real_executor_class(config)
 
-    monkeypatch.setattr(TokenizerChild, "__init__", init)
     monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
     assert not engine.llm_engine._expects_gpu(EngineArgs(model=tiny_model_dir, device="cpu").create_engine_config())
     # the engine as on a GPU, with the model itself on the CPU (no GPU here)
@@ -111,18 +119,10 @@ def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_import
         llm.shutdown()
 
 
-def test_a_start_up_that_fails_in_its_imports_ends_the_child(tiny_model_dir, monkeypatch):
-    children = []
-    real_init = TokenizerChild.__init__
-
-    def init(self, path):
-        real_init(self, path)
-        children.append(self)
-
+def test_a_start_up_that_fails_in_its_imports_ends_the_child(tiny_model_dir, monkeypatch, children):
     def executor_class(config):
         raise RuntimeError("the kernels failed to import")  # injected: nothing here fails to import for real
 
-    monkeypatch.setattr(TokenizerChild, "__init__", init)
     monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
     monkeypatch.setattr(engine.llm_engine, "_expects_gpu", lambda config: True)
     with pytest.raises(RuntimeError, match="failed to import"):
