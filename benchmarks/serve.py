@@ -34,6 +34,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="aiohttp: one process, raw SSE; openai: the official openai client (AsyncOpenAI)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="with --client openai: this many client processes share the requests")
+    parser.add_argument("--warmup-requests", type=int, default=0,
+                        help="untimed short requests sent at once before the clock starts (with --client openai, "
+                        "by every client process): the server's and the clients' connections and paths warm, as a "
+                        "service that has been up a while; 0: none")
     parser.add_argument("--output-json", default=None)
 
 
@@ -83,15 +87,34 @@ async def _models(args: argparse.Namespace, headers: dict) -> list[dict]:
             return (await resp.json())["data"]
 
 
-async def _run_aiohttp(args: argparse.Namespace, headers: dict, bodies: list[dict], delays) -> list[dict]:
+async def _run_aiohttp(args: argparse.Namespace, headers: dict, bodies: list[dict], delays,
+                       warmup: list[dict]) -> tuple[list[dict], float, float]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     # aiohttp's default pool holds 100 connections: more requests than that would wait in the client.
+    url = f"{args.url}/v1/completions"
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        return await asyncio.gather(*(_one(session, f"{args.url}/v1/completions", headers, body, float(d), limit)
-                                      for body, d in zip(bodies, delays)))
+        await warm_up(lambda body: _send(session, url, headers, body), warmup)
+        started_at, start = time.time(), time.perf_counter()
+        results = await asyncio.gather(*(_one(session, url, headers, body, float(d), limit)
+                                         for body, d in zip(bodies, delays)))
+        return results, time.perf_counter() - start, started_at
+
+
+def warmup_bodies(args: argparse.Namespace, model: str, count: int) -> list[dict]:
+    """Short streamed requests of their own random prompts (no prefix shared with the timed ones)."""
+    prompts = synthetic_prompts(count, (8, 8), args.vocab_size or 1000, args.seed + 1_000_003)
+    return [{"model": model, "prompt": p, "max_tokens": 2, "temperature": 1.0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True}} for p in prompts]
+
+
+async def warm_up(send, bodies: list[dict]) -> None:
+    """Sends every warm-up body at once; a failed one fails the run (the server is not ready)."""
+    for result in await asyncio.gather(*(send(body) for body in bodies)):
+        if not result["ok"]:
+            raise RuntimeError(f"a warm-up request failed: {result['error']}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -104,14 +127,13 @@ def run(args: argparse.Namespace) -> dict:
     delays = np.cumsum(gaps) - gaps[0]
     bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+    warmup = warmup_bodies(args, model, args.warmup_requests)
     if args.client == "openai":
         from benchmarks.serve_openai import run_clients
 
-        results, elapsed = run_clients(args, bodies, delays)
+        results, elapsed, started_at = run_clients(args, bodies, delays, warmup)
     else:
-        start = time.perf_counter()
-        results = asyncio.run(_run_aiohttp(args, headers, bodies, delays))
-        elapsed = time.perf_counter() - start
+        results, elapsed, started_at = asyncio.run(_run_aiohttp(args, headers, bodies, delays, warmup))
     ok = [r for r in results if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -119,9 +141,11 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts), "client": args.client,
         "client_processes": args.client_processes if args.client == "openai" else 1,
+        "warmup_requests": args.warmup_requests,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": [r["error"] for r in results if not r["ok"]][:5],
-        "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
+        "started_at_unix_s": started_at, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "ttft_ms": to_ms(percentiles([r["ttft"] for r in ok])), "tpot_ms": to_ms(percentiles([r["tpot"] for r in ok])),
         "itl_ms": to_ms(percentiles([x for r in ok for x in r["itl"]])),

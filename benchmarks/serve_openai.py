@@ -12,13 +12,15 @@ import time
 import numpy as np
 
 
-def run_clients(args: argparse.Namespace, bodies: list[dict], delays) -> tuple[list[dict], float]:
-    """(results in the order of bodies, seconds from the common start to the last request's end). The clock starts
-    at the moment every process was told to send (not at the spawn), so process start-up is not counted."""
+def run_clients(args: argparse.Namespace, bodies: list[dict], delays,
+                warmup: list[dict] = ()) -> tuple[list[dict], float, float]:
+    """(results in the order of bodies, seconds from the common start to the last request's end, that start as
+    time.time()). The clock starts at the moment every process was told to send (not at the spawn), so process
+    start-up is not counted; each process sends the `warmup` requests before it (untimed)."""
     k = max(args.client_processes, 1)
-    start_at = time.time() + 5.0  # every process starts its clock at the same moment, after its imports
+    start_at = time.time() + 5.0  # every process starts its clock at the same moment, after its imports (and warm-up)
     jobs = [(args.url, args.api_key, args.timeout_s, args.max_concurrency, bodies[i::k],
-             [float(d) for d in delays[i::k]], start_at) for i in range(k)]
+             [float(d) for d in delays[i::k]], start_at, list(warmup)) for i in range(k)]
     with multiprocessing.get_context("spawn").Pool(k) as pool:
         parts = pool.starmap(_client_process, jobs)
     results = [None] * len(bodies)
@@ -27,17 +29,20 @@ def run_clients(args: argparse.Namespace, bodies: list[dict], delays) -> tuple[l
     late = max(max(started - start_at, 0.0) for _, (started, _) in parts)
     if late > 0.5:
         print(f"warning: a client process started sending {late:.1f} s late (its imports); counted in the time")
-    return results, max(ended for _, (_, ended) in parts) - start_at
+    return results, max(ended for _, (_, ended) in parts) - start_at, start_at
 
 
-def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, start_at):
+def _client_process(url, api_key, timeout_s, max_concurrency, bodies, delays, start_at, warmup=()):
     """(results, (when it started sending, when its last request ended)), as time.time()."""
     import openai
+
+    from benchmarks.serve import warm_up
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0,
                                     timeout=timeout_s)
         limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        await warm_up(lambda body: _send(client, body), warmup)
         await asyncio.sleep(max(start_at - time.time(), 0))
         started = time.time()
         try:

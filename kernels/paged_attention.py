@@ -43,7 +43,6 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
-FP8_WIDE_TILE_PROGRAMS = 1024  # decode over an e4m3 cache: 128-key tiles up to this many programs (decode_config)
 
 
 @triton.jit
@@ -409,22 +408,22 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     fused_merge: split contexts are merged inside the decode kernel (`_merge_if_last`), not by a second kernel.
     H200 (`--tune --only decode --cuda-graph`): batch 1 at 8k 12.8 us against 13.5, at 32k 38.6 against 39.4;
     batch 8 at 8k 68.2 against 69.6.
-    An e4m3 cache (kv_fp8) takes float16 dots (f16_dots, see _decode_kernel). H200, Llama-3-8B heads, the kernel
-    alone (`--tune --only fp8`), batch 256 / 64 at 2k: 441 / 144 us against 498 / 151 us with bfloat16 dots (the
-    bf16 pool: 494 / 126 us); 128-key tiles: 390 / 104 us. In the engine (8B FP8 decode at 2k) 128-key tiles took
-    batch 64 from 9.32 to 7.96 ms/token but batch 256 from 20.30 to 21.50 (one run each), so they are used from
-    PROGRAMS_PER_SM x SMs up to FP8_WIDE_TILE_PROGRAMS programs (512 measured better, 2048 worse; the bound between
-    is not measured). With a sliding window over an e4m3 cache, 32-key tiles instead: at
-    64 keys and 3 stages the e4m3 -> bf16 conversions and the window's bounds spilled a register on sm_90 (ptxas
-    keeps 128 registers for 4 programs an SM); 32 keys fit in 127 without a spill (tests/kernels/compile_sm90.py).
+    An e4m3 cache (kv_fp8) takes float16 dots (f16_dots, see _decode_kernel) and, past PROGRAMS_PER_SM programs an
+    SM, 128-key tiles. H200, Llama-3-8B heads, 2k tokens, the kernel alone (`h200-fp8-kv-decode-tiles.json`):
+    float16 dots took batch 256 / 64 from 498 / 151 us (bfloat16 dots) to 441 / 144 us with 64-key tiles and to
+    387 / 103 us with 128 (the bf16 pool: 495 / 126 us); in the engine (8B FP8 decode at 2k) 128-key tiles took
+    batch 256 from 20.25 to 18.97 ms/token and batch 64 from 9.32 to 7.96. With few programs (batch 8 at 8k)
+    64-key tiles and 5 stages are as fast (65.0 us against 65.6). With a sliding window over an e4m3 cache, 32-key
+    tiles instead: at 64 keys and 3 stages the e4m3 -> bf16 conversions and the window's bounds spilled a register
+    on sm_90 (ptxas keeps 128 registers for 4 programs an SM); 32 keys fit in 127 without a spill
+    (tests/kernels/compile_sm90.py).
     """
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True, f16_dots=False)  # IEEE fp32 dots
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
     if kv_fp8 and not few:
-        wide = head_dim <= 128 and num_programs <= FP8_WIDE_TILE_PROGRAMS
-        block_n = 32 if windowed else 128 if wide else block_n
+        block_n = 32 if windowed else 128 if head_dim <= 128 else block_n
     deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
     return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True, f16_dots=kv_fp8)
 

@@ -3,6 +3,7 @@ holds the figures it reports. (The figures themselves are for GPUs: benchmarks/r
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -83,10 +84,14 @@ def test_bench_sampler(tmp_path):
                                           ("20", ["--client", "aiohttp"])])
 def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
     api_key = auth["Authorization"].removeprefix("Bearer ")
+    before = time.time()
     result = _run(tmp_path, "bench", "serve", "--url", serve_url, "--api-key", api_key, "--model", "tiny",
                   "--num-prompts", "6", "--input-len-range", "8", "24", "--output-len", "5", *client,
-                  "--request-rate", rate, "--max-concurrency", "4", "--vocab-size", "200", "--seed", str(len(rate)))
+                  "--request-rate", rate, "--max-concurrency", "4", "--vocab-size", "200", "--seed", str(len(rate)),
+                  "--warmup-requests", "3")
+    # the warm-up requests (3, by each client process) ran before the clock and are not counted
     assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
+    assert result["warmup_requests"] == 3 and before < result["started_at_unix_s"] < time.time()
     assert result["client"] == client[1]
     assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -136,3 +141,27 @@ def test_bench_cold_start(tmp_path, ray_cluster):
         # the tokenizer loaded beside them, within the engine's start
         tokenizer = run["overlapped"]["engine.tokenizer"]
         assert 0 < tokenizer["cpu_s"] and 0 < tokenizer["wall_s"] < run["placed_to_first_token_s"]
+
+
+def test_bench_serve_warm_up_sends_every_request_and_fails_on_an_error():
+    import asyncio
+
+    from benchmarks.serve import warm_up, warmup_bodies
+
+    args = argparse.Namespace(vocab_size=200, seed=3)
+    bodies = warmup_bodies(args, "tiny", 4)
+    assert len(bodies) == 4 and all(b["max_tokens"] == 2 and len(b["prompt"]) == 8 and b["stream"] for b in bodies)
+    sent = []
+
+    async def send(body):
+        sent.append(body)
+        return {"ok": True}
+
+    asyncio.run(warm_up(send, bodies))
+    assert sent == bodies
+
+    async def refuse(body):
+        return {"ok": False, "error": "HTTP 503"}
+
+    with pytest.raises(RuntimeError, match="HTTP 503"):
+        asyncio.run(warm_up(refuse, bodies))

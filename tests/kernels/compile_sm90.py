@@ -210,7 +210,7 @@ def compile_fp8() -> None:
                                    empty(8, 16, 8, 128, dtype=FP8), torch.zeros(4, dtype=torch.int64), *scales)
     decode("decode llama3-8b bf16 fp8 kv fused", 1, 32, 8, 128, torch.bfloat16, 32, kv_fp8=True)
     decode("decode llama3-8b bf16 fp8 kv", 64, 32, 8, 128, torch.bfloat16, 1, kv_fp8=True)
-    decode("decode llama3-8b bf16 fp8 kv 256", 256, 32, 8, 128, torch.bfloat16, 1, kv_fp8=True)  # 64-key tiles
+    decode("decode llama3-8b bf16 fp8 kv 256", 256, 32, 8, 128, torch.bfloat16, 1, kv_fp8=True)  # 128-key tiles
     prefill("prefill llama3-8b bf16 fp8 kv", 4096, 32, 8, 128, torch.bfloat16, kv_fp8=True)
     # A sliding window over an e4m3 pool (Mistral / Qwen3 / Phi-3 with kv_cache_dtype="fp8"): both options at once.
     decode("decode mistral window bf16 fp8 kv fused", 1, 32, 8, 128, torch.bfloat16, 16, window=4096, kv_fp8=True)

@@ -369,7 +369,9 @@ def test_fp8_decode_config_takes_float16_dots_and_wide_tiles_where_measured_fast
     config = functools.partial(decode_config, 128, torch.bfloat16, device=cpu)
     assert config(64 * 8, kv_fp8=True) == dict(block_n=128, num_warps=4, num_stages=3, fused_merge=True,
                                                f16_dots=True)
-    assert config(256 * 8, kv_fp8=True)["block_n"] == 64 and config(256 * 8, kv_fp8=True)["f16_dots"]
+    assert config(256 * 8, kv_fp8=True)["block_n"] == 128 and config(256 * 8, kv_fp8=True)["f16_dots"]
+    assert config(1024 * 8, kv_fp8=True)["block_n"] == 128
+    assert decode_config(256, torch.bfloat16, 64 * 8, cpu, kv_fp8=True)["block_n"] == 32  # head_dim 256: as bf16's
     assert config(64 * 8, kv_fp8=True, windowed=True)["block_n"] == 32  # no register spill on sm_90
     assert config(8 * 8 * 4, kv_fp8=True)["block_n"] == 64  # few programs: deep pipelines of 64-key tiles
     assert not config(64 * 8)["f16_dots"] and config(64 * 8)["block_n"] == 64  # a bf16 pool: as before
