@@ -448,6 +448,15 @@ def test_gpu_fp8_kv_write_and_attention(cuda):
     ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
     out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # a batch of many programs (80 x 8 KV heads, more than two an SM): 128-key tiles, lengths ending mid-tile
+    seq_lens = torch.randint(1, 1500, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 8, 128, 16, cuda, seed=4)
+    assert decode_config(128, torch.bfloat16, 80 * 8, cuda, kv_fp8=True)["block_n"] == 128
+    q = torch.randn(80, 32, 128, device=cuda, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=cuda)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
