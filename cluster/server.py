@@ -160,8 +160,7 @@ class LLMServer:
             self.metrics.observe_first_token(now - arrival)
             last_token_time = now
         elif new_tokens:  # a batch may carry several tokens: each gets its share of the interval
-            for _ in range(new_tokens):
-                self.metrics.observe_inter_token((now - last_token_time) / new_tokens)
+            self.metrics.observe_inter_token((now - last_token_time) / new_tokens, new_tokens)
             last_token_time = now
         last = batch[-1]
         if last.finished:

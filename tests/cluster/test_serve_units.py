@@ -216,6 +216,24 @@ def test_metrics_merge_across_replicas():
     assert merge_families([[MetricFamily("x", "gauge", "d", [("x", {"a": "b"}, 1.0)])]]).decode().count("x{") == 1
 
 
+def test_inter_token_latency_of_a_batch_counts_each_token_as_one_observation_would():
+    from cluster.metrics import ReplicaMetrics
+
+    def itl_lines(metrics):
+        text = merge_families([metrics.snapshot()]).decode()
+        return sorted(line for line in text.splitlines() if line.startswith("pagoda:inter_token_latency_seconds"))
+
+    batched, one_by_one = ReplicaMetrics("tiny", "r0", use_ray=False), ReplicaMetrics("tiny", "r0", use_ray=False)
+    for itl_s, n in ((0.02, 7), (0.1, 3), (0.1, 1), (0.3, 2), (90.0, 2)):  # on a bound, between bounds, past them
+        batched.observe_inter_token(itl_s, n)
+        for _ in range(n):
+            one_by_one.observe_inter_token(itl_s)
+    lines = itl_lines(batched)
+    assert lines == itl_lines(one_by_one)
+    assert 'pagoda:inter_token_latency_seconds_count{model_name="tiny",replica="r0"} 15.0' in lines
+    assert 'pagoda:inter_token_latency_seconds_bucket{le="0.1",model_name="tiny",replica="r0"} 11.0' in lines
+
+
 # ---- app args and placement ------------------------------------------------------------------------------------
 def test_app_args_are_validated_with_clear_errors():
     assert parse_args({}).models[0].served_model_name == "smollm2-135m-instruct"
