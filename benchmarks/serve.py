@@ -103,11 +103,16 @@ async def _run_aiohttp(args: argparse.Namespace, headers: dict, bodies: list[dic
         return results, time.perf_counter() - start, started_at
 
 
+def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion of exactly max_tokens tokens (ignore_eos), its usage in the last chunk."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
 def warmup_bodies(args: argparse.Namespace, model: str, count: int) -> list[dict]:
     """Short streamed requests of their own random prompts (no prefix shared with the timed ones)."""
     prompts = synthetic_prompts(count, (8, 8), args.vocab_size or 1000, args.seed + 1_000_003)
-    return [{"model": model, "prompt": p, "max_tokens": 2, "temperature": 1.0, "ignore_eos": True, "stream": True,
-             "stream_options": {"include_usage": True}} for p in prompts]
+    return [request_body(model, p, 2) for p in prompts]
 
 
 async def warm_up(send, bodies: list[dict]) -> None:
@@ -125,8 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     gaps = (np.zeros(len(prompts)) if args.request_rate == float("inf")
             else rng.exponential(1.0 / args.request_rate, size=len(prompts)))
     delays = np.cumsum(gaps) - gaps[0]
-    bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+    bodies = [request_body(model, p, args.output_len) for p in prompts]
     warmup = warmup_bodies(args, model, args.warmup_requests)
     if args.client == "openai":
         from benchmarks.serve_openai import run_clients
