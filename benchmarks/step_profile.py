@@ -13,6 +13,8 @@ import re
 import time
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
+    ("fp8_linear", r"_fp8_linear"),
+    ("fp8_quantize", r"quantize_per_token"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitKreduce"),
     ("attention", r"_decode_kernel|_decode_merge|_prefill_kernel|flash|attention"),
     ("rms_norm", r"rms_norm"),

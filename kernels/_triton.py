@@ -120,6 +120,37 @@ def shared_memory_per_block(device: torch.device) -> int:
     return _properties(device).shared_memory_per_block_optin
 
 
+def pdl_options(device: torch.device) -> dict:
+    """A launch's programmatic-dependent-launch arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`
+    option, both True on NVIDIA Hopper and later GPUs unless `PAGODA_PDL=0` (read at a device's first launch),
+    never under the interpreter. A kernel launched so is scheduled while the kernel before it still runs: each of its
+    programs starts with `wait_for_prior`, which lets the next kernel be scheduled the same way and then waits
+    for the previous kernel to finish and its writes to be visible. The next kernel's launch and set-up overlap
+    the previous kernel's tail; it holds inside CUDA graphs (captured as programmatic edges)."""
+    options = _PDL_OPTIONS.get(device)
+    if options is None:
+        on = (device.type == "cuda" and torch.version.hip is None and HAS_TRITON and not is_interpreting()
+              and envs.get("PAGODA_PDL"))  # griddepcontrol is NVIDIA's (a ROCm device is "cuda" to torch too)
+        if on:
+            props = _properties(device)
+            on = (props.major, props.minor) >= (9, 0)
+        options = _PDL_OPTIONS[device] = {"PDL": bool(on), "launch_pdl": bool(on)}
+    return options
+
+
+_PDL_OPTIONS: dict = {}  # device -> its launches' options (a dict lookup: launchers run on every eager step)
+
+
+@triton.jit
+def wait_for_prior(PDL: tl.constexpr):
+    """A kernel's first statement (before it touches global memory) when launched with PDL (`pdl_options`): lets
+    the next kernel be scheduled, then waits until the previous kernel has finished and its writes are visible
+    (griddepcontrol, sm_90+). Nothing when PDL is False."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
 def upcast_dot_operands(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a kernel must feed tl.dot float32 operands instead of `dtype`.
 

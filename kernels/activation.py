@@ -18,9 +18,11 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     next_power_of_2,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 from kernels.fp8 import EMPTY_ROW_SCALE, FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 
@@ -38,7 +40,8 @@ def _silu_mul(x_ptr, row, stride_x, inter_size, cols, mask):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -48,9 +51,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: 
 
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr,
-                               EXACT: tl.constexpr):
+                               EXACT: tl.constexpr, PDL: tl.constexpr):
     """One program per row: its largest |silu(gate) * up| first, then the values quantized with that row's scale
     (computed twice rather than held: any intermediate size)."""
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, inter_size, BLOCK):
@@ -81,13 +85,15 @@ def silu_and_mul_triton(x, quantize=False):
     if not quantize:
         if num_tokens > 0 and inter_size > 0:
             grid = (num_tokens, -(-inter_size // BLOCK))
-            _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter_size, BLOCK=BLOCK, num_warps=4)
+            _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter_size, BLOCK=BLOCK,
+                                       **pdl_options(x.device), num_warps=4)
         return out
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
     if num_tokens > 0 and inter_size > 0:
         block = min(next_power_of_2(inter_size), 4096)
         _silu_and_mul_quant_kernel[(num_tokens,)](x, out, scale, x.stride(0), out.stride(0), inter_size, BLOCK=block,
-                                                  EXACT=is_interpreting(), num_warps=8 if block >= 2048 else 4)
+                                                  EXACT=is_interpreting(), **pdl_options(x.device),
+                                                  num_warps=8 if block >= 2048 else 4)
     elif num_tokens:
         scale.fill_(EMPTY_ROW_SCALE)
     return QuantizedRows(out, scale, x.dtype)

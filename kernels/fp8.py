@@ -30,9 +30,11 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     next_power_of_2,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -153,7 +155,8 @@ def pow2_scales(amax, TARGET_EXP: tl.constexpr):
 
 @triton.jit
 def _quantize_per_token_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o, BLOCK_K: tl.constexpr,
-                               EXACT: tl.constexpr):
+                               EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -181,7 +184,8 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if num_rows and k:
         block_k = min(next_power_of_2(k), 4096)
         _quantize_per_token_kernel[(num_rows,)](x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block_k,
-                                                EXACT=is_interpreting(), num_warps=8 if block_k >= 2048 else 4)
+                                                EXACT=is_interpreting(), **pdl_options(x.device),
+                                                num_warps=8 if block_k >= 2048 else 4)
     elif num_rows:
         scale.fill_(EMPTY_ROW_SCALE)
     return out, scale

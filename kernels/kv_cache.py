@@ -23,9 +23,11 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     next_power_of_2,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, quantize_ref, to_e4m3
 
@@ -37,8 +39,9 @@ def _write_kv_cache_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     k_scale_ptr, v_scale_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     # One program per token: all of its heads, K and V.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -121,7 +124,7 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=next_power_of_2(num_heads), DIM_PAD=next_power_of_2(head_dim),
         FP8=k_cache.dtype == FP8_DTYPE, EXACT=is_interpreting(),
-        num_warps=4 if pad <= 2048 else 8,
+        **pdl_options(k.device), num_warps=4 if pad <= 2048 else 8,
     )
 
 

@@ -30,11 +30,13 @@ from kernels._triton import (
     dot_precision,
     next_power_of_2,
     num_sms,
+    pdl_options,
     shared_memory_per_block,
     tl,
     triton,
     upcast_dot_operands,
     use_triton,
+    wait_for_prior,
 )
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 
@@ -94,8 +96,9 @@ def store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask,
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, up_row,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -162,7 +165,7 @@ def linear_triton(x, weight, bias=None, gated=False, config: dict | None = None)
             num_rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0), out_features,
             HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast_dot_operands(x.dtype, x.device),
             PRECISION=dot_precision(x.dtype), BLOCK_M=_block_m(num_rows), BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out
 

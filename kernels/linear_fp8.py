@@ -19,7 +19,7 @@ kernel at every size):
     larger (prefill, big batches)     x quantized as above, then cuBLASLt's `torch._scaled_mm` (rowwise scales)
 
 The H200 measurements that chose them (benchmarks/results/h200-kernels-fp8.json, `python -m benchmarks.kernels
---only fp8`): at 1-16 rows the swap kernel reads a Llama-3-8B layer's weights in 0.60-0.62 ms (65-67% of copy
+--only fp8`): at 1-16 rows the swap kernel reads 8 Llama-3-8B layers' weights in 0.60-0.62 ms (65-67% of copy
 bandwidth) against 0.89 ms for the bf16 decode kernel and 1.14-1.24 ms for _fp8_linear_kernel quantizing x in its
 loop (its 16-row tiles compile to mma.sync on f16, each FP8 weight converted first; the swap kernel's to FP8
 wgmma m64n16k32: tests/kernels/test_kernel_compile.py reads the PTX); from 32 rows _scaled_mm beat the Triton
@@ -40,10 +40,12 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     num_sms,
+    pdl_options,
     shared_memory_per_block,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.linear import store_output
@@ -84,12 +86,13 @@ def _fp8_linear_kernel(
     stride_x, stride_w, stride_o, stride_ws, up_row,
     X_MODE: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, EXACT: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """X_MODE 0: x is e4m3 with scales [M]; 1: x is float, quantized per row here; 2: float, one scale [1].
     W_BLOCK_N = 0: per-row weight scales [N]; else block scales [N / W_BLOCK_N, K / W_BLOCK_K] (BLOCK_K divides
     W_BLOCK_K, so a K tile lies in one scale block). PRECISE (the interpreter, float32 x): the FP8 values multiplied
     in float32 (their products are exact there) rather than by Hopper's FP8 MMA, whose accumulation is imprecise."""
+    wait_for_prior(PDL)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)  # GROUP_M row tiles side by side share each weight tile in L2
@@ -157,13 +160,14 @@ def _fp8_linear_swap_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
     stride_o, up_row,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EXACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode-sized, x already e4m3 with row scales [M], per-row weight scales: the weight tile is the MMA's tall
     side (BLOCK_N = 64 rows a warp group, Hopper's wgmma height) and x's few rows its narrow side (BLOCK_M = 16), so
     x is not padded to 64 rows and both operands stay FP8 (K-major, as FP8 wgmma wants them). SPLIT_K > 1: program
     (n, s) takes the s-th of SPLIT_K slices of K, and the last of a tile's programs to finish adds the slices up
     (`_add_up_slices`): more programs for a layer of few 64-row tiles (fewer tiles than SMs)."""
+    wait_for_prior(PDL)
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_M)
@@ -269,8 +273,9 @@ def default_config(num_rows: int, out_features: int, gated: bool, block_k: int |
                    device: torch.device) -> dict:
     """Launch settings. Decode-sized: kernels/linear.py's recipe (one program per SM streaming a wide tile, BLOCK_N
     the widest that still gives programs for ~70% of the SMs) with K tiles twice as long (an FP8 tile of the same
-    bytes; half that for float32 x), 8 warps, shrunk until the stages fit in shared memory; `--tune --only fp8` sweeps them. GEMM: 128 x 128 x 128
-    tiles (64 rows for short batches, 64 columns when gated: two weight tiles)."""
+    bytes; half that for float32 x), 8 warps, shrunk until the stages fit in shared memory; `--tune --only fp8`
+    sweeps them. GEMM: 128 x 128 x 128 tiles (64 rows for short batches, 64 columns when gated: two weight
+    tiles)."""
     if num_rows <= MAX_ROWS:
         sms = num_sms(device)
         block_n = next((n for n in (64, 32) if cdiv(out_features, n) >= 0.7 * sms), 16)
@@ -288,7 +293,8 @@ def default_config(num_rows: int, out_features: int, gated: bool, block_k: int |
     limit = shared_memory_per_block(device)
 
     def shared_bytes() -> int:  # the pipelined tiles, and float32 x's precise dot stages its operands in float32
-        tiles = cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_itemsize + cfg["BLOCK_N"] * (2 if gated else 1))
+        row_bytes = cfg["BLOCK_M"] * x_itemsize + cfg["BLOCK_N"] * (2 if gated else 1)
+        tiles = cfg["num_stages"] * cfg["BLOCK_K"] * row_bytes
         return tiles + (cfg["BLOCK_K"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * 4 if x_itemsize == 4 else 0)
 
     while shared_bytes() > limit and (cfg["num_stages"] > 2 or cfg["BLOCK_K"] > 32):
@@ -321,7 +327,7 @@ def linear_fp8_triton(x, weight, weight_scale, bias=None, gated=False, block_siz
         HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(),
         PRECISE=is_interpreting() or out_dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 8),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -414,8 +420,8 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
         weight.stride(0), out.stride(0), out_features,
         HAS_BIAS=bias is not None, GATED=gated, EXACT=is_interpreting(), SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        PROMOTE_K=min(cfg.get("PROMOTE_K", cfg["BLOCK_K"]), cfg["BLOCK_K"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        PROMOTE_K=min(cfg.get("PROMOTE_K", cfg["BLOCK_K"]), cfg["BLOCK_K"]), **pdl_options(x_q.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

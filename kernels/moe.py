@@ -36,11 +36,13 @@ from kernels._triton import (
     check_launchable,
     dot_precision,
     next_power_of_2,
+    pdl_options,
     shared_memory_per_block,
     tl,
     triton,
     upcast_dot_operands,
     use_triton,
+    wait_for_prior,
 )
 from kernels.linear import rows_times_weight, silu_mul_rounded
 
@@ -63,9 +65,10 @@ def _num_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _align_kernel(ids_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr, num_pairs, num_tiles,
                   NUM_EXPERTS: tl.constexpr, PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                  TILES_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                  TILES_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """`align_by_expert_ref` in one program for decode-sized batches: a [pairs, experts] one-hot, its column sums
     (counts) and column prefix sums (each pair's rank within its expert)."""
+    wait_for_prior(PDL)
     pairs = tl.arange(0, PAIRS_PAD)
     is_pair = pairs < num_pairs
     experts = tl.load(ids_ptr + pairs, mask=is_pair, other=NUM_EXPERTS).to(tl.int32)
@@ -119,6 +122,7 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, tile_experts, num_padded, num_pairs, num_tiles,
                         NUM_EXPERTS=num_experts, PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad,
                         TILES_PAD=next_power_of_2(num_tiles), BLOCK_M=block_m,
+                        **pdl_options(topk_ids.device),
                         num_warps=min(16, max(4, pairs_pad * experts_pad // 1024)))  # no spills on sm_90
     return sorted_ids, tile_experts, num_padded
 
@@ -150,10 +154,11 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
     N, K, num_pairs, stride_a, stride_we, stride_wn, stride_o,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair, n-block] for one tile of pairs; a row of `a` is pair // ROWS_PER_A (x: K slots share a token).
     GATED: w holds [gate rows (N) ; up rows (N)] and out = silu(gate) * up; WEIGHTED: out *= routing[pair]."""
+    wait_for_prior(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0) // num_n_blocks
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -230,7 +235,7 @@ def _grouped_gemm(a, w, out, aligned, rows_per_a: int, gated: bool, cfg: dict, r
         n, w.shape[2], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None, UPCAST=upcast_dot_operands(a.dtype, a.device),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(a.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

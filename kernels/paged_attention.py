@@ -30,11 +30,13 @@ from kernels._triton import (
     is_power_of_2,
     next_power_of_2,
     num_sms,
+    pdl_options,
     shared_memory_per_sm,
     tl,
     triton,
     upcast_dot_operands,
     use_triton,
+    wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, dequantize
 from kernels.kv_cache import check_kv_scales
@@ -154,7 +156,9 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if KV_FP8:  # e4m3 K/V: k_scale folds into the score scale, v_scale multiplies the output (per KV head)
@@ -235,8 +239,9 @@ def _decode_kernel(
 @triton.jit
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -264,8 +269,9 @@ def _prefill_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, window=0, WINDOWED: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
     # a block side by side: longest-first scheduling keeps the causal grid's tail short.
     pid = tl.program_id(0)
@@ -533,13 +539,13 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
         F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg["f16_dots"]),  # a config override: e4m3 caches only
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
-            num_warps=4 if head_dim * num_splits <= 4096 else 8,
+            **pdl_options(q.device), num_warps=4 if head_dim * num_splits <= 4096 else 8,
         )
     return out
 
@@ -582,7 +588,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

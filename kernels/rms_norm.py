@@ -22,9 +22,11 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     next_power_of_2,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 
@@ -33,8 +35,9 @@ from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_nr, hidden_size, eps,
-    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -88,7 +91,7 @@ def rms_norm_triton(x, weight, eps, residual=None, quantize=False):
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), new_residual.stride(0),
             hidden_size, eps,
             HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, EXACT=is_interpreting(), BLOCK=block,
-            num_warps=min(max(block // 512, 1), 16),
+            **pdl_options(x.device), num_warps=min(max(block // 512, 1), 16),
         )
     if quantize:
         out = QuantizedRows(out, scale, x.dtype)

@@ -18,9 +18,11 @@ from kernels._triton import (
     check_launchable,
     is_interpreting,
     next_power_of_2,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import check_kv_cache_inputs, quantize_heads, write_kv_cache_ref
@@ -75,8 +77,9 @@ def _rotary_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    FP8: tl.constexpr, EXACT: tl.constexpr,
+    FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -159,7 +162,7 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None
         KV_HEADS_PAD=next_power_of_2(k3.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
         BLOCK_SIZE=block_size, WRITE_CACHE=cache is not None, FP8=k_cache.dtype == FP8_DTYPE,
         EXACT=is_interpreting(),
-        num_warps=4 if q3.shape[1] * head_dim <= 4096 else 8,
+        **pdl_options(q3.device), num_warps=4 if q3.shape[1] * head_dim <= 4096 else 8,
     )
 
 

@@ -30,7 +30,16 @@ the whole row gives. Other rows, and the rows whose ties run past, read the whol
 
 import torch
 
-from kernels._triton import check_dtype, check_launchable, next_power_of_2, tl, triton, use_triton
+from kernels._triton import (
+    check_dtype,
+    check_launchable,
+    next_power_of_2,
+    pdl_options,
+    tl,
+    triton,
+    use_triton,
+    wait_for_prior,
+)
 
 BLOCK = 2048
 MAX_ROUNDS = 32
@@ -141,7 +150,8 @@ def _sample_row(base, ids_base, num_cols, vocab, inv_t, kth, top_p, log_min_p, n
 @triton.jit
 def _sample_kernel(x_ptr, stride_x, sub_ptr, stride_sub, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, kth_ptr,
                    top_p_ptr, log_min_p_ptr, noise_ptr, key_ptr, vocab, num_sub, HAS_SUBSET: tl.constexpr,
-                   BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+                   BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_base = x_ptr + row * stride_x
     inv_t = tl.load(inv_temp_ptr + row)
@@ -206,7 +216,7 @@ def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, 
         _sample_kernel[(rows,)](x, x.stride(0), values, values.stride(0), ids, ids.stride(0), out, *scalars, vocab,
                                 values.shape[1], HAS_SUBSET=subset is not None, BLOCK=block,
                                 SUB_BLOCK=min(block, next_power_of_2(values.shape[1])), MAX_ROUNDS=max_rounds,
-                                num_warps=max(1, min(8, block // 256)))
+                                **pdl_options(x.device), num_warps=max(1, min(8, block // 256)))
     return out
 
 

@@ -19,9 +19,11 @@ from kernels._triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_launchable,
+    pdl_options,
     tl,
     triton,
     use_triton,
+    wait_for_prior,
 )
 
 _BLOCK = 2048  # tokens per program
@@ -30,7 +32,9 @@ _BLOCK = 2048  # tokens per program
 @triton.jit
 def _apply_token_bitmask_kernel(
     logits_ptr, bitmask_ptr, rows_ptr, stride_logits, stride_bitmask, vocab_size, num_words, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -65,7 +69,7 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows
     vocab = logits.shape[1]
     _apply_token_bitmask_kernel[(bitmask.shape[0], cdiv(vocab, _BLOCK))](
         logits, bitmask, rows, logits.stride(0), bitmask.stride(0), vocab, bitmask.shape[1], BLOCK=_BLOCK,
-        num_warps=4)
+        **pdl_options(logits.device), num_warps=4)
 
 
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

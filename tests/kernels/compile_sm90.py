@@ -81,6 +81,7 @@ import kernels.sampling as sampling  # noqa: E402
 
 for module in (activation, fp8, kv_cache, linear, linear_fp8, moe, paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
+    module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
@@ -93,6 +94,11 @@ def resources(compiled) -> dict:
              # the tensor-core instructions in the PTX: Hopper's wgmma (with its operand types) or Ampere's mma.sync
              "mma": sorted(set(re.findall(r"\b(?:wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]+",
                                           compiled.asm.get("ptx", ""))))}
+    ptx = compiled.asm.get("ptx", "")
+    wait = ptx.find("griddepcontrol.wait")
+    memory = re.search(r"\b(?:ld|st|atom|red)\.global|\bcp\.async\.(?:c[ag]|bulk)", ptx)
+    # programmatic dependent launch: the wait comes before the kernel's first global memory access
+    usage["waits_before_memory"] = wait >= 0 and (memory is None or wait < memory.start())
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])

@@ -41,6 +41,14 @@ def test_every_kernel_compiles_for_sm90(compiled):
                        "_write_kv_cache_kernel"}
 
 
+def test_every_kernel_waits_for_the_previous_one_before_touching_memory(compiled):
+    """On Hopper every kernel is launched with programmatic dependent launch (kernels/_triton.py `pdl_options`):
+    it may start while the kernel before it still runs, so its first global load or store must come after
+    `griddepcontrol.wait` (the stand-in compiles them as a Hopper GPU launches them)."""
+    late = [(row["kernel"], row["case"]) for row in compiled if not row["waits_before_memory"]]
+    assert not late, late
+
+
 def test_batch_shape_compiles_no_new_variant(compiled):
     """A step's number of sequences and query blocks must not pick a new compiled variant (a compile of seconds
     while requests wait): two batch shapes, one kernel."""

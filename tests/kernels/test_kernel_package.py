@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,3 +109,42 @@ def test_pagoda_kernels_ref_forces_the_references(monkeypatch):
     assert use_triton(FakeCuda())
     monkeypatch.setenv("PAGODA_KERNELS", "ref")
     assert not use_triton(FakeCuda())
+
+
+@pytest.mark.parametrize("capability, hip, env, expected", [
+    ((9, 0), None, None, True),  # Hopper
+    ((10, 0), None, None, True),  # Blackwell
+    ((8, 0), None, None, False),  # Ampere: no griddepcontrol
+    ((9, 0), None, "0", False),  # turned off
+    ((9, 4), "6.2", None, False),  # a ROCm GPU, which torch calls "cuda" too
+])
+def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch, capability, hip, env, expected):
+    """pdl_options' rule. No GPU here: the device query and torch's HIP version are stand-ins (the H200 runs the
+    kernels with it; tests/kernels/test_kernel_compile.py checks the compiled wait)."""
+    import torch
+
+    import kernels._triton as triton_helpers
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_helpers, "_PDL_OPTIONS", {})
+    major, minor = capability
+    monkeypatch.setattr(triton_helpers, "_properties", lambda device: SimpleNamespace(major=major, minor=minor))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    if env is None:
+        monkeypatch.delenv("PAGODA_PDL", raising=False)
+    else:
+        monkeypatch.setenv("PAGODA_PDL", env)
+    on = expected and triton_helpers.HAS_TRITON
+    assert triton_helpers.pdl_options(torch.device("cuda", 0)) == {"PDL": on, "launch_pdl": on}
+    assert triton_helpers.pdl_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+def test_no_programmatic_dependent_launch_under_the_interpreter(monkeypatch):
+    import torch
+
+    import kernels._triton as triton_helpers
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_helpers, "_PDL_OPTIONS", {})
+    monkeypatch.setattr(triton_helpers, "_properties", lambda device: SimpleNamespace(major=9, minor=0))
+    assert triton_helpers.pdl_options(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
