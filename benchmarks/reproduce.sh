@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Runs the README's benchmark table on one GPU machine (about 12 minutes on an H200), writing JSON into OUT_DIR.
-#   benchmarks/reproduce.sh [OUT_DIR]          PRESET=llama-3-8b, PYTHON=python3, TP=2 (skipped on one GPU)
+# Runs the README's benchmark table on one GPU machine (about 12 minutes on an H200, 22 with FP8), writing JSON into
+# OUT_DIR.
+#   benchmarks/reproduce.sh [OUT_DIR]          PRESET=llama-3-8b, PYTHON=python3, TP=2 (skipped on one GPU),
+#                                              FP8=1 (0: skip the FP8 rows; 70B only with 100 GB of GPU memory)
 set -uo pipefail
 OUT=${1:-bench-results}
 PRESET=${PRESET:-llama-3-8b}
 PY=${PYTHON:-python3}
 TP=${TP:-2}
+FP8=${FP8:-1}
 mkdir -p "$OUT"
 VOCAB=$($PY -c "import json; from workers.presets import preset_dir; \
 print(json.load(open(preset_dir('$PRESET') + '/config.json'))['vocab_size'])")
@@ -30,5 +33,23 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge "$TP" ] &&
   step "latency tp $TP" $PY -m deploy.cli bench latency --preset "$PRESET" -tp "$TP" --prompt-lens 128 \
     --output-json "$OUT/latency-tp$TP.json"
   step "step overhead" $PY benchmarks/step_overhead.py --tp 1 "$TP" --output-json "$OUT/step-overhead.json"
+fi
+if [ "$FP8" = 1 ]; then
+  fp8="--quantization fp8 --kv-cache-dtype fp8"
+  step "fp8 latency" $PY -m deploy.cli bench latency --preset "$PRESET" $fp8 --batch-sizes 1 64 256 \
+    --prompt-lens 128 2048 --output-json "$OUT/latency-fp8.json"
+  # Programmatic dependent launch on and off in one run (kernels/_triton.py pdl_options; Hopper only)
+  for pdl in 1 0; do
+    step "fp8 throughput (PAGODA_PDL=$pdl)" env PAGODA_PDL=$pdl $PY -m deploy.cli bench throughput \
+      --preset "$PRESET" $fp8 --no-prefix-caching --output-json "$OUT/throughput-fp8-pdl$pdl.json"
+  done
+  step "fp8 quality" $PY -m deploy.cli bench quality $fp8 --dtype bfloat16 --ablations \
+    --output-json "$OUT/quality-fp8.json"
+  if [ "$($PY -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))')" = 1 ]; then
+    step "70b fp8 latency" $PY -m deploy.cli bench latency --preset llama-3-70b $fp8 --batch-sizes 1 64 \
+      --prompt-lens 128 --output-json "$OUT/latency-70b-fp8.json"
+    step "70b fp8 throughput" $PY -m deploy.cli bench throughput --preset llama-3-70b $fp8 --no-prefix-caching \
+      --num-prompts 1024 --input-len 128 --output-len 128 --output-json "$OUT/throughput-70b-fp8.json"
+  fi
 fi
 ls -l "$OUT"
