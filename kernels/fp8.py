@@ -171,6 +171,12 @@ def _quantize_per_token_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o,
     tl.store(scale_ptr + row, scale)
 
 
+# A row of up to this many values is read in one load a pass. At decode sizes the kernel is one program a row, so
+# each pass's loads are its latency: a Llama-3-8B down projection's input (14,336) took 3.6 us in 4096-wide loads
+# on the H200 against 1.3 us for a 4096-long row (benchmarks/results/h200-fp8-swap-quantize-in-kernel.json).
+MAX_QUANTIZE_BLOCK = 16384
+
+
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of `quantize_per_token`: one program per row, two passes over it (amax, then quantize)."""
     if x.dim() != 2:
@@ -182,10 +188,10 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     out = torch.empty(num_rows, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows and k:
-        block_k = min(next_power_of_2(k), 4096)
+        block_k = min(next_power_of_2(k), MAX_QUANTIZE_BLOCK)
         _quantize_per_token_kernel[(num_rows,)](x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block_k,
                                                 EXACT=is_interpreting(), **pdl_options(x.device),
-                                                num_warps=8 if block_k >= 2048 else 4)
+                                                num_warps=16 if block_k >= 8192 else 8 if block_k >= 2048 else 4)
     elif num_rows:
         scale.fill_(EMPTY_ROW_SCALE)
     return out, scale

@@ -12,6 +12,7 @@ import torch
 
 from kernels.fp8 import (
     FP8_DTYPE,
+    MAX_QUANTIZE_BLOCK,
     QuantizedRows,
     dequantize,
     dequantize_weight,
@@ -60,9 +61,11 @@ def test_quantize_ref_rounds_to_nearest_even_and_saturates():
 
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_per_token_kernel_is_bitwise_the_ref(magnitude, dtype, device):
+@pytest.mark.parametrize("cols", [300, MAX_QUANTIZE_BLOCK + 700])  # one load a pass; two, the second partial
+def test_quantize_per_token_kernel_is_bitwise_the_ref(magnitude, dtype, cols, device):
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(9, 300, generator=gen) * magnitude * torch.rand(9, 1, generator=gen) * 4).to(dtype)
+    x = (torch.randn(9, cols, generator=gen) * magnitude * torch.rand(9, 1, generator=gen) * 4).to(dtype)
+    x[5, -1] = x[5].abs().max() * 2  # a row's largest |x| in the last load
     x[3] = 0.0  # an all-zero row
     q, scale = quantize_per_token_triton(x.to(device))
     q_ref, scale_ref = quantize_per_token_ref(x)
