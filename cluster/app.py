@@ -86,7 +86,7 @@ class ModelArgs(BaseModel):
     # The engine's step loop in a Ray actor of its own beside the replica (cluster/engine_core.py), so that it
     # does not share the replica's GIL with Serve's streaming. False: in the replica's process.
     engine_process: bool = True
-    engine_stall_timeout_s: float = Field(120.0, gt=0)
+    engine_stall_timeout_s: float | None = Field(None, gt=0)  # None: $PAGODA_ENGINE_STALL_S (120 s unless set)
     allow_request_chat_template: bool = False
     chat_template_time_limit_s: float = Field(1.0, gt=0)
     tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # tool_choice "auto"; None: the chat template's

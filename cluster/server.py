@@ -50,7 +50,7 @@ class ServerSettings:
     debug: bool = False
     allow_request_chat_template: bool = False  # chat_template_kwargs.chat_template: a client's template runs here
     chat_template_time_limit_s: float = 1.0  # ... for at most this long
-    engine_stall_timeout_s: float = 120.0  # requests in flight, no step for this long: the health check fails
+    engine_stall_timeout_s: float | None = None  # requests in flight, no step this long: unhealthy (None: the env's)
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format; None: the chat template's
 
 

@@ -10,7 +10,9 @@ way the replica sees the same calls and the same `RequestDelta`s, which it forwa
 Two rules keep one request from hurting the others: the adds and aborts of every request and the poll loop are
 sent from a context of their own (never a request's, whose cancellation would cancel a batched call holding other
 requests' adds), and a replica whose engine has requests but makes no step for `stall_timeout_s` fails its health
-check (a lost message or a hung device is then a replaced replica, not a hang).
+check (a lost message or a hung device is then a replaced replica, not a hang). That clock starts when the engine
+last stepped or when work arrived at an idle engine, whichever is later: a replica idle since its start is not
+stalled when its first burst comes.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.core import AbortRequest, AddRequest, EngineCore, EngineInfo, PollResult
 from engine.errors import EngineDeadError
@@ -34,7 +37,6 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0  # an idle poll returns after this long (stats stay fresh, a dead core is noticed)
-DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
 class CoreConnection(ABC):
@@ -102,7 +104,9 @@ class AsyncLLMEngine:
     """Requests in, `RequestDelta` batches out. Build it on the event loop's thread; `generate` runs there."""
 
     def __init__(self, config: EngineConfig, connection: CoreConnection | None = None,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
+                 stall_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+        """stall_timeout_s: None reads $PAGODA_ENGINE_STALL_S (120 s unless set). clock: what the stall check
+        measures time with (a test drives its own)."""
         from engine.tokenizer import load_tokenizer
 
         self.config = config
@@ -114,7 +118,8 @@ class AsyncLLMEngine:
         self.vocab_size = config.model.vocab_size
         self.limits: PromptLimits = prompt_limits(self.tokenizer, self.vocab_size, self.max_model_len,
                                                   config.scheduler.max_num_seqs)
-        self.stall_timeout_s = stall_timeout_s
+        self.stall_timeout_s = stall_timeout_s if stall_timeout_s is not None else envs.get("PAGODA_ENGINE_STALL_S")
+        self._clock = clock
         self._stats: EngineStats = info.stats
         self._step_tokens: list[int] = []
         self._queues: dict[str, asyncio.Queue] = {}
@@ -122,7 +127,7 @@ class AsyncLLMEngine:
         self._pump: asyncio.Task | None = None
         self._dead_error: str | None = None
         self._closed = False
-        self._last_progress = (self._stats.num_steps, time.monotonic())
+        self._last_progress = (self._stats.num_steps, clock())  # (steps, when): the stall clock
 
     @classmethod
     def from_args(cls, **kwargs) -> AsyncLLMEngine:
@@ -145,6 +150,8 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._queues:  # work arrives at an idle engine: the stall clock starts now, not at its last step
+            self._last_progress = (self._stats.num_steps, self._clock())
         self._queues[request_id] = queue
         self._send(AddRequest(request_id, prompt_token_ids, params, stream, arrival_time))
         finished = False
@@ -191,8 +198,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(self._dead_error)
         if self._pump is not None and self._pump.done() and not self._closed:
             raise EngineDeadError("the replica stopped polling its engine")
-        steps, since = self._last_progress
-        if self._queues and time.monotonic() - since > self.stall_timeout_s:
+        _, since = self._last_progress
+        if self._queues and self._clock() - since > self.stall_timeout_s:
             raise EngineDeadError(f"the engine made no step for {self.stall_timeout_s:.0f} s with "
                                   f"{len(self._queues)} requests in flight")
 
@@ -249,7 +256,7 @@ class AsyncLLMEngine:
             self._stats = result.stats
             self._step_tokens.extend(result.step_tokens)
             if result.stats.num_steps != self._last_progress[0] or not self._queues:
-                self._last_progress = (result.stats.num_steps, time.monotonic())
+                self._last_progress = (result.stats.num_steps, self._clock())
             for delta in result.deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:  # else: aborted here already

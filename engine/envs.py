@@ -32,7 +32,8 @@ _VARS = [
     EnvVar("PAGODA_LOG_STEPS_S", float, 0.0, "> 0: a line on stderr every that many seconds of steps (time, batch)"),
     EnvVar("PAGODA_PROFILE_STEPS", str, "", "FIRST:COUNT: a cProfile of those steps of the engine loop, on stderr"),
     EnvVar("PAGODA_ENGINE_STALL_S", float, 120.0,
-           "a replica whose engine has requests but made no step for this long fails its health check"),
+           "a replica whose engine has requests but made no step for this long (since its last step or since work "
+           "came to it idle) fails its health check; the app arg engine_stall_timeout_s overrides it"),
     EnvVar("PAGODA_PLACEMENT_TIMEOUT_S", float, 300.0, "waiting for a placement group (an autoscaler may add a node)"),
     EnvVar("PAGODA_WORKER_INIT_TIMEOUT_S", float, 1200.0, "loading and profiling one rank's shard"),
     EnvVar("PAGODA_STEP_TIMEOUT_S", float, 300.0, "one step on the worker actors (first steps may compile kernels)"),

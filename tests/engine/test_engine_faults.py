@@ -83,3 +83,33 @@ def test_a_stalled_engine_fails_the_health_check(tiny_model_dir):
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_an_engine_idle_since_its_start_is_not_stalled_when_work_arrives(tiny_model_dir, monkeypatch):
+    """The stall clock starts when work arrives, not when the engine was built: a replica that served nothing for
+    longer than its stall timeout takes a burst without failing its health check (it answered 503 "restarting").
+    The stall timeout is read from $PAGODA_ENGINE_STALL_S; the test drives the engine's clock, so how slow this
+    machine is changes nothing: no real second passes on that clock while the burst runs."""
+    monkeypatch.setenv("PAGODA_ENGINE_STALL_S", "30")
+    now = [0.0]
+    config = EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=64).create_engine_config()
+    engine = AsyncLLMEngine(config, clock=lambda: now[0])
+    assert engine.stall_timeout_s == 30.0
+
+    async def one(i):
+        engine.check_health()  # what the replica asks before it accepts a request
+        stream = engine.generate([5, 6, 7 + i], SamplingParams(max_tokens=4, ignore_eos=True), f"burst-{i}",
+                                 stream=False)
+        return [delta async for batch in stream for delta in batch]
+
+    async def scenario():
+        now[0] += 1000.0  # idle for far longer than the stall timeout, then a burst
+        outputs = await asyncio.gather(*(one(i) for i in range(8)))
+        assert all(len(deltas) == 1 and deltas[0].finished and deltas[0].error is None for deltas in outputs)
+        assert [len(deltas[0].seqs[0].token_ids) for deltas in outputs] == [4] * 8
+        engine.check_health()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
