@@ -22,11 +22,13 @@ logger = logging.getLogger(__name__)
 class RequestRun:
     """The replica streams of one HTTP request, one per prompt, each already accepted. A stream whose replica is
     lost before it produced anything is started again once, on another replica (`restart`): its client sees
-    nothing of it; one lost after its first token ends with an error."""
+    nothing of it; one lost after its first token ends with an error. Each prompt of a batch has its own retry: a
+    replica lost under several prompts of one batch restarts each of them."""
 
     def __init__(self, gens: list, accepted: list[Accepted], n: int, request_id: str, restart=None):
         self.gens, self.accepted, self.n, self.request_id = gens, accepted, n, request_id
         self.restart = restart  # async (prompt index) -> a new, accepted stream
+        self.restarted: set[int] = set()  # the prompts whose one retry is spent
         self.prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
         self.headers = {"X-Pagoda-Replica": ",".join(dict.fromkeys(a.replica for a in accepted)),
                         "X-Pagoda-Request-Id": request_id}
@@ -44,12 +46,12 @@ class RequestRun:
                 if produced and is_actor_loss(e):  # the client has part of it: no retry can continue it
                     raise errors.ServiceUnavailableError("the replica serving this request was lost after it had "
                                                          "produced output; send the request again") from e
-                if produced or self.restart is None or not is_replica_loss(e):
+                if produced or self.restart is None or i in self.restarted or not is_replica_loss(e):
                     raise
-                logger.warning("request %s: its replica was lost before any output; retrying once (%s)",
-                               self.request_id, type(e).__name__)
-                restart, self.restart = self.restart, None
-                self.gens[i] = await restart(i)
+                logger.warning("request %s, prompt %d: its replica was lost before any output; retrying once (%s)",
+                               self.request_id, i, type(e).__name__)
+                self.restarted.add(i)
+                self.gens[i] = await self.restart(i)
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta) as they arrive from every stream; an error item raises."""

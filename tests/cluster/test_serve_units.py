@@ -187,6 +187,62 @@ def test_legacy_logprobs_shape():
                    "top_logprobs": [{"ab": -0.5, "c": -1.0}, {"d": -2.0}], "text_offset": [3, 5]}
 
 
+# ---- a request's replica streams (cluster/request_run.py) ------------------------------------------------------
+class FakeStream:
+    """Stands in for a Serve handle's stream (a mock: a real replica loss cannot be timed to land after several
+    prompts of one batch were accepted and before any of them produced a token). Yields its batches, or raises
+    `error` before any."""
+
+    def __init__(self, prompt: int, error: BaseException | None = None):
+        from engine.request_output import RequestDelta, SequenceDelta
+
+        self.error, self.cancelled = error, False
+        self.batches = [[RequestDelta(f"r-{prompt}", [SequenceDelta(0, f"p{prompt}", [prompt], "length")], True)]]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.error is not None:
+            raise self.error
+        if not self.batches:
+            raise StopAsyncIteration
+        return self.batches.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_replica_lost_under_a_batch_restarts_each_unstarted_prompt_once():
+    """A completion batch of 4 whose replica is lost before any output: every prompt is sent again (it retried
+    the first and failed the others); a prompt whose retry is lost too fails the request."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from cluster.protocol import Accepted
+    from cluster.request_run import RequestRun
+
+    def run_with(restart_error=None):
+        restarts = []
+
+        async def restart(i):
+            restarts.append(i)
+            return FakeStream(i, restart_error if i == 2 else None)
+
+        gens = [FakeStream(i, ActorDiedError()) for i in range(4)]
+        return RequestRun(gens, [Accepted("lost", 3)] * 4, 1, "cmpl-x", restart), restarts
+
+    run, restarts = run_with()
+    out = asyncio.run(run.outputs())
+    assert sorted(restarts) == [0, 1, 2, 3]
+    assert [out.choices[p].text for p in range(4)] == ["p0", "p1", "p2", "p3"]
+    run, restarts = run_with(restart_error=ActorDiedError())  # prompt 2's retry is lost as well: no second retry
+    with pytest.raises(ActorDiedError):
+        asyncio.run(run.outputs())
+    assert restarts.count(2) == 1
+
+
 # ---- metrics ---------------------------------------------------------------------------------------------------
 def test_metrics_merge_across_replicas():
     from cluster.metrics import ReplicaMetrics
