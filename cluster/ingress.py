@@ -40,6 +40,7 @@ from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
 from cluster.request_run import AcceptTimeout, RequestRun, is_replica_loss, sse_response, unless_disconnected
 from cluster.tool_choice import tool_parser_for_choice
+from engine.errors import shortened
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ app = FastAPI(title="Pagoda", version="1", docs_url=None, redoc_url=None, openap
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, exc: StarletteHTTPException):
-    error = errors.http_status_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    error = errors.http_status_error(exc.status_code, f"{request.method} {shortened(request.url.path)}: {exc.detail}")
     return JSONResponse(errors.error_body(error, None), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -189,8 +190,7 @@ class Ingress:
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
-            e.param = req.param_name(e.param)
-            raise
+            raise e.renamed(req.param_name(e.param))
         meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
         if req.stream:
             chunk_meta = {**meta, "object": "chat.completion.chunk"}

@@ -18,7 +18,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None
-    code: str | int
+    code: str | None  # OpenAI's: e.g. "model_not_found", else null
 
 
 class ErrorResponse(BaseModel):

@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
 from cluster.errors import ErrorInfo, InvalidRequestError
@@ -25,7 +26,18 @@ from engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRI
                                     SamplingParams)
 
 _INT32 = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+
+
+def _token_id(value: int) -> int:
+    if not 0 <= value <= _INT32:
+        raise PydanticCustomError("token_id", "token ids must be integers >= 0 (and at most {max}), got {value}",
+                                  {"max": _INT32, "value": value})
+    return value
+
+
+# The vocabulary bounds them too: the replica checks that; /openapi.json says it (cluster/openapi.py).
+TokenId = Annotated[int, AfterValidator(_token_id), WithJsonSchema({"type": "integer", "minimum": 0,
+                                                                    "maximum": _INT32})]
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
@@ -58,7 +70,7 @@ class Accepted:
 
 # ---- OpenAI request bodies -----------------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -253,8 +265,7 @@ class ChatCompletionRequest(_Request):
             return make_params(self._sampling_kwargs(defaults, max_tokens=max_tokens, logprobs=logprobs,
                                                      prompt_logprobs=self.prompt_logprobs))
         except InvalidRequestError as e:
-            e.param = self.param_name(e.param)
-            raise
+            raise e.renamed(self.param_name(e.param))
 
     def _constraint(self) -> StructuredOutputsParams | None:
         if self.tool_choice is not None and not self.tools:

@@ -3,6 +3,18 @@ what it is instead of being parsed out of a message."""
 
 from __future__ import annotations
 
+MAX_QUOTED_CHARS = 100  # what an error message quotes of a client's input, at most (a 1 MB model name is cut)
+
+
+def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text` cut to `limit` characters, with an ellipsis and the full length where it was cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value) -> str:
+    """repr(value) as an error message quotes a client's input: shortened to MAX_QUOTED_CHARS."""
+    return shortened(repr(value))
+
 
 class ParamError(ValueError):
     """Invalid input, naming the request field at fault: `ParamError("top_p", "must be in (0, 1], got 0")` reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import ParamError
+from engine.errors import ParamError, quoted
 from engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -51,7 +51,7 @@ class SamplingParams:
         try:
             self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         except (TypeError, ValueError):
-            raise ParamError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}") from None
+            raise ParamError("stop_token_ids", f"must be integers, got {quoted(self.stop_token_ids)}") from None
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -119,7 +119,7 @@ def _check(ok: bool, name: str, message: str) -> None:
 
 def _finite(value, name: str) -> float:
     _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
-           f"must be a finite number, got {value!r}")
+           f"must be a finite number, got {quoted(value)}")
     return float(value)
 
 
@@ -128,7 +128,7 @@ def _check_float(value, name: str, low: float, high: float) -> None:
 
 
 def _check_int(value, name: str, low: int, high: int, what: str | None = None) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+    _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {quoted(value)}")
     _check(low <= value <= high, name, f"{what or f'must be in [{low}, {high}]'}, got {value}")
 
 

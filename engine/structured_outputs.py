@@ -16,7 +16,7 @@ import json as jsonlib
 import re
 from dataclasses import dataclass, field
 
-from engine.errors import ParamError
+from engine.errors import ParamError, quoted
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _COMPACT_SEPARATORS = (",", ":")
@@ -94,7 +94,7 @@ def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
         return jsonlib.dumps(list(value), ensure_ascii=False)
     if kind == "json_object":
         if value is not True:
-            raise ParamError("structured_outputs.json_object", f"must be a boolean, got {value!r}")
+            raise ParamError("structured_outputs.json_object", f"must be a boolean, got {quoted(value)}")
         return ""
     if not isinstance(value, str) or not value:
         raise ParamError(f"structured_outputs.{kind}", "must be a non-empty string")

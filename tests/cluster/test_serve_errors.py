@@ -15,8 +15,7 @@ def assert_error(r: httpx.Response, status: int, param=None, code=None):
     body = r.json()
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
     assert body["error"]["param"] == param
-    if code is not None:
-        assert body["error"]["code"] == code
+    assert body["error"]["code"] == code  # OpenAI's: a string where it names one, else null (never the status)
     assert body["request_id"] and r.headers["x-pagoda-request-id"] == body["request_id"]
     return body
 
@@ -24,9 +23,11 @@ def assert_error(r: httpx.Response, status: int, param=None, code=None):
 def test_api_key(serve_url):
     with httpx.Client(base_url=serve_url, timeout=30) as anonymous:
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
-        assert_error(anonymous.post("/v1/completions", json=body), 401)
-        assert_error(anonymous.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
-        assert_error(anonymous.get("/v1/models", headers={"Authorization": "Basic test-key"}), 401)
+        assert_error(anonymous.post("/v1/completions", json=body), 401, code="invalid_api_key")
+        assert_error(anonymous.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401,
+                     code="invalid_api_key")
+        assert_error(anonymous.get("/v1/models", headers={"Authorization": "Basic test-key"}), 401,
+                     code="invalid_api_key")
         assert anonymous.get("/health").status_code == 200  # probes and scrapers need no key
         assert anonymous.get("/metrics").status_code == 200
 
@@ -74,12 +75,36 @@ def test_malformed_json_is_400(http):
                  400)
 
 
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": [' + ", ".join(['"s"'] * 1000) + "]}", "stop",
+     "stop: List should have at most 64 items"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [-1]}', "prompt", "prompt[0]: token ids must be integers >= 0"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature",
+     "temperature: Input should be a finite number"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "logit_bias": ' + "[" * 250 + "]" * 250 + "}",
+     "logit_bias", "logit_bias nests arrays and objects more than 200 levels deep"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                              '"max_completion_tokens": 5000}'), "max_completion_tokens",
+     "max_completion_tokens is too large: this model's maximum context length is 1024 tokens"),
+])
+def test_a_400_names_the_check_that_failed(http, path, body, param, says):
+    r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    message = assert_error(r, 400, param)["error"]["message"]
+    assert says in message, message
+
+
+def test_an_unknown_model_of_a_megabyte_is_not_echoed(http):
+    r = http.post("/v1/completions", json={"model": "m" * 1_000_000, "prompt": "hi"})
+    body = assert_error(r, 404, "model", "model_not_found")
+    assert len(r.content) < 1000 and "(1000002 characters)" in body["error"]["message"]
+
+
 def test_unknown_model_and_route_are_404(http):
     assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model",
                  "model_not_found")
     assert_error(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user",
                                                                                         "content": "x"}]}),
-                 404, "model")
+                 404, "model", "model_not_found")
     r = http.get("/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 

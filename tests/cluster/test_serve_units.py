@@ -1,6 +1,7 @@
 """The serving layer's pure parts, without a Ray cluster: the routing policy, the error mapping, request
 validation, metrics merging, app args, placement and the CLI's flags."""
 
+import json
 import random
 
 import pytest
@@ -8,6 +9,7 @@ from pydantic import ValidationError
 
 from cluster import errors
 from cluster.app import ModelArgs, parse_args
+from cluster.errors import ErrorInfo
 from cluster.metrics import MetricFamily, merge_families
 from cluster.placement import ReplicaPlacement
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -127,6 +129,85 @@ def test_requests_are_validated_strictly_and_completely(body, param):
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate(body)
     assert errors.to_http_error(info.value).param == param
+
+
+def validation_error(model, body) -> errors.PagodaHTTPError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate_json(body if isinstance(body, str) else json.dumps(body))
+    return errors.to_http_error(info.value)
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": "x", "stop": ["s"] * 1000}, "stop", "stop: List should have at most 64 items"),
+    ({"prompt": [-1]}, "prompt", "prompt[0]: token ids must be integers >= 0"),
+    ({"prompt": [[1, 2], [3, -4]]}, "prompt", "prompt[1][1]: token ids must be integers >= 0"),
+    ({"prompt": ["a", "b", 3]}, "prompt", "prompt[2]: Input should be a valid string"),
+    ({"prompt": 5}, "prompt", "prompt: Input should be one of: str, list[int], list[str], list[list[int]]"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
+    ({"prompt": "x", "top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
+    ({"prompt": "x", "frequency_penalty": float("-inf")}, "frequency_penalty", "a finite number"),
+    ({"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "stop_token_ids[1]: token ids must be"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "unknown field"),
+])
+def test_a_validation_error_names_the_check_that_failed(body, param, says):
+    """A union's error is its member's that the input's JSON type matched (a list of 1,000 strings is too long, not
+    "not a string"); NaN and infinities are not finite numbers (not "less than or equal to 10000")."""
+    error = validation_error(CompletionRequest, body)
+    assert (error.status_code, error.param) == (400, param)
+    assert says in error.message, error.message
+
+
+def test_a_named_literal_beats_the_object_member_of_its_union():
+    error = validation_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                     "tools": [], "tool_choice": "sometimes"})
+    assert error.param == "tool_choice"
+    assert error.message == "tool_choice: Input should be 'none', 'auto' or 'required'"
+
+
+def test_json_nested_too_deep_is_a_400_naming_its_field():
+    body = '{"prompt": "x",\n "logit_bias": ' + "[" * 300 + "]" * 300 + "}"
+    error = validation_error(CompletionRequest, body)
+    assert (error.status_code, error.param) == (400, "logit_bias")
+    assert error.message == "logit_bias nests arrays and objects more than 200 levels deep"
+    error = validation_error(CompletionRequest, "[" * 300 + "]" * 300)
+    assert error.param is None
+    assert error.message == "the request body nests arrays and objects more than 200 levels deep"
+
+
+def test_error_messages_quote_at_most_a_short_piece_of_the_input():
+    huge = "m" * 1_000_000
+    body = errors.error_body(errors.ModelNotFoundError(huge, ["tiny"]), "req-1")
+    assert len(body["error"]["message"]) < 300 and "(1000002 characters)" in body["error"]["message"]
+    error = validation_error(CompletionRequest, {"prompt": "x", huge: 1})  # an unknown field's name, its param
+    body = errors.error_body(error, "req-1")
+    assert len(body["error"]["message"]) < 400 and len(body["error"]["param"]) < 150
+    for value in ({"prompt": "x", "logit_bias": {huge: 1.0}}, {"prompt": [[huge]]}, {"prompt": "x", "n": huge}):
+        try:
+            CompletionRequest.model_validate(value).to_sampling_params()
+            raise AssertionError(f"accepted: {str(value)[:50]}")
+        except Exception as e:  # noqa: BLE001 - mapped as the ingress maps it
+            assert len(json.dumps(errors.error_body(errors.to_http_error(e), "r"))) < 2000
+    assert len(errors.error_body(errors.InvalidRequestError("x" * 10**6), None)["error"]["message"]) < 1100
+
+
+def test_error_codes_are_strings_or_null_as_openais():
+    """OpenAI's (and the openai client's) `code` is a string or null: never the status as an integer."""
+    cases = [errors.InvalidRequestError("bad", "n"), errors.ModelNotFoundError("x", ["tiny"]),
+             errors.AuthenticationError("no key"), errors.TooManyRequestsError("full"),
+             errors.ServiceUnavailableError("down"), errors.InternalServerError("bug"),
+             errors.http_status_error(405, "GET /v1/completions: Method Not Allowed"),
+             ErrorInfo(400, "max_tokens is too large", "max_tokens").to_exception()]
+    codes = [errors.error_body(e, None)["error"]["code"] for e in cases]
+    assert codes == [None, "model_not_found", "invalid_api_key", "rate_limit_exceeded", None, None, None, None]
+
+
+def test_an_engine_error_is_renamed_to_the_field_the_client_sent():
+    error = ErrorInfo(400, "max_tokens is too large: this model's maximum context length is 1024 tokens",
+                      "max_tokens").to_exception()
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=5000)
+    error = error.renamed(req.param_name(error.param))
+    assert error.param == "max_completion_tokens"
+    assert error.message.startswith("max_completion_tokens is too large: ")
 
 
 def test_chat_roles_are_openais_and_no_op_fields_are_accepted():
