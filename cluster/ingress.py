@@ -36,7 +36,7 @@ from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              GenerateRequest, TokenizeRequest, message_dicts)
+                              GenerateRequest, TokenizeRequest)
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
 from cluster.request_run import AcceptTimeout, RequestRun, is_replica_loss, sse_response, unless_disconnected
 from cluster.tool_choice import tool_parser_for_choice
@@ -205,11 +205,9 @@ class Ingress:
 
     async def _tokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = TokenizeRequest.model_validate_json(body)
+        tokenize = req.to_input()
         _, handle = self._model(req.model)
-        messages = message_dicts(req.messages) if req.messages is not None else None
-        result = await self._call(handle.tokenize.remote(req.prompt, messages, req.add_special_tokens,
-                                                         req.add_generation_prompt))
-        return JSONResponse(result)
+        return JSONResponse(await self._call(handle.tokenize.remote(tokenize)))
 
     async def _detokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = DetokenizeRequest.model_validate_json(body)

@@ -172,6 +172,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):
@@ -200,6 +201,11 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], type[BaseM
 }
 
 
+def _object_schemas(schema: dict) -> list[dict]:
+    """A request's object schema, or each of its `oneOf` variants (/tokenize: a prompt, or messages)."""
+    return [schema] if "properties" in schema else schema.get("oneOf", [])
+
+
 def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, Any]:
     """FastAPI's document (`base`) with the request bodies and the responses of ROUTES filled in; a request's
     `model` is one of the served names (or left out, when one model is served)."""
@@ -216,8 +222,9 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
         operation = base.setdefault("paths", {}).setdefault(path, {}).setdefault(method, {})
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
-            components[request.__name__]["properties"]["model"] = {
-                "anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
+            served = {"anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
+            for variant in _object_schemas(components[request.__name__]):
+                variant["properties"]["model"] = served
         ok = {"application/json": {"schema": ref(response)}}
         if event is not None:  # each SSE event: a chunk (or, last, an error) as JSON, then `data: [DONE]`
             payload = {"anyOf": [ref(event), error]}

@@ -53,10 +53,25 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's function tools)
+    continue_final_message: bool = False  # the chat's last message is left open for the model to continue
     stream: bool = True  # False: the replica yields Accepted, then one list holding the final delta
     echo: bool = False  # return the prompt text in Accepted
     routing_key: str = ""  # prompt text the router hashes for prefix-cache affinity (see cluster/router.py)
     arrival_time: float | None = None  # time.time() when the ingress received the request (TTFT, E2E)
+
+
+@dataclass
+class TokenizeInput:
+    """What /tokenize asks of a replica: a prompt, or messages to render as a chat would be."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
 
 
 @dataclass
@@ -304,12 +319,70 @@ class ChatCompletionRequest(_Request):
         return engine_param
 
 
+def _one_of_prompt_or_messages(schema: dict[str, Any]) -> None:
+    """/tokenize's JSON schema says what it takes: a prompt, or messages with the chat's own fields."""
+    properties = schema.pop("properties")
+    for name in ("prompt", "messages", "add_special_tokens"):
+        properties[name].pop("default", None)
+    chat_only = {"messages", *_CHAT_TOKENIZE_FIELDS}
+    schema.pop("additionalProperties", None)
+    schema["oneOf"] = [
+        {"type": "object", "required": ["prompt"], "additionalProperties": False,
+         "properties": {k: v for k, v in properties.items() if k not in chat_only}},
+        {"type": "object", "required": ["messages"], "additionalProperties": False,
+         "properties": {k: v for k, v in properties.items() if k != "prompt"}, **_CONTINUE_NOT_WITH_GENERATION}]
+
+
+_CHAT_TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
+# continue_final_message continues the last message: a generation prompt after it is not asked for at once
+_CONTINUE_NOT_WITH_GENERATION = {
+    "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
+    "then": {"properties": {"add_generation_prompt": {"const": False}}}}
+
+
 class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template as a chat would be
+    (exactly one of them; the chat's own fields only with messages)."""
+
+    model_config = ConfigDict(json_schema_extra=_one_of_prompt_or_messages)
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    prompt: str = None  # no null: the request gives a prompt or messages
+    messages: list[ChatMessage] = Field(None, min_length=1)
+    add_special_tokens: bool = None  # default: True for a prompt; for messages False (their template adds them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # also each token's string (the tokenizer's spelling)
+
+    def to_input(self) -> TokenizeInput:
+        given = [name for name in ("prompt", "messages") if name in self.model_fields_set]
+        if len(given) != 1:
+            raise InvalidRequestError("give either prompt or messages, not both" if given else
+                                      "prompt or messages is required", "prompt")
+        if self.prompt is not None:
+            for name in _CHAT_TOKENIZE_FIELDS:
+                if name in self.model_fields_set:
+                    raise InvalidRequestError(f"{name} applies to messages, not to a prompt", name)
+            return TokenizeInput(prompt=self.prompt, add_special_tokens=self.add_special_tokens is not False,
+                                 return_token_strs=self.return_token_strs)
+        return TokenizeInput(messages=message_dicts(self.messages), add_special_tokens=bool(self.add_special_tokens),
+                             add_generation_prompt=generation_prompt(self),
+                             continue_final_message=self.continue_final_message,
+                             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+                             chat_template_kwargs=self.chat_template_kwargs, return_token_strs=self.return_token_strs)
+
+
+def generation_prompt(req: TokenizeRequest | ChatCompletionRequest) -> bool:
+    """add_generation_prompt as the template gets it: off with continue_final_message, unless the client set both
+    (a 400: the final message cannot be continued and a new one started at once)."""
+    if not req.continue_final_message:
+        return req.add_generation_prompt
+    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                  "continue_final_message")
+    return False
 
 
 class DetokenizeRequest(_Strict):

@@ -26,7 +26,7 @@ from cluster.autoscaling import autoscaling_stats
 from cluster.errors import ErrorInfo
 from cluster.metrics import ReplicaMetrics
 from cluster.placement import ReplicaPlacement
-from cluster.protocol import Accepted, GenerateRequest, error_info
+from cluster.protocol import Accepted, GenerateRequest, TokenizeInput, error_info
 from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
@@ -121,7 +121,7 @@ class LLMServer:
                                            f"and the prompt takes {len(token_ids)} of them plus {max_tokens} requested")
         return text, token_ids
 
-    def _render(self, request: GenerateRequest) -> str:
+    def _render(self, request: GenerateRequest | TokenizeInput) -> str:
         kwargs = dict(request.chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None)
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -133,6 +133,8 @@ class LLMServer:
         limit = self.settings.chat_template_time_limit_s if template is not None else None
         if request.tools is not None:
             kwargs["tools"] = request.tools
+        if request.continue_final_message:  # the last message stays open: the model continues it
+            kwargs["continue_final_message"] = True
         return apply_chat_template(self.engine.tokenizer, request.messages, request.add_generation_prompt,
                                    template, time_limit_s=limit, **kwargs)
 
@@ -169,23 +171,26 @@ class LLMServer:
         return last_token_time
 
     # ---- tokenizer endpoints -------------------------------------------------------------------------------------
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, add_generation_prompt: bool = True) -> dict | ErrorInfo:
+    async def tokenize(self, request: TokenizeInput) -> dict | ErrorInfo:
+        """vLLM's /tokenize: the prompt's token ids, or those of the messages rendered as a chat would be."""
         def run():
-            text, special = prompt, add_special_tokens
-            if messages is not None:
-                text, special = apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt), False
+            text, param = request.prompt, "prompt"
+            if request.messages is not None:
+                text, param = self._render(request), "messages"
             if text is None:
                 raise ParamError("prompt", "or messages is required")
             if len(text) > self.engine.limits.max_prompt_chars:
-                raise ParamError("prompt", f"is longer than this model's context ({len(text)} characters)")
-            return self.engine.tokenizer.encode(text, add_special_tokens=special)
+                raise ParamError(param, f"is longer than this model's context ({len(text)} characters)")
+            tokens = self.engine.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+            strings = self.engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+            return tokens, strings
 
         try:
-            tokens = await asyncio.to_thread(run)
+            tokens, strings = await asyncio.to_thread(run)
         except ParamError as e:
             return error_info(e)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len,
+                "token_strs": strings}
 
     async def detokenize(self, tokens: list[int]) -> dict | ErrorInfo:
         vocab_size = self.engine.vocab_size

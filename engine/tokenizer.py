@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 
 # Template variables the server sets itself; a request's chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize",
-                                      "return_dict", "chat_template", "tools", "documents"})
+                                      "return_dict", "chat_template", "tools", "documents",
+                                      "continue_final_message"})
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, child: TokenizerChild | None = None):

@@ -197,6 +197,38 @@ def test_tokenize_and_detokenize(http, tiny_tokenizer):
     assert back["prompt"].endswith(PROMPT)
 
 
+def test_tokenize_takes_a_prompt_or_messages_never_both(http):
+    both = http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT, "messages": MESSAGES})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt", both.text
+    neither = http.post("/tokenize", json={"model": "tiny"})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt", neither.text
+    chat_field = http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT, "add_generation_prompt": False})
+    assert chat_field.status_code == 400 and chat_field.json()["error"]["param"] == "add_generation_prompt"
+
+
+def test_tokenize_as_vllm_tools_token_strings_and_a_continued_message(http, tiny_tokenizer):
+    """vLLM's /tokenize extras: the chat's `tools` rendered by its template, `return_token_strs`, and
+    `continue_final_message` (the last message left open, no generation prompt)."""
+    from tests.cluster.conftest import TOOLS_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    r = http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, "tools": tools, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    text = apply_chat_template(tiny_tokenizer, MESSAGES, chat_template=TOOLS_CHAT_TEMPLATE, tools=tools)
+    assert "get_time" in text
+    expected = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert r.json()["tokens"] == expected and r.json()["count"] == len(expected)
+    assert r.json()["token_strs"] == tiny_tokenizer.convert_ids_to_tokens(expected)
+    assert http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT}).json()["token_strs"] is None
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Well, the"}]
+    r = http.post("/tokenize", json={"model": "tiny", "messages": prefill, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert tiny_tokenizer.decode(r.json()["tokens"]).endswith("<|im_start|>assistant\nWell, the")
+    both = http.post("/tokenize", json={"model": "tiny", "messages": prefill, "continue_final_message": True,
+                                        "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_health_and_metrics_text(http, client):
     health = http.get("/health").json()
     assert health["status"] in ("ok", "degraded")  # degraded: a replica another test killed is being replaced

@@ -261,6 +261,33 @@ def test_chat_params_and_messages():
         "max_completion_tokens"
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),  # prompt was silently ignored
+    ({}, "prompt"),
+    ({"model": "tiny"}, "prompt"),
+    ({"prompt": "x", "tools": []}, "tools"),
+    ({"prompt": "x", "continue_final_message": False}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
+])
+def test_tokenize_takes_one_input_and_only_its_own_fields(body, param):
+    from cluster.protocol import TokenizeRequest
+
+    with pytest.raises(errors.InvalidRequestError) as info:
+        TokenizeRequest.model_validate(body).to_input()
+    assert info.value.param == param
+
+
+def test_tokenize_inputs_as_vllm_reads_them():
+    from cluster.protocol import TokenizeRequest
+
+    prompt = TokenizeRequest.model_validate({"prompt": "x", "return_token_strs": True}).to_input()
+    assert (prompt.prompt, prompt.add_special_tokens, prompt.return_token_strs) == ("x", True, True)
+    chat = TokenizeRequest.model_validate({"messages": [{"role": "assistant", "content": "Sure"}],
+                                           "continue_final_message": True}).to_input()
+    assert (chat.add_special_tokens, chat.add_generation_prompt, chat.continue_final_message) == (False, False, True)
+
+
 def test_legacy_logprobs_shape():
     out = completion_logprobs([TokenLogprob(5, "ab", -0.5, [(5, "ab", -0.5), (6, "c", -1.0)]),
                                TokenLogprob(7, "d", -2.0, [])], 3)
