@@ -77,6 +77,19 @@ def _error_response(exc: BaseException, request_id: str | None) -> Response:
     return JSONResponse(errors.error_body(error, request_id), status_code=error.status_code, headers=headers)
 
 
+def _request_id(request: Request) -> str:
+    """Pagoda's request id is Serve's: the client's X-Request-Id where it sent one (vLLM adopts it too), else the id
+    Serve (or HAProxy) gave the request. Serve returns it as the response's x-request-id, which the openai client
+    reads as `_request_id`: that id is the one in the body's `request_id`, X-Pagoda-Request-Id and the logs (a
+    completion's `id` is cmpl- or chatcmpl- and it)."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def _engine_id(request_id: str) -> str:
+    """The engine's id of a request: its request id and a nonce (two clients may send one X-Request-Id at once)."""
+    return f"{request_id}.{uuid.uuid4().hex[:8]}"
+
+
 def _check_length(info: dict, texts: list[str], param: str) -> None:
     """A prompt longer than any the model can hold is refused here, before it travels or is tokenized."""
     for text in texts:
@@ -128,23 +141,33 @@ class Ingress:
     # ---- OpenAI API -----------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._serve(request, "cmpl", self._completions)
+        return await self._serve(request, self._completions)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._serve(request, "chatcmpl", self._chat)
+        return await self._serve(request, self._chat)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request):
-        return await self._serve(request, "models", self._models, read_body=False)
+        return await self._serve(request, self._models, read_body=False)
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(self, request: Request, model: str):
+        """The openai client's models.retrieve(id); a model name may hold slashes (org/name)."""
+        async def card(request: Request, body: bytes, request_id: str) -> Response:
+            if model not in self.model_cards:
+                raise errors.ModelNotFoundError(model, list(self.models))
+            return JSONResponse(self._card(model))
+
+        return await self._serve(request, card, read_body=False)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
-        return await self._serve(request, "tok", self._tokenize)
+        return await self._serve(request, self._tokenize)
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
-        return await self._serve(request, "detok", self._detokenize)
+        return await self._serve(request, self._detokenize)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self):
@@ -165,10 +188,10 @@ class Ingress:
         _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
         arrival = time.time()
         run = await self._start(name, handle, [
-            GenerateRequest(f"{request_id}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
+            GenerateRequest(f"{_engine_id(request_id)}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
                             routing_key=p if isinstance(p, str) else " ".join(map(str, p)), arrival_time=arrival)
             for i, p in enumerate(prompts)], params.n, request_id)
-        meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name}
+        meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
             return sse_response(completion_chunks(meta, req, run.accepted, run.n, run.deltas()), run)
         out = await unless_disconnected(request, run, run.outputs())
@@ -183,7 +206,7 @@ class Ingress:
         tool_parser = _tool_parser(req, info)
         messages = req.message_dicts()
         _check_length(info, ["".join(m["content"] for m in messages)], "messages")
-        gen = GenerateRequest(request_id, params, messages=messages, stream=req.stream,
+        gen = GenerateRequest(_engine_id(request_id), params, messages=messages, stream=req.stream,
                               add_generation_prompt=req.add_generation_prompt,
                               chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts(),
                               routing_key=req.routing_key(), arrival_time=time.time())
@@ -191,7 +214,8 @@ class Ingress:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
             raise e.renamed(req.param_name(e.param))
-        meta = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name}
+        meta = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+                "model": name}
         if req.stream:
             chunk_meta = {**meta, "object": "chat.completion.chunk"}
             return sse_response(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
@@ -199,9 +223,10 @@ class Ingress:
         return JSONResponse(chat_body(meta, req, run.accepted, out, tool_parser), headers=run.headers)
 
     async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
-        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **card}
-                for name, card in self.model_cards.items()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [self._card(name) for name in self.model_cards]})
+
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **self.model_cards[name]}
 
     async def _tokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = TokenizeRequest.model_validate_json(body)
@@ -245,7 +270,7 @@ class Ingress:
 
     @app.get("/debug/integrity", include_in_schema=False)
     async def integrity(self, request: Request):
-        return await self._serve(request, "debug", self._integrity, read_body=False)
+        return await self._serve(request, self._integrity, read_body=False)
 
     async def _integrity(self, request: Request, body: bytes, request_id: str) -> Response:
         self._require_debug(request)
@@ -256,7 +281,7 @@ class Ingress:
 
     @app.post("/debug/fail_engine", include_in_schema=False)
     async def fail_engine(self, request: Request):
-        return await self._serve(request, "debug", self._fail_engine)
+        return await self._serve(request, self._fail_engine)
 
     async def _fail_engine(self, request: Request, body: bytes, request_id: str) -> Response:
         self._require_debug(request)
@@ -268,9 +293,9 @@ class Ingress:
         return JSONResponse({"replicas": await self._broadcast(name, "fail_engine")})
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
-    async def _serve(self, request: Request, kind: str,
-                     handler: Callable[[Request, bytes, str], Awaitable[Response]], read_body: bool = True) -> Response:
-        request_id = f"{kind}-{uuid.uuid4().hex}"
+    async def _serve(self, request: Request, handler: Callable[[Request, bytes, str], Awaitable[Response]],
+                     read_body: bool = True) -> Response:
+        request_id = _request_id(request)
         try:
             self._authorize(request)
             body = await self._read_body(request) if read_body else b""

@@ -195,6 +195,7 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], type[BaseM
     "/v1/completions": ("post", CompletionRequest, Completion, CompletionChunk),
     "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
     "/v1/models": ("get", None, ModelList, None),
+    "/v1/models/{model}": ("get", None, ModelCard, None),
     "/tokenize": ("post", TokenizeRequest, TokenizeResponse, None),
     "/detokenize": ("post", DetokenizeRequest, DetokenizeResponse, None),
     "/health": ("get", None, HealthResponse, None),
@@ -225,6 +226,9 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
             served = {"anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
             for variant in _object_schemas(components[request.__name__]):
                 variant["properties"]["model"] = served
+        for parameter in operation.get("parameters", []):
+            if parameter["name"] == "model":  # a path's or the query's: one of the served names
+                parameter["schema"] = {"type": "string", "enum": list(model_names)}
         ok = {"application/json": {"schema": ref(response)}}
         if event is not None:  # each SSE event: a chunk (or, last, an error) as JSON, then `data: [DONE]`
             payload = {"anyOf": [ref(event), error]}

@@ -15,6 +15,37 @@ def test_models_list(client):
     assert all(m.object == "model" and m.owned_by == "pagoda" for m in models.data)
 
 
+def test_models_retrieve(client):
+    import openai
+
+    model = client.models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "pagoda")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/no-such-model")
+    assert info.value.code == "model_not_found" and info.value.status_code == 404
+
+
+def test_the_openai_clients_request_id_is_pagodas(client):
+    """x-request-id (the client's `_request_id`) is Pagoda's request id: the body's and X-Pagoda-Request-Id's, and
+    the suffix of the completion's id; a client's own X-Request-Id is adopted, as vLLM does."""
+    import openai
+
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    out = raw.parse()
+    assert raw.headers.get_list("x-request-id") == [out._request_id]
+    assert out.id == f"cmpl-{out._request_id}" and raw.headers["x-pagoda-request-id"] == out._request_id
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                          extra_headers={"X-Request-Id": "trace-42"})
+    assert (chat._request_id, chat.id) == ("trace-42", "chatcmpl-trace-42")
+    twice = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,  # one id, two requests: both run
+                                       extra_headers={"X-Request-Id": "same"}) for _ in range(2)]
+    assert [c.id for c in twice] == ["cmpl-same", "cmpl-same"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
+    response = info.value.response
+    assert info.value.request_id == response.headers["x-pagoda-request-id"] == response.json()["request_id"]
+
+
 def test_completion_usage_equals_tokenizer_counts(client, tiny_tokenizer):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, temperature=0, extra_body=NO_EOS)
     assert out.object == "text_completion" and out.model == "tiny" and out.id.startswith("cmpl-")
