@@ -17,6 +17,8 @@ from cluster.protocol import Accepted, ChatCompletionRequest, CompletionRequest
 from cluster.tool_parsers import NamedToolParser, ToolCall, ToolCallDelta, ToolCallsDelta, ToolParser
 from engine.request_output import RequestDelta, SequenceDelta, TokenLogprob
 
+MIN_LOGPROB = -9999.0  # what a masked token's -inf logprob reads as (vLLM's value)
+
 
 @dataclass
 class Outputs:
@@ -202,8 +204,9 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> dict:
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
-    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [None if lp.logprob is None else ({t: v for _, t, v in lp.top} or {lp.token: lp.logprob})
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [None if lp.logprob is None else ({t: _finite(v) for _, t, v in lp.top}
+                                                              or {lp.token: _finite(lp.logprob)})
                              for lp in logprobs],
             "text_offset": offsets}
 
@@ -217,15 +220,21 @@ def prompt_logprobs_json(entries: list[TokenLogprob]) -> list[dict | None]:
             out.append(None)
             continue
         ranks = {t: rank for rank, (t, _, _) in enumerate(entry.top, start=1)}
-        item = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": text} for t, text, v in entry.top}
-        item.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": ranks.get(entry.token_id),
+        item = {str(t): {"logprob": _finite(v), "rank": ranks[t], "decoded_token": text} for t, text, v in entry.top}
+        item.setdefault(str(entry.token_id), {"logprob": _finite(entry.logprob), "rank": ranks.get(entry.token_id),
                                               "decoded_token": entry.token})
         out.append(item)
     return out
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
-    return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+    return {"content": [{"token": lp.token, "logprob": _finite(lp.logprob), "bytes": list(lp.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": _finite(v), "bytes": list(t.encode())}
                                           for _, t, v in lp.top]}
                         for lp in logprobs]}
+
+
+def _finite(logprob: float | None) -> float | None:
+    """A logprob JSON can carry: a token that a grammar masked has -inf, which is not JSON; vLLM clamps it to
+    -9999.0 and keeps it in the top list, as here."""
+    return None if logprob is None else max(logprob, MIN_LOGPROB)

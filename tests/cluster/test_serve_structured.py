@@ -84,6 +84,28 @@ def test_completions_follow_vllm_fields(client, field, value, check):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_of_masked_tokens_are_clamped_as_vllm_does(client, stream):
+    """The choice "a" allows one token where the top 5 are asked for: the other four are masked (-inf, which JSON
+    cannot carry: it was a 500) and read -9999.0, as vLLM answers; the sampled token keeps its own logprob."""
+    common = dict(model="tiny", max_tokens=4, temperature=0, stream=stream, extra_body={"guided_choice": ["a"]})
+    completion = client.completions.create(prompt="Answer:", logprobs=5, **common)
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=5, **common)
+    if stream:
+        completion, chat = list(completion), list(chat)
+        tokens = [c.choices[0].logprobs for c in completion if c.choices and c.choices[0].logprobs]
+        top = [t for lp in tokens for t in lp.top_logprobs]
+        sampled = [v for lp in tokens for v in lp.token_logprobs]
+        entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        top, sampled = completion.choices[0].logprobs.top_logprobs, completion.choices[0].logprobs.token_logprobs
+        entries = chat.choices[0].logprobs.content
+    assert top and entries
+    assert min(min(t.values()) for t in top) == -9999.0 and max(sampled) > -9999.0
+    assert min(t.logprob for e in entries for t in e.top_logprobs) == -9999.0
+    assert all(len(e.top_logprobs) == 5 and e.logprob > -9999.0 for e in entries)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_choice_required_calls_tools(client, stream):
     kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=160,
                   temperature=0)
