@@ -12,6 +12,11 @@ Both read the same: each feed re-reads the output's unsettled tail (the text aft
 what grew, so the deltas of a stream add up to exactly what `parse` returns. Arguments are the JSON text as the
 model wrote it. Content next to a tool call loses the whitespace that touches it; a block that names no function
 stays content.
+
+A call is a call once its JSON object closes: one that max_tokens (or a stop) cut off is no call at all, neither
+whole nor streamed (the choice ends with finish_reason "length" and the calls before it), as OpenAI and vLLM answer
+a whole output. So a streamed call goes out in one chunk (id, name and arguments) when its object closes, never as
+arguments a client could be left holding half of; content streams as it is written.
 """
 
 from __future__ import annotations
@@ -167,19 +172,21 @@ class ToolParser:
         self._sent_calls: list[tuple[str, int]] = []  # (id, length of the arguments sent)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        content, calls = self._scan_final(text, _ValueScanner())
+        content, calls = self._scan_complete(text, True, _ValueScanner())
         return ParsedToolCalls(content or None, [ToolCall(self._make_id(), c.name, c.arguments) for c in calls])
 
     def feed(self, delta: str) -> ToolCallsDelta:
         self._text += delta
-        return self._diff(*self._scan(self._text, False, self._values))
+        return self._diff(*self._scan_complete(self._text, False, self._values))
 
     def finish(self) -> ToolCallsDelta:
         """The end of the output: what was held back (a possible tag, whitespace) goes out."""
-        return self._diff(*self._scan_final(self._text, self._values))
+        return self._diff(*self._scan_complete(self._text, True, self._values))
 
-    def _scan_final(self, text: str, values: _ValueScanner) -> tuple[str, list[_Call]]:
-        content, calls = self._scan(text, True, values)
+    def _scan_complete(self, text: str, final: bool, values: _ValueScanner) -> tuple[str, list[_Call]]:
+        """_scan's content and its complete calls: a call whose object is still open (or was cut off) is none."""
+        content, calls = self._scan(text, final, values)
+        calls = [call for call in calls if call.is_complete]
         for call in calls:
             call.arguments = call.arguments or "{}"  # a call without arguments takes none
         return content, calls
@@ -270,21 +277,36 @@ class Llama3JsonToolParser(_CallSequenceParser):
 
 
 class RequiredToolParser(_CallSequenceParser):
-    """The output `tool_choice="required"` constrains: a JSON array of `{"name": ..., "parameters": ...}`."""
+    """The output `tool_choice="required"` constrains: a JSON array of `{"name": ..., "parameters": ...}`. All of
+    it is calls: a cut that leaves none (`[{"na`) leaves no content either."""
 
     name = "required"
     prefix, separators = "[", ",]"
 
+    def _scan(self, text: str, final: bool, values: _ValueScanner) -> tuple[str, list[_Call]]:
+        return "", super()._scan(text, final, values)[1]
+
 
 class NamedToolParser(ToolParser):
-    """The output of a named `tool_choice`: the whole text is the arguments of that one function."""
+    """The output of a named `tool_choice`: the whole text is the arguments of that one function (a call once it is
+    one whole JSON value)."""
 
     def __init__(self, function_name: str, make_id=new_call_id):
         super().__init__(make_id)
         self.name = function_name
 
     def _scan(self, text: str, final: bool, values: _ValueScanner) -> tuple[str, list[_Call]]:
-        return "", [_Call(self.name, text)] if text or final else []
+        end = values.end(text, _skip_ws(text, 0))
+        is_complete = (end is not None and not text[end:].strip()) or (final and _is_json(text))  # or a scalar
+        return "", [_Call(self.name, text, is_complete=is_complete)]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _segment(text: str, after_block: bool, tag: str | None, final: bool) -> str:

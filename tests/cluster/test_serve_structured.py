@@ -159,6 +159,31 @@ def test_auto_reads_the_models_own_format(client, stream):
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
 
 
+CUT_CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "add"}}, "auto": "auto"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", list(CUT_CHOICES))
+def test_a_call_cut_off_by_max_tokens_is_no_call(client, choice, stream):
+    """As OpenAI and vLLM answer: finish_reason "length" and no tool call (a named choice cut short came back as
+    arguments "{"). For 'auto' a regex makes the tiny model write a call in its template's format. The uncut
+    output's tokens (its logprobs) say where a cut lands inside the call."""
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=CUT_CHOICES[choice], temperature=0,
+                  logprobs=True, extra_body={"guided_regex": re.escape(CALL)} if choice == "auto" else None)
+    full = client.chat.completions.create(**kwargs, max_tokens=160)
+    assert full.choices[0].finish_reason != "length" and full.choices[0].message.tool_calls
+    tokens = [t.token for t in full.choices[0].logprobs.content]
+    cut = 3 if choice == "required" else len(tokens) // 2  # inside the (first) call's object
+    assert "{" in "".join(tokens[:cut]) and "}" not in "".join(tokens[:cut]).split("{", 1)[1]
+    if stream:
+        content, calls, finish = streamed_calls(client.chat.completions.create(**kwargs, max_tokens=cut, stream=True))
+    else:
+        reply = client.chat.completions.create(**kwargs, max_tokens=cut)
+        content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
+            reply.choices[0].finish_reason
+    assert finish == "length" and not calls and not content
+
+
 def test_tool_results_go_back_to_the_model(client):
     """A conversation with an assistant's calls and the tools' answers renders and answers."""
     first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",

@@ -58,9 +58,8 @@ def test_hermes_whole_output():
     assert late[0].name == "late_name" and json.loads(late[0].arguments) == {"x": 1}
     assert HermesToolParser().parse(HERMES_OUTPUTS[7]).tool_calls[0].arguments == "{}"
     assert json.loads(HermesToolParser().parse(HERMES_OUTPUTS[8]).tool_calls[0].arguments) == {"q": 1}
-    cut = HermesToolParser().parse(HERMES_OUTPUTS[9])
-    assert cut.content is None and cut.tool_calls[0].name == "cut_off"
-    assert cut.tool_calls[0].arguments == '{"city": "Par'  # as far as the model got (finish_reason "length")
+    cut = HermesToolParser().parse(HERMES_OUTPUTS[9])  # max_tokens cut the call off: no call (it was '{"city": "Par')
+    assert cut.content is None and cut.tool_calls == []
     assert HermesToolParser().parse("").content is None
 
 
@@ -84,6 +83,26 @@ def test_outputs_of_the_constrained_choices():
     named = NamedToolParser("get_weather").parse('{"city":"Oslo"}')
     assert named.content is None and [(c.name, c.arguments) for c in named.tool_calls] == \
         [("get_weather", '{"city":"Oslo"}')]
+
+
+@pytest.mark.parametrize("make, text, num_calls", [
+    (RequiredToolParser, REQUIRED_OUTPUTS[1], 0),
+    (RequiredToolParser, '[{"', 0),
+    (RequiredToolParser, '[{"name":"get_time","parameters":{}},{"name":"get_weather","param', 1),
+    (lambda: NamedToolParser("get_weather"), "{", 0),
+    (lambda: NamedToolParser("get_weather"), '{"city":"Os', 0),
+    (Llama3JsonToolParser, LLAMA_OUTPUTS[6], 0),
+    (HermesToolParser, f"<tool_call>{WEATHER}</tool_call><tool_call>" + '{"name": "get_time", "arguments": {', 1),
+], ids=["required", "required-start", "required-second", "named-brace", "named", "llama3_json", "hermes-second"])
+def test_a_call_cut_off_by_max_tokens_is_no_call(make, text, num_calls):
+    """As OpenAI and vLLM answer: the calls before the cut, none with arguments a client cannot parse (a named
+    choice cut after "{" came back as arguments "{"); streamed, the cut call never goes out either."""
+    whole = make().parse(text)
+    assert len(whole.tool_calls) == num_calls and not whole.content
+    for call in whole.tool_calls:
+        json.loads(call.arguments)
+    content, calls = stream(make(), list(text))
+    assert (content, len(calls)) == ("", num_calls)
 
 
 def stream(parser, deltas: list[str]):
@@ -122,13 +141,14 @@ def test_streams_of_any_split_add_up_to_the_whole_parse(make, outputs):
             assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in whole.tool_calls], (text, deltas)
 
 
-def test_a_call_streams_as_it_is_written():
+def test_content_streams_as_it_is_written_and_a_call_once_its_object_closes():
     parser = HermesToolParser()
-    seen = [parser.feed(ch) for ch in f"Hi <tool_call>{WEATHER}</tool_call>"]
-    first = next(i for i, d in enumerate(seen) if d.tool_calls)
-    assert "".join(d.content for d in seen[:first]) == "Hi"
-    args = [d.tool_calls[0].arguments for d in seen[first + 1:] if d.tool_calls]
-    assert len(args) > 10  # the arguments went out character by character, not at the end
+    text = f"Hi there <tool_call>{WEATHER}</tool_call>"
+    seen = [parser.feed(ch) for ch in text]
+    assert [i for i, d in enumerate(seen) if d.content][:2] == [0, 1]  # character by character
+    (first,) = [i for i, d in enumerate(seen) if d.tool_calls]
+    assert first == text.index(WEATHER) + len(WEATHER) - 1  # the call's closing brace: the whole call at once
+    assert json.loads(seen[first].tool_calls[0].arguments) == json.loads(WEATHER)["arguments"]
 
 
 def test_parser_names_and_the_chat_template_choice(tiny_tokenizer):
