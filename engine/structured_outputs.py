@@ -169,6 +169,8 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 def _check_schema_support(schema) -> None:
     """What xgrammar would silently ignore, so that outputs could fail the schema, is an error instead."""
     for node in _subschemas(schema):
+        if "$ref" in node:
+            _resolve_ref(schema, node["$ref"])
         for keyword in _UNSUPPORTED_KEYWORDS:
             if keyword in node:
                 raise ParamError("structured_outputs.json", f"uses the keyword {keyword!r}, which is not supported")
@@ -179,6 +181,32 @@ def _check_schema_support(schema) -> None:
         if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
             raise ParamError("structured_outputs.json", "has a string with both pattern and minLength/maxLength, which "
                              "is not supported (bound the length in the pattern instead)")
+
+
+def _resolve_ref(schema: dict, ref):
+    """The subschema a `$ref` points at. Only references into the schema itself resolve ('#', '#/$defs/a', any JSON
+    pointer): xgrammar leaves a property with any other (`http://...`, `file:///...`) unconstrained."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}: only references into the schema "
+                                                    "itself ('#' or '#/...') are supported")
+    node = schema
+    for part in ref[2:].split("/") if ref != "#" else []:
+        key = part.replace("~1", "/").replace("~0", "~")  # JSON pointer escapes
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}, which points at nothing in "
+                                                        "the schema")
+    if not isinstance(node, (dict, bool)):
+        raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}, which points at no schema")
+    return node
+
+
+def _excerpt(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _subschemas(node):

@@ -200,6 +200,13 @@ def test_tool_results_go_back_to_the_model(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"allOf": []}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}}}},
+     "response_format.json_schema.schema"),  # it was accepted and "a" left unconstrained
+    ({"guided_json": {"type": "array", "items": {"$ref": "file:///etc/passwd"}}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
     ({"response_format": {"type": "yaml"}}, "response_format"),  # validation names the top-level field
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),

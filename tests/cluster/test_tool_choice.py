@@ -91,6 +91,9 @@ def test_parsers_for_each_choice():
     (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice names function 'missing'"),
     (TOOLS, {"type": "function"}, "tool_choice must be"),
     (TOOLS, "sometimes", "tool_choice must be"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}}}], "required",
+     "tools[0].function.parameters has the $ref 'http://example.com/a.json'"),
     ([], "required", "tool_choice 'required' needs at least one tool"),
 ])
 def test_bad_tools_and_choices_name_the_field(tools, choice, message):
