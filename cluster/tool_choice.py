@@ -4,6 +4,9 @@ reads the model's own format with a `--tool-call-parser` (cluster/tool_parsers.p
     "required"                              [{"name": "f", "parameters": {...f's schema...}}, ...]  one or more
     {"type": "function", "function": {...}} {...the function's parameters schema...}
 
+Under "required" each function's parameters schema sits in the array schema's `$defs` (tool_0, tool_1, ...), its
+own references ('#/$defs/x', '#') rebased there, so that a schema with `$defs` works as it does on its own.
+
 `tool_choice_constraint` gives the StructuredOutputsParams to sample with; `tool_parser_for_choice` the parser that
 turns that output (whole or streamed) into tool calls.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from cluster.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, get_tool_parser
 from engine.errors import ParamError
-from engine.structured_outputs import StructuredOutputsParams
+from engine.structured_outputs import StructuredOutputsParams, rebase_refs
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -69,12 +72,20 @@ def tool_choice_constraint(tools: list[dict] | None, tool_choice, parallel_tool_
         return None
     if not schemas:
         raise ParamError("tool_choice", "'required' needs at least one tool in tools")
-    calls = [{"type": "object", "properties": {"name": {"const": function}, "parameters": parameters},
-              "required": ["name", "parameters"]} for function, parameters in schemas.items()]
-    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    calls, defs = [], {}
+    for i, (function, parameters) in enumerate(schemas.items()):
+        defs[f"tool_{i}"] = rebase_refs(parameters, f"#/$defs/tool_{i}")
+        calls.append({"type": "object", "properties": {"name": {"const": function},
+                                                       "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
+              "$defs": defs}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ParamError as e:  # each schema passed alone: what fails is all of them together (too large)
+        raise e.renamed("tools") from None
 
 
 def tool_parser_for_choice(tool_choice, auto_parser: str | None) -> ToolParser | None:

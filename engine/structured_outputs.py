@@ -204,6 +204,17 @@ def _resolve_ref(schema: dict, ref):
     return node
 
 
+def rebase_refs(schema: dict, base: str) -> dict:
+    """A copy of `schema` to sit at the JSON pointer `base` ('#/$defs/x') of a larger schema: its references into
+    itself ('#', '#/...') are rewritten to point where it now sits."""
+    schema = jsonlib.loads(jsonlib.dumps(schema))
+    for node in _subschemas(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+    return schema
+
+
 def _excerpt(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

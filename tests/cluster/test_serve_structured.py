@@ -120,6 +120,37 @@ def test_tool_choice_required_calls_tools(client, stream):
             (c.function.name, c.function.arguments) for c in message.tool_calls]
 
 
+class Guest(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=99)
+
+
+class Booking(BaseModel):
+    guest: Guest
+    others: list[Guest] = Field(max_length=2)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_takes_tools_whose_parameters_have_defs(client, stream):
+    """The openai client's own tool from a nested pydantic model: its parameters have $defs and $refs into them.
+    'required' was a 400 ("Cannot find field '$defs'") where a named choice worked."""
+    tool = openai.pydantic_function_tool(Booking)
+    assert "$defs" in tool["function"]["parameters"]
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=[tool], tool_choice="required", max_tokens=400,
+                  parallel_tool_calls=False, temperature=1.0, seed=5)
+    if stream:
+        _, calls, finish = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+        calls = [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        calls, finish = [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls], \
+            reply.choices[0].finish_reason
+    assert finish == "tool_calls" and calls
+    for name, arguments in calls:
+        assert name == "Booking"
+        Booking.model_validate_json(arguments)
+
+
 def test_named_tool_choice_and_one_call_only(client):
     named = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=100,
                                            tool_choice={"type": "function", "function": {"name": "add"}},

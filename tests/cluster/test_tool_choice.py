@@ -65,6 +65,39 @@ def test_constrained_outputs_are_valid_tool_calls(llm, choice):
         assert list(arguments.values()) == [c.arguments for c in parsed.tool_calls]
 
 
+DEFS_TOOLS = [  # parameters with $defs and references into themselves, as pydantic writes them
+    {"type": "function", "function": {"name": "book", "parameters": {
+        "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                             "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["name", "age"], "additionalProperties": False}},
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"},
+                                         "others": {"type": "array", "items": {"$ref": "#/$defs/Guest"},
+                                                    "maxItems": 2}},
+        "required": ["guest", "others"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "tree", "parameters": {  # recursive: '#' is its own root
+        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+        "required": ["v", "kids"], "additionalProperties": False}}},
+]
+
+
+def test_required_takes_parameters_with_defs_and_references(llm):
+    """Each schema nested in the array kept its references pointing at its own root ("Cannot find field
+    '$defs'"): they are hoisted into the array schema's $defs and rebased there."""
+    schemas = function_schemas(DEFS_TOOLS)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=200,
+                             structured_outputs=tool_choice_constraint(tools, "required"))
+              for tools in ([DEFS_TOOLS[0]], [DEFS_TOOLS[1]], DEFS_TOOLS) for seed in range(3)]
+    names = set()
+    for out in llm.generate(["Book a room"] * len(params), params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        for call in tool_parser_for_choice("required", None).parse(completion.text).tool_calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])  # resolves its own $refs
+            names.add(call.name)
+    assert names == {"book", "tree"}
+
+
 def test_no_parallel_calls_means_one():
     schema = tool_choice_constraint(TOOLS, "required", parallel_tool_calls=False).json
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
