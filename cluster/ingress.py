@@ -36,7 +36,7 @@ from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              GenerateRequest, TokenizeRequest)
+                              GenerateRequest, TokenizeRequest, generation_prompt)
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
 from cluster.request_run import AcceptTimeout, RequestRun, is_replica_loss, sse_response, unless_disconnected
 from cluster.tool_choice import tool_parser_for_choice
@@ -169,6 +169,15 @@ class Ingress:
     async def detokenize(self, request: Request):
         return await self._serve(request, self._detokenize)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request, model: str | None = None):
+        """vLLM's: the tokenizer's configuration (lm-eval's remote tokenizer asks for it)."""
+        async def info(request: Request, body: bytes, request_id: str) -> Response:
+            _, handle = self._model(model)
+            return JSONResponse(await self._call(handle.tokenizer_info.remote()))
+
+        return await self._serve(request, info, read_body=False)
+
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self):
         base = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -185,11 +194,13 @@ class Ingress:
             raise errors.InvalidRequestError(
                 f"{len(prompts)} prompts in one request: {name!r} admits {limit} at once (its replicas' "
                 "max_ongoing_requests and the max_queued_requests); send them in smaller batches", "prompt")
-        _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
+        if params.truncate_prompt_tokens is None:  # else the replica keeps what fits
+            _check_length(info, [p for p in prompts if isinstance(p, str)], "prompt")
         arrival = time.time()
         run = await self._start(name, handle, [
             GenerateRequest(f"{_engine_id(request_id)}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
-                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)), arrival_time=arrival)
+                            return_token_ids=req.return_token_ids, arrival_time=arrival,
+                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)))
             for i, p in enumerate(prompts)], params.n, request_id)
         meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
@@ -205,11 +216,14 @@ class Ingress:
                                          info["sampling_defaults"])
         tool_parser = _tool_parser(req, info)
         messages = req.message_dicts()
-        _check_length(info, ["".join(m["content"] for m in messages)], "messages")
+        if params.truncate_prompt_tokens is None:  # else the replica keeps what fits
+            _check_length(info, ["".join(m["content"] for m in messages)], "messages")
         gen = GenerateRequest(_engine_id(request_id), params, messages=messages, stream=req.stream,
-                              add_generation_prompt=req.add_generation_prompt,
+                              add_generation_prompt=generation_prompt(req),
+                              continue_final_message=req.continue_final_message,
                               chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts(),
-                              routing_key=req.routing_key(), arrival_time=time.time())
+                              return_token_ids=req.return_token_ids, routing_key=req.routing_key(),
+                              arrival_time=time.time())
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 
@@ -65,7 +65,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # null unless asked for (vLLM's)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: in a choice's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids: the choice's (a chunk's new) tokens
 
 
 class Completion(BaseModel):
@@ -100,6 +102,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -109,7 +112,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # null unless asked for (vLLM's)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -136,6 +140,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -147,6 +152,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in each choice's first chunk
 
 
 class CompletionChunk(Completion):
@@ -179,6 +185,16 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: the tokenizer's configuration (its tokenizer_config.json's fields, less paths)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    chat_template: str | None = None
+    eos_token: str | None = None
+    bos_token: str | None = None
+
+
 class ModelHealth(BaseModel):
     replicas: int
     healthy: int
@@ -198,6 +214,7 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], type[BaseM
     "/v1/models/{model}": ("get", None, ModelCard, None),
     "/tokenize": ("post", TokenizeRequest, TokenizeResponse, None),
     "/detokenize": ("post", DetokenizeRequest, DetokenizeResponse, None),
+    "/tokenizer_info": ("get", None, TokenizerInfo, None),
     "/health": ("get", None, HealthResponse, None),
 }
 
@@ -229,6 +246,7 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
         for parameter in operation.get("parameters", []):
             if parameter["name"] == "model":  # a path's or the query's: one of the served names
                 parameter["schema"] = {"type": "string", "enum": list(model_names)}
+                parameter["required"] = parameter["in"] == "path" or len(model_names) > 1
         ok = {"application/json": {"schema": ref(response)}}
         if event is not None:  # each SSE event: a chunk (or, last, an error) as JSON, then `data: [DONE]`
             payload = {"anyOf": [ref(event), error]}

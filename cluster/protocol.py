@@ -11,6 +11,7 @@ cross: the engine's own `RequestDelta`s (engine/request_output.py), forwarded as
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -38,6 +39,17 @@ def _token_id(value: int) -> int:
 # The vocabulary bounds them too: the replica checks that; /openapi.json says it (cluster/openapi.py).
 TokenId = Annotated[int, AfterValidator(_token_id), WithJsonSchema({"type": "integer", "minimum": 0,
                                                                     "maximum": _INT32})]
+
+
+def _truncation(value: int) -> int:
+    if not (value == -1 or 1 <= value <= _INT32):
+        raise PydanticCustomError("truncate_prompt_tokens", "must be -1 (as many tokens as the context holds) or "
+                                  "a number of tokens from 1 to {max}, got {value}", {"max": _INT32, "value": value})
+    return value
+
+
+TruncatePromptTokens = Annotated[int, AfterValidator(_truncation), WithJsonSchema(
+    {"anyOf": [{"type": "integer", "const": -1}, {"type": "integer", "minimum": 1, "maximum": _INT32}]})]
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
@@ -56,6 +68,7 @@ class GenerateRequest:
     continue_final_message: bool = False  # the chat's last message is left open for the model to continue
     stream: bool = True  # False: the replica yields Accepted, then one list holding the final delta
     echo: bool = False  # return the prompt text in Accepted
+    return_token_ids: bool = False  # return the prompt's token ids in Accepted
     routing_key: str = ""  # prompt text the router hashes for prefix-cache affinity (see cluster/router.py)
     arrival_time: float | None = None  # time.time() when the ingress received the request (TTFT, E2E)
 
@@ -81,6 +94,7 @@ class Accepted:
     replica: str
     num_prompt_tokens: int
     prompt_text: str | None = None  # with echo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 # ---- OpenAI request bodies -----------------------------------------------------------------------------------------
@@ -137,6 +151,11 @@ class _Request(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # only these may be sampled
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # keep the prompt's last k tokens (-1: what fits)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the answer (RL frameworks read them)
+    use_beam_search: bool = False  # accepted as false only: Pagoda does not do beam search
 
     def _sampling_kwargs(self, defaults: dict[str, Any] | None, **overrides) -> dict[str, Any]:
         """The model's defaults (its generation_config.json), then the fields the request shares with
@@ -166,9 +185,12 @@ class _Request(_Strict):
         """vLLM's `continuous_usage_stats` (with include_usage): every chunk carries the usage so far."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def check_stream_options(self) -> None:
+    def check_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
+        if self.use_beam_search:
+            raise InvalidRequestError("beam search is not supported (Pagoda samples; n gives several samples)",
+                                      "use_beam_search")
 
 
 class CompletionRequest(_Request):
@@ -191,7 +213,7 @@ class CompletionRequest(_Request):
         return list(self.prompt)
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        self.check_stream_options()
+        self.check_options()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
         if self.suffix:
@@ -260,6 +282,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the rendered prompt's logprobs
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the last message (a prefilled answer)
+    echo: bool = False  # vLLM's: the answer starts with the last message where it continues it (see echo_text)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # none given: auto with tools
@@ -267,7 +291,7 @@ class ChatCompletionRequest(_Request):
 
     def to_sampling_params(self, default_max_tokens: int | None = None,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:
-        self.check_stream_options()
+        self.check_options()
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequestError("prompt_logprobs is not supported with stream=true in chat", "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
@@ -304,6 +328,15 @@ class ChatCompletionRequest(_Request):
 
     def message_dicts(self) -> list[dict]:
         return message_dicts(self.messages)
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's text, where the answer is that message's role's (an assistant's
+        after a generation prompt; without one, whatever the last message's role), else nothing."""
+        last = self.messages[-1]
+        if not self.echo or (generation_prompt(self) and last.role != "assistant"):
+            return ""
+        return message_dicts([last])[0]["content"]
 
     def routing_key(self) -> str:
         return "".join(f"<{m.role}>{m.content if isinstance(m.content, str) else ''}" for m in self.messages)
@@ -438,10 +471,21 @@ def output_constraint(req: _Request, tool_constraint: StructuredOutputsParams | 
     if not given:
         return None
     param, value = next(iter(given.values()))
+    if isinstance(value, dict) and isinstance(value.get("grammar"), str) and _is_lark(value["grammar"]):
+        raise InvalidRequestError("is a Lark grammar, which Pagoda does not support: give EBNF (GBNF, rules as "
+                                  "`name ::= ...`, starting at `root`)", param or "structured_outputs.grammar")
     try:
         return StructuredOutputsParams.from_value(value)
     except ParamError as e:
         raise (e.renamed(param) if param else e) from None
+
+
+_LARK_RULE = re.compile(r"^\s*(%(import|ignore|declare)\b|[?!]?[A-Za-z_][\w.]*\s*:(?!:=))", re.MULTILINE)
+
+
+def _is_lark(grammar: str) -> bool:
+    """Lark's syntax (vLLM's guidance backend takes it) rather than EBNF: `rule: ...` or %-directives, no `::=`."""
+    return "::=" not in grammar and bool(_LARK_RULE.search(grammar))
 
 
 def make_params(kwargs: dict[str, Any]) -> SamplingParams:

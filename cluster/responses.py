@@ -48,10 +48,10 @@ def completion_body(meta: dict, req: CompletionRequest, accepted: list[Accepted]
             entries = (out.prompt_logprobs.get(i // n, []) if req.echo else []) + c.logprobs
             logprobs = completion_logprobs(entries, 0 if req.echo else len(echoed))
         choice = {"index": i, "text": echoed + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+                  "stop_reason": c.stop_reason, "prompt_logprobs": None}  # null unless asked for, as vLLM's
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs.get(i // n, []))
-        choices.append(choice)
+        choices.append(choice | _token_ids(req, prompt.prompt_token_ids, c.token_ids))
     prompt_tokens = sum(a.num_prompt_tokens for a in accepted)
     return {**meta, "choices": choices, "usage": usage(prompt_tokens, out.completion_tokens)}
 
@@ -64,22 +64,26 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
     usage_so_far = _chunk_usage(req, prompt_tokens)
     offsets: dict[int, int] = {}
     waiting_echo = set()
+    first: set[int] = set()  # choices whose first chunk went out (with the prompt's token ids, when asked)
     for p, a in enumerate(accepted):
         for j in range(n):
             offsets[p * n + j] = len(a.prompt_text or "")
             if a.prompt_text and req.logprobs is not None:
                 waiting_echo.add(p)
             elif a.prompt_text:
+                first.add(p * n + j)
                 yield _chunk(meta, {"index": p * n + j, "text": a.prompt_text, "logprobs": None,
-                                    "finish_reason": None}, usage_so_far(0))
+                                    "finish_reason": None, **_token_ids(req, a.prompt_token_ids, [])}, usage_so_far(0))
     completion_tokens = 0
     async for p, delta in deltas:
         if p in waiting_echo:
             waiting_echo.discard(p)
             entries = delta.prompt_logprobs or []
             for j in range(n):
+                first.add(p * n + j)
                 yield _chunk(meta, {"index": p * n + j, "text": accepted[p].prompt_text,
-                                    "logprobs": completion_logprobs(entries, 0), "finish_reason": None},
+                                    "logprobs": completion_logprobs(entries, 0), "finish_reason": None,
+                                    **_token_ids(req, accepted[p].prompt_token_ids, [])},
                              usage_so_far(completion_tokens))
         for seq in delta.seqs:
             index = p * n + seq.index
@@ -90,6 +94,8 @@ async def completion_chunks(meta: dict, req: CompletionRequest, accepted: list[A
                       "stop_reason": seq.stop_reason}
             if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
+            choice |= _token_ids(req, accepted[p].prompt_token_ids, seq.token_ids, with_prompt=index not in first)
+            first.add(index)
             yield _chunk(meta, choice, usage_so_far(completion_tokens))
     if req.include_usage:
         yield {**meta, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
@@ -108,12 +114,18 @@ def chat_body(meta: dict, req: ChatCompletionRequest, accepted: list[Accepted], 
             message = {"role": "assistant", "content": parsed.content,
                        "tool_calls": [tool_call_json(call) for call in parsed.tool_calls]}
             finish_reason = _tool_finish_reason(parser, finish_reason, bool(parsed.tool_calls))
+        if req.echo:  # vLLM's: the answer continues the last message
+            message["content"] = req.echo_text + (message["content"] or "")
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-    body = {**meta, "choices": choices, "usage": usage(accepted[0].num_prompt_tokens, out.completion_tokens)}
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+                       | _token_ids(req, None, c.token_ids, with_prompt=False))
+    body = {**meta, "choices": choices, "usage": usage(accepted[0].num_prompt_tokens, out.completion_tokens),
+            "prompt_logprobs": None}  # null unless asked for, as vLLM's
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs.get(0, []))
+    if req.return_token_ids:
+        body["prompt_token_ids"] = accepted[0].prompt_token_ids
     return body
 
 
@@ -123,8 +135,12 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
     """With a tool parser, each choice's text goes through its own: content as it settles, `delta.tool_calls`
     entries as calls are written (the first of a call with its id and name)."""
     usage_so_far = _chunk_usage(req, accepted[0].num_prompt_tokens)
+    prompt_ids = {"prompt_token_ids": accepted[0].prompt_token_ids} if req.return_token_ids else {}
     for j in range(n):
         yield _chunk(meta, {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}, usage_so_far(0)) | prompt_ids
+    for j in range(n if req.echo_text else 0):  # vLLM's echo: the continued message first
+        yield _chunk(meta, {"index": j, "delta": {"content": req.echo_text}, "logprobs": None,
                             "finish_reason": None}, usage_so_far(0))
     parsers = {j: tool_parser() for j in range(n)} if tool_parser else {}
     called = set()
@@ -141,11 +157,12 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
                     called.add(seq.index)
                 if finish_reason:
                     finish_reason = _tool_finish_reason(parser, finish_reason, seq.index in called)
-                if not message and not finish_reason and not seq.logprobs:
+                if not message and not finish_reason and not seq.logprobs and not req.return_token_ids:
                     continue  # the parser holds this text back (it may become a call)
             yield _chunk(meta, {"index": seq.index, "delta": message,
                                 "logprobs": chat_logprobs(seq.logprobs) if seq.logprobs else None,
-                                "finish_reason": finish_reason, "stop_reason": seq.stop_reason},
+                                "finish_reason": finish_reason, "stop_reason": seq.stop_reason,
+                                **_token_ids(req, None, seq.token_ids, with_prompt=False)},
                          usage_so_far(completion_tokens))
     if req.include_usage:
         yield {**meta, "choices": [], "usage": usage(accepted[0].num_prompt_tokens, completion_tokens)}
@@ -157,6 +174,14 @@ def _chunk_usage(req, prompt_tokens: int) -> Callable[[int], dict]:
     if req.continuous_usage:
         return lambda completion_tokens: {"usage": usage(prompt_tokens, completion_tokens)}
     return lambda completion_tokens: {"usage": None} if req.include_usage else {}
+
+
+def _token_ids(req, prompt_token_ids: list[int] | None, token_ids: list[int], with_prompt: bool = True) -> dict:
+    """vLLM's return_token_ids in a choice: its (new) token ids, and the prompt's where `with_prompt` (a completion
+    choice, or its first chunk; a chat has them once, beside the choices)."""
+    if not req.return_token_ids:
+        return {}
+    return ({"prompt_token_ids": prompt_token_ids} if with_prompt else {}) | {"token_ids": list(token_ids)}
 
 
 def _chunk(meta: dict, choice: dict, usage_field: dict) -> dict:

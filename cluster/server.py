@@ -99,7 +99,8 @@ class LLMServer:
             logger.exception("request %s failed before it started", request.request_id)
             yield ErrorInfo(500, "internal error while preparing the request")
             return
-        yield Accepted(self.replica_id, len(token_ids), self._prompt_text(text, token_ids) if request.echo else None)
+        yield Accepted(self.replica_id, len(token_ids), self._prompt_text(text, token_ids) if request.echo else None,
+                       token_ids if request.return_token_ids else None)
         self._num_in_flight += 1
         try:
             async for batch in self._stream(request, token_ids):
@@ -198,6 +199,21 @@ class LLMServer:
             return ErrorInfo(400, f"tokens must be token ids in [0, {vocab_size})", "tokens")
         return {"prompt": await asyncio.to_thread(self._decode, tokens)}
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it): the tokenizer's configuration as its
+        tokenizer_config.json gives it, less file paths, with its class and the chat template served."""
+        tokenizer = self.engine.tokenizer
+        config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if not key.endswith("_file") and key != "name_or_path"}
+        info = _json_safe(config)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if info.get(name) is None and getattr(tokenizer, name, None) is not None:
+                info[name] = str(getattr(tokenizer, name))
+        info["tokenizer_class"] = type(tokenizer).__name__
+        if getattr(tokenizer, "chat_template", None):
+            info["chat_template"] = tokenizer.chat_template
+        return info
+
     def model_info(self) -> dict:
         parser = self.settings.tool_call_parser or tool_parser_for_template(self.engine.tokenizer.chat_template)
         return {"max_model_len": self.engine.max_model_len, "max_prompt_chars": self.engine.limits.max_prompt_chars,
@@ -266,6 +282,19 @@ class LLMServer:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _json_safe(value):
+    """A tokenizer's configuration as JSON: special tokens (AddedToken) as their text, other objects as strings."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def _replica_name() -> str:

@@ -38,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per output token (the sampled token's is always returned)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (and the prompt token's own)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (vLLM's); None: any
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit); None: all
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
     # Filled by the engine, never by users: every token id that ends the request (eos unless ignore_eos, plus
@@ -52,6 +54,11 @@ class SamplingParams:
             self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         except (TypeError, ValueError):
             raise ParamError("stop_token_ids", f"must be integers, got {quoted(self.stop_token_ids)}") from None
+        if self.allowed_token_ids is not None:
+            try:
+                self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
+            except (TypeError, ValueError):
+                raise ParamError("allowed_token_ids", "must be token ids") from None
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -93,6 +100,13 @@ class SamplingParams:
             _check(token_id >= 0, "logit_bias", f"token id {token_id} is negative")
             _check(-100.0 <= _finite(bias, "logit_bias") <= 100.0, "logit_bias",
                    f"bias {bias} for token {token_id} not in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty")
+            _check(self.allowed_token_ids[0] >= 0, "allowed_token_ids", "must be non-negative token ids")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", -1, 2**31 - 1)
+            _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens",
+                   "must be -1 (as many as the context holds) or at least 1, got 0")
         if self.structured_outputs is not None:
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    "must be a StructuredOutputsParams")
@@ -110,6 +124,9 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check(token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of the vocabulary "
                                                             f"(size {vocab_size})")
+        if self.allowed_token_ids:
+            _check(self.allowed_token_ids[-1] < vocab_size, "allowed_token_ids",
+                   f"token id {self.allowed_token_ids[-1]} is out of the vocabulary (size {vocab_size})")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -5,8 +5,9 @@ builds once and reuses while its batch does not change), so every step is a few 
 
     raw logits ──► logprobs (log_softmax of the raw logits, when asked)
         │
-        ├─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition / frequency / presence penalties, from the
-        │  token histories (workers/token_history.py: on the device in the runner, so steps can overlap)
+        ├─ allowed_token_ids (-inf elsewhere) ─ logit_bias ─ min_tokens (mask stop tokens) ─ repetition /
+        │  frequency / presence penalties, from the token histories (workers/token_history.py: on the device in
+        │  the runner, so steps can overlap)
         └─ kernels/sampling.py, every row at once: temperature, top-k (a threshold from torch.topk; a top-k row
            reads only its largest logits), min-p, top-p (by rejection: no sort of the vocabulary), a Gumbel-max
            draw; greedy rows take the argmax
@@ -150,6 +151,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     x = raw if in_place or raw is not logits else raw.clone()
     x = x.contiguous()  # penalties index the flat logits (a vocabulary padded for tp arrives as a slice)
     tensors = tensors or SamplingTensors.build(rows, x.shape[1], x.device)
+    apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
     apply_penalties(x, rows, tensors, penalties)
@@ -176,7 +178,8 @@ def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], lis
 def _is_plain(row: SamplingRow) -> bool:
     """No logit processing applies to this row at this step."""
     params = row.params
-    return not params.logit_bias and not uses_penalties(params) and row.num_outputs >= params.min_tokens
+    return (not params.logit_bias and not params.allowed_token_ids and not uses_penalties(params)
+            and row.num_outputs >= params.min_tokens)
 
 
 def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, tuple | None]:
@@ -212,6 +215,20 @@ def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tens
         row_idx.extend([i] * len(ids))
         token_idx.extend(ids)
     return to_device(row_idx, torch.long, device), to_device(token_idx, torch.long, device)
+
+
+def apply_allowed_token_ids(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """x[i, t] = -inf for every t not in a row's params.allowed_token_ids (rows without them are left alone)."""
+    restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not restricted:
+        return x
+    row_idx, token_idx = _scatter_index(rows, lambda r: r.params.allowed_token_ids or [], x.device)
+    allowed = torch.zeros_like(x, dtype=torch.bool)  # [N, V]
+    allowed[row_idx, token_idx] = True
+    unrestricted = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    unrestricted[to_device(restricted, torch.long, x.device)] = False
+    x.masked_fill_(~(allowed | unrestricted[:, None]), float("-inf"))
+    return x
 
 
 def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -274,3 +274,102 @@ def test_health_and_metrics_text(http, client):
                  "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_success_total"):
         assert name in text, name
     assert 'model_name="tiny-solo"' in text
+
+
+# ---- vLLM's request extensions, as clients written for vLLM send them --------------------------------------------
+def test_return_token_ids_whole_and_streamed(client, tiny_tokenizer):
+    """RL frameworks read prompt_token_ids and token_ids (vLLM's return_token_ids): the prompt's ids, the choice's
+    ids (a stream: each chunk's new ones, the prompt's in a choice's first chunk; a chat's beside the choices)."""
+    body = {"return_token_ids": True, **NO_EOS}
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=body)
+    choice = out.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == tiny_tokenizer.encode(PROMPT)
+    assert len(choice["token_ids"]) == out.usage.completion_tokens == 6
+    assert tiny_tokenizer.decode(choice["token_ids"]) == out.choices[0].text
+    chunks = [c.model_dump() for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                                                  temperature=0, stream=True, extra_body=body)]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                          extra_body=body).model_dump()
+    rendered = apply_chat_template(tiny_tokenizer, MESSAGES)
+    assert chat["prompt_token_ids"] == tiny_tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    stream = [c.model_dump() for c in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5,
+                                                                       temperature=0, stream=True, extra_body=body)]
+    assert stream[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for c in stream[1:] for t in c["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+
+
+def test_prompt_logprobs_is_null_unless_asked_for(http):
+    completion = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).json()
+    assert "prompt_logprobs" in completion["choices"][0] and completion["choices"][0]["prompt_logprobs"] is None
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}).json()
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_tokenizer):
+    long_prompt = "word " * 1500  # past the context (1024 tokens): refused without truncation
+    out = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=3,
+                                    extra_body={"truncate_prompt_tokens": 100, "return_token_ids": True, **NO_EOS})
+    assert out.usage.prompt_tokens == 100
+    ids = tiny_tokenizer.encode(long_prompt)
+    assert out.choices[0].model_dump()["prompt_token_ids"] == [ids[0], *ids[-99:]]  # its BOS, then the end
+    fits = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=24,
+                                     extra_body={"truncate_prompt_tokens": -1, **NO_EOS})
+    assert fits.usage.prompt_tokens == 1024 - 24
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+
+
+def test_chat_continue_final_message_and_echo(client, tiny_tokenizer):
+    """A prefilled answer: the model continues the last (assistant) message; with echo the answer starts with it,
+    whole and streamed, as vLLM answers."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Well, the"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True, **NO_EOS}
+    out = client.chat.completions.create(model="tiny", messages=prefill, max_tokens=4, temperature=0,
+                                         extra_body=body)
+    rendered = apply_chat_template(tiny_tokenizer, prefill, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.endswith("assistant\nWell, the")
+    assert out.usage.prompt_tokens == len(tiny_tokenizer.encode(rendered, add_special_tokens=False))
+    assert out.choices[0].message.content.startswith("Well, the") and len(out.choices[0].message.content) > 9
+    stream = client.chat.completions.create(model="tiny", messages=prefill, max_tokens=4, temperature=0,
+                                            stream=True, extra_body=body)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == out.choices[0].message.content
+    plain = client.chat.completions.create(model="tiny", messages=prefill, max_tokens=4, temperature=0,
+                                           extra_body={"continue_final_message": True, **NO_EOS})
+    assert "Well, the" + plain.choices[0].message.content == out.choices[0].message.content
+
+
+def test_allowed_token_ids_on_both_endpoints(client):
+    allowed = [300, 301, 302]
+    body = {"allowed_token_ids": allowed, "return_token_ids": True, **NO_EOS}
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body=body)
+    assert set(out.choices[0].model_dump()["token_ids"]) <= set(allowed)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=True,
+                                          extra_body=body)
+    ids = [t for c in chat for choice in c.choices for t in choice.model_dump().get("token_ids") or []]
+    assert ids and set(ids) <= set(allowed)
+
+
+def test_tokenizer_info_for_lm_evals_remote_tokenizer(http, tiny_tokenizer):
+    from tests.cluster.conftest import TOOLS_CHAT_TEMPLATE
+
+    info = http.get("/tokenizer_info", params={"model": "tiny"})
+    assert info.status_code == 200, info.text
+    info = info.json()
+    assert info["eos_token"] == tiny_tokenizer.eos_token and info["bos_token"] == tiny_tokenizer.bos_token
+    assert info["chat_template"] == TOOLS_CHAT_TEMPLATE and info["tokenizer_class"]
+    assert not any(key.endswith("_file") or key == "name_or_path" for key in info)  # no paths of the server's
+    several = http.get("/tokenizer_info")  # three models served: which one?
+    assert several.status_code == 400 and several.json()["error"]["param"] == "model"
+
+
+def test_what_pagoda_does_not_do_is_a_400_that_says_so(http):
+    beam = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "use_beam_search": True, "n": 2})
+    assert beam.status_code == 400 and "beam search is not supported" in beam.json()["error"]["message"]
+    lark = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                   "structured_outputs": {"grammar": 'start: "yes" | "no"'}})
+    assert lark.status_code == 400 and "Lark grammar" in lark.json()["error"]["message"], lark.text

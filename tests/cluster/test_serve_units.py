@@ -121,7 +121,7 @@ def test_pydantic_errors_name_the_field():
     ({"prompt": "x", "echo": 0}, "echo"),  # no coercion: 0 is not a boolean
     ({"prompt": [1, True]}, "prompt"),  # nor true a token id
     ({"prompt": "x", "n": "2"}, "n"),
-    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),  # not implemented: refused, not ignored
+    ({"prompt": "x", "best_of": 3, "use_beam_search": True, "length_penalty": 0.5}, "length_penalty"),
     ({"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
     ({"prompt": "x", "priority": 1}, "priority"),
 ])
@@ -147,7 +147,7 @@ def validation_error(model, body) -> errors.PagodaHTTPError:
     ({"prompt": "x", "top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
     ({"prompt": "x", "frequency_penalty": float("-inf")}, "frequency_penalty", "a finite number"),
     ({"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "stop_token_ids[1]: token ids must be"),
-    ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "unknown field"),
+    ({"prompt": "x", "early_stopping": True}, "early_stopping", "unknown field"),
 ])
 def test_a_validation_error_names_the_check_that_failed(body, param, says):
     """A union's error is its member's that the input's JSON type matched (a list of 1,000 strings is too long, not
@@ -155,6 +155,35 @@ def test_a_validation_error_names_the_check_that_failed(body, param, says):
     error = validation_error(CompletionRequest, body)
     assert (error.status_code, error.param) == (400, param)
     assert says in error.message, error.message
+
+
+def test_what_pagoda_does_not_do_is_refused_saying_so():
+    """vLLM's beam search and its Lark grammars: a 400 that says Pagoda does not do them, not one about a field."""
+    error = edge_error(CompletionRequest, {"prompt": "x", "use_beam_search": True})
+    assert error.param == "use_beam_search" and "beam search is not supported" in error.message
+    CompletionRequest(prompt="x", use_beam_search=False).to_sampling_params()  # false, as clients send it: fine
+    lark = 'start: "yes" | "no"'
+    for body, param in (({"guided_grammar": lark}, "guided_grammar"),
+                        ({"structured_outputs": {"grammar": lark}}, "structured_outputs.grammar")):
+        error = edge_error(CompletionRequest, {"prompt": "x", **body})
+        assert error.param == param and "Lark grammar" in error.message, error.message
+
+
+def test_vllms_extensions_become_sampling_params():
+    params = CompletionRequest(prompt="x", allowed_token_ids=[5, 3], truncate_prompt_tokens=-1).to_sampling_params()
+    assert (params.allowed_token_ids, params.truncate_prompt_tokens) == ([3, 5], -1)
+    for body, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids")):
+        error = validation_error(CompletionRequest, {"prompt": "x", **body})
+        assert error.param == param, error.message
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Yes"}],
+                                 continue_final_message=True, echo=True)
+    assert chat.echo_text == "Yes"
+    after_user = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], echo=True)
+    assert after_user.echo_text == ""  # the answer is the assistant's: nothing of the user's is echoed
+    no_prompt = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], echo=True,
+                                      add_generation_prompt=False)
+    assert no_prompt.echo_text == "hi"  # as vLLM: without a generation prompt the answer continues the last message
 
 
 def test_a_named_literal_beats_the_object_member_of_its_union():

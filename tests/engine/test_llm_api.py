@@ -82,6 +82,40 @@ def test_bad_input_raises_and_the_engine_keeps_serving(llm):
     llm.engine.check_integrity()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (a text prompt keeps its BOS first, as the
+    tokenizer's own truncation does); -1: as many as fit beside max_tokens; k past that is a ParamError."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The quick brown fox jumps over the lazy dog")
+    greedy = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.generate([ids], SamplingParams(truncate_prompt_tokens=4, **greedy), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-4:]
+    same = llm.generate([ids[-4:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    text = llm.generate(["The quick brown fox jumps over the lazy dog"],
+                        SamplingParams(truncate_prompt_tokens=4, **greedy), use_tqdm=False)[0]
+    assert text.prompt_token_ids == [tok.bos_token_id, *ids[-3:]]
+    long = [7] * 5000  # past the context: -1 keeps what fits beside max_tokens
+    fits = llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
+    assert len(fits.prompt_token_ids) == llm.engine.max_model_len - 5
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=llm.engine.max_model_len, max_tokens=5),
+                     use_tqdm=False)
+    llm.engine.check_integrity()
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(llm):
+    allowed = [300, 301, 302]
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed,
+                                                ignore_eos=True), use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
+    mixed = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[42],
+                                                      ignore_eos=True),
+                                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == [42] * 6 and set(mixed[1].outputs[0].token_ids) != {42}
+    llm.engine.check_integrity()
+
+
 def test_chat_applies_the_template(llm):
     out = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=4, ignore_eos=True),
                    use_tqdm=False)[0]

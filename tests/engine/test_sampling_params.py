@@ -7,7 +7,8 @@ from engine.sampling_params import SamplingParams
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", 1e-40), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("max_tokens", 0),
     ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("logit_bias", {5: 200.0}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: 200.0}), ("logit_bias", {-1: 1.0}), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
 ])
 def test_invalid_field_is_named(field, value):
     with pytest.raises(ValueError, match=field):
@@ -30,3 +31,6 @@ def test_vocab_checks():
         SamplingParams(logit_bias={100: 1.0}).validate_for_model(vocab_size=100)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[100]).validate_for_model(vocab_size=100)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[3, 100]).validate_for_model(vocab_size=100)
+    assert SamplingParams(allowed_token_ids=[7, 3, 7]).allowed_token_ids == [3, 7]

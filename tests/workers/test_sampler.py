@@ -185,6 +185,19 @@ def test_logit_bias_forces_a_token():
     assert sample(LOGITS[None], [_row(temperature=0.0, logit_bias={4: 20.0})])[0] == [4]
 
 
+def test_allowed_token_ids_restrict_their_row_only():
+    counts = _draw(500, allowed_token_ids=[3, 5])
+    assert set(counts) == {3, 5} and counts[3] > counts[5]  # 0.1 against 0.04, renormalized
+    rows = [_row(temperature=0.0, allowed_token_ids=[4]), _row(temperature=0.0), _row(temperature=0.0, top_k=2,
+                                                                                      allowed_token_ids=[2, 5])]
+    tokens, _ = sample(LOGITS.repeat(3, 1), rows)
+    assert tokens == [4, 0, 2]
+    # with logit_bias and min_tokens: the mask holds; a stop token that is all it allows is still sampled
+    assert sample(LOGITS[None], [_row(temperature=0.0, allowed_token_ids=[1, 2], logit_bias={0: 100.0})])[0] == [1]
+    stuck = _row(temperature=0.0, allowed_token_ids=[5], min_tokens=3, all_stop_token_ids=(5,), output=[1])
+    assert sample(LOGITS[None], [stuck])[0] == [5]
+
+
 def test_min_tokens_blocks_stop_tokens():
     params = dict(temperature=0.0, min_tokens=2, all_stop_token_ids=(0, 1))
     assert sample(LOGITS[None], [_row(output=[3], **params)])[0] == [2]
