@@ -45,6 +45,9 @@ _VARS = [
            "`ref`: the torch reference of every kernel, also on a GPU, and no CUDA graphs (debugging)"),
     EnvVar("PAGODA_GRAMMAR_THREADS", int, 0,
            "threads that fill a step's grammar bitmask from 16 constrained rows on (0: half the cores, at most 8)"),
+    EnvVar("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", float, 60.0,
+           "a constrained request whose grammar has not compiled this long after it came (queue and compilation) "
+           "fails; its compilation is cancelled if it has not started"),
 ]
 VARS = {v.name: v for v in _VARS}
 

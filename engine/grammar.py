@@ -1,9 +1,10 @@
 """Structured outputs on the driver: grammars compiled against the model's tokenizer (off the step thread, LRU
 cache), one xgrammar matcher per sequence, and each step's packed bitmask of allowed tokens.
 
-    add_request ─► StructuredOutputManager.add(seqs)  compile in a thread pool (a cached grammar: nothing to do)
+    add_request ─► StructuredOutputManager.add(seqs)  compile on the CompileQueue (a cached grammar: nothing to do)
     each step   ─► poll()                              compiled: a matcher per sequence, the scheduler admits it
-                                                       failed: that request fails alone
+                                                       failed, or not compiled within the compile timeout: that
+                                                       request fails alone
                 ─► fill_bitmask(req_ids)               int32 [rows, ceil(tokenizer vocab / 32)], a row each
     update_from_output ─► RequestGrammar.accept(token)
     finish, abort      ─► RequestGrammar.release()     (check_integrity: no matcher outlives its request)
@@ -12,6 +13,11 @@ The grammars cover the tokenizer's tokens only: a model's vocabulary may be larg
 128), and its extra tokens, which no grammar allows, would make every xgrammar call scan them (70 us per accepted
 token and 0.4 ms per bitmask row with Llama 3's 128256 over a 1000-token tokenizer, against 1 and 3 us). The bitmask
 is as wide as the tokenizer; the kernel that applies it disallows everything past it.
+
+Compilations are fair (engine/grammar_queue.py: one that runs long stops holding a thread from the small ones behind
+it) and bounded: engine/structured_outputs.py limits a constraint's size, PAGODA_GRAMMAR_COMPILE_TIMEOUT_S the wait
+for one. A request that goes (aborted, timed out) while its compilation waits in the queue takes it out, unless
+another request waits on the same constraint; one already running finishes (xgrammar cannot stop it) into the cache.
 
 A matcher moves only with the tokens the driver has read back, never with a token still on the device: a preempted
 request's token in flight is dropped before any matcher saw it, so preemption and recompute need no rollback.
@@ -23,13 +29,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine import envs
+from engine.grammar_queue import CompileQueue
 from engine.outputs import GrammarBitmask, SchedulerOutput
 from engine.structured_outputs import StructuredOutputsParams, grammar_for
 
@@ -37,7 +45,10 @@ if TYPE_CHECKING:
     from engine.request import Request
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used out first)
-NUM_COMPILE_THREADS = 2  # compilations at a time; xgrammar spreads each over its own threads too
+NUM_COMPILE_THREADS = 2  # compilations at a time, not counting slow ones
+MAX_SLOW_COMPILES = 2  # compilations running past SLOW_COMPILE_S that no longer hold one of those threads
+SLOW_COMPILE_S = 1.0
+XGRAMMAR_THREADS = 2  # xgrammar's threads for one compilation: at most (2 + 2) x 2 busy cores in all
 BATCH_FILL_MIN_ROWS = 16  # below this a loop over the matchers beats xgrammar's thread pool
 
 
@@ -50,6 +61,8 @@ class GrammarStats:
     compile_s: float = 0.0
     max_compile_s: float = 0.0
     num_cache_hits: int = 0
+    num_compile_timeouts: int = 0  # requests failed for a grammar not compiled within the compile timeout
+    num_compiles_cancelled: int = 0  # compilations that never ran: every request waiting for them went
     num_fills: int = 0
     num_fill_rows: int = 0
     fill_s: float = 0.0
@@ -58,10 +71,12 @@ class GrammarStats:
 class RequestGrammar:
     """One sequence's constraint: its compiled grammar (maybe still compiling), then its matcher."""
 
-    def __init__(self, req_id: str, compiled: Future, stop_token_ids: tuple[int, ...],
-                 manager: StructuredOutputManager):
+    def __init__(self, req_id: str, key: tuple, compiled: Future, stop_token_ids: tuple[int, ...],
+                 manager: StructuredOutputManager, added_at: float):
         self.req_id = req_id
+        self.key = key  # the constraint's (StructuredOutputsParams.key)
         self.compiled = compiled
+        self.added_at = added_at  # on the manager's clock: the compile timeout counts from here
         # The request's EOS tokens: allowed only where the grammar may end (none: ignore_eos). Its other
         # stop_token_ids are plain text to the grammar: allowed where the grammar allows them, and sampling one
         # ends the request as a stop token does (as a stop string may, mid-grammar).
@@ -109,7 +124,8 @@ class RequestGrammar:
 class StructuredOutputManager:
     """Compiles each constraint once per engine (so once per tokenizer) and keeps every live sequence's matcher."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE,
+                 compile_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self.tokenizer = tokenizer
         self.vocab_size = min(len(tokenizer), vocab_size)  # the tokenizer's tokens that the model can sample
         self.eos_token_ids = tuple(sorted(t for t in eos_token_ids if t < self.vocab_size))
@@ -118,9 +134,12 @@ class StructuredOutputManager:
         self.live: dict[str, RequestGrammar] = {}
         self.stats = GrammarStats()
         self.num_fill_threads = envs.get("PAGODA_GRAMMAR_THREADS") or min(8, (os.cpu_count() or 2) // 2)
+        self.compile_timeout_s = (envs.get("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S") if compile_timeout_s is None
+                                  else compile_timeout_s)
+        self.clock = clock
+        self.compiles = CompileQueue(NUM_COMPILE_THREADS, MAX_SLOW_COMPILES, SLOW_COMPILE_S, clock)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._starting: list[RequestGrammar] = []  # waiting for their compilation
-        self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
         self._compiler_lock = threading.Lock()
         self._buffer = np.empty((0, self.num_words), dtype=np.int32)
@@ -141,19 +160,30 @@ class StructuredOutputManager:
         params = seqs[0].sampling_params
         compiled = self._compile(params.structured_outputs)
         stop_token_ids = tuple(t for t in params.all_stop_token_ids if t in self.eos_token_ids)
+        now = self.clock()
         for seq in seqs:
-            seq.grammar = RequestGrammar(seq.req_id, compiled, stop_token_ids, self)
+            seq.grammar = RequestGrammar(seq.req_id, params.structured_outputs.key, compiled, stop_token_ids, self,
+                                         now)
             self.live[seq.req_id] = seq.grammar
             self._starting.append(seq.grammar)
 
     def poll(self) -> list[RequestGrammar]:
-        """Starts the matchers whose grammar has compiled; returns the grammars that failed to compile."""
+        """Starts the matchers whose grammar has compiled; returns the grammars that failed to compile or waited
+        longer than the compile timeout (their requests must fail: that releases them)."""
+        self.compiles.dispatch()  # a compilation may have turned slow since
         failed, starting = [], []
+        now = self.clock()
         for grammar in self._starting:
-            if grammar.req_id not in self.live:
+            if self.live.get(grammar.req_id) is not grammar:
                 continue  # finished (aborted) while compiling
             if not grammar.compiled.done():
-                starting.append(grammar)
+                if now - grammar.added_at > self.compile_timeout_s:
+                    grammar.error = (f"structured_outputs: the grammar did not compile within "
+                                     f"{self.compile_timeout_s:g} s (PAGODA_GRAMMAR_COMPILE_TIMEOUT_S)")
+                    self.stats.num_compile_timeouts += 1
+                    failed.append(grammar)
+                else:
+                    starting.append(grammar)
                 continue
             grammar.start()
             if grammar.error is not None:
@@ -169,18 +199,28 @@ class StructuredOutputManager:
     def release(self, grammar: RequestGrammar) -> None:
         if self.live.get(grammar.req_id) is grammar:
             del self.live[grammar.req_id]
+            if not grammar.compiled.done():
+                self._drop_compile(grammar)
+
+    def _drop_compile(self, gone: RequestGrammar) -> None:
+        """A request that waited for its compilation went: the compilation leaves the queue unless another live
+        request waits for it too (the n sequences of a request, or a request with the same constraint)."""
+        if any(g.compiled is gone.compiled and self.live.get(g.req_id) is g for g in self._starting):
+            return
+        if self.compiles.cancel(gone.compiled):
+            self.stats.num_compiles_cancelled += 1
+            if self._cache.get(gone.key) is gone.compiled:
+                del self._cache[gone.key]
 
     # ---- compilation (thread pool) -----------------------------------------------------------------------------
     def _compile(self, params: StructuredOutputsParams) -> Future:
         key = params.key
         future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
+        if future is not None and not future.cancelled() and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             self.stats.num_cache_hits += 1
             return future
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="pagoda-grammar")
-        future = self._pool.submit(self._compile_now, params)
+        future = self.compiles.submit(self._compile_now, params)
         self._cache[key] = future
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -207,7 +247,7 @@ class StructuredOutputManager:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
                 # xgrammar's own cache is unbounded: ours (the futures above) is the one cache.
-                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS, cache_enabled=False)
                 self.stats.tokenizer_info_s = time.perf_counter() - start
             return self._compiler
 
@@ -275,6 +315,4 @@ class StructuredOutputManager:
                 f"{req_id}: its matcher accepted {req.grammar.num_accepted} of {req.num_output_tokens} tokens")
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self.compiles.shutdown()

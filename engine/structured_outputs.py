@@ -7,6 +7,11 @@
 JSON is compact by default: no whitespace between tokens (`{"a":1,"b":[2,3]}`), so a model that was never trained
 on the schema still reaches its end in a bounded number of tokens; `any_whitespace=True` allows free whitespace
 (it is vLLM's `disable_any_whitespace`, inverted). The tokenizer-dependent compilation is engine/grammar.py's.
+
+A constraint is bounded, so that none holds the grammar compiler for long (a 100,000-value enum took 198 s of CPU
+against a 128k vocabulary; vLLM sets no bound): its text (MAX_CONSTRAINT_CHARS), the grammar it becomes
+(MAX_GRAMMAR_CHARS of xgrammar's EBNF), its enum, const and choice values (MAX_LITERALS, OpenAI's bound) and the
+nesting of a schema's subschemas (MAX_SCHEMA_DEPTH). Past one, a ParamError names the field.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from dataclasses import dataclass, field
 from engine.errors import ParamError, quoted
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema (as compact JSON), regex, grammar or the choices (as a JSON list)
+MAX_GRAMMAR_CHARS = 128 * 1024  # the grammar xgrammar compiles, as EBNF (what the compile time grows with)
+MAX_LITERALS = 1000  # a schema's enum and const values, or choices
+MAX_SCHEMA_DEPTH = 32  # subschemas within subschemas
 _COMPACT_SEPARATORS = (",", ":")
 _GRAMMAR_CACHE_SIZE = 256
 # xgrammar prefixes its messages with a timestamp and a C++ source location: "[11:30:36] /project/cpp/x.cc:94: ".
@@ -86,6 +95,8 @@ def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
             raise ParamError("structured_outputs.json", f"must be a JSON schema object, got {type(value).__name__}")
         try:
             return jsonlib.dumps(value, separators=(",", ":"))
+        except RecursionError:
+            raise ParamError("structured_outputs.json", f"nests subschemas more than {MAX_SCHEMA_DEPTH} deep") from None
         except (TypeError, ValueError) as e:
             raise ParamError("structured_outputs.json", f"is not JSON-serializable: {e}") from None
     if kind == "choice":
@@ -108,10 +119,26 @@ def grammar_for(params: StructuredOutputsParams):
 
 @functools.lru_cache(maxsize=_GRAMMAR_CACHE_SIZE)
 def _grammar(kind: str, text: str, any_whitespace: bool):
+    param = f"structured_outputs.{kind}"
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ParamError(param, f"is {len(text):,} characters long; at most {MAX_CONSTRAINT_CHARS:,} are allowed")
+    if kind == "choice" and len(jsonlib.loads(text)) > MAX_LITERALS:
+        raise ParamError(param, f"has {len(jsonlib.loads(text)):,} choices; at most {MAX_LITERALS:,} are allowed")
+    if kind == "json":
+        schema = jsonlib.loads(text)  # as deep as the dict it was dumped from
+        _check_schema_bounds(schema)
+        _check_schema_support(schema)
+    grammar = _build_grammar(kind, text, any_whitespace)
+    num_chars = len(str(grammar))
+    if num_chars > MAX_GRAMMAR_CHARS:
+        raise ParamError(param, f"becomes a grammar of {num_chars:,} characters; at most {MAX_GRAMMAR_CHARS:,} are "
+                                "allowed")
+    return grammar
+
+
+def _build_grammar(kind: str, text: str, any_whitespace: bool):
     import xgrammar
 
-    if kind == "json":
-        _check_schema_support(jsonlib.loads(text))
     try:
         if kind == "json":
             return _fix_json_strings(xgrammar.Grammar.from_json_schema(text, **_json_options(any_whitespace)))
@@ -166,6 +193,20 @@ _SCHEMA_VALUES = ("additionalProperties", "items")  # a subschema (or a list of 
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 
 
+def _check_schema_bounds(schema) -> None:
+    """The schema's nesting and its enum and const values, within MAX_SCHEMA_DEPTH and MAX_LITERALS."""
+    num_literals, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ParamError("structured_outputs.json", f"nests subschemas more than {MAX_SCHEMA_DEPTH} deep")
+        num_literals += len(node["enum"]) if isinstance(node.get("enum"), list) else 0
+        num_literals += "const" in node
+        if num_literals > MAX_LITERALS:
+            raise ParamError("structured_outputs.json", f"has more than {MAX_LITERALS:,} enum and const values")
+        stack.extend((child, depth + 1) for child in _children(node))
+
+
 def _check_schema_support(schema) -> None:
     """What xgrammar would silently ignore, so that outputs could fail the schema, is an error instead."""
     for node in _subschemas(schema):
@@ -187,7 +228,7 @@ def _resolve_ref(schema: dict, ref):
     """The subschema a `$ref` points at. Only references into the schema itself resolve ('#', '#/$defs/a', any JSON
     pointer): xgrammar leaves a property with any other (`http://...`, `file:///...`) unconstrained."""
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}: only references into the schema "
+        raise ParamError("structured_outputs.json", f"has the $ref {quoted(ref)}: only references into the schema "
                                                     "itself ('#' or '#/...') are supported")
     node = schema
     for part in ref[2:].split("/") if ref != "#" else []:
@@ -197,10 +238,10 @@ def _resolve_ref(schema: dict, ref):
         elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
             node = node[int(key)]
         else:
-            raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}, which points at nothing in "
+            raise ParamError("structured_outputs.json", f"has the $ref {quoted(ref)}, which points at nothing in "
                                                         "the schema")
     if not isinstance(node, (dict, bool)):
-        raise ParamError("structured_outputs.json", f"has the $ref {_excerpt(ref)}, which points at no schema")
+        raise ParamError("structured_outputs.json", f"has the $ref {quoted(ref)}, which points at no schema")
     return node
 
 
@@ -215,21 +256,21 @@ def rebase_refs(schema: dict, base: str) -> dict:
     return schema
 
 
-def _excerpt(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _subschemas(node):
-    """Every (sub)schema of a schema, following only the keywords that hold subschemas."""
-    if not isinstance(node, dict):
-        return
-    yield node
+    """Every (sub)schema of a schema, following only the keywords that hold subschemas (parents first)."""
+    stack = [node] if isinstance(node, dict) else []
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(list(_children(node))))
+
+
+def _children(node: dict):
+    """A schema's direct subschemas (the dicts; a boolean schema has none)."""
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            for child in node[key].values():
-                yield from _subschemas(child)
+            yield from (child for child in node[key].values() if isinstance(child, dict))
     for key in _SCHEMA_VALUES + _SCHEMA_LISTS:
         children = node.get(key)
-        for child in children if isinstance(children, list) else [children]:
-            yield from _subschemas(child)
+        yield from (child for child in (children if isinstance(children, list) else [children])
+                    if isinstance(child, dict))

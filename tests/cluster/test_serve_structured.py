@@ -227,10 +227,26 @@ def test_tool_results_go_back_to_the_model(client):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+NESTED_33 = {"type": "integer"}  # subschemas 33 deep
+for _ in range(32):
+    NESTED_33 = {"type": "object", "properties": {"a": NESTED_33}}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"allOf": []}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {  # minutes of compilation
+        "type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(100_000)]}}}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"enum": list(range(1001))}}, "guided_json"),
+    ({"guided_choice": [f"c{i}" for i in range(1001)]}, "guided_choice"),
+    ({"structured_outputs": {"grammar": "root ::= " + " | ".join(f'"{i}"' for i in range(40_000))}},
+     "structured_outputs.grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": NESTED_33}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": f, "parameters": {"enum": list(range(600))}}}
+                for f in ("f", "g")], "tool_choice": "required"}, "tools"),  # each within the bounds, not both
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}}}},
      "response_format.json_schema.schema"),  # it was accepted and "a" left unconstrained

@@ -1,8 +1,9 @@
 """The driver's grammar state without a model: random walks through the real matchers on the tiny tokenizer (any
 token the bitmask allows, as a model with any weights could pick), the compile cache, the scheduler's wait for a
-compilation, and the integrity check."""
+compilation, the compile queue's fairness, cancellation and timeout, and the integrity check."""
 
 import random
+import threading
 from concurrent.futures import Future
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.grammar import StructuredOutputManager
+from engine.grammar import MAX_SLOW_COMPILES, NUM_COMPILE_THREADS, SLOW_COMPILE_S, StructuredOutputManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -38,11 +39,11 @@ def start(manager: StructuredOutputManager, case: StructuredOutputsParams, req_i
     return seqs
 
 
-def start_without_waiting(manager, case, req_id):
+def start_without_waiting(manager, case, req_id, n: int = 1):
     """Adds a request without waiting for its compilation."""
-    params = SamplingParams(structured_outputs=case)
+    params = SamplingParams(structured_outputs=case, n=n)
     params.all_stop_token_ids = (EOS,)
-    seqs = [Request(req_id, [0], params, 10)]
+    seqs = [Request(req_id if n == 1 else f"{req_id}#{i}", [0], params, 10) for i in range(n)]
     manager.add(seqs)
     return seqs
 
@@ -159,3 +160,88 @@ def test_integrity_check_finds_a_leaked_matcher(manager):
     req.output_token_ids.append(5)
     with pytest.raises(AssertionError, match="accepted 0 of 1 tokens"):
         manager.check_integrity({req.req_id: req})
+
+
+class Clock:
+    """Time the test moves by hand: which compilation counts as slow, and which request waited too long, is then
+    decided by the test, not by how fast this machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def gate():
+    """Stand-ins for compilations that take minutes (two 40,000-value enums once held the compile pool for a
+    minute): jobs on the manager's real queue that run until the test opens the gate."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def hold(manager, gate, count: int) -> list[Future]:
+    return [manager.compiles.submit(gate.wait) for _ in range(count)]
+
+
+def test_a_long_compilation_does_not_hold_back_the_small_ones(tiny_tokenizer, gate):
+    clock = Clock()
+    manager = StructuredOutputManager(tiny_tokenizer, len(tiny_tokenizer), [EOS], clock=clock)
+    long = hold(manager, gate, NUM_COMPILE_THREADS)
+    (queued,) = start_without_waiting(manager, StructuredOutputsParams(regex="q+"), "queued")
+    assert manager.compiles.num_running == NUM_COMPILE_THREADS and manager.compiles.num_pending == 1
+    assert manager.poll() == [] and not queued.grammar.compiled.running()  # the long ones hold every thread
+    clock.now += SLOW_COMPILE_S  # they have run long: they no longer count against the threads
+    manager.poll()
+    manager.wait_for_compile(timeout_s=60)
+    assert manager.poll() == [] and queued.grammar.is_ready
+    (small,) = start(manager, StructuredOutputsParams(regex="s+"), req_id="small")
+    assert small.grammar.is_ready and not any(f.done() for f in long)
+    manager.shutdown()
+
+
+def test_slow_compilations_take_at_most_their_own_threads_and_a_queued_one_leaves_with_its_request(
+        tiny_tokenizer, gate):
+    clock = Clock()
+    manager = StructuredOutputManager(tiny_tokenizer, len(tiny_tokenizer), [EOS], clock=clock)
+    hold(manager, gate, NUM_COMPILE_THREADS)
+    clock.now += SLOW_COMPILE_S
+    manager.compiles.dispatch()
+    hold(manager, gate, MAX_SLOW_COMPILES)  # these start: the first are slow
+    clock.now += SLOW_COMPILE_S  # all slow now: MAX_SLOW_COMPILES of them leave their threads, the others hold
+    case = StructuredOutputsParams(regex="(ab)+")
+    (first, second) = start_without_waiting(manager, case, "both", n=2)
+    assert manager.poll() == [] and manager.compiles.num_pending == 1
+    assert manager.compiles.num_running == NUM_COMPILE_THREADS + MAX_SLOW_COMPILES
+    first.grammar.release()  # one sequence gone: the other still waits for it
+    assert not first.grammar.compiled.cancelled() and manager._cache[case.key] is second.grammar.compiled
+    second.grammar.release()  # the request is gone (aborted): its compilation never runs
+    assert second.grammar.compiled.cancelled() and case.key not in manager._cache
+    assert manager.compiles.num_pending == 0 and manager.stats.num_compiles_cancelled == 1
+    gate.set()
+    (again,) = start(manager, case, req_id="again")  # compiled afresh, not the cancelled one
+    assert again.grammar.is_ready and manager.stats.num_compiles == 1
+    manager.shutdown()
+
+
+def test_a_grammar_not_compiled_within_the_timeout_fails_its_request(tiny_tokenizer, gate):
+    clock = Clock()
+    manager = StructuredOutputManager(tiny_tokenizer, len(tiny_tokenizer), [EOS], compile_timeout_s=30,
+                                      clock=clock)
+    hold(manager, gate, NUM_COMPILE_THREADS)
+    clock.now += SLOW_COMPILE_S
+    manager.compiles.dispatch()
+    hold(manager, gate, MAX_SLOW_COMPILES)
+    (late,) = start_without_waiting(manager, StructuredOutputsParams(regex="l+"), "late")
+    clock.now += 29
+    assert manager.poll() == []
+    clock.now += 2
+    assert manager.poll() == [late.grammar]
+    assert late.grammar.error == ("structured_outputs: the grammar did not compile within 30 s "
+                                  "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S)")
+    late.grammar.release()  # as the engine fails the request
+    assert late.grammar.compiled.cancelled() and manager.stats.num_compile_timeouts == 1
+    assert not manager.is_compiling and not manager.live
+    manager.shutdown()

@@ -6,6 +6,7 @@ aborts, streaming, overlapped (deferred sampling) and synchronous steps; bad con
 import json
 import random
 import re
+import threading
 
 import jsonschema
 import numpy as np
@@ -209,6 +210,11 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
     engine.shutdown()
 
 
+NESTED_33 = {"type": "integer"}
+for _ in range(32):
+    NESTED_33 = {"type": "array", "items": NESTED_33}
+
+
 @pytest.mark.parametrize("value, message", [
     (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
     (dict(json=[1, 2]), "structured_outputs.json must be a JSON schema object"),
@@ -224,6 +230,14 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
      "structured_outputs.json has the $ref '#/$defs/B', which points at nothing in the schema"),
     (dict(json={"type": "object", "properties": {"a": {"$ref": "#/required"}}, "required": ["a"]}),
      "structured_outputs.json has the $ref '#/required', which points at no schema"),
+    (dict(json={"type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(100_000)]}}}),
+     "structured_outputs.json is 888,937 characters long; at most 262,144 are allowed"),  # 198 s of CPU it took
+    (dict(json={"anyOf": [{"enum": list(range(600))}, {"enum": list(range(400))}, {"const": 1}]}),
+     "structured_outputs.json has more than 1,000 enum and const values"),
+    (dict(json=NESTED_33), "structured_outputs.json nests subschemas more than 32 deep"),
+    (dict(choice=[f"c{i}" for i in range(1001)]), "structured_outputs.choice has 1,001 choices; at most 1,000"),
+    (dict(choice=["x" * 200] * 1000), "structured_outputs.choice becomes a grammar of 207,009 characters; at most"),
+    (dict(regex="a" * 300_000), "structured_outputs.regex is 300,000 characters long"),
     (dict(regex="a(b"), "structured_outputs.regex is invalid: Regex parsing error"),
     (dict(regex=""), "structured_outputs.regex must be a non-empty string"),
     (dict(grammar="root ::= foo"), "structured_outputs.grammar is invalid: EBNF parser error"),
@@ -288,5 +302,34 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir)
     assert finals["bad"].error.startswith("structured_outputs: the grammar did not compile")
     assert finals["bad"].seqs[0].finish_reason == "error"
     assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_a_grammar_not_compiled_in_time_fails_its_request_alone(tiny_model_dir):
+    """Compilations that hold every compile thread (stand-ins: jobs on the engine's real queue that wait for the
+    test) keep a constrained request's from starting; past the compile timeout (time moved by hand) it fails with
+    the reason, its queued compilation is cancelled, and a plain request beside it is served."""
+    from engine.grammar import MAX_SLOW_COMPILES, NUM_COMPILE_THREADS, SLOW_COMPILE_S
+
+    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
+    structured, gate, now = engine.structured, threading.Event(), [0.0]
+    structured.clock = structured.compiles.clock = lambda: now[0]
+    held = [structured.compiles.submit(gate.wait) for _ in range(NUM_COMPILE_THREADS)]
+    now[0] += SLOW_COMPILE_S
+    structured.compiles.dispatch()
+    held += [structured.compiles.submit(gate.wait) for _ in range(MAX_SLOW_COMPILES)]
+    engine.add_request("late", "Hello", constrained(StructuredOutputsParams(regex="[ab]+")))
+    engine.add_request("plain", "Hello", SamplingParams(max_tokens=5))
+    now[0] += structured.compile_timeout_s + 1
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
+    timeout = f"structured_outputs: the grammar did not compile within {structured.compile_timeout_s:g} s"
+    assert finals["late"].error.startswith(timeout)
+    assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
+    assert structured.stats.num_compile_timeouts == 1 and structured.stats.num_compiles_cancelled == 1
+    assert structured.compiles.num_pending == 0 and not any(f.done() for f in held)
+    gate.set()
     engine.check_integrity()
     engine.shutdown()
