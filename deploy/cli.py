@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from dataclasses import asdict, fields
 
@@ -99,19 +97,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("pagoda: joining a running cluster: the environment it was started with decides the ingress mode",
               flush=True)
         return _serve(args, build_app(app_args), names, started_ray=False)
-    for attempt in range(START_ATTEMPTS):
-        from deploy.serve_env import haproxy_dir, ingress_env
+    from deploy.serve_env import cluster_env, is_loopback
 
-        env = ingress_env(args.ingress_mode)
-        os.environ.update(env)  # before Serve's processes start: they read it then
-        try:
-            ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING")
-            return _serve(args, build_app(app_args), names, started_ray=True)
-        except _StartFailed as e:
-            print(f"pagoda: start failed ({e.__cause__}); trying again with other ports", file=sys.stderr)
-        finally:
-            if haproxy_dir(env):
-                shutil.rmtree(haproxy_dir(env), ignore_errors=True)
+    for attempt in range(START_ATTEMPTS):
+        # Serve's processes read the environment when they start; a loopback --host keeps all of Ray on loopback
+        with cluster_env(args.ingress_mode, args.host, local_only=is_loopback(args.host)):
+            try:
+                ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING")
+                return _serve(args, build_app(app_args), names, started_ray=True)
+            except _StartFailed as e:
+                print(f"pagoda: start failed ({e.__cause__}); trying again with other ports", file=sys.stderr)
     print(f"pagoda: error: could not start after {START_ATTEMPTS} attempts", file=sys.stderr)
     return 1
 

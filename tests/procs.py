@@ -61,3 +61,33 @@ def kill(pids: set[int], sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
+    """Every TCP socket that these processes listen on: (address, port, pid); an IPv4-mapped IPv6 address as IPv4,
+    every interface as '0.0.0.0' or '::'."""
+    import ipaddress
+
+    owners = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(raw)
+            ip = getattr(ip, "ipv4_mapped", None) or ip
+            found.append((str(ip), int(port, 16), owners[fields[9]]))
+    return found

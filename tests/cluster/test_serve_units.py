@@ -509,6 +509,7 @@ def test_cli_flags_become_app_args(capsys):
 
 def test_ingress_modes_are_environments_for_the_cluster(monkeypatch, tmp_path):
     import os
+    import shutil
     import socket
 
     import deploy.serve_env as serve_env
@@ -532,7 +533,7 @@ def test_ingress_modes_are_environments_for_the_cluster(monkeypatch, tmp_path):
     assert int(env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"]) <= 120
     made = serve_env.ingress_env("direct")
     assert serve_env.haproxy_dir(made) and os.path.isdir(serve_env.haproxy_dir(made))
-    os.rmdir(serve_env.haproxy_dir(made))
+    shutil.rmtree(serve_env.haproxy_dir(made))
     monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")  # the caller's choice is kept
     assert serve_env.ingress_env("direct", str(tmp_path))["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
     monkeypatch.setattr(serve_env.importlib.util, "find_spec", lambda name: None)  # no HAProxy: the Python proxy

@@ -1,0 +1,51 @@
+"""HAProxy with its stats page and metrics exporter on the serving host instead of every interface.
+
+Ray Serve 2.60's HAProxy config binds both to every interface (`bind *:STATS`, `bind :METRICS`), whatever
+`http_options.host` says. `pagoda serve` points RAY_SERVE_HAPROXY_BINARY_PATH at a two-line script (in its private
+HAProxy directory, deploy/serve_env.py) that runs this: it rewrites those two lines of the config Serve wrote,
+under Serve's own lock on that file, then becomes the real HAProxy with the same arguments (Serve finds its HAProxy
+processes by their command line). Standard library only: it runs under `python -I`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import sys
+
+BINARY_VAR = "PAGODA_HAPROXY_BINARY"  # the real HAProxy
+HOST_VAR = "PAGODA_HAPROXY_BIND_HOST"
+WRAPPER_VAR = "PAGODA_HAPROXY_WRAPPER"  # the script that runs this
+PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def bind_to_host(config: str, host: str, ports: list[str]) -> str:
+    """The config with its `bind *:PORT` and `bind :PORT` lines of these ports bound to `host` instead."""
+    for port in ports:
+        line = re.compile(rf"^(\s*bind\s+)\*?:{re.escape(port)}[ \t]*$", re.MULTILINE)
+        config = line.sub(rf"\g<1>{host}:{port}", config)
+    return config
+
+
+def rewrite_config(path: str, host: str, ports: list[str]) -> None:
+    with open(path + ".lock", "w") as lock:  # Serve writes the config holding this lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(path) as f:
+            config = f.read()
+        bound = bind_to_host(config, host, ports)
+        if bound != config:
+            with open(path, "w") as f:
+                f.write(bound)
+
+
+def main(argv: list[str]) -> None:
+    binary, host = os.environ[BINARY_VAR], os.environ.get(HOST_VAR)
+    if host and "-f" in argv[:-1]:
+        ports = [os.environ[name] for name in PORT_VARS if os.environ.get(name)]
+        rewrite_config(argv[argv.index("-f") + 1], host, ports)
+    os.execv(binary, [binary, *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
