@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, fields
+from pathlib import Path
 
 from cluster.tool_parsers import TOOL_CALL_PARSERS
 from engine import envs
@@ -76,13 +77,28 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         from engine.config import resolve_device
 
         ingress_replicas = GPU_INGRESS_REPLICAS if resolve_device(engine.device) == "cuda" else 1
-    app = {"models": [model], "api_key": args.api_key or envs.get("PAGODA_API_KEY") or None,
+    app = {"models": [model], "api_key": api_key(args),
            "ingress_replicas": ingress_replicas}
     if args.default_max_tokens is not None:
         app["default_max_tokens"] = args.default_max_tokens
     if args.ingress_resources:
         app["ingress_resources"] = args.ingress_resources
     return app
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file's key, else --api-key's (which `ps` shows to every user of the machine), else $PAGODA_API_KEY."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if not args.api_key_file:
+        return args.api_key or envs.get("PAGODA_API_KEY") or None
+    try:
+        key = Path(args.api_key_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--api-key-file: {args.api_key_file} must hold one key, on one line")
+    return key
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -194,7 +210,9 @@ def _add_serve_parser(sub) -> None:
                           "template implies, if any)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's flag: requires --tool-call-parser ('auto' is on whenever a parser is known)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGODA_API_KEY)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (shown by ps: prefer --api-key-file or $PAGODA_API_KEY)")
+    srv.add_argument("--api-key-file", default=None, metavar="PATH", help="--api-key, read from this file")
     srv.add_argument("--disable-log-requests", action="store_true",
                      help="accepted for vLLM's users: Pagoda does not log requests")
     srv.set_defaults(func=cmd_serve)

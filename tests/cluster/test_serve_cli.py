@@ -29,16 +29,47 @@ def _all_interfaces_outside_serve_grpc(serve: ServeProcess) -> list[tuple[str, i
     return open_
 
 
+def test_the_api_key_comes_from_a_file_the_flag_or_the_environment(tmp_path, monkeypatch):
+    from deploy.cli import build_parser, serve_app_args
+
+    def key(*flags):
+        return serve_app_args(build_parser().parse_args(["serve", *flags]))["api_key"]
+
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
+    path = tmp_path / "key"
+    path.write_text("from-file\n")
+    assert key("--api-key-file", str(path)) == "from-file"
+    assert key("--api-key", "from-flag") == "from-flag"
+    assert key() is None
+    monkeypatch.setenv("PAGODA_API_KEY", "from-env")
+    assert key() == "from-env"
+    assert key("--api-key-file", str(path)) == "from-file"
+    for content, problem in [("", "one key"), ("two\nlines", "one key")]:
+        path.write_text(content)
+        with pytest.raises(ValueError, match=problem):
+            key("--api-key-file", str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        key("--api-key-file", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not both"):
+        key("--api-key-file", str(path), "--api-key", "x")
+
+
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("ingress_mode", ["direct", "proxy"])
-def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
+def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode, tmp_path):
     import openai
 
     port = free_port()
     args = ["--model", "tiny", "--num-cpus", "2", "--num-kv-blocks", "64", "--replica-num-cpus", "0.5",
-            "--served-model-name", "cli-tiny", "--api-key", "cli-key", "--min-replicas", "1", "--max-replicas", "2",
+            "--served-model-name", "cli-tiny", "--min-replicas", "1", "--max-replicas", "2",
             "--target-ongoing-requests", "4", "--ingress-mode", ingress_mode]
-    with ServeProcess(args, port) as serve:
+    env = {}
+    if ingress_mode == "direct":  # the key in a file, or in the environment: never on a command line
+        (tmp_path / "key").write_text("cli-key\n")
+        args += ["--api-key-file", str(tmp_path / "key")]
+    else:
+        env["PAGODA_API_KEY"] = "cli-key"
+    with ServeProcess(args, port, env) as serve:
         serve.wait_ready(START_TIMEOUT_S)
         assert f"http://127.0.0.1:{port}/v1" in serve.output
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-key", max_retries=0, timeout=60)
@@ -52,6 +83,7 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode):
         assert ("haproxy" in names(tree)) == (ingress_mode == "direct"), names(tree)
         # --host 127.0.0.1: Ray's own servers, its metrics exporter, HAProxy's stats and metrics all on loopback
         assert _all_interfaces_outside_serve_grpc(serve) == []
+        assert [pid for pid in tree | {serve.proc.pid} if "cli-key" in command_line(pid)] == []  # what ps shows
         assert serve.stop() == 0, serve.output[-4000:]
         deadline = time.monotonic() + 30
         while alive(serve.tree) and time.monotonic() < deadline:

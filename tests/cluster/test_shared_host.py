@@ -56,7 +56,7 @@ def test_two_servers_on_one_host_never_answer_for_each_other(tmp_path):
         b.wait_ready(START_TIMEOUT_S)
         probe_b = Prober(port_b, None)
         probe_a = Prober(port_a, key)  # from before A starts: its start-up is probed too
-        with ServeProcess([*SMALL, "--served-model-name", "host-a", "--api-key", key], port_a) as a:
+        with ServeProcess([*SMALL, "--served-model-name", "host-a", "--api-key-file", str(tmp_path / "key")], port_a) as a:
             a.wait_ready(START_TIMEOUT_S)
             deadline = time.monotonic() + 60
             while not probe_a.keyed_ok_since(0) and time.monotonic() < deadline:
