@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -109,6 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app_args = serve_app_args(args)
     names = ", ".join(n for m in parse_args(app_args).models for n in m.names)  # bad flags fail before Ray starts
+    # From here on a stop signal ends the server as Ctrl-C does, cleaning up, at any point of its start
+    _on_stop_signals(_interrupt)
     if args.address or ray.is_initialized():
         print("pagoda: joining a running cluster: the environment it was started with decides the ingress mode",
               flush=True)
@@ -116,10 +119,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.serve_env import cluster_env, is_loopback
 
     for attempt in range(START_ATTEMPTS):
+        _on_stop_signals(_interrupt)
         # Serve's processes read the environment when they start; a loopback --host keeps all of Ray on loopback
         with cluster_env(args.ingress_mode, args.host, local_only=is_loopback(args.host)):
             try:
                 ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING")
+                _on_stop_signals(_interrupt)  # ray.init sets its own SIGTERM handler: exit at once
+            except KeyboardInterrupt:  # stopped while Ray started
+                _on_stop_signals(signal.SIG_IGN)
+                ray.shutdown()
+                return 0
+            try:
                 return _serve(args, build_app(app_args), names, started_ray=True)
             except _StartFailed as e:
                 print(f"pagoda: start failed ({e.__cause__}); trying again with other ports", file=sys.stderr)
@@ -131,6 +141,16 @@ class _StartFailed(Exception):
     pass
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_stop_signals(handler) -> None:
+    """Ctrl-C, SIGTERM (systemd, Kubernetes, `kill`) and SIGHUP (a closed terminal) all go to `handler`."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
 def _is_port_race(e: BaseException) -> bool:
     """HAProxy could not bind a port that another process took after we chose it."""
     text = str(e).lower()
@@ -138,29 +158,27 @@ def _is_port_race(e: BaseException) -> bool:
 
 
 def _serve(args: argparse.Namespace, app, names: str, started_ray: bool) -> int:
-    import signal
-    import threading
+    import time
 
     import ray
     from ray import serve
 
-    stop = threading.Event()
     try:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
+            _on_stop_signals(_interrupt)  # again: a ray.init in serve.start (joining a cluster) sets its own
             serve.run(app, name="pagoda", route_prefix="/")
         except Exception as e:
             if started_ray and _is_port_race(e):
                 raise _StartFailed() from e
             raise
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         print(f"pagoda: serving {names} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:  # Ctrl-C while starting up
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:  # a stop signal (_interrupt), while starting up or serving
         pass
     finally:
+        _on_stop_signals(signal.SIG_IGN)  # a second one would cut the shutdown short and leave processes behind
         print("pagoda: shutting down", flush=True)
         try:
             serve.shutdown()

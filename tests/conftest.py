@@ -60,21 +60,25 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole test session (logical CPUs: the machine has only 2 cores)."""
+    import contextlib
+
     import ray
 
-    if not ray.is_initialized():
-        from deploy.serve_env import ingress_env
+    with contextlib.ExitStack() as cluster:
+        if not ray.is_initialized():
+            from deploy.serve_env import cluster_env
 
-        # Serve as `pagoda serve` runs it (HAProxy, ingress replicas serving HTTP, gRPC between deployments); its
-        # processes read this environment when they start. test_serve_cli covers the Python proxy too.
-        os.environ.update(ingress_env("direct"))
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
-    yield ray
-    try:
-        from ray import serve
+            # Serve as `pagoda serve` runs it (HAProxy, ingress replicas serving HTTP, gRPC between deployments); its
+            # processes read this environment when they start. test_serve_cli covers the Python proxy too. At the
+            # end, HAProxy's private directory goes. Not local-only: the fake-cluster tests `ray start` more nodes.
+            cluster.enter_context(cluster_env("direct"))
+            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
+        yield ray
+        try:
+            from ray import serve
 
-        serve.shutdown()
-    except Exception:
-        pass
-    ray.shutdown()
+            serve.shutdown()
+        except Exception:
+            pass
+        ray.shutdown()

@@ -10,7 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tests.procs import alive, descendants, kill
+from tests.procs import alive, descendants, environ, kill
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,15 @@ class ServeProcess:
         """Every process below the CLI now (remembered, so that close() can kill what outlives it)."""
         self.tree |= descendants(self.proc.pid)
         return descendants(self.proc.pid)
+
+    def haproxy_dir(self) -> str | None:
+        """The private directory of HAProxy's files that the CLI made, as its Ray processes were told (None before
+        they start, or without HAProxy)."""
+        for pid in self.processes():
+            found = environ(pid).get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+            if found:
+                return found
+        return None
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 120) -> int:
         self.processes()

@@ -2,6 +2,8 @@
 from the session's cluster), deploys an autoscaled app, answers the OpenAI client, listens only where it says, and
 exits 0 on SIGINT leaving no process behind."""
 
+import os
+import signal
 import time
 
 import httpx
@@ -84,8 +86,42 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode, tmp_path
         # --host 127.0.0.1: Ray's own servers, its metrics exporter, HAProxy's stats and metrics all on loopback
         assert _all_interfaces_outside_serve_grpc(serve) == []
         assert [pid for pid in tree | {serve.proc.pid} if "cli-key" in command_line(pid)] == []  # what ps shows
+        private = serve.haproxy_dir()
+        assert (private is not None) == (ingress_mode == "direct")
         assert serve.stop() == 0, serve.output[-4000:]
-        deadline = time.monotonic() + 30
-        while alive(serve.tree) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not alive(serve.tree), f"left behind: {alive(serve.tree)}"
+        _assert_nothing_left(serve, private)
+
+
+def _assert_nothing_left(serve: ServeProcess, private: str | None) -> None:
+    deadline = time.monotonic() + 30
+    while alive(serve.tree) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(serve.tree), f"left behind: {alive(serve.tree)}"
+    assert private is None or not os.path.exists(private), f"left behind: {private}"
+
+
+@pytest.mark.timeout(360)
+def test_pagoda_serve_stopped_while_it_starts_leaves_nothing_behind():
+    # a replica that no node can hold: the start never ends, so the signal comes while HAProxy and the ingress run
+    args = ["--model", "tiny", "--num-cpus", "2", "--num-kv-blocks", "64", "--replica-num-cpus", "0.5",
+            "--replica-resources", '{"no_such_node": 1}']
+    with ServeProcess(args, free_port()) as serve:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ("haproxy" in names(serve.processes()) and serve.haproxy_dir()) and time.monotonic() < deadline:
+            time.sleep(1)
+        private = serve.haproxy_dir()
+        assert private and os.path.isdir(private), serve.output[-4000:]
+        assert serve.stop(signal.SIGTERM) == 0, serve.output[-4000:]
+        assert "pagoda: serving" not in serve.output
+        _assert_nothing_left(serve, private)
+
+
+def test_a_cluster_environment_is_undone_however_its_block_ends(monkeypatch):
+    from deploy.serve_env import FALLBACK_PORT_VARS, cluster_env, haproxy_dir
+
+    monkeypatch.delenv(FALLBACK_PORT_VARS[0], raising=False)
+    with pytest.raises(RuntimeError), cluster_env("direct") as env:
+        private = haproxy_dir(env)
+        assert os.path.isdir(private) and os.environ[FALLBACK_PORT_VARS[0]] == env[FALLBACK_PORT_VARS[0]]
+        raise RuntimeError("a start that failed")
+    assert not os.path.exists(private) and FALLBACK_PORT_VARS[0] not in os.environ
