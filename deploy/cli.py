@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 from dataclasses import asdict, fields
@@ -72,7 +73,7 @@ def serve_app_args(args: argparse.Namespace) -> dict:
             scaling["policy"] = args.autoscaling_policy
         model["autoscaling_config"] = scaling
     else:
-        model["num_replicas"] = args.num_replicas or 1
+        model["num_replicas"] = 1 if args.num_replicas is None else args.num_replicas
     ingress_replicas = args.ingress_replicas
     if ingress_replicas is None:
         from engine.config import resolve_device
@@ -108,8 +109,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.app import build_app, parse_args
 
+    # Every flag is checked before anything starts: Pagoda's own checks, then Serve's and Ray's checks of the
+    # deployments' options, which building the app runs (they used to refuse a value after Ray had started)
+    _check_host_flags(args)
     app_args = serve_app_args(args)
-    names = ", ".join(n for m in parse_args(app_args).models for n in m.names)  # bad flags fail before Ray starts
+    try:
+        names = ", ".join(n for m in parse_args(app_args).models for n in m.names)
+    except ValueError as e:
+        raise ValueError(_as_flags(str(e), args.command_parser)) from None
+    try:
+        build_app(app_args)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"Serve refuses these flags' deployment options: {e}") from None
     # From here on a stop signal ends the server as Ctrl-C does, cleaning up, at any point of its start
     _on_stop_signals(_interrupt)
     if args.address or ray.is_initialized():
@@ -135,6 +146,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"pagoda: start failed ({e.__cause__}); trying again with other ports", file=sys.stderr)
     print(f"pagoda: error: could not start after {START_ATTEMPTS} attempts", file=sys.stderr)
     return 1
+
+
+def _check_host_flags(args: argparse.Namespace) -> None:
+    import socket
+
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1-65535, got {args.port}")
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise ValueError(f"--num-cpus must be at least 1, got {args.num_cpus}")
+    try:
+        socket.getaddrinfo(args.host, args.port)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {args.host!r} is not an address of this machine's resolver: {e}") from None
+
+
+def _as_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """An app-args error as the flags name them: `models.0.max_queued_requests` is `--max-queued-requests`."""
+    def flag(match: re.Match) -> str:
+        option = "--" + match.group(1).replace("_", "-")
+        return option if option in parser._option_string_actions else match.group(0)
+
+    return re.sub(r"\bmodels\.0\.(?:autoscaling_config\.)?(\w+)", flag, message)
 
 
 class _StartFailed(Exception):

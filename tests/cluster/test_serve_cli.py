@@ -125,3 +125,29 @@ def test_a_cluster_environment_is_undone_however_its_block_ends(monkeypatch):
         assert os.path.isdir(private) and os.environ[FALLBACK_PORT_VARS[0]] == env[FALLBACK_PORT_VARS[0]]
         raise RuntimeError("a start that failed")
     assert not os.path.exists(private) and FALLBACK_PORT_VARS[0] not in os.environ
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--max-queued-requests", "-2"], "--max-queued-requests"),  # Pagoda's check
+    (["--replica-resources", '{"slot": -1}'], "cannot be negative"),  # Ray's, run as the app is built
+    (["--replica-resources", '{"CPU": 1}'], "num_cpus"),  # Serve's: the CPU count has its own flag
+    (["--num-replicas", "0"], "--num-replicas"),  # was served with 1
+    (["--min-replicas", "3", "--max-replicas", "2"], "max_replicas"),
+    (["--port", "70000"], "--port"),
+    (["--host", "no-such-host.invalid"], "--host"),
+    (["--num-cpus", "0"], "--num-cpus"),
+])
+def test_pagoda_serve_refuses_a_bad_flag_before_anything_starts(flags, named, monkeypatch, capsys):
+    import ray
+
+    from deploy.cli import main
+
+    def started(*args, **kwargs):  # stands in for Ray, which a refused flag must never reach
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", started)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the session's cluster, if up, is not to be joined
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
+    assert main(["serve", "--model", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagoda: error:") and named in err, err
