@@ -1,4 +1,5 @@
-"""`pagoda bench {latency,throughput,serve,sampler,kernels,quality,cold-start}` (also `python -m benchmarks ...`)."""
+"""`pagoda bench {latency,throughput,serve,sampler,quality,cold-start}` (also `python -m benchmarks ...`); the Triton
+kernels have a script of their own, `python -m benchmarks.kernels`."""
 
 from __future__ import annotations
 
@@ -10,21 +11,21 @@ BENCHMARKS = {
     "throughput": "offline LLM.generate over synthetic requests (--compare hf: transformers side by side)",
     "serve": "an async HTTP client against a running OpenAI-compatible server",
     "sampler": "the sampler alone: device and host time of one step for each sampling setting",
-    "kernels": "Triton kernels against torch and the H200's ceilings",
     "quality": "a quantized model (--quantization, --kv-cache-dtype) against transformers, teacher-forced",
     "cold-start": "one replica from placed to its first token, per phase (engine actor, weights, CUDA graphs...)",
 }
+KERNELS = "python -m benchmarks.kernels: Triton kernels against torch and the H200's ceilings"
 
 
-def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
+    """One subcommand a benchmark, each with its own flags (importing every benchmark module)."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"Pagoda's benchmarks (also {KERNELS}).")
+    sub = parser.add_subparsers(dest="benchmark", required=True, title="benchmarks")
     for name, help_text in BENCHMARKS.items():
-        if name == "kernels":
-            continue  # its own script: python -m benchmarks.kernels
-        parser = bench_sub.add_parser(name, help=help_text)
-        importlib.import_module(_module(name)).add_args(parser)
-        parser.set_defaults(func=run_bench)
+        bench = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(_module(name)).add_args(bench)
+        bench.set_defaults(func=run_bench)
+    return parser
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -36,9 +37,6 @@ def _module(name: str) -> str:
     return f"benchmarks.{name.replace('-', '_')}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    args = parser.parse_args(["bench", *(argv or [])] if argv is not None else None)
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    args = build_parser(prog).parse_args(argv)
     return args.func(args)

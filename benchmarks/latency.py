@@ -73,6 +73,22 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     return row
 
 
+def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_steps: int,
+                       max_num_batched_tokens: int) -> int:
+    """`prompt_len`, or the longest prompt that leaves room in the context for what each request generates while
+    it is measured: its first token, the decode steps, and the steps that it decodes while the batch's last
+    prompts are still in (chunked) prefill. (The defaults, 128 and 2048, do not fit a 2048-token model otherwise.)"""
+    prefill_steps = -(-batch * max_model_len // max_num_batched_tokens)  # at most, with prompts up to the context
+    longest = max_model_len - 1 - decode_steps - prefill_steps
+    if longest < 1:
+        raise ValueError(f"--decode-steps {decode_steps} at batch {batch} leaves no room for a prompt in this "
+                         f"model's {max_model_len}-token context")
+    if prompt_len > longest:
+        print(f"latency: {batch} prompts of {prompt_len} tokens and {decode_steps} decode steps do not fit this "
+              f"model's {max_model_len}-token context: measured with {longest}-token prompts")
+    return min(prompt_len, longest)
+
+
 def main(args: argparse.Namespace) -> dict:
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
@@ -88,8 +104,11 @@ def main(args: argparse.Namespace) -> dict:
     print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers),
           f"| {engine.executor.num_kv_blocks} KV blocks of {args.block_size} tokens, {workers[0]['kv_cache_dtype']}")
     rows = []
-    for prompt_len in args.prompt_lens:
+    budget = engine.config.scheduler.max_num_batched_tokens
+    for asked_len in args.prompt_lens:
         for batch in args.batch_sizes:
+            steps = max(args.decode_steps, 4)  # the warm-up's too
+            prompt_len = fitting_prompt_len(asked_len, batch, engine.max_model_len, steps, budget)
             prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
             for structured in structured_variants(args):
                 measure(engine, prompts[:1], 4, structured=structured)  # warm-up of this shape family

@@ -196,6 +196,8 @@ def _serve(args: argparse.Namespace, app, names: str, started_ray: bool) -> int:
     import ray
     from ray import serve
 
+    from deploy.serve_env import shutdown_serve
+
     try:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
@@ -214,7 +216,7 @@ def _serve(args: argparse.Namespace, app, names: str, started_ray: bool) -> int:
         _on_stop_signals(signal.SIG_IGN)  # a second one would cut the shutdown short and leave processes behind
         print("pagoda: shutting down", flush=True)
         try:
-            serve.shutdown()
+            shutdown_serve()
         finally:
             if started_ray:
                 ray.shutdown()
@@ -290,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny_model)
 
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve (see benchmarks/)")
-    bench.set_defaults(func=_run_bench, bench_parser=bench)
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, sampler, quality, cold-start "
+                                         "(`pagoda bench --help`)")
+    bench.set_defaults(func=lambda args: _run_bench(args.benchmark_args))
     bench.add_argument("benchmark_args", nargs=argparse.REMAINDER)
 
     grafana = sub.add_parser("grafana", help="Grafana: push the dashboard")
@@ -308,19 +311,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_bench(args: argparse.Namespace) -> int:
-    """The benchmarks live in benchmarks/ (not in the image): imported only when asked for."""
+def _run_bench(argv: list[str]) -> int:
+    """The benchmarks live in benchmarks/ (not in the image): imported only when asked for. They parse their own
+    flags, as `pagoda bench`."""
     try:
         from benchmarks.cli import main as bench_main
     except ImportError as e:
-        args.bench_parser.error(f"the benchmarks are not installed here ({e}); run them from a clone")
-    return bench_main(args.benchmark_args)
+        print(f"pagoda: error: the benchmarks are not installed here ({e}); run them from a clone", file=sys.stderr)
+        return 2
+    try:
+        return bench_main(argv, prog="pagoda bench")
+    except ValueError as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # straight to the benchmarks' parser: `pagoda bench --help` lists them
+        return _run_bench(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command != "bench":
+    if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # that command's usage
     try:
         return args.func(args)

@@ -171,3 +171,31 @@ def free_port() -> int:
                 continue
             return port
     raise OSError("no free port found")
+
+
+def shutdown_serve(timeout_s: float = 60.0) -> None:
+    """Serve's orderly end (applications drained, proxies and HAProxy stopped, then the controller), without the
+    warning `serve.shutdown()` leaves on every stop: it waits on a controller call that the controller ends by
+    killing itself, which Ray reports as a failed task ("ServeController.graceful_shutdown failed ... will be
+    retried"). Here the controller is asked to shut down without answering, and this waits until it is gone."""
+    import time
+
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    def controller():
+        try:
+            return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # none, or gone
+            return None
+
+    if (handle := controller()) is None:
+        return
+    ray.get(handle.graceful_shutdown.remote(wait=False))
+    deadline = time.monotonic() + timeout_s
+    while controller() is not None:
+        if time.monotonic() > deadline:
+            serve.shutdown()  # Serve's own way, warning and all
+            return
+        time.sleep(0.2)

@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS["enable_prefix_caching"])
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help=argparse.SUPPRESS)  # the older spelling
+                        help="same as --no-enable-prefix-caching")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"])
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])

@@ -75,10 +75,7 @@ def ray_cluster():
             ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
         yield ray
-        try:
-            from ray import serve
+        from deploy.serve_env import shutdown_serve
 
-            serve.shutdown()
-        except Exception:
-            pass
+        shutdown_serve()
         ray.shutdown()

@@ -33,7 +33,8 @@ class ServeProcess:
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.tree: set[int] = set()
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _drain(self):
         for line in self.proc.stdout:
@@ -65,7 +66,9 @@ class ServeProcess:
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 120) -> int:
         self.processes()
         self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout_s)
+        code = self.proc.wait(timeout=timeout_s)
+        self._drainer.join(timeout=30)  # its last lines
+        return code
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -90,6 +90,8 @@ def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode, tmp_path
         assert (private is not None) == (ingress_mode == "direct")
         assert serve.stop() == 0, serve.output[-4000:]
         _assert_nothing_left(serve, private)
+        assert "pagoda: shutting down" in serve.output
+        assert "graceful_shutdown failed" not in serve.output  # Serve's warning on every stop, before
 
 
 def _assert_nothing_left(serve: ServeProcess, private: str | None) -> None:
