@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.config import EngineArgs, EngineConfig
+from engine.config import EngineArgs, EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, StepHandle, executor_class
 from engine.grammar import StructuredOutputManager
@@ -104,6 +104,8 @@ class LLMEngine:
                                    max_chars_per_token)
         self.eos_token_ids = set(config.model.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        if resolve_device(config.parallel.device) == "cuda":  # on CPU it would cost every engine, tests included
+            self.structured.prepare_in_background()
         self.token_strings = TokenStrings(self.tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

@@ -112,6 +112,16 @@ def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
     return value
 
 
+def import_in_background() -> None:
+    """Imports xgrammar on a thread of its own (it pulls transformers' modelling code: 4-10 s of CPU), for a process
+    whose first constrained request should not wait for it."""
+    import importlib
+    import threading
+
+    threading.Thread(target=importlib.import_module, args=("xgrammar",), name="pagoda-xgrammar-import",
+                     daemon=True).start()
+
+
 def grammar_for(params: StructuredOutputsParams):
     """The xgrammar `Grammar` of a constraint (tokenizer-independent; LRU-cached by the constraint's key)."""
     return _grammar(*params.key)

@@ -42,6 +42,7 @@ from kernels._triton import (
 )
 
 BLOCK = 2048
+SUB_BLOCK = 128  # a top-k row's subset, this many columns a load (top_k up to 96 in one)
 MAX_ROUNDS = 32
 _MASK32 = 0xFFFFFFFF
 _U24 = 5.960464477539063e-08  # 2 ** -24
@@ -147,7 +148,10 @@ def _sample_row(base, ids_base, num_cols, vocab, inv_t, kth, top_p, log_min_p, n
     return token
 
 
-@triton.jit
+# One compiled variant per HAS_SUBSET, whatever the batch and its top-k: the subset's width (a request's top_k plus a
+# margin) is not specialized on and is read SUB_BLOCK columns at a time. Each variant compiled while requests wait
+# cost 0.5-0.7 s of an H200 step loop (workers/worker.py compiles both at start-up).
+@triton.jit(do_not_specialize=["stride_sub", "stride_ids", "num_sub"])
 def _sample_kernel(x_ptr, stride_x, sub_ptr, stride_sub, ids_ptr, stride_ids, out_ptr, inv_temp_ptr, kth_ptr,
                    top_p_ptr, log_min_p_ptr, noise_ptr, key_ptr, vocab, num_sub, HAS_SUBSET: tl.constexpr,
                    BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
@@ -215,7 +219,7 @@ def sample_triton(x, inv_temperature, kth, top_p, log_min_p, noise_scale, keys, 
         block = min(block, next_power_of_2(vocab))
         _sample_kernel[(rows,)](x, x.stride(0), values, values.stride(0), ids, ids.stride(0), out, *scalars, vocab,
                                 values.shape[1], HAS_SUBSET=subset is not None, BLOCK=block,
-                                SUB_BLOCK=min(block, next_power_of_2(values.shape[1])), MAX_ROUNDS=max_rounds,
+                                SUB_BLOCK=min(block, SUB_BLOCK), MAX_ROUNDS=max_rounds,
                                 **pdl_options(x.device), num_warps=max(1, min(8, block // 256)))
     return out
 

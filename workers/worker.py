@@ -22,6 +22,7 @@ from workers import parallel
 from kernels._triton import references_forced
 from kernels.fp8 import FP8_DTYPE
 from workers.grammar_mask import warm_up_grammar_mask
+from workers.sampler import warm_up_sampler
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
 from workers.kv_scales import attention_layers, calibrate_kv_scales
 from workers.model_runner import ModelRunner
@@ -135,6 +136,7 @@ class Worker:
                 self._warm_up_prefill(num_blocks)
                 if self.rank == 0:  # the rank that samples
                     warm_up_grammar_mask(self.model.vocab_size, self.device)
+                    warm_up_sampler(self.model.vocab_size, self.device)
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_blocks: int) -> None:

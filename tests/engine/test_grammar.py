@@ -245,3 +245,20 @@ def test_a_grammar_not_compiled_within_the_timeout_fails_its_request(tiny_tokeni
     assert late.grammar.compiled.cancelled() and manager.stats.num_compile_timeouts == 1
     assert not manager.is_compiling and not manager.live
     manager.shutdown()
+
+
+def test_prepared_in_background_the_first_compile_reads_no_tokenizer(tiny_tokenizer):
+    """The engine prepares xgrammar and the tokenizer's vocabulary before any constrained request (on a GPU
+    engine): the first compile then finds the compiler ready."""
+    manager = StructuredOutputManager(tiny_tokenizer, 1000, {tiny_tokenizer.eos_token_id})
+    assert manager._compiler is None
+    manager.prepare_in_background().join(timeout=300)
+    compiler = manager._compiler
+    assert compiler is not None and manager.stats.tokenizer_info_s > 0
+    req = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+")), 8)
+    manager.add([req])
+    manager.wait_for_compile(timeout_s=300)
+    assert manager.poll() == [] and req.grammar.is_ready
+    assert manager._compiler is compiler and manager.stats.num_compiles == 1
+    req.grammar.release()
+    manager.shutdown()

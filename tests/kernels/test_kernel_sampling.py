@@ -92,6 +92,21 @@ def test_a_subset_holding_the_candidates_draws_what_the_whole_row_draws(device):
     assert subset.values[4, -1].item() == 7.0 and x[4, full[4]].item() >= 7.0  # the whole row, a candidate
 
 
+def test_a_subset_wider_than_one_load_draws_what_the_whole_row_draws(device):
+    """A top_k past SUB_BLOCK: its subset is read a load at a time, and any subset width runs the one compiled
+    variant (the width is not specialized on)."""
+    from kernels.sampling import SUB_BLOCK
+
+    settings = [(1.0, SUB_BLOCK + 72, 1.0, 0.0), (0.8, SUB_BLOCK + 72, 0.9, 0.0), (1.0, 3, 1.0, 0.0)] * 3
+    x = logits(len(settings), 2048, device, seed=9)
+    args = knobs(settings, x, seed=9)
+    full = sample_triton(x, *args)
+    for width in (SUB_BLOCK + 104, SUB_BLOCK + 105, 3 * SUB_BLOCK):
+        subset = x.topk(width, dim=-1)
+        assert torch.equal(sample_triton(x, *args, subset), full), width
+        assert torch.equal(sample_ref(x, *args, subset), full), width
+
+
 def test_inputs_are_checked():
     x = torch.zeros(2, 8)
     args = knobs(SETTINGS[:2], x)

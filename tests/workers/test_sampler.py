@@ -256,3 +256,18 @@ def test_logprobs_come_from_the_raw_logits():
     assert logprobs[1].top_token_ids == [] and logprobs[1].top_logprobs == []
     assert logprobs[1].sampled_logprob == pytest.approx(expected[1, tokens[1]].item(), abs=1e-6)
     assert logprobs[2] is None
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 17, 64])
+def test_sampling_tensors_start_aligned_whatever_the_batch(num_rows):
+    """Each knob tensor starts on a 16-byte boundary: Triton compiles the sampling kernel once per alignment of its
+    pointers, and a batch size that moved them compiled a new variant while the step waited."""
+    from workers.sampler import SamplingTensors
+
+    rows = [SamplingRow(SamplingParams(temperature=0.5 + i / 10, top_k=i % 3), [1], []) for i in range(num_rows)]
+    tensors = SamplingTensors.build(rows, 100, torch.device("cpu"))
+    for name in ("inv_temperature", "noise_scale", "top_p", "log_min_p", "top_k"):
+        t = getattr(tensors, name)
+        assert t.shape == (num_rows,) and t.data_ptr() % 16 == 0, name
+    assert tensors.top_k.tolist() == [i % 3 for i in range(num_rows)]
+    assert tensors.inv_temperature.tolist() == pytest.approx([1 / (0.5 + i / 10) for i in range(num_rows)])
