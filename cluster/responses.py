@@ -133,7 +133,7 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
                       deltas: AsyncIterator[tuple[int, RequestDelta]],
                       tool_parser: Callable[[], ToolParser | None] | None = None) -> AsyncIterator[dict]:
     """With a tool parser, each choice's text goes through its own: content as it settles, `delta.tool_calls`
-    entries as calls are written (the first of a call with its id and name)."""
+    entries as calls are written (the first of a call with its id and name, then its arguments piece by piece)."""
     usage_so_far = _chunk_usage(req, accepted[0].num_prompt_tokens)
     prompt_ids = {"prompt_token_ids": accepted[0].prompt_token_ids} if req.return_token_ids else {}
     for j in range(n):
@@ -143,7 +143,6 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
         yield _chunk(meta, {"index": j, "delta": {"content": req.echo_text}, "logprobs": None,
                             "finish_reason": None}, usage_so_far(0))
     parsers = {j: tool_parser() for j in range(n)} if tool_parser else {}
-    called = set()
     completion_tokens = 0
     async for _, delta in deltas:
         for seq in delta.seqs:
@@ -153,10 +152,8 @@ async def chat_chunks(meta: dict, req: ChatCompletionRequest, accepted: list[Acc
                 message = {"content": seq.text} if seq.text else {}
             else:
                 message = _merge(parser.feed(seq.text), parser.finish() if finish_reason else None)
-                if message.get("tool_calls"):
-                    called.add(seq.index)
-                if finish_reason:
-                    finish_reason = _tool_finish_reason(parser, finish_reason, seq.index in called)
+                if finish_reason:  # as the whole answer's: a call cut off (partly sent) counts for nothing
+                    finish_reason = _tool_finish_reason(parser, finish_reason, parser.num_calls > 0)
                 if not message and not finish_reason and not seq.logprobs and not req.return_token_ids:
                     continue  # the parser holds this text back (it may become a call)
             yield _chunk(meta, {"index": seq.index, "delta": message,

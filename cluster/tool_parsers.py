@@ -9,14 +9,17 @@ those of the outputs `tool_choice="required"` / a named function constrain (clus
 A parser reads a whole output (`parse`) or its text deltas (`feed`, then `finish`): content deltas and OpenAI's
 `delta.tool_calls` chunks (the first of a call has its index, id and name; later ones append to its arguments).
 Both read the same: each feed re-reads the output's unsettled tail (the text after the last finished call) and sends
-what grew, so the deltas of a stream add up to exactly what `parse` returns. Arguments are the JSON text as the
+what grew, so the deltas of a stream add up to what `parse` returns (but for a cut call, below). Arguments are the JSON text as the
 model wrote it. Content next to a tool call loses the whitespace that touches it; a block that names no function
 stays content.
 
-A call is a call once its JSON object closes: one that max_tokens (or a stop) cut off is no call at all, neither
-whole nor streamed (the choice ends with finish_reason "length" and the calls before it), as OpenAI and vLLM answer
-a whole output. So a streamed call goes out in one chunk (id, name and arguments) when its object closes, never as
-arguments a client could be left holding half of; content streams as it is written.
+A call streams as it is written, as OpenAI and vLLM stream one: its first chunk once its name is known, then its
+arguments piece by piece. A whole output's call is a call once its JSON object closes: one that max_tokens (or a
+stop) cut off is no call (the choice ends with finish_reason "length" and the calls before it), as OpenAI and vLLM
+answer a whole output. A stream cannot take back what it sent: the client holds the cut call's arguments so far
+(as OpenAI's), and nothing more of it goes out. So a stream adds up to the whole parse plus, when the output was
+cut inside a call, that call as far as it got (also where a Hermes block closed before its object did: its call
+went out before the tag said it would never close).
 """
 
 from __future__ import annotations
@@ -170,32 +173,40 @@ class ToolParser:
         self._values = _ValueScanner()  # the stream's: its text only grows
         self._sent_content = ""
         self._sent_calls: list[tuple[str, int]] = []  # (id, length of the arguments sent)
+        self.num_calls = 0  # the output's complete calls, once finished
 
     def parse(self, text: str) -> ParsedToolCalls:
         content, calls = self._scan_complete(text, True, _ValueScanner())
-        return ParsedToolCalls(content or None, [ToolCall(self._make_id(), c.name, c.arguments) for c in calls])
+        return ParsedToolCalls(content or None, [ToolCall(self._make_id(), c.name, c.arguments)
+                                                 for c in calls if c.is_complete])
 
     def feed(self, delta: str) -> ToolCallsDelta:
         self._text += delta
-        return self._diff(*self._scan_complete(self._text, False, self._values))
+        return self._diff(*self._scan_complete(self._text, False, self._values), final=False)
 
     def finish(self) -> ToolCallsDelta:
-        """The end of the output: what was held back (a possible tag, whitespace) goes out."""
-        return self._diff(*self._scan_complete(self._text, True, self._values))
+        """The end of the output: what was held back (a possible tag, whitespace) goes out; a call still open was
+        cut off and nothing more of it goes out. `num_calls` then counts the output's (complete) calls."""
+        content, calls = self._scan_complete(self._text, True, self._values)
+        self.num_calls = sum(call.is_complete for call in calls)
+        return self._diff(content, calls, final=True)
 
     def _scan_complete(self, text: str, final: bool, values: _ValueScanner) -> tuple[str, list[_Call]]:
-        """_scan's content and its complete calls: a call whose object is still open (or was cut off) is none."""
+        """_scan's content and calls, each complete call with its arguments ("{}" for a call without)."""
         content, calls = self._scan(text, final, values)
-        calls = [call for call in calls if call.is_complete]
         for call in calls:
-            call.arguments = call.arguments or "{}"  # a call without arguments takes none
+            if call.is_complete:
+                call.arguments = call.arguments or "{}"  # a call without arguments takes none
         return content, calls
 
-    def _diff(self, content: str, calls: list[_Call]) -> ToolCallsDelta:
+    def _diff(self, content: str, calls: list[_Call], final: bool) -> ToolCallsDelta:
         assert content.startswith(self._sent_content), (self._sent_content, content)
         out = ToolCallsDelta(content[len(self._sent_content):])
         self._sent_content = content
         for index, call in enumerate(calls):
+            if final and not call.is_complete:  # cut off: what went out of it stays, nothing more goes
+                assert index == len(calls) - 1 or index < len(self._sent_calls), (index, calls)
+                continue
             if index == len(self._sent_calls):
                 self._sent_calls.append((self._make_id(), len(call.arguments)))
                 out.tool_calls.append(ToolCallDelta(index, self._sent_calls[index][0], call.name, call.arguments))
@@ -296,6 +307,8 @@ class NamedToolParser(ToolParser):
         self.name = function_name
 
     def _scan(self, text: str, final: bool, values: _ValueScanner) -> tuple[str, list[_Call]]:
+        if not text and not final:
+            return "", []
         end = values.end(text, _skip_ws(text, 0))
         is_complete = (end is not None and not text[end:].strip()) or (final and _is_json(text))  # or a scalar
         return "", [_Call(self.name, text, is_complete=is_complete)]

@@ -197,22 +197,45 @@ CUT_CHOICES = {"required": "required", "named": {"type": "function", "function":
 @pytest.mark.parametrize("choice", list(CUT_CHOICES))
 def test_a_call_cut_off_by_max_tokens_is_no_call(client, choice, stream):
     """As OpenAI and vLLM answer: finish_reason "length" and no tool call (a named choice cut short came back as
-    arguments "{"). For 'auto' a regex makes the tiny model write a call in its template's format. The uncut
-    output's tokens (its logprobs) say where a cut lands inside the call."""
+    arguments "{"). Streamed, the call went out as it was written, before its object closed (as OpenAI's and
+    vLLM's; chunk counts would depend on the stream interval): the client holds it as far as the cut and nothing
+    more (no closing "{}", no content). For 'auto' a regex makes the tiny model write a call in its template's
+    format. The uncut output's tokens (its logprobs) say where a cut lands inside the call."""
     kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=CUT_CHOICES[choice], temperature=0,
                   logprobs=True, extra_body={"guided_regex": re.escape(CALL)} if choice == "auto" else None)
     full = client.chat.completions.create(**kwargs, max_tokens=160)
     assert full.choices[0].finish_reason != "length" and full.choices[0].message.tool_calls
     tokens = [t.token for t in full.choices[0].logprobs.content]
-    cut = 3 if choice == "required" else len(tokens) // 2  # inside the (first) call's object
+    cut = len(tokens) // 2  # inside the (first) call's object; for 'required' just inside its parameters
+    if choice == "required":
+        cut = next(k for k in range(len(tokens)) if '"parameters":' in "".join(tokens[:k])) + 1
     assert "{" in "".join(tokens[:cut]) and "}" not in "".join(tokens[:cut]).split("{", 1)[1]
     if stream:
         content, calls, finish = streamed_calls(client.chat.completions.create(**kwargs, max_tokens=cut, stream=True))
+        uncut = full.choices[0].message.tool_calls[0].function
+        assert [c["name"] for c in calls.values()] == [uncut.name]
+        assert uncut.arguments.startswith(calls[0]["arguments"]) and calls[0]["arguments"] != uncut.arguments
+        assert finish == "length" and not content
+        return
+    reply = client.chat.completions.create(**kwargs, max_tokens=cut)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "length" and not message.tool_calls and not message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_off_by_a_stop_string_is_no_call(client, stream):
+    """A stop string inside a call ends it as max_tokens does, with finish_reason "stop": never "tool_calls" for a
+    call that is not one, though a stream sent it as far as it got."""
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0, stop=["Paris"],
+                  extra_body={"guided_regex": re.escape(CALL)})
+    if stream:
+        content, calls, finish = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "')]
     else:
-        reply = client.chat.completions.create(**kwargs, max_tokens=cut)
-        content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
-            reply.choices[0].finish_reason
-    assert finish == "length" and not calls and not content
+        reply = client.chat.completions.create(**kwargs)
+        content, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert not reply.choices[0].message.tool_calls
+    assert finish == "stop" and not content
 
 
 def test_tool_results_go_back_to_the_model(client):

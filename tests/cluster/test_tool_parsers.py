@@ -1,5 +1,6 @@
 """Tool-call parsers (hermes, llama3_json, and the outputs tool_choice constrains): whole outputs, and streams of
-any split whose deltas add up to exactly the whole parse, in OpenAI's chunk shape."""
+any split whose deltas add up to the whole parse, in OpenAI's chunk shape, calls streaming as they are written (plus,
+for an output cut inside a call, that call as far as it got)."""
 
 import itertools
 import json
@@ -85,24 +86,32 @@ def test_outputs_of_the_constrained_choices():
         [("get_weather", '{"city":"Oslo"}')]
 
 
-@pytest.mark.parametrize("make, text, num_calls", [
-    (RequiredToolParser, REQUIRED_OUTPUTS[1], 0),
-    (RequiredToolParser, '[{"', 0),
-    (RequiredToolParser, '[{"name":"get_time","parameters":{}},{"name":"get_weather","param', 1),
-    (lambda: NamedToolParser("get_weather"), "{", 0),
-    (lambda: NamedToolParser("get_weather"), '{"city":"Os', 0),
-    (Llama3JsonToolParser, LLAMA_OUTPUTS[6], 0),
-    (HermesToolParser, f"<tool_call>{WEATHER}</tool_call><tool_call>" + '{"name": "get_time", "arguments": {', 1),
+@pytest.mark.parametrize("make, text, num_calls, cut_call", [
+    (RequiredToolParser, REQUIRED_OUTPUTS[1], 0, ("get_weather", '{"city":"Par')),
+    (RequiredToolParser, '[{"', 0, None),
+    (RequiredToolParser, '[{"name":"get_time","parameters":{}},{"name":"get_weather","param', 1, ("get_weather", "")),
+    (lambda: NamedToolParser("get_weather"), "{", 0, ("get_weather", "{")),
+    (lambda: NamedToolParser("get_weather"), '{"city":"Os', 0, ("get_weather", '{"city":"Os')),
+    (Llama3JsonToolParser, LLAMA_OUTPUTS[6], 0, ("cut", '{"x": "unfin')),
+    (HermesToolParser, f"<tool_call>{WEATHER}</tool_call><tool_call>" + '{"name": "get_time", "arguments": {', 1,
+     ("get_time", "{")),
 ], ids=["required", "required-start", "required-second", "named-brace", "named", "llama3_json", "hermes-second"])
-def test_a_call_cut_off_by_max_tokens_is_no_call(make, text, num_calls):
-    """As OpenAI and vLLM answer: the calls before the cut, none with arguments a client cannot parse (a named
-    choice cut after "{" came back as arguments "{"); streamed, the cut call never goes out either."""
+def test_a_call_cut_off_by_max_tokens_is_no_call(make, text, num_calls, cut_call):
+    """As OpenAI and vLLM answer a whole output: the calls before the cut, none with arguments a client cannot parse
+    (a named choice cut after "{" came back as arguments "{"). Streamed, the cut call went out as it was written (as
+    OpenAI's and vLLM's): the client has it as far as it got, and nothing else: no "{}" that would close it, no
+    content."""
     whole = make().parse(text)
     assert len(whole.tool_calls) == num_calls and not whole.content
     for call in whole.tool_calls:
         json.loads(call.arguments)
-    content, calls = stream(make(), list(text))
-    assert (content, len(calls)) == ("", num_calls)
+    for deltas in (list(text), [text]):
+        parser = make()
+        content, calls = stream(parser, deltas)
+        assert content == "" and [(n, a) for _, n, a in calls[:num_calls]] == \
+            [(c.name, c.arguments) for c in whole.tool_calls]
+        assert [(n, a) for _, n, a in calls[num_calls:]] == ([cut_call] if cut_call else [])
+        assert parser.num_calls == num_calls  # what the finish_reason reads
 
 
 def stream(parser, deltas: list[str]):
@@ -131,24 +140,50 @@ def random_split(text: str, rng: random.Random) -> list[str]:
                                            (lambda: NamedToolParser("f"), ['{"a":1}', ""])],
                          ids=["hermes", "llama3_json", "required", "named"])
 def test_streams_of_any_split_add_up_to_the_whole_parse(make, outputs):
+    """Every split streams the same; that is the whole parse, plus the call an output was cut inside (as far as
+    it got: its arguments as written, never whole JSON)."""
     rng = random.Random(0)
     for text in outputs:
         whole = make().parse(text)
+        expected = [(c.name, c.arguments) for c in whole.tool_calls]
         splits = [list(text), [text]] + [random_split(text, rng) for _ in range(20)]
+        first = None
         for deltas in splits:
             content, calls = stream(make(), deltas)
+            calls = [(n, a) for _, n, a in calls]
             assert (content or None) == whole.content, (text, deltas)
-            assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in whole.tool_calls], (text, deltas)
+            assert calls[:len(expected)] == expected and len(calls) <= len(expected) + 1, (text, deltas)
+            assert first in (None, calls), (text, deltas)
+            first = calls
+        for _, arguments in first[len(expected):]:  # the cut call
+            assert arguments in text and not _is_json_object(arguments), text
 
 
-def test_content_streams_as_it_is_written_and_a_call_once_its_object_closes():
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def test_a_call_streams_as_it_is_written():
+    """As OpenAI and vLLM stream a call: its id and name once the name is known, then its arguments piece by piece
+    (not in one chunk when its object closes); content streams as it is written."""
     parser = HermesToolParser()
     text = f"Hi there <tool_call>{WEATHER}</tool_call>"
-    seen = [parser.feed(ch) for ch in text]
+    seen = [parser.feed(ch) for ch in text] + [parser.finish()]
     assert [i for i, d in enumerate(seen) if d.content][:2] == [0, 1]  # character by character
-    (first,) = [i for i, d in enumerate(seen) if d.tool_calls]
-    assert first == text.index(WEATHER) + len(WEATHER) - 1  # the call's closing brace: the whole call at once
-    assert json.loads(seen[first].tool_calls[0].arguments) == json.loads(WEATHER)["arguments"]
+    first = next(i for i, d in enumerate(seen) if d.tool_calls)
+    assert "".join(d.content for d in seen[:first]) == "Hi there"
+    assert seen[first].tool_calls[0].name == "get_weather" and first < text.index('"arguments"')
+    args = [d.tool_calls[0].arguments for d in seen[first + 1:] if d.tool_calls]
+    assert len(args) > 10  # the arguments went out character by character, not at the end
+    assert json.loads(seen[first].tool_calls[0].arguments + "".join(args)) == json.loads(WEATHER)["arguments"]
+    for make, output in [(RequiredToolParser, REQUIRED_OUTPUTS[0]), (lambda: NamedToolParser("f"), '{"a": [1, 2]}'),
+                         (Llama3JsonToolParser, LLAMA_OUTPUTS[0])]:
+        parser = make()
+        with_arguments = [d for d in (parser.feed(ch) for ch in output) if any(c.arguments for c in d.tool_calls)]
+        assert len(with_arguments) > 5, output
 
 
 def test_parser_names_and_the_chat_template_choice(tiny_tokenizer):
