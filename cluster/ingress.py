@@ -35,6 +35,7 @@ from cluster import errors
 from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
+from cluster.schema_rules import ModelFacts
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               GenerateRequest, TokenizeRequest, generation_prompt)
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
@@ -181,7 +182,14 @@ class Ingress:
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self):
         base = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        return JSONResponse(openapi_schema(base, list(self.models)))
+        facts = {}
+        for name, handle in self.models.items():  # what each model accepts (a model with no replica: unbounded)
+            try:
+                facts[name] = ModelFacts.from_info(await self._model_info(name, handle),
+                                                   self.config.max_prompts.get(name))
+            except Exception as e:  # noqa: BLE001 - the document without that model's bounds
+                logger.warning("/openapi.json without the bounds of %s: %s", name, e)
+        return JSONResponse(openapi_schema(base, list(self.models), facts))
 
     async def _completions(self, request: Request, body: bytes, request_id: str) -> Response:
         req = CompletionRequest.model_validate_json(body)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from cluster.schema_rules import ModelFacts, add_rules
 
 
 class ErrorDetail(BaseModel):
@@ -224,9 +225,11 @@ def _object_schemas(schema: dict) -> list[dict]:
     return [schema] if "properties" in schema else schema.get("oneOf", [])
 
 
-def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, Any]:
+def openapi_schema(base: dict[str, Any], model_names: list[str],
+                   facts: dict[str, ModelFacts] | None = None) -> dict[str, Any]:
     """FastAPI's document (`base`) with the request bodies and the responses of ROUTES filled in; a request's
-    `model` is one of the served names (or left out, when one model is served)."""
+    `model` is one of the served names (or left out, when one model is served), and what the served models
+    (`facts`) and the edge's cross-field checks accept (cluster/schema_rules.py)."""
     components = base.setdefault("components", {}).setdefault("schemas", {})
 
     def ref(model: type[BaseModel]) -> dict:
@@ -240,7 +243,9 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
         operation = base.setdefault("paths", {}).setdefault(path, {}).setdefault(method, {})
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
-            served = {"anyOf": [{"type": "string", "enum": list(model_names)}, {"type": "null"}], "default": None}
+            served = {"type": "string", "enum": list(model_names)}
+            if len(model_names) == 1:  # else a request names its model
+                served = {"anyOf": [served, {"type": "null"}], "default": None}
             for variant in _object_schemas(components[request.__name__]):
                 variant["properties"]["model"] = served
         for parameter in operation.get("parameters", []):
@@ -258,4 +263,5 @@ def openapi_schema(base: dict[str, Any], model_names: list[str]) -> dict[str, An
         operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
             str(code): {"description": "error", "content": {"application/json": {"schema": error}}}
             for code in ERROR_STATUSES}
+    add_rules(components, list(model_names), facts or {})
     return base

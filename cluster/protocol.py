@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
@@ -27,6 +27,21 @@ from engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRI
                                     SamplingParams)
 
 _INT32 = 2**31 - 1
+
+
+def _whole_numbers(value):
+    """JSON's 2.0 is the number 2, an integer (as a JSON schema's "integer" reads it): whole floats become ints,
+    throughout a body, before strict validation (which still refuses "2" and true)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {key: _whole_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(item) for item in value]
+    return value
+
+
+_TOKEN_ID_KEY = re.compile(r"(0|[1-9][0-9]{0,9})\Z")
 
 
 def _token_id(value: int) -> int:
@@ -102,9 +117,55 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
+class _Body(_Strict):
+    """A request body: its whole floats are integers (_whole_numbers), once, at its root."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data):
+        return _whole_numbers(data)
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+T = TypeVar("T")
+NonEmptyList = Annotated[list[T], Field(min_length=1)]
+# The structured-output kinds of vLLM's structured_outputs (engine/structured_outputs.py's KINDS), field name first.
+_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+def _exactly_one_kind(schema: dict[str, Any]) -> None:
+    """The JSON schema of StructuredOutputs says that exactly one kind is set (json_object: to true), and that
+    any_whitespace goes with json and json_object only."""
+    variants = []
+    for kind in _OUTPUT_KINDS:
+        properties = {other: {"enum": [None, False]} if other == "json_object" else {"type": "null"}
+                      for other in _OUTPUT_KINDS if other != kind}
+        properties[kind] = {"const": True} if kind == "json_object" else {"not": {"type": "null"}}
+        if kind not in ("json", "json_object"):
+            properties["any_whitespace"] = {"const": False}
+        variants.append({"required": [kind], "properties": properties})
+    schema["oneOf"] = variants
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one constraint (engine/structured_outputs.py compiles it)."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one_kind)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")  # a JSON schema (or its text)
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None  # EBNF (GBNF), rule `root`
+    json_object: bool | None = None  # true: any JSON object
+    any_whitespace: bool = False  # json / json_object: whitespace allowed between tokens
+
+    def to_value(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(by_alias=True).items() if v is not None}
 
 
 class JsonSchemaFormat(_Strict):
@@ -119,7 +180,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Request(_Strict):
+class _Request(_Body):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras (structured outputs: one of
     response_format, vLLM's structured_outputs or its older guided_* fields)."""
 
@@ -133,7 +194,7 @@ class _Request(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     max_tokens: int | None = Field(None, ge=1, le=_INT32)
     min_tokens: int = Field(0, ge=0, le=_INT32)
@@ -146,16 +207,16 @@ class _Request(_Strict):
     user: str | None = None  # OpenAI's: no effect by nature, so accepted
     metadata: dict[str, str] | None = None  # likewise
     response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json | regex | choice | grammar | json_object
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
     # vLLM's extras
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # only these may be sampled
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # keep the prompt's last k tokens (-1: what fits)
     return_token_ids: bool = False  # the prompt's and each choice's token ids in the answer (RL frameworks read them)
-    use_beam_search: bool = False  # accepted as false only: Pagoda does not do beam search
+    use_beam_search: Annotated[bool, WithJsonSchema({"const": False})] = False  # Pagoda does no beam search
 
     def _sampling_kwargs(self, defaults: dict[str, Any] | None, **overrides) -> dict[str, Any]:
         """The model's defaults (its generation_config.json), then the fields the request shares with
@@ -168,10 +229,9 @@ class _Request(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
+        if not all(_TOKEN_ID_KEY.match(token) for token in self.logit_bias):  # int() takes " 7", "+7" and "7_0"
             raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias")
+        return {int(token): bias for token, bias in self.logit_bias.items()}
 
     def _constraint(self) -> StructuredOutputsParams | None:
         return output_constraint(self)
@@ -194,13 +254,13 @@ class _Request(_Strict):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | NonEmptyList[TokenId] | NonEmptyList[str] | NonEmptyList[NonEmptyList[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt tokens' logprobs
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int, WithJsonSchema({"const": 1})] | None = None  # 1 with n 1: Pagoda ranks no samples
+    suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0})] | None = None  # not supported
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a string, a list of strings, a list of token ids or a list of lists of token ids."""
@@ -214,8 +274,9 @@ class CompletionRequest(_Request):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_options()
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
+        if self.best_of is not None and (self.best_of, self.n) != (1, 1):
+            raise InvalidRequestError("best_of is not supported: Pagoda does not rank samples (best_of may be 1, "
+                                      "with n 1)", "best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
         return make_params(self._sampling_kwargs(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs,
@@ -292,6 +353,7 @@ class ChatCompletionRequest(_Request):
     def to_sampling_params(self, default_max_tokens: int | None = None,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check_options()
+        generation_prompt(self)  # continue_final_message with add_generation_prompt: a 400
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequestError("prompt_logprobs is not supported with stream=true in chat", "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
@@ -373,7 +435,7 @@ _CONTINUE_NOT_WITH_GENERATION = {
     "then": {"properties": {"add_generation_prompt": {"const": False}}}}
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template as a chat would be
     (exactly one of them; the chat's own fields only with messages)."""
 
@@ -418,7 +480,7 @@ def generation_prompt(req: TokenizeRequest | ChatCompletionRequest) -> bool:
     return False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -459,7 +521,7 @@ def output_constraint(req: _Request, tool_constraint: StructuredOutputsParams | 
         given["response_format"] = ("response_format.json_schema.schema",
                                     {"json": schema} if schema is not None else {"json_object": True})
     if req.structured_outputs is not None:
-        given["structured_outputs"] = (None, req.structured_outputs)
+        given["structured_outputs"] = (None, req.structured_outputs.to_value())
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(req, f"guided_{kind}")
         if value is not None:

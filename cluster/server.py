@@ -216,9 +216,11 @@ class LLMServer:
 
     def model_info(self) -> dict:
         parser = self.settings.tool_call_parser or tool_parser_for_template(self.engine.tokenizer.chat_template)
-        return {"max_model_len": self.engine.max_model_len, "max_prompt_chars": self.engine.limits.max_prompt_chars,
+        limits = self.engine.limits
+        return {"max_model_len": self.engine.max_model_len, "max_prompt_chars": limits.max_prompt_chars,
+                "vocab_size": limits.vocab_size, "max_num_seqs": limits.max_num_seqs,
                 "sampling_defaults": default_sampling_overrides(self.engine.config.model), "replica": self.replica_id,
-                "tool_call_parser": parser}
+                "tool_call_parser": parser, "allow_request_chat_template": self.settings.allow_request_chat_template}
 
     # ---- control plane (broadcast by the ingress) -----------------------------------------------------------------
     def collect_metrics(self):

@@ -110,6 +110,8 @@ class SamplingParams:
         if self.structured_outputs is not None:
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    "must be a StructuredOutputsParams")
+            _check(self.allowed_token_ids is None, "allowed_token_ids", "cannot be combined with a structured-output "
+                   "constraint: the grammar chooses the tokens (where none of them is allowed, nothing could follow)")
             self.structured_outputs.validate()
 
     @property

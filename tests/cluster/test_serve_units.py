@@ -380,6 +380,141 @@ def test_a_replica_lost_under_a_batch_restarts_each_unstarted_prompt_once():
     assert restarts.count(2) == 1
 
 
+# ---- the OpenAPI document says what the edge accepts -------------------------------------------------------------
+TINY_FACTS = {"vocab_size": 512, "max_model_len": 1024, "max_num_seqs": 32, "max_prompt_chars": 20000,
+              "tool_call_parser": "hermes"}
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def schema_accepts(component: str, body: dict, model_names=("tiny",), facts=None) -> bool:
+    import jsonschema
+    from fastapi.openapi.utils import get_openapi
+
+    from cluster.ingress import app
+    from cluster.openapi import openapi_schema
+    from cluster.schema_rules import ModelFacts
+
+    facts = facts or {name: ModelFacts.from_info(TINY_FACTS, None) for name in model_names}
+    document = openapi_schema(get_openapi(title="t", version="1", routes=app.routes), list(model_names), facts)
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{component}",
+                                                 "components": document["components"]})
+    return validator.is_valid(body)
+
+
+def edge_accepts(component: str, body: dict) -> bool:
+    """What the ingress decides before a replica sees the request (the model's bounds aside)."""
+    from cluster import protocol
+
+    try:
+        req = getattr(protocol, component).model_validate_json(json.dumps(body))
+        req.to_input() if component == "TokenizeRequest" else req.to_sampling_params()
+    except Exception:  # noqa: BLE001 - any refusal
+        return False
+    return True
+
+
+@pytest.mark.parametrize("component, body", [
+    ("CompletionRequest", {"prompt": "x", "best_of": 2, "n": 2}),  # Pagoda ranks no samples
+    ("CompletionRequest", {"prompt": "x", "best_of": 1, "n": 2}),
+    ("CompletionRequest", {"prompt": "x", "suffix": "tail"}),
+    ("CompletionRequest", {"prompt": "x", "stream_options": {"include_usage": True}}),
+    ("CompletionRequest", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "json_schema"}}),
+    ("CompletionRequest", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}),
+    ("CompletionRequest", {"prompt": "x", "structured_outputs": {"regex": "a", "any_whitespace": True}}),
+    ("CompletionRequest", {"prompt": "x", "structured_outputs": {"json_object": False}}),
+    ("CompletionRequest", {"prompt": "x", "logit_bias": {"+7": 1.0}}),
+    ("CompletionRequest", {"prompt": "x", "logit_bias": {"07": 1.0}}),
+    ("CompletionRequest", {"prompt": "x", "use_beam_search": True}),
+    ("CompletionRequest", {"prompt": "x", "stop": [""]}),
+    ("CompletionRequest", {"prompt": [[1], []]}),
+    ("CompletionRequest", {"prompt": "x", "truncate_prompt_tokens": 0}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tool_choice": "none"}),  # tool_choice without tools
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tool_choice": "required", "tools": []}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "top_logprobs": 2}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "prompt_logprobs": 1, "stream": True}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": False}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
+                               "parallel_tool_calls": False}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                               "guided_choice": ["a"]}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "allowed_token_ids": [5], "guided_regex": "0"}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "allowed_token_ids": [5], "tools": TOOLS,
+                               "tool_choice": "required"}),
+    ("TokenizeRequest", {}),  # neither prompt nor messages
+    ("TokenizeRequest", {"prompt": "x", "messages": MESSAGES}),
+    ("TokenizeRequest", {"prompt": "x", "add_generation_prompt": True}),
+])
+def test_what_the_edge_refuses_the_schema_refuses(component, body):
+    """Schemathesis's complaint: requests valid by /openapi.json that the server refused (tokenize with neither
+    field, tool_choice without tools, best_of other than n, ...). Each is now invalid by the document too."""
+    assert not edge_accepts(component, body)
+    assert not schema_accepts(component, body)
+
+
+@pytest.mark.parametrize("component, body", [
+    ("CompletionRequest", {"prompt": "x", "best_of": 1}),
+    ("CompletionRequest", {"prompt": [1.0, 2], "n": 2.0, "max_tokens": 3.0}),  # JSON's 2.0 is the integer 2
+    ("CompletionRequest", {"prompt": [[1, 2], [511]], "logit_bias": {"0": 1.0, "511": -1.0}, "stop": ["s"]}),
+    ("CompletionRequest", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "text"}, "guided_choice": ["a"]}),
+    ("CompletionRequest", {"prompt": "x", "structured_outputs": {"json_object": True, "any_whitespace": True}}),
+    ("CompletionRequest", {"prompt": "x", "truncate_prompt_tokens": -1, "suffix": ""}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                               "parallel_tool_calls": False}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "parallel_tool_calls": False}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}),
+    ("ChatCompletionRequest", {"messages": MESSAGES, "continue_final_message": True}),
+    ("TokenizeRequest", {"prompt": "x", "return_token_strs": True}),
+    ("TokenizeRequest", {"messages": MESSAGES, "tools": TOOLS, "continue_final_message": True,
+                         "add_generation_prompt": False}),
+])
+def test_what_the_edge_accepts_the_schema_accepts(component, body):
+    assert edge_accepts(component, body)
+    assert schema_accepts(component, body)
+
+
+def test_the_schema_holds_each_models_bounds():
+    """Token ids below the vocabulary, n up to max_num_seqs, a named model where several are served."""
+    assert schema_accepts("DetokenizeRequest", {"tokens": [511]})
+    assert not schema_accepts("DetokenizeRequest", {"tokens": [512]})  # the replica answers 400 for it
+    assert not schema_accepts("CompletionRequest", {"prompt": [5, 512]})
+    assert not schema_accepts("CompletionRequest", {"prompt": "x", "logit_bias": {"512": 1.0}})
+    assert not schema_accepts("CompletionRequest", {"prompt": "x", "n": 33})
+    assert schema_accepts("CompletionRequest", {"prompt": "x"})
+    assert not schema_accepts("CompletionRequest", {"prompt": "x"}, model_names=("tiny", "other"))
+    assert schema_accepts("CompletionRequest", {"model": "other", "prompt": "x"}, model_names=("tiny", "other"))
+    no_parser = {"tiny": ModelFactsFor(tool_call_parser=None)}
+    assert not schema_accepts("ChatCompletionRequest", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto"},
+                              facts=no_parser)
+    two = {"tiny": ModelFactsFor(), "solo": ModelFactsFor(tool_call_parser=None, max_num_seqs=4)}
+    auto = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto"}
+    assert schema_accepts("ChatCompletionRequest", {"model": "tiny", **auto}, ("tiny", "solo"), two)
+    assert not schema_accepts("ChatCompletionRequest", {"model": "solo", **auto}, ("tiny", "solo"), two)
+    assert schema_accepts("CompletionRequest", {"model": "tiny", "prompt": "x", "n": 8}, ("tiny", "solo"), two)
+    assert not schema_accepts("CompletionRequest", {"model": "solo", "prompt": "x", "n": 8}, ("tiny", "solo"), two)
+
+
+def ModelFactsFor(**overrides):  # noqa: N802 - reads as the type it makes
+    from cluster.schema_rules import ModelFacts
+
+    return ModelFacts.from_info(TINY_FACTS | overrides, None)
+
+
+def test_integers_below_is_exactly_the_token_ids():
+    import re
+
+    from cluster.schema_rules import integers_below
+
+    for n in (1, 9, 10, 11, 100, 512, 1234, 128256):
+        pattern = re.compile(integers_below(n))
+        assert all(bool(pattern.match(str(i))) == (i < n) for i in range(n + 1500))
+        assert not any(pattern.match(s) for s in ("00", "01", "-1", "+1", " 1", "1 "))
+
+
 # ---- metrics ---------------------------------------------------------------------------------------------------
 def test_metrics_merge_across_replicas():
     from cluster.metrics import ReplicaMetrics

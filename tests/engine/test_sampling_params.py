@@ -34,3 +34,9 @@ def test_vocab_checks():
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[3, 100]).validate_for_model(vocab_size=100)
     assert SamplingParams(allowed_token_ids=[7, 3, 7]).allowed_token_ids == [3, 7]
+
+
+def test_allowed_token_ids_leave_the_choice_to_a_grammar():
+    """A grammar and allowed_token_ids could leave no token at all (a 500 the fuzzer found): refused together."""
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        SamplingParams(allowed_token_ids=[5], structured_outputs={"regex": "0"})
