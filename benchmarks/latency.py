@@ -84,7 +84,7 @@ def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_s
         raise ValueError(f"--decode-steps {decode_steps} at batch {batch} leaves no room for a prompt in this "
                          f"model's {max_model_len}-token context")
     if prompt_len > longest:
-        print(f"latency: {batch} prompts of {prompt_len} tokens and {decode_steps} decode steps do not fit this "
+        print(f"latency: batch {batch}: {prompt_len}-token prompts and {decode_steps} decode steps do not fit this "
               f"model's {max_model_len}-token context: measured with {longest}-token prompts")
     return min(prompt_len, longest)
 
