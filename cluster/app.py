@@ -29,6 +29,12 @@ from engine.config import EngineArgs
 from engine.errors import ParamError
 
 DEFAULT_STREAM_INTERVAL_S = 0.1
+# A replica's max_ongoing_requests unless given: at least its engine's max_num_seqs (fewer would leave its batch
+# part empty), and no fewer than 256. A replica at its max_ongoing_requests makes every other call to it wait for
+# a slot too (/tokenize, the model's limits, and the /health and /metrics broadcasts, which then time out), so a
+# small max_num_seqs keeps room: what does not fit in a step waits in the engine, whose waiting requests the
+# autoscaling policy reads. A lower max_ongoing_requests makes requests wait in the ingress instead.
+DEFAULT_MAX_ONGOING_REQUESTS = 256
 
 
 class AutoscalingArgs(BaseModel):
@@ -75,8 +81,11 @@ class ModelArgs(BaseModel):
     served_model_name: str | list[str] | None = None  # several: aliases of one model (the first is its name)
     num_replicas: int | None = Field(None, ge=1)
     autoscaling_config: AutoscalingArgs | None = None
-    max_ongoing_requests: int = Field(256, ge=1)  # per replica; beyond it Serve's router queues (load signal)
-    max_queued_requests: int = Field(1024, ge=-1)  # per caller; beyond it a 429 with Retry-After (-1: no limit)
+    # Per replica: what its engine runs or queues (None: DEFAULT_MAX_ONGOING_REQUESTS, or max_num_seqs if more);
+    # beyond it requests wait in the ingress replica's handle, up to max_queued_requests each; beyond those, a 429
+    # with Retry-After (-1: no limit). The ingress counts both (cluster/request_run.py Admission).
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int = Field(1024, ge=-1)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"model_slot": 1}
     accelerator_type: str | None = None  # e.g. "H100": replicas only on nodes with that accelerator
@@ -115,6 +124,8 @@ class ModelArgs(BaseModel):
             raise ValueError("give num_replicas or autoscaling_config, not both")
         if self.served_model_name is None:
             self.served_model_name = _default_name(self.engine.model)
+        if self.max_ongoing_requests is None:
+            self.max_ongoing_requests = max(self.engine.max_num_seqs, DEFAULT_MAX_ONGOING_REQUESTS)
         if isinstance(self.served_model_name, list) and not self.served_model_name:
             raise ValueError("served_model_name must not be an empty list")
         return self
@@ -208,8 +219,10 @@ def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]
         options["autoscaling_config"] = m.autoscaling_config.serve_config()
     else:
         options["num_replicas"] = m.num_replicas or 1
+    # Serve's own queue limit stays off: its router counts the requests it is still routing as queued, so it
+    # refused a varying part of a burst that the replicas had room for; the ingress admits exactly (Admission).
     options.update(
-        max_ongoing_requests=m.max_ongoing_requests, max_queued_requests=m.max_queued_requests,
+        max_ongoing_requests=m.max_ongoing_requests, max_queued_requests=-1,
         health_check_period_s=m.health_check_period_s, graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                   request_router_kwargs=m.router.model_dump()))

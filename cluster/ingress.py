@@ -39,11 +39,14 @@ from cluster.schema_rules import ModelFacts
 from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               GenerateRequest, TokenizeRequest, generation_prompt)
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
-from cluster.request_run import AcceptTimeout, RequestRun, is_replica_loss, sse_response, unless_disconnected
+from cluster.request_run import (AcceptTimeout, Admission, RequestRun, is_replica_loss, sse_response,
+                                 unless_disconnected)
 from cluster.tool_choice import tool_parser_for_choice
 from engine.errors import shortened
 
 logger = logging.getLogger(__name__)
+
+MODEL_INFO_TTL_S = 10.0  # a model's limits as the ingress keeps them: asked again when older
 
 app = FastAPI(title="Pagoda", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -63,8 +66,9 @@ class IngressConfig:
     health_timeout_s: float = 5.0  # /health: a replica that does not answer its check this long is unhealthy
     debug: bool = False  # enables /debug/integrity and /debug/fail_engine
     default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context (OpenAI's)
-    # served model name -> the most prompts one completion request may batch: more than its deployment admits at
-    # once would be a 429 that no retry could pass (None: no limit)
+    # served model name -> the most calls (one a prompt) its deployment admits at once from this ingress replica
+    # (max_ongoing_requests x replicas + max_queued_requests; None: no limit): beyond them a 429; a completion batch
+    # of more prompts is a 400, a 429 that no retry could pass
     max_prompts: dict[str, int | None] = field(default_factory=dict)
 
 
@@ -116,6 +120,19 @@ def _tool_parser(req: ChatCompletionRequest, info: dict):
     return lambda: tool_parser_for_choice(choice, auto_parser)
 
 
+def _one_name_per_deployment(models: dict) -> list[str]:
+    """The first served name of each deployment: aliases share one, and what is asked of every replica (/metrics)
+    must be asked once a deployment, not once a name."""
+    first: dict = {}
+    for name, handle in models.items():
+        first.setdefault(_deployment_of(handle), name)
+    return list(first.values())
+
+
+def _deployment_of(handle):
+    return getattr(handle, "deployment_id", id(handle))
+
+
 async def _broadcast(handle, method: str, timeout_s: float) -> list:
     """`method` on every replica: its result, or the exception it raised, or a TimeoutError for a replica that did
     not answer within timeout_s. Serve's `results_async(timeout_s=...)` fails the whole call when one replica
@@ -137,7 +154,13 @@ class Ingress:
         self.model_cards = model_cards
         self.config = IngressConfig(**(config or {}))
         self.created = int(time.time())
-        self._info: dict[str, dict] = {}  # served model name -> its replicas' model_info
+        self._info: dict[str, tuple[dict, float]] = {}  # served model name -> (a replica's model_info, when)
+        self._replicas_seen: dict[str, set[str]] = {}  # served model name -> the replicas that answered it
+        self._info_asked: dict[str, asyncio.Future] = {}  # served model name -> its model_info call in flight
+        by_deployment: dict = {}  # aliases share their deployment's admission
+        self._admissions = {name: by_deployment.setdefault(_deployment_of(handle),
+                                                           Admission(self.config.max_prompts.get(name)))
+                            for name, handle in models.items()}
 
     # ---- OpenAI API -----------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -283,7 +306,7 @@ class Ingress:
     @app.get("/metrics", include_in_schema=False)
     async def metrics(self):
         snapshots = []
-        for name in self.models:
+        for name in _one_name_per_deployment(self.models):
             try:
                 snapshots += [r for r in await self._broadcast(name, "collect_metrics") if isinstance(r, list)]
             except Exception as e:  # a model with no replica has no metrics; the others still do
@@ -362,16 +385,43 @@ class Ingress:
         return model, self.models[model]
 
     async def _model_info(self, name: str, handle) -> dict:
-        """What the edge needs of a model (its longest prompt, its sampling defaults), asked of a replica once."""
-        if name not in self._info:
-            self._info[name] = await self._call(handle.model_info.remote())
-        return self._info[name]
+        """What the edge needs of a model (its longest prompt, its sampling defaults), asked of a replica. Kept until
+        a replica this ingress has not seen answers (a model redeployed with other limits has new replicas; a
+        replaced one costs one call), and asked again in the background once MODEL_INFO_TTL_S old. One call at a
+        time: a burst does not ask once a request."""
+        cached = self._info.get(name)
+        if cached is not None and time.monotonic() - cached[1] <= MODEL_INFO_TTL_S:
+            return cached[0]
+        asked = self._info_asked.get(name)
+        if asked is None or asked.done():
+            asked = self._info_asked[name] = asyncio.ensure_future(self._ask_model_info(name, handle))
+            asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is the next caller's
+        if cached is not None:
+            return cached[0]  # stale by a few seconds while it is asked again
+        return await asyncio.shield(asked)  # a caller that leaves does not cancel the others' call
+
+    async def _ask_model_info(self, name: str, handle) -> dict:
+        info = await self._call(handle.model_info.remote())
+        self._replicas_seen.setdefault(name, set()).add(info["replica"])
+        self._info[name] = (info, time.monotonic())
+        return info
+
+    def _note_replica(self, name: str, replica: str) -> None:
+        seen = self._replicas_seen.setdefault(name, set())
+        if replica not in seen:
+            if len(seen) >= 10_000:  # replicas come and go for as long as the ingress runs
+                seen.clear()
+            seen.add(replica)
+            self._info.pop(name, None)  # its limits may not be the cached ones: the next request asks again
 
     async def _start(self, name: str, handle, requests: list[GenerateRequest], n: int, request_id: str) -> RequestRun:
-        """Sends every prompt, then waits until each replica accepted it; any refusal fails the whole request.
-        A replica lost before it accepted is retried once (on another replica)."""
-        gens = [handle.options(stream=True).generate.remote(r) for r in requests]
+        """Admits the request (a slot a prompt, or a 429), sends every prompt, then waits until each replica accepted
+        it; any refusal fails the whole request. A replica lost before it accepted is retried once (on another)."""
+        release = self._admissions[name].admit(len(requests))
+        gens = []
         try:
+            for r in requests:
+                gens.append(handle.options(stream=True).generate.remote(r))
             accepted = []
             for i, gen in enumerate(gens):
                 try:
@@ -384,13 +434,14 @@ class Ingress:
         except BaseException:
             for gen in gens:
                 gen.cancel()
+            release()
             raise
 
         async def restart(i: int):
             gen, _ = await self._resend(name, handle, requests[i])
             return gen
 
-        return RequestRun(gens, accepted, n, request_id, restart)
+        return RequestRun(gens, accepted, n, request_id, restart, release)
 
     async def _resend(self, name: str, handle, request: GenerateRequest):
         retry = replace(request, request_id=f"{request.request_id}-retry")
@@ -409,6 +460,7 @@ class Ingress:
                 f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
         if isinstance(first, ErrorInfo):
             raise first.to_exception()
+        self._note_replica(name, first.replica)
         return first
 
     async def _call(self, response):

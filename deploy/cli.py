@@ -57,8 +57,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (Pagoda turns tool_choice 'auto' on "
                          "whenever a parser is set or the chat template implies one)")
-    for name in ("replica_num_cpus", "stream_interval_s", "max_queued_requests", "accelerator_type",
-                 "replica_resources", "tool_call_parser"):
+    for name in ("replica_num_cpus", "stream_interval_s", "max_ongoing_requests", "max_queued_requests",
+                 "accelerator_type", "replica_resources", "tool_call_parser"):
         if getattr(args, name) is not None:
             model[name] = getattr(args, name)
     if args.engine_in_replica:
@@ -244,6 +244,9 @@ def _add_serve_parser(sub) -> None:
                      help='custom Ray resources of the ingress replicas, e.g. \'{"head": 1}\' to pin them to the head')
     srv.add_argument("--autoscaling-policy", choices=["pagoda", "ongoing_requests"], default=None,
                      help="pagoda (default): scale on KV-cache use and waiting requests too; ongoing_requests: Serve's")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None,
+                     help="requests each replica's engine runs or queues (default: 256, or --max-num-seqs if "
+                          "more); beyond them requests wait for a replica")
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="requests that may wait for a replica (default 1024); beyond: 429 with Retry-After")
     srv.add_argument("--default-max-tokens", type=int, default=None,

@@ -380,6 +380,28 @@ def test_a_replica_lost_under_a_batch_restarts_each_unstarted_prompt_once():
     assert restarts.count(2) == 1
 
 
+def test_admission_is_exact_and_a_forgotten_run_gives_its_slots_back():
+    import gc
+
+    from cluster.protocol import Accepted
+    from cluster.request_run import Admission, RequestRun
+
+    admission = Admission(3)
+    release = admission.admit(2)
+    with pytest.raises(errors.TooManyRequestsError):
+        admission.admit(2)
+    release()
+    release()  # a second release gives nothing back twice
+    assert admission.num_in_flight == 0
+    run = RequestRun([FakeStream(0)], [Accepted("r", 1)], 1, "x", None, admission.admit(3))
+    run.cancel()
+    assert admission.num_in_flight == 0
+    run = RequestRun([FakeStream(0)], [Accepted("r", 1)], 1, "x", None, admission.admit(3))
+    del run  # a path that never cancelled its run: its slots come back when it is collected
+    gc.collect()
+    assert admission.num_in_flight == 0 and Admission(None).admit(10**6) is not None
+
+
 # ---- the OpenAPI document says what the edge accepts -------------------------------------------------------------
 TINY_FACTS = {"vocab_size": 512, "max_model_len": 1024, "max_num_seqs": 32, "max_prompt_chars": 20000,
               "tool_call_parser": "hermes"}
@@ -728,3 +750,21 @@ def test_a_model_admits_its_replicas_slots_and_its_queue_at_once():
     assert admits(autoscaling_config={"min_replicas": 1, "max_replicas": 4}, max_ongoing_requests=2,
                   max_queued_requests=0) == 8  # at the most replicas the autoscaler may start
     assert admits(max_queued_requests=-1) is None  # no queue limit: no batch limit
+    assert admits(max_num_seqs=4, max_queued_requests=4) == 260  # max_ongoing_requests: 256 unless given
+
+
+def test_max_ongoing_requests_is_a_serve_flag_and_follows_max_num_seqs():
+    from cluster.app import _server_options
+    from deploy.cli import build_parser, serve_app_args
+
+    def model(*flags):
+        return parse_args(serve_app_args(build_parser().parse_args(["serve", "--model", "tiny", *flags]))).models[0]
+
+    assert model().max_ongoing_requests == 256
+    assert model("--max-num-seqs", "4").max_ongoing_requests == 256  # room for control calls beside a small batch
+    assert model("--max-num-seqs", "512").max_ongoing_requests == 512  # never fewer than a step can batch
+    m = model("--max-num-seqs", "4", "--max-ongoing-requests", "6", "--max-queued-requests", "4")
+    assert (m.max_ongoing_requests, m.max_queued_requests, m.max_prompts_at_once) == (6, 4, 10)
+    # Serve's own queue check stays off (it counts requests it is still routing): the ingress admits exactly
+    options = _server_options(m, m.placement("cpu"))
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (6, -1)
