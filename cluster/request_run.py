@@ -16,7 +16,7 @@ from cluster import errors
 from cluster.errors import ErrorInfo
 from cluster.protocol import Accepted
 from cluster.responses import Outputs
-from engine.request_output import RequestDelta
+from engine.request_output import RequestDelta, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +153,21 @@ class AcceptTimeout(errors.ServiceUnavailableError):
 
 
 def _checked(item, request_id: str) -> list[RequestDelta]:
+    """A replica's item of deltas, or the error it carries: an ErrorInfo, or a delta whose request the engine
+    failed, by the kind of its RequestError (invalid: a 400 naming the field; unavailable: a 503 to retry; the
+    engine's fault: a 500 whose reason stays in the log)."""
     if isinstance(item, ErrorInfo):
         raise item.to_exception()
     for delta in item:
-        if delta.error is not None:
-            logger.error("request %s: the engine failed it: %s", request_id, delta.error)
-            raise errors.InternalServerError("the engine failed this request")
+        error = delta.error
+        if error is None:
+            continue
+        if error.kind == RequestError.INVALID:
+            raise errors.InvalidRequestError(error.message, error.param)
+        if error.kind == RequestError.UNAVAILABLE:
+            raise errors.ServiceUnavailableError(error.message)
+        logger.error("request %s: the engine failed it: %s", request_id, error.message)
+        raise errors.InternalServerError("the engine failed this request")
     return item
 
 

@@ -12,6 +12,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "engine.async_engine",
     "RequestDelta": "engine.request_output",
     "RequestOutput": "engine.request_output",
+    "RequestError": "engine.request_output",
     "CompletionOutput": "engine.request_output",
     "ParamError": "engine.errors",
 }

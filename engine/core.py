@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 from engine import envs
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, ParamError
+from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.request_output import RequestDelta
+from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.startup import StartupTimes, process_started_at
 
@@ -114,8 +114,7 @@ class EngineCore:
                 self.engine.add_processed(add.request_id, add.prompt_token_ids, add.params, add.stream,
                                           add.arrival_time)
             except Exception as e:  # an invalid request fails alone; the client gets the error as its last delta
-                message = str(e) if isinstance(e, ParamError) else f"{type(e).__name__}: {e}"
-                self._publish([RequestDelta(add.request_id, finished=True, error=message)])
+                self._publish([RequestDelta(add.request_id, finished=True, error=RequestError.from_exception(e))])
 
         self.loop.submit(run)
 

@@ -4,7 +4,8 @@ cache), one xgrammar matcher per sequence, and each step's packed bitmask of all
     add_request ─► StructuredOutputManager.add(seqs)  compile on the CompileQueue (a cached grammar: nothing to do)
     each step   ─► poll()                              compiled: a matcher per sequence, the scheduler admits it
                                                        failed, or not compiled within the compile timeout: that
-                                                       request fails alone
+                                                       request fails alone (RequestError INVALID: the compiler
+                                                       refused it; UNAVAILABLE: the timeout)
                 ─► fill_bitmask(req_ids)               int32 [rows, ceil(tokenizer vocab / 32)], a row each
     update_from_output ─► RequestGrammar.accept(token)
     finish, abort      ─► RequestGrammar.release()     (check_integrity: no matcher outlives its request)
@@ -38,9 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import envs
+from engine.errors import ParamError
 from engine.grammar_queue import CompileQueue
 from engine.outputs import GrammarBitmask, SchedulerOutput
-from engine.structured_outputs import StructuredOutputsParams, grammar_for
+from engine.request_output import RequestError
+from engine.structured_outputs import StructuredOutputsParams, grammar_for, xgrammar_message
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -87,7 +90,7 @@ class RequestGrammar:
         self.matcher = None
         self.num_accepted = 0
         self.is_finished = False  # the grammar is complete and allows nothing more
-        self.error: str | None = None
+        self.error: RequestError | None = None  # why its request must fail
         self._manager = manager
 
     @property
@@ -95,13 +98,17 @@ class RequestGrammar:
         return self.matcher is not None
 
     def start(self) -> None:
-        """Once compiled: creates the matcher, or records why compilation failed."""
+        """Once compiled: creates the matcher, or records why compilation failed (a grammar the compiler refused:
+        the request's fault, naming its field; anything else, such as a tokenizer it cannot read: the engine's)."""
         import xgrammar
 
         try:
             compiled = self.compiled.result(timeout=0)
+        except ParamError as e:
+            self.error = RequestError(str(e), RequestError.INVALID, e.param)
+            return
         except Exception as e:
-            self.error = f"structured_outputs: the grammar did not compile: {e}"
+            self.error = RequestError(f"structured_outputs: the grammar did not compile: {type(e).__name__}: {e}")
             return
         # Without stop tokens (ignore_eos) the grammar alone ends the request, once nothing more can follow.
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids) or None,
@@ -111,7 +118,7 @@ class RequestGrammar:
         """Advances by a sampled token; False if the grammar rejects it (the mask should have made that
         impossible)."""
         if not self.matcher.accept_token(token_id):
-            self.error = f"structured_outputs: the grammar rejected token {token_id}"
+            self.error = RequestError(f"structured_outputs: the grammar rejected token {token_id}")
             return False
         self.num_accepted += 1
         if token_id in self.stop_token_ids or (self.matcher.is_completed()
@@ -181,8 +188,9 @@ class StructuredOutputManager:
                 continue  # finished (aborted) while compiling
             if not grammar.compiled.done():
                 if now - grammar.added_at > self.compile_timeout_s:
-                    grammar.error = (f"structured_outputs: the grammar did not compile within "
-                                     f"{self.compile_timeout_s:g} s (PAGODA_GRAMMAR_COMPILE_TIMEOUT_S)")
+                    grammar.error = RequestError(f"structured_outputs: the grammar did not compile within "
+                                                 f"{self.compile_timeout_s:g} s (PAGODA_GRAMMAR_COMPILE_TIMEOUT_S); "
+                                                 "retry shortly", RequestError.UNAVAILABLE)
                     self.stats.num_compile_timeouts += 1
                     failed.append(grammar)
                 else:
@@ -230,10 +238,15 @@ class StructuredOutputManager:
         return future
 
     def _compile_now(self, params: StructuredOutputsParams):
-        """In a pool thread: the grammar (cached, tokenizer-free) compiled against the tokenizer."""
+        """In a pool thread: the grammar (cached, tokenizer-free) compiled against the tokenizer. A grammar that the
+        compiler refuses (xgrammar raises RuntimeError) is a ParamError naming the constraint's field."""
         compiler = self._get_compiler()
+        grammar = grammar_for(params)
         start = time.perf_counter()
-        compiled = compiler.compile_grammar(grammar_for(params))
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except RuntimeError as e:
+            raise ParamError(f"structured_outputs.{params.kind}", f"did not compile: {xgrammar_message(e)}") from None
         elapsed = time.perf_counter() - start
         with self._compiler_lock:
             self.stats.num_compiles += 1

@@ -21,7 +21,7 @@ from engine.grammar import StructuredOutputManager
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup, TokenStrings
-from engine.request_output import RequestDelta
+from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup import BackgroundPhase, StartupTimes
@@ -274,7 +274,7 @@ class LLMEngine:
             self.scheduler.isolate([r.req_id for r in seqs])
             return []
         logger.error("step failed, failing %d requests: %s", len(seqs), error)
-        return self._fail_requests([r.parent_id for r in seqs], str(error))
+        return self._fail_requests([r.parent_id for r in seqs], RequestError(str(error)))
 
     def _process(self, sched, seqs: list[Request]) -> list[RequestDelta]:
         """Detokenizes the sequences that got a token in a step (ending those that hit a stop string) and makes
@@ -303,7 +303,7 @@ class LLMEngine:
         tokens, self.step_tokens = self.step_tokens, []
         return tokens
 
-    def _emit(self, group: RequestGroup, now: float, error: str | None = None) -> RequestDelta:
+    def _emit(self, group: RequestGroup, now: float, error: RequestError | None = None) -> RequestDelta:
         if error is None and group.is_finished:  # a grammar that rejected a token says so
             error = next((s.grammar.error for s in group.seqs if s.grammar is not None and s.grammar.error), None)
         delta = group.make_delta(now, error)
@@ -313,7 +313,8 @@ class LLMEngine:
             self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         return delta
 
-    def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestDelta]:
+    def _fail_requests(self, request_ids: list[str], error: RequestError) -> list[RequestDelta]:
+        """Ends the requests at once, each with its last delta carrying `error` (finish_reason "error")."""
         deltas, now = [], time.monotonic()
         for parent_id in dict.fromkeys(request_ids):
             group = self.groups.get(parent_id)
@@ -325,7 +326,8 @@ class LLMEngine:
         return deltas
 
     def fail_all(self, error: str) -> list[RequestDelta]:
-        return self._fail_requests(list(self.groups), error)
+        """The engine cannot go on (its loop died): every request fails, the engine's fault."""
+        return self._fail_requests(list(self.groups), RequestError(error))
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

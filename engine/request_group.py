@@ -7,7 +7,7 @@ import time
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import Request
-from engine.request_output import RequestDelta, RequestMetrics, SequenceDelta, TokenLogprob
+from engine.request_output import RequestDelta, RequestError, RequestMetrics, SequenceDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class RequestGroup:
             return False
         return self.last_emit is None or now - self.last_emit >= interval_s
 
-    def make_delta(self, now: float, error: str | None = None) -> RequestDelta:
+    def make_delta(self, now: float, error: RequestError | None = None) -> RequestDelta:
         """Everything new since the last delta. The last one also carries the request's metrics."""
         self.last_emit = now
         seqs = [d for d in (self._seq_delta(seq, det) for seq, det in zip(self.seqs, self.detokenizers))

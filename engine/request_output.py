@@ -13,6 +13,9 @@ cumulative outputs or diffs them again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine.errors import ParamError
 
 
 @dataclass
@@ -69,11 +72,47 @@ def _span(start: float | None, end: float | None) -> float | None:
 
 
 @dataclass
+class RequestError:
+    """Why the engine failed a request, on its last delta: what the HTTP edge answers is read off `kind`
+    (cluster/request_run.py), never parsed out of the message.
+
+        kind         when                                                 at the edge
+        INVALID      the request cannot be served as written: a grammar   400 naming `param` (the field as the
+                     that its compiler refuses                            engine names it)
+        UNAVAILABLE  not now: its grammar did not compile in time (the    503; the same request may pass later
+                     compilation goes on into the cache)
+        INTERNAL     the engine's fault: a failed step, a dead loop, a    500, its reason in the log
+                     grammar that rejected a sampled token
+    """
+
+    INVALID: ClassVar[str] = "invalid"
+    UNAVAILABLE: ClassVar[str] = "unavailable"
+    INTERNAL: ClassVar[str] = "internal"
+
+    message: str
+    kind: str = INTERNAL
+    param: str | None = None  # INVALID: the request's field at fault, where one is
+
+    def __post_init__(self):
+        assert self.kind in (self.INVALID, self.UNAVAILABLE, self.INTERNAL), f"unknown request error kind {self.kind}"
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_exception(cls, e: BaseException) -> RequestError:
+        """A ParamError is the request's fault (INVALID, naming its field); anything else the engine's."""
+        if isinstance(e, ParamError):
+            return cls(str(e), cls.INVALID, e.param)
+        return cls(f"{type(e).__name__}: {e}")
+
+
+@dataclass
 class RequestDelta:
     request_id: str
     seqs: list[SequenceDelta] = field(default_factory=list)  # the sequences that moved
     finished: bool = False
-    error: str | None = None  # the engine failed the request (it is finished)
+    error: RequestError | None = None  # the engine failed the request (it is finished)
     metrics: RequestMetrics | None = None  # on the last delta
     # With SamplingParams.prompt_logprobs, on the request's first delta: one entry per prompt token (the first's
     # logprob None: nothing predicts it), its top alternatives among `top`.
@@ -108,7 +147,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
-    error: str | None = None
+    error: RequestError | None = None  # str(error) is its message
     # With SamplingParams.prompt_logprobs (vLLM's shape): per prompt token, its id and the top-k ids ->
     # log-probability; None for the first token.
     prompt_logprobs: list[dict[int, float] | None] | None = None

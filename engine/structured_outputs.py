@@ -162,7 +162,7 @@ def _build_grammar(kind: str, text: str, any_whitespace: bool):
             return xgrammar.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgrammar.Grammar.from_ebnf(text)
     except Exception as e:  # xgrammar raises RuntimeError with its C++ location in front
-        raise ParamError(f"structured_outputs.{kind}", f"is invalid: {_xgrammar_message(e)}") from None
+        raise ParamError(f"structured_outputs.{kind}", f"is invalid: {xgrammar_message(e)}") from None
 
 
 # The characters of xgrammar 0.2's JSON strings, fixed in the grammar's text (which xgrammar reads back unchanged):
@@ -189,7 +189,8 @@ def _json_options(any_whitespace: bool) -> dict:
     return {"any_whitespace": False, "separators": _COMPACT_SEPARATORS}
 
 
-def _xgrammar_message(e: Exception) -> str:
+def xgrammar_message(e: Exception) -> str:
+    """xgrammar's error message, without its timestamp and C++ source location."""
     lines = [line for line in str(e).strip().splitlines() if line.strip()]
     return _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(e).__name__).strip()
 

@@ -14,7 +14,7 @@ from engine.async_engine import AsyncLLMEngine, CoreConnection, LocalConnection
 from engine.config import EngineArgs
 from engine.core import AbortRequest, AddRequest, EngineCore, PollResult
 from engine.errors import EngineDeadError
-from engine.request_output import RequestDelta, SequenceDelta
+from engine.request_output import RequestDelta, RequestError, SequenceDelta
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
@@ -184,6 +184,25 @@ def test_deltas_carry_only_what_is_new_and_aborts_leave_nothing(config):
         core.shutdown()
 
 
+def test_an_add_the_engine_refuses_fails_that_request_as_invalid(config):
+    """A ParamError from the engine's add is the request's fault: its last delta carries an INVALID RequestError
+    (a 400 at the edge), not a generic failure (a 500). A request id already in use is refused so (AsyncLLMEngine
+    never sends one: the second add is sent by hand); the first request runs on."""
+    core = EngineCore(config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        core.apply([AddRequest("r", [5, 6, 7], params), AddRequest("r", [5, 6, 7], params)])
+        finished = []
+        while len(finished) < 2:
+            finished += [d for d in core.poll(1.0).deltas if d.finished]
+        failed = [d for d in finished if d.error is not None]
+        assert len(failed) == 1 and failed[0].error == RequestError("request id 'r' is already in use",
+                                                                    RequestError.INVALID, None)
+        core.check_integrity()
+    finally:
+        core.shutdown()
+
+
 class _Recorder(CoreConnection):
     """Records what AsyncLLMEngine sends, and answers polls from a real in-process core."""
 
@@ -243,8 +262,8 @@ class _DiesAfterFailing(_Recorder):
         added = [request_id for call in self.sent for kind, request_id in call if kind == "AddRequest"]
         if not added:
             return result
-        failed = [RequestDelta(r, [SequenceDelta(0, finish_reason="error")], finished=True, error="step failed")
-                  for r in added]
+        failed = [RequestDelta(r, [SequenceDelta(0, finish_reason="error")], finished=True,
+                               error=RequestError("step failed")) for r in added]
         return PollResult(failed, result.stats, [], dead_error="worker died")
 
 
@@ -253,7 +272,7 @@ def test_a_request_failed_in_the_step_that_killed_the_engine_ends_with_its_error
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     try:
         deltas = asyncio.run(_collect(engine, "r", PROMPTS[0], params))
-        assert deltas[-1].finished and deltas[-1].error == "step failed"
+        assert deltas[-1].finished and deltas[-1].error == RequestError("step failed")
         assert deltas[-1].seqs[0].finish_reason == "error"
         with pytest.raises(EngineDeadError, match="worker died"):
             engine.check_health()

@@ -13,6 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.grammar import MAX_SLOW_COMPILES, NUM_COMPILE_THREADS, SLOW_COMPILE_S, StructuredOutputManager
 from engine.request import Request, RequestStatus
+from engine.request_output import RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_outputs import StructuredOutputsParams, grammar_for
@@ -113,7 +114,8 @@ def test_the_grammar_ends_a_request_when_nothing_but_a_stop_token_can_follow(man
 def test_a_rejected_token_is_an_error_not_a_crash(manager, tiny_tokenizer):
     (req,) = start(manager, StructuredOutputsParams(regex="[0-9]+"))
     assert not req.grammar.accept(tiny_tokenizer.encode("a", add_special_tokens=False)[0])
-    assert req.grammar.error.startswith("structured_outputs: the grammar rejected token")
+    assert req.grammar.error.message.startswith("structured_outputs: the grammar rejected token")
+    assert req.grammar.error.kind == RequestError.INTERNAL  # the mask should have made it impossible: a 500
 
 
 def test_compiled_once_per_constraint_least_recently_used_out(tiny_tokenizer):
@@ -239,8 +241,9 @@ def test_a_grammar_not_compiled_within_the_timeout_fails_its_request(tiny_tokeni
     assert manager.poll() == []
     clock.now += 2
     assert manager.poll() == [late.grammar]
-    assert late.grammar.error == ("structured_outputs: the grammar did not compile within 30 s "
-                                  "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S)")
+    assert late.grammar.error == RequestError("structured_outputs: the grammar did not compile within 30 s "
+                                              "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S); retry shortly",
+                                              RequestError.UNAVAILABLE)  # a 503: the compilation goes on
     late.grammar.release()  # as the engine fails the request
     assert late.grammar.compiled.cancelled() and manager.stats.num_compile_timeouts == 1
     assert not manager.is_compiling and not manager.live

@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import ParamError
 from engine.llm_engine import LLMEngine
+from engine.request_output import RequestError
 from engine.structured_outputs import StructuredOutputsParams
 from tests.structured_cases import CHOICES, SCHEMAS, cases, check_output
 from tests.workloads import run_workload
@@ -289,17 +290,35 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_stop_tokens(llm):
     llm.engine.check_integrity()
 
 
-def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir):
+class _RefusingCompiler:
+    """Stands in for xgrammar's compiler refusing a grammar: nothing that passes the edge's checks fails the real
+    one (tried: empty, self-recursive, left-recursive and lookahead grammars, huge repeats), so its error is made
+    here, as xgrammar raises one (a RuntimeError with its time and C++ location in front)."""
+
+    def compile_grammar(self, grammar):
+        raise RuntimeError("[12:00:00] /project/cpp/grammar_compiler.cc:1: the grammar is refused")
+
+
+@pytest.mark.parametrize("fault, kind, param, message", [
+    ("tokenizer", RequestError.INTERNAL, None, "structured_outputs: the grammar did not compile: "),
+    ("compiler", RequestError.INVALID, "structured_outputs.regex",
+     "structured_outputs.regex did not compile: the grammar is refused"),
+])
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir, fault, kind, param, message):
+    """The failed request's last delta says why, as a kind the HTTP edge maps to a status: a grammar the compiler
+    refuses is the request's fault (a 400 naming the field), a compiler that cannot be built the engine's (500)."""
     engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
-    # Fault injection (nothing valid fails xgrammar's compiler): a tokenizer that xgrammar cannot read makes the
-    # compiler's construction, in the compile thread, raise.
-    engine.structured.tokenizer = object()
+    if fault == "tokenizer":  # fault injection: a tokenizer xgrammar cannot read fails the compiler's construction
+        engine.structured.tokenizer = object()
+    else:
+        engine.structured._compiler = _RefusingCompiler()
     engine.add_request("bad", "Hello", constrained(StructuredOutputsParams(regex="[ab]+")))
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=5))
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
-    assert finals["bad"].error.startswith("structured_outputs: the grammar did not compile")
+    error = finals["bad"].error
+    assert (error.kind, error.param) == (kind, param) and error.message.startswith(message), error
     assert finals["bad"].seqs[0].finish_reason == "error"
     assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
     engine.check_integrity()
@@ -326,7 +345,8 @@ def test_a_grammar_not_compiled_in_time_fails_its_request_alone(tiny_model_dir):
     while engine.has_unfinished_requests():
         finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
     timeout = f"structured_outputs: the grammar did not compile within {structured.compile_timeout_s:g} s"
-    assert finals["late"].error.startswith(timeout)
+    assert finals["late"].error.message.startswith(timeout)
+    assert finals["late"].error.kind == RequestError.UNAVAILABLE  # a 503: the same request may pass later
     assert finals["plain"].error is None and finals["plain"].seqs[0].finish_reason == "length"
     assert structured.stats.num_compile_timeouts == 1 and structured.stats.num_compiles_cancelled == 1
     assert structured.compiles.num_pending == 0 and not any(f.done() for f in held)
