@@ -36,6 +36,8 @@ HAPROXY_FILE_VARS = {"RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock", "RAY_SERVE_H
                      "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "m.sock"}
 # HAProxy refuses a log socket's path over 97 characters: DIR/<56-character node id>/m.sock.
 MAX_DIR_CHARS = 97 - 58 - len("m.sock")
+# Where ingress_env records the directory it made (HAProxy's files go there unless the caller named theirs).
+PRIVATE_DIR_VAR = "PAGODA_HAPROXY_PRIVATE_DIR"
 # Serve's fallback proxy (a Python proxy on the head, HAProxy's backup server while no ingress replica is up) binds
 # 8500 and 9500 in every cluster, with SO_REUSEPORT: the kernel spread one cluster's fallback requests over every
 # cluster's proxy on the machine, past their API keys. Each cluster gets its own (unset ones: random free ports).
@@ -128,6 +130,8 @@ def ingress_env(mode: str, private_dir: str | None = None, host: str = "127.0.0.
         os.rmdir(directory)
         directory = tempfile.mkdtemp(prefix="pagoda-haproxy-", dir="/tmp")
     os.chmod(directory, 0o700)
+    if not private_dir:
+        env[PRIVATE_DIR_VAR] = directory  # this call's own: the one cluster_env removes
     for name, file in HAPROXY_FILE_VARS.items():
         env[name] = os.environ.get(name) or os.path.join(directory, file).rstrip("/")
     for name, default in (HAPROXY_TIMEOUT_CLIENT, DRAINING_PERIOD):
@@ -157,9 +161,10 @@ def _haproxy_bound_to(host: str | None, directory: str) -> dict[str, str]:
 
 
 def haproxy_dir(env: dict[str, str]) -> str | None:
-    """The private directory `ingress_env` made for HAProxy's files (to remove at shutdown), if any."""
-    base = env.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
-    return base if base and os.path.basename(base).startswith("pagoda-haproxy-") else None
+    """The private directory `ingress_env` made for HAProxy's files (to remove at shutdown), if it made one. Not
+    the directory the caller's environment named (a cluster_env inside another's block, as a test process or a
+    `pagoda serve` started from a shell with the variables set: removing that one took its HAProxy down)."""
+    return env.get(PRIVATE_DIR_VAR)
 
 
 def free_port() -> int:

@@ -56,6 +56,7 @@ def test_the_api_key_comes_from_a_file_the_flag_or_the_environment(tmp_path, mon
         key("--api-key-file", str(path), "--api-key", "x")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("ingress_mode", ["direct", "proxy"])
 def test_pagoda_serve_answers_and_exits_cleanly_on_sigint(ingress_mode, tmp_path):
@@ -102,6 +103,7 @@ def _assert_nothing_left(serve: ServeProcess, private: str | None) -> None:
     assert private is None or not os.path.exists(private), f"left behind: {private}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_pagoda_serve_stopped_while_it_starts_leaves_nothing_behind():
     # a replica that no node can hold: the start never ends, so the signal comes while HAProxy and the ingress run
@@ -127,6 +129,25 @@ def test_a_cluster_environment_is_undone_however_its_block_ends(monkeypatch):
         assert os.path.isdir(private) and os.environ[FALLBACK_PORT_VARS[0]] == env[FALLBACK_PORT_VARS[0]]
         raise RuntimeError("a start that failed")
     assert not os.path.exists(private) and FALLBACK_PORT_VARS[0] not in os.environ
+
+
+def test_a_cluster_environment_inside_another_removes_only_its_own_directory(monkeypatch):
+    """A cluster_env entered where another's variables are set (the test session's cluster, a shell that exported
+    them) keeps their HAProxy files and removes only what it made. It removed the outer one's private directory:
+    in CI the session's HAProxy then lost its files and every later serve test's connection was refused."""
+    from deploy.serve_env import HAPROXY_FILE_VARS, cluster_env, haproxy_dir
+
+    for name in HAPROXY_FILE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with cluster_env("direct") as outer:
+        outer_dir = haproxy_dir(outer)
+        with cluster_env("direct") as inner:
+            inner_dir = haproxy_dir(inner)
+            assert inner_dir != outer_dir and os.path.isdir(inner_dir)
+            assert all(inner[name] == outer[name] for name in HAPROXY_FILE_VARS)  # the caller's, kept
+        assert not os.path.exists(inner_dir)
+        assert os.path.isdir(outer_dir) and os.listdir(outer_dir)
+    assert not os.path.exists(outer_dir)
 
 
 @pytest.mark.parametrize(("flags", "named"), [
