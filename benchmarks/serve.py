@@ -16,6 +16,7 @@ import numpy as np
 
 from benchmarks.common import (add_workload_args, input_len_range, percentiles, print_table, synthetic_prompts,
                                write_json)
+from benchmarks.structured import BENCH_SCHEMA, STRUCTURED_CHOICES
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="untimed short requests sent at once before the clock starts (with --client openai, "
                         "by every client process): the server's and the clients' connections and paths warm, as a "
                         "service that has been up a while; 0: none")
+    parser.add_argument("--structured", choices=STRUCTURED_CHOICES, default=None,
+                        help="every request under this constraint (the schema of `bench throughput --structured`)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -103,10 +106,15 @@ async def _run_aiohttp(args: argparse.Namespace, headers: dict, bodies: list[dic
         return results, time.perf_counter() - start, started_at
 
 
-def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion of exactly max_tokens tokens (ignore_eos), its usage in the last chunk."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+def request_body(model: str, prompt: list[int], max_tokens: int, structured: str | None = None) -> dict:
+    """One streamed completion of exactly max_tokens tokens (ignore_eos), its usage in the last chunk; with
+    `structured` ("json-schema"), under the offline benchmark's schema (vLLM's `structured_outputs` field), which no
+    output completes within max_tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if structured is not None:
+        body["structured_outputs"] = {"json": BENCH_SCHEMA}
+    return body
 
 
 def warmup_bodies(args: argparse.Namespace, model: str, count: int) -> list[dict]:
@@ -130,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     gaps = (np.zeros(len(prompts)) if args.request_rate == float("inf")
             else rng.exponential(1.0 / args.request_rate, size=len(prompts)))
     delays = np.cumsum(gaps) - gaps[0]
-    bodies = [request_body(model, p, args.output_len) for p in prompts]
+    bodies = [request_body(model, p, args.output_len, args.structured) for p in prompts]
     warmup = warmup_bodies(args, model, args.warmup_requests)
     if args.client == "openai":
         from benchmarks.serve_openai import run_clients
@@ -145,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "serve", "url": args.url, "model": model, "num_requests": len(prompts), "client": args.client,
         "client_processes": args.client_processes if args.client == "openai" else 1,
-        "warmup_requests": args.warmup_requests,
+        "warmup_requests": args.warmup_requests, "structured": args.structured,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": [r["error"] for r in results if not r["ok"]][:5],
         "started_at_unix_s": started_at, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,

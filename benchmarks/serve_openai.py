@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+EXTRA_FIELDS = ("ignore_eos", "structured_outputs")
+
 
 def run_clients(args: argparse.Namespace, bodies: list[dict], delays,
                 warmup: list[dict] = ()) -> tuple[list[dict], float, float]:
@@ -64,7 +66,7 @@ async def _one(client, body: dict, delay_s: float, limit) -> dict:
 
 async def _send(client, body: dict) -> dict:
     body = dict(body)
-    extra = {"ignore_eos": body.pop("ignore_eos")}
+    extra = {name: body.pop(name) for name in EXTRA_FIELDS if name in body}  # vLLM's fields: not the client's
     start = time.perf_counter()
     token_times, usage = [], None
     try:

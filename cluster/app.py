@@ -184,9 +184,10 @@ def parse_args(args: dict | None) -> AppArgs:
 def build_app(args: dict | None = None) -> serve.Application:
     """The Serve application for `args` (see AppArgs; the shape of deploy/serve.yaml's `args`)."""
     app_args = parse_args(args)
-    handles, cards = {}, {}
+    handles, cards, devices = {}, {}, set()
     for m in app_args.models:
         device = resolve_cluster_device(m.engine.device)
+        devices.add(device)
         placement = m.placement(device)
         name = m.names[0]
         settings = ServerSettings(name, placement, drain_timeout_s=m.graceful_shutdown_timeout_s, debug=app_args.debug,
@@ -202,7 +203,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     config = {"api_key": app_args.api_key, "max_body_bytes": app_args.max_body_bytes,
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
               "default_max_tokens": app_args.default_max_tokens,
-              "max_prompts": {alias: m.max_prompts_at_once for m in app_args.models for alias in m.names}}
+              "max_prompts": {alias: m.max_prompts_at_once for m in app_args.models for alias in m.names},
+              "prepare_structured_outputs": "cuda" in devices}
     # The ingress drains its streams for as long as the models drain theirs (Serve's default, 20 s, cut the
     # streams of a 30 s model drain), plus a margin for their last chunks.
     drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.models) + 5.0

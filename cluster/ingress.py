@@ -42,6 +42,7 @@ from cluster.responses import chat_body, chat_chunks, completion_body, completio
 from cluster.request_run import (AcceptTimeout, Admission, RequestRun, is_replica_loss, sse_response,
                                  unless_disconnected)
 from cluster.tool_choice import tool_parser_for_choice
+from engine.structured_outputs import import_in_background
 from engine.errors import shortened
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class IngressConfig:
     # (max_ongoing_requests x replicas + max_queued_requests; None: no limit): beyond them a 429; a completion batch
     # of more prompts is a 400, a 429 that no retry could pass
     max_prompts: dict[str, int | None] = field(default_factory=dict)
+    # import xgrammar when the replica starts, not in the first constrained request (seconds that stall its streams)
+    prepare_structured_outputs: bool = False
 
 
 def _error_response(exc: BaseException, request_id: str | None) -> Response:
@@ -153,6 +156,8 @@ class Ingress:
         self.models = models  # served model name -> DeploymentHandle of its LLMServer
         self.model_cards = model_cards
         self.config = IngressConfig(**(config or {}))
+        if self.config.prepare_structured_outputs:
+            import_in_background()
         self.created = int(time.time())
         self._info: dict[str, tuple[dict, float]] = {}  # served model name -> (a replica's model_info, when)
         self._replicas_seen: dict[str, set[str]] = {}  # served model name -> the replicas that answered it

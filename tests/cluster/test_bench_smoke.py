@@ -81,7 +81,8 @@ def test_bench_sampler(tmp_path):
 
 
 @pytest.mark.parametrize("rate, client", [("inf", ["--client", "openai", "--client-processes", "2"]),
-                                          ("20", ["--client", "aiohttp"])])
+                                          ("20", ["--client", "aiohttp"]),
+                                          ("inf", ["--client", "openai", "--structured", "json-schema"])])
 def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
     api_key = auth["Authorization"].removeprefix("Bearer ")
     before = time.time()
@@ -93,6 +94,7 @@ def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, cl
     assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
     assert result["warmup_requests"] == 3 and before < result["started_at_unix_s"] < time.time()
     assert result["client"] == client[1]
+    assert result["structured"] == ("json-schema" if "--structured" in client else None)
     assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert 0 < result[metric]["p50"] <= result[metric]["p99"]
@@ -126,6 +128,7 @@ def test_bench_host_step(tmp_path):
     assert all(r["host_ms_per_step_p50"] > 0 for r in runner["results"])
 
 
+@pytest.mark.slow
 def test_bench_cold_start(tmp_path, ray_cluster):
     """A replica's start-up as Serve runs it, on the session's cluster: every phase measured, twice."""
     result = _run(tmp_path, "bench", "cold-start", "--num-kv-blocks", "64", "--repeat", "2")

@@ -258,6 +258,7 @@ def test_prepared_in_background_the_first_compile_reads_no_tokenizer(tiny_tokeni
     manager.prepare_in_background().join(timeout=300)
     compiler = manager._compiler
     assert compiler is not None and manager.stats.tokenizer_info_s > 0
+    assert manager.stats.num_compiles == 0 and not manager._cache  # its warm-up grammar is no request's
     req = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+")), 8)
     manager.add([req])
     manager.wait_for_compile(timeout_s=300)

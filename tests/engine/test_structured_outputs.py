@@ -7,6 +7,7 @@ import json
 import random
 import re
 import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -255,6 +256,46 @@ def test_bad_constraints_are_errors_naming_the_field(value, message):
     assert str(e.value).startswith(message), str(e.value)
     assert message.startswith(e.value.param)  # the field the HTTP edge reports
 
+
+def test_threads_that_ask_for_one_new_constraint_at_once_build_it_once(monkeypatch):
+    """The ingress validates each request on a thread of its own: 16 threads with one new schema build its grammar
+    once (each built it: on an H200's host a burst's first tokens came 0.55 s late); another schema builds beside
+    them, and a refused one is refused to every thread that asked."""
+    import engine.structured_outputs as so
+
+    built, release = [], threading.Event()
+    real_build = so._build_grammar
+
+    def slow_build(kind, text, any_whitespace):
+        built.append(text)
+        release.wait(timeout=30)  # every thread has started before the first build may finish
+        return real_build(kind, text, any_whitespace)
+
+    monkeypatch.setattr(so, "_build_grammar", slow_build)
+    schema = {"type": "object", "properties": {"threads": {"type": "integer", "minimum": 16}}}
+    results, errors = [], []
+
+    def ask(value):
+        try:
+            results.append(StructuredOutputsParams(**value))
+        except ParamError as e:
+            errors.append(e)
+
+    values = [dict(json=schema)] * 16 + [dict(regex="[0-9]{2,3}")] + [dict(regex="(unclosed")] * 3
+    threads = [threading.Thread(target=ask, args=(v,)) for v in values]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(set(built)) < 3:  # the three builds run together: none waits for another constraint's
+        assert time.monotonic() < deadline, built
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 17 and len(errors) == 3
+    assert sum("threads" in text for text in built) == 1, built
+    assert len({id(so.grammar_for(r)) for r in results if r.kind == "json"}) == 1
+    assert so._building == {}  # nothing left behind
 
 def test_the_real_model_answers_in_the_schema(real_llm):
     """SmolLM2-135M-Instruct, greedy: the constraint keeps it to compact JSON of the schema, and it still knows."""
