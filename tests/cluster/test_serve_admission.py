@@ -142,6 +142,7 @@ def test_metrics_list_a_model_with_aliases_once(admission_url):
     assert text.count("# TYPE pagoda:request_success_total ") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_model_redeployed_with_other_limits_has_them_at_the_ingress(serve_url, tiny_tokenizer):
     """The model in an app of its own, the ingress in another, which outlives the model's redeploy: a prompt that
