@@ -44,7 +44,13 @@ class InstantExecutor(Executor):
         self.lengths: dict[str, int] = {}  # request -> tokens it holds (prompt and outputs)
         self.num_steps = 0
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        return StepHandle(self._run(sched))
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return handle.payload
+
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.lengths.pop(req_id, None)
         computed = {}
@@ -90,11 +96,11 @@ class RunnerExecutor(Executor):
         model = InstantModel(config.model.vocab_size, config.scheduler.max_num_seqs)
         self.runner = ModelRunner(model, [], config.cache.block_size, torch.device("cpu"), config.scheduler)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        return StepHandle(self.runner.execute_model_async(sched))
 
-    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
-        return StepHandle(wait=self.runner.execute_model_async(sched).result)
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return handle.payload.result()
 
 
 def measure(mode: str, num_seqs: int, steps: int, prompt_len: int, executor: str = "instant",

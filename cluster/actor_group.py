@@ -35,8 +35,8 @@ from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement, worker_actor
 from cluster.ray_utils import actor_env_vars, ensure_ray_initialized, resolve_cluster_device
 from engine import envs
 from engine.config import EngineConfig
-from engine.executor import Executor, ExecutorError
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.executor import Executor, ExecutorError, StepHandle
+from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,20 @@ class StepFailure:
     traceback: str
 
 
+@dataclass
+class SampleStep:
+    """The driver's second message for a step that deferred sampling: its constrained rows' grammar bitmask."""
+
+    bitmask: GrammarBitmask
+
+
+@dataclass
+class AwaitingBitmask:
+    """A rank's answer to a step that launched its forward and awaits its SampleStep."""
+
+    req_ids: list[str]
+
+
 class WorkerActor:
     """One tensor-parallel rank in its own Ray actor: a `workers.worker.Worker` plus device and rendezvous set-up."""
 
@@ -69,6 +83,7 @@ class WorkerActor:
             torch.set_num_threads(envs.get("PAGODA_TORCH_THREADS"))
         self.worker = None
         self.device_index: int | None = None
+        self.awaiting = None  # the launched step (workers.model_runner.PendingStep) that awaits a SampleStep
 
     def get_init_method(self) -> str:
         """Rank 0: a free port on this node, as torch.distributed's `tcp://ip:port` rendezvous."""
@@ -94,11 +109,24 @@ class WorkerActor:
     def startup_phases(self) -> dict[str, float]:
         return dict(self.worker.startup.phases)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | StepFailure | None:
+    def execute_model(self, message: SchedulerOutput | SampleStep,
+                      ) -> ModelRunnerOutput | AwaitingBitmask | StepFailure | None:
+        """A step (its output, or AwaitingBitmask when its constrained rows wait for the driver's bitmask), or the
+        SampleStep of the step that waits (its output)."""
         try:
             if self.is_cuda:
                 self._ensure_current_device()
-            return self.worker.execute_model(sched)
+            if isinstance(message, SampleStep):
+                step, self.awaiting = self.awaiting, None
+                if step is None:
+                    raise RuntimeError("a grammar bitmask came for no step")
+                step.sample(message.bitmask)
+                return step.result()
+            step = self.worker.runner.execute_model_async(message, defer_sampling=True)
+            if step.bitmask_req_ids:
+                self.awaiting = step
+                return AwaitingBitmask(step.bitmask_req_ids)
+            return step.result()
         except Exception as e:  # an error value, not an exception: the graph and the actor stay usable
             return StepFailure(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
 
@@ -193,6 +221,16 @@ class StepBroadcast:
                 logger.exception("tearing down the step graph failed")
 
 
+@dataclass
+class RayStep:
+    """A step on the ranks, as the driver tracks it: the answers still to read (of the step, then of its SampleStep)
+    and what the step's answer said."""
+
+    refs: list | None  # the graph's (or the actor calls') refs of the message last sent for this step
+    awaiting: list[str] | None = None  # None: the step's answer is not read yet
+    output: ModelRunnerOutput | None = None
+
+
 # ---- the executor ----------------------------------------------------------------------------------------------
 class RayExecutor(Executor):
     """`tensor_parallel_size` WorkerActors in one placement group; rank 0's output is the step's output."""
@@ -200,6 +238,7 @@ class RayExecutor(Executor):
     # The driver launches step N+1 before reading step N; each rank runs its steps in order, so by the time it
     # runs N+1 it has appended N's token itself.
     supports_overlap = True
+    supports_deferred_sampling = True
 
     def __init__(self, config: EngineConfig, use_compiled_graph: bool | None = None):
         if use_compiled_graph is None:
@@ -264,8 +303,8 @@ class RayExecutor(Executor):
     def _start_actors(self, device: str) -> list:
         env_vars = actor_env_vars()
         if device == "cuda" and self.world_size > 1:
-            # Symmetric memory needs every rank to see its peers' GPUs (ARCHITECTURE.md); local_gpu_index maps
-            # Ray's GPU id to the device index either way.
+            # The all-reduce's symmetric memory (workers/parallel.py) maps every peer's buffer: each rank must see
+            # its peers' GPUs. local_gpu_index maps Ray's GPU id to the device index either way.
             env_vars.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         remote_class = ray.remote(WorkerActor)
         return [remote_class.options(**worker_actor_options(device, self.placement_group, rank, env_vars))
@@ -284,24 +323,43 @@ class RayExecutor(Executor):
         return num_blocks
 
     # ---- steps -----------------------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._collect(self._launch(scheduler_output))
+    # launch returns at once: the driver schedules the next step while the ranks run this one (the next step
+    # waits in the graph's channel). A step whose constrained rows await their bitmask is two messages to the
+    # ranks, the step and then its SampleStep; their answers are read in the order they were sent.
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        return StepHandle(RayStep(self._launch(scheduler_output)))
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput):
-        """Launches the step and returns at once: the driver can schedule the next step while the ranks run this
-        one (the next step waits in the graph's channel). Results must be collected in launch order."""
-        from engine.executor import StepHandle
+    def awaiting(self, handle: StepHandle) -> list[str]:
+        step: RayStep = handle.payload
+        if step.awaiting is None:  # the step's answer: AwaitingBitmask, or (no constrained row sampled) its output
+            answer = self._collect(step.refs)
+            step.refs = None
+            if isinstance(answer, AwaitingBitmask):
+                step.awaiting = answer.req_ids
+            else:
+                step.awaiting, step.output = [], answer
+        return step.awaiting
 
-        pending = self._launch(scheduler_output)
-        return StepHandle(wait=lambda: self._collect(pending))
+    def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
+        step: RayStep = handle.payload
+        assert step.awaiting and step.refs is None, "sample() for a step that does not await its bitmask"
+        step.refs = self._launch(SampleStep(bitmask))
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> list:
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        step: RayStep = handle.payload
+        if self.awaiting(handle) and step.output is None:
+            if step.refs is None:  # the ranks hold a step that nothing will sample: no later step can run
+                raise self._mark_dead(f"a step of {step.awaiting} was collected before its grammar bitmask came")
+            step.output = self._collect(step.refs)
+        return step.output
+
+    def _launch(self, message: SchedulerOutput | SampleStep) -> list:
         if self._dead_error is not None:
             raise ExecutorError(self._dead_error, is_fatal=True)
         if self._is_shut_down:
             raise ExecutorError("the executor is shut down", is_fatal=True)
         try:
-            return self._broadcast.launch(scheduler_output)
+            return self._broadcast.launch(message)
         except Exception as e:  # the graph was torn down (a rank died) or its channel is full
             raise self._mark_dead(f"worker group failed: {_one_line(e)}") from e
 

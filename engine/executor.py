@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -17,21 +19,47 @@ class ExecutorError(RuntimeError):
 
 
 class Executor(ABC):
-    """Runs steps on every rank. After construction the model is loaded and the KV pool allocated."""
+    """Runs steps on every rank. After construction the model is loaded and the KV pool allocated.
+
+    A step is `launch` then `collect`, and between them, with deferred sampling, `sample` (vLLM v1 splits
+    `execute_model` and `sample_tokens` the same way):
+
+        handle = launch(step N+1)          the ranks run N+1's forward (after N, in order)
+        collect(handle of step N)          N's tokens on the host; the driver advances N's grammars
+        awaiting(handle) -> req ids        N+1's constrained rows wait for their grammar bitmask ...
+        sample(handle, bitmask)            ... which the driver now has: N+1 samples
+        collect(handle), next time round
+
+    A step whose constrained rows sample carries their bitmask in its SchedulerOutput when the driver knows it at
+    launch (synchronous steps); otherwise it awaits `sample`. Collect steps in launch order."""
 
     num_kv_blocks: int
-    supports_overlap: bool = False  # execute_model_async returns before the step's tokens are on the host
-    # execute_model_async may leave a step's constrained rows unsampled until the driver supplies their grammar
-    # bitmask (StepHandle.sample); otherwise the bitmask must travel in the SchedulerOutput.
+    supports_overlap: bool = False  # launch returns before the step's tokens are on the host
+    # launch may leave a step's constrained rows unsampled until the driver supplies their grammar bitmask (sample);
+    # otherwise the bitmask must travel in the SchedulerOutput.
     supports_deferred_sampling: bool = False
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step on every rank and returns rank 0's output. Raises ExecutorError on failure."""
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Starts a step on every rank. Executors that cannot overlap may run it to its end here. Raises
+        ExecutorError."""
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "StepHandle":
-        """Launches a step; `.result()` waits for it. Executors that cannot overlap run it right away."""
-        return StepHandle(self.execute_model(scheduler_output))
+    def awaiting(self, handle: StepHandle) -> list[str]:
+        """The constrained requests whose grammar bitmask the step waits for before it samples (deferred sampling;
+        empty otherwise). May wait until the ranks have launched the step. Raises ExecutorError."""
+        return []
+
+    def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
+        """Supplies the bitmask of `awaiting(handle)`: the step samples. Raises ExecutorError."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer sampling")
+
+    @abstractmethod
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Waits for the step and returns rank 0's output. Raises ExecutorError."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step to its end (a constrained step carries its bitmask)."""
+        return self.collect(self.launch(scheduler_output))
 
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""
@@ -52,34 +80,13 @@ class Executor(ABC):
         """Releases workers and memory. Idempotent."""
 
 
+@dataclass
 class StepHandle:
-    """A step in flight. `result()` returns its ModelRunnerOutput or raises ExecutorError.
+    """A launched step: `payload` is what its executor keeps of it (opaque to the engine); `error`, a failure of
+    `sample` that the engine raises where it collects the step."""
 
-    With deferred sampling, `bitmask_req_ids` names the constrained requests whose grammar bitmask the step waits
-    for: its forward runs, and it samples once `sample(bitmask)` supplies them."""
-
-    def __init__(self, output: ModelRunnerOutput | None = None, wait=None, bitmask_req_ids: list[str] | None = None,
-                 sample=None):
-        self._output = output
-        self._wait = wait
-        self.bitmask_req_ids = bitmask_req_ids or []
-        self._sample = sample
-        self._error: ExecutorError | None = None
-
-    def sample(self, bitmask: GrammarBitmask) -> None:
-        """Supplies the awaited bitmask. A failure is raised by `result()`, as the step's other failures are."""
-        self.bitmask_req_ids = []
-        try:
-            self._sample(bitmask)
-        except ExecutorError as e:
-            self._error = e
-
-    def result(self) -> ModelRunnerOutput:
-        if self._error is not None:
-            raise self._error
-        if self._output is None:
-            self._output = self._wait()
-        return self._output
+    payload: Any = None
+    error: ExecutorError | None = None
 
 
 def executor_class(config: EngineConfig) -> type[Executor]:

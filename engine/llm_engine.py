@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, StepHandle, executor_class
+from engine.outputs import SchedulerOutput
 from engine.grammar import StructuredOutputManager
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
@@ -209,14 +210,19 @@ class LLMEngine:
                 return deltas + self._fail_step(sched, e)
             return deltas + self._process(sched, self.scheduler.update_from_output(sched, result))
         try:
-            handle = self.executor.execute_model_async(sched)
+            handle = self.executor.launch(sched)
         except ExecutorError as e:
             return deltas + self._finish_pending() + self._fail_step(sched, e)
         # Deferred sampling: step N+1's forward runs while step N's tokens advance the grammars, and N+1 samples
         # with the bitmask they give, before N's deltas are made.
-        deltas += self._finish_pending(before_deltas=lambda: self._supply_bitmask(handle))
+        requests = self.scheduler.requests  # (read before N's tokens may end some of them)
+        constrained = self.structured.live and any(requests[r].sampling_params.structured_outputs is not None
+                                                   for r in sched.num_scheduled_tokens)  # as the runner tells them
+        collected = self._collect_pending()
+        if constrained:  # (a Ray executor asked about a step with none would wait for its end to answer)
+            self._supply_bitmask(handle)
         self._pending = (sched, handle)
-        return deltas
+        return deltas + self._deltas(collected)
 
     def _can_overlap(self) -> bool:
         # Every sampling setting can run a step ahead of its last token: penalties read the token histories that
@@ -231,23 +237,29 @@ class LLMEngine:
     def _is_idle(sched) -> bool:
         return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
 
-    def _finish_pending(self, before_deltas=None) -> list[RequestDelta]:
-        """Reads back the step in flight and advances its requests; then runs `before_deltas` (if any) and makes
-        the deltas."""
+    def _finish_pending(self) -> list[RequestDelta]:
+        """Reads back the step in flight, advances its requests and makes their deltas."""
+        return self._deltas(self._collect_pending())
+
+    def _collect_pending(self) -> tuple[SchedulerOutput | None, list[Request] | None, list[RequestDelta]]:
+        """Reads back the step in flight (if any) and advances its requests: (its SchedulerOutput, the sequences
+        that got a token, the deltas of requests its failure failed)."""
         pending, self._pending = self._pending, None
-        sched, seqs, failed = None, None, []
-        if pending is not None:
-            sched, handle = pending
-            start = time.perf_counter()
-            try:
-                result = handle.result()
-            except ExecutorError as e:
-                result, failed = None, self._fail_step(sched, e)
-            self.timing.wait_s += time.perf_counter() - start
-            if result is not None:
-                seqs = self.scheduler.update_from_output(sched, result)
-        if before_deltas is not None:
-            before_deltas()
+        if pending is None:
+            return None, None, []
+        sched, handle = pending
+        start, error = time.perf_counter(), handle.error
+        try:
+            result = self.executor.collect(handle) if error is None else None
+        except ExecutorError as e:
+            result, error = None, e
+        self.timing.wait_s += time.perf_counter() - start
+        if error is not None:
+            return sched, None, self._fail_step(sched, error)
+        return sched, self.scheduler.update_from_output(sched, result), []
+
+    def _deltas(self, collected) -> list[RequestDelta]:
+        sched, seqs, failed = collected
         return failed if seqs is None else self._process(sched, seqs)
 
     # ---- structured outputs --------------------------------------------------------------------------------------
@@ -261,8 +273,14 @@ class LLMEngine:
         return deltas
 
     def _supply_bitmask(self, handle: StepHandle) -> None:
-        if handle.bitmask_req_ids:
-            handle.sample(self.structured.fill_bitmask(handle.bitmask_req_ids, self.scheduler.requests))
+        """Deferred sampling: the bitmask of the step's constrained rows, from the grammars as the step before left
+        them (a request that step ended gets a row that allows everything: its sample is dropped)."""
+        try:
+            req_ids = self.executor.awaiting(handle)
+            if req_ids:
+                self.executor.sample(handle, self.structured.fill_bitmask(req_ids, self.scheduler.requests))
+        except ExecutorError as e:
+            handle.error = e  # raised where the step is collected, as its other failures are
 
     def _fail_step(self, sched, error: ExecutorError) -> list[RequestDelta]:
         """A fatal error fails every request of the step (the engine stops next). Otherwise a step of one request

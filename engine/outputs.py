@@ -61,7 +61,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)  # drop too; they come back as new requests
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the step
     # The allowed tokens of the constrained requests that sample in this step, when the driver knows them at launch
-    # (None: no constraint, or the in-process executor supplies them later, see StepHandle.sample).
+    # (None: no constraint, or the executor awaits them after launch: engine/executor.py, deferred sampling).
     grammar_bitmask: GrammarBitmask | None = None
 
     @property

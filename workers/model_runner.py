@@ -142,7 +142,9 @@ class ModelRunner:
             return PendingStep(self, [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         step = PendingStep(self, sampling_states, logits, prompt_logprobs)
-        constrained = constrained_req_ids(sampling_states) if self.is_driver else []
+        # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
+        # rank 0's broadcast of the tokens, and a rank held in it could not answer the step's launch.
+        constrained = constrained_req_ids(sampling_states)
         if constrained and sched.grammar_bitmask is None:
             assert defer_sampling, f"{constrained} follow a grammar, but the step carries no bitmask"
             step.bitmask_req_ids = constrained

@@ -16,7 +16,7 @@ from engine import envs
 
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from engine.startup import StartupTimes
 from workers import parallel
 from kernels._triton import references_forced
@@ -160,9 +160,6 @@ class Worker:
             self.runner.update_states(SchedulerOutput(finished_req_ids=[req_id]))
         torch.cuda.synchronize(self.device)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(sched)
-
     def device_stats(self) -> tuple[int, float]:
         """(bytes in use on this rank's device, its utilization 0..1); (0, 0.0) on CPU."""
         if self.device_kind != "cuda":
@@ -203,14 +200,17 @@ class InProcessExecutor(Executor):
         self.num_kv_blocks = self.worker.determine_num_blocks()
         self.worker.init_kv_cache(self.num_kv_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # Synchronous steps carry their grammar bitmask (LLMEngine attaches it), so nothing waits for one here.
-        return self.execute_model_async(scheduler_output).result()
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        return StepHandle(_as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True))
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        pending = _as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True)
-        return StepHandle(wait=lambda: _as_executor_error(pending.result), bitmask_req_ids=pending.bitmask_req_ids,
-                          sample=lambda bitmask: _as_executor_error(pending.sample, bitmask))
+    def awaiting(self, handle: StepHandle) -> list[str]:
+        return handle.payload.bitmask_req_ids
+
+    def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
+        _as_executor_error(handle.payload.sample, bitmask)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return _as_executor_error(handle.payload.result)
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

@@ -85,8 +85,8 @@ def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_comp
     prefill = SchedulerOutput(new_reqs=[NewRequestData("overlap", prompt_ids, [], params, [0, 1], 0)],
                               num_scheduled_tokens={"overlap": n})
     decode = SchedulerOutput(cached_reqs=[CachedRequestData("overlap", [], n)], num_scheduled_tokens={"overlap": 1})
-    first, second = executor.execute_model_async(prefill), executor.execute_model_async(decode)
-    assert first.result().sampled_token_ids + second.result().sampled_token_ids == reference[1][:2]
+    first, second = executor.launch(prefill), executor.launch(decode)
+    assert executor.collect(first).sampled_token_ids + executor.collect(second).sampled_token_ids == reference[1][:2]
     executor.execute_model(SchedulerOutput(finished_req_ids=["overlap"]))
 
     # A dead rank: check_health (which pings when no step ran lately) turns fatal, and so does every step.

@@ -1,7 +1,7 @@
-"""Structured outputs with tensor_parallel_size 2 (real Ray worker actors over gloo): the bitmask travels in the
-SchedulerOutput to the rank that samples, with steps synchronous while constrained requests run. The same tokens as
-the in-process single rank (where sampling is deferred instead), every output valid, streamed or not, under
-preemption and chunked prefill, with n > 1."""
+"""Structured outputs with tensor_parallel_size 2 (real Ray worker actors over gloo): sampling deferred as on one
+rank, the step after a constrained step launched before the driver has that step's tokens, and its bitmask sent to
+the ranks once it has them. The same tokens as the in-process single rank, every output valid, streamed or not,
+under preemption and chunked prefill, with n > 1."""
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -29,7 +29,8 @@ def test_tp2_constrained_tokens_match_one_rank_streamed_and_not(ray_cluster, tin
     one_rank.shutdown()
 
     engine = LLMEngine.from_args(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **STRESS)
-    assert type(engine.executor).__name__ == "RayExecutor" and not engine.executor.supports_deferred_sampling
+    assert type(engine.executor).__name__ == "RayExecutor" and engine.executor.supports_deferred_sampling
+    events = record_steps(engine.executor)
     for name, params in work:
         engine.add_request(name, "Hello", params)  # streamed: a delta whenever a sequence moves
     streamed: dict[tuple[str, int], list] = {}
@@ -39,6 +40,16 @@ def test_tp2_constrained_tokens_match_one_rank_streamed_and_not(ray_cluster, tin
                 streamed.setdefault((delta.request_id, seq.index), []).append(seq)
     assert engine.scheduler.num_preemptions > 0
     engine.check_integrity()
+    # Overlap with grammars: a step whose constrained rows awaited their bitmask got it, and the step after it
+    # was launched before it was collected (before: steps ran one by one while constrained requests ran).
+    order = {event: i for i, event in enumerate(events)}
+    launched = [step for kind, step in events if kind == "launch"]
+    deferred = [step for kind, step in events if kind == "sample"]
+    assert deferred, "no step deferred its sampling"
+    overlapped = [step for step in deferred if step + 1 < len(launched)
+                  and order[("launch", step + 1)] < order[("collect", step)]]
+    assert len(overlapped) > len(deferred) // 2, (len(overlapped), len(deferred))
+    assert all(order[("sample", step)] < order[("collect", step)] for step in deferred)
     for (name, params), ref in zip(work, reference):
         for ref_c in ref.outputs:
             deltas = streamed[(name, ref_c.index)]
@@ -49,3 +60,27 @@ def test_tp2_constrained_tokens_match_one_rank_streamed_and_not(ray_cluster, tin
                 assert ref_c.finish_reason == "stop", (name, text)
                 check_output(params.structured_outputs, text)
     engine.shutdown()
+
+
+def record_steps(executor) -> list[tuple[str, int]]:
+    """(what, the step's launch index) for each launch, sample and collect the engine asks of the executor."""
+    events, index, handles = [], {}, []  # (the handles kept: no id is reused)
+    launch, sample, collect = executor.launch, executor.sample, executor.collect
+
+    def launch_(sched):
+        handle = launch(sched)
+        handles.append(handle)
+        index[id(handle)] = len(handles) - 1
+        events.append(("launch", index[id(handle)]))
+        return handle
+
+    def sample_(handle, bitmask):
+        events.append(("sample", index[id(handle)]))
+        return sample(handle, bitmask)
+
+    def collect_(handle):
+        events.append(("collect", index[id(handle)]))
+        return collect(handle)
+
+    executor.launch, executor.sample, executor.collect = launch_, sample_, collect_
+    return events

@@ -27,11 +27,11 @@ class PoisonedExecutor(InProcessExecutor):
         super().__init__(config)
         self.num_failed_steps = 0
 
-    def execute_model_async(self, sched):
+    def launch(self, sched):
         if "poison" in sched.num_scheduled_tokens:
             self.num_failed_steps += 1
             raise ExecutorError("injected failure of the poison request")
-        return super().execute_model_async(sched)
+        return super().launch(sched)
 
 
 def run(engine, requests):
