@@ -6,10 +6,9 @@ becomes a stub that raises when launched, and every public function takes its to
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
-
-from engine import envs  # the one module that reads environment variables (stdlib only)
 
 try:
     import triton
@@ -46,10 +45,29 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the caller decides for every kernel of the process (the worker, from `PAGODA_KERNELS` and `PAGODA_PDL`:
+    the kernels read no settings themselves)."""
+
+    # the torch references everywhere, also on a GPU (debugging, bisecting a numerical difference); they sync the
+    # host (boolean indexing), so the worker captures no CUDA graphs then
+    force_references: bool = False
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (pdl_options)
+
+
+_settings = KernelSettings()
+
+
+def configure(settings: KernelSettings) -> None:
+    """Sets the process's kernel settings (before its first launch: a device's launch options are kept)."""
+    global _settings
+    _settings = settings
+    _PDL_OPTIONS.clear()
+
+
 def references_forced() -> bool:
-    """`PAGODA_KERNELS=ref`: the torch references everywhere, also on a GPU (debugging, bisecting a numerical
-    difference). They sync the host (boolean indexing), so the worker captures no CUDA graphs then."""
-    return envs.get("PAGODA_KERNELS").lower() == "ref"
+    return _settings.force_references
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -122,7 +140,7 @@ def shared_memory_per_block(device: torch.device) -> int:
 
 def pdl_options(device: torch.device) -> dict:
     """A launch's programmatic-dependent-launch arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`
-    option, both True on NVIDIA Hopper and later GPUs unless `PAGODA_PDL=0` (read at a device's first launch),
+    option, both True on NVIDIA Hopper and later GPUs unless KernelSettings.pdl is off (`PAGODA_PDL=0`),
     never under the interpreter. A kernel launched so is scheduled while the kernel before it still runs: each of its
     programs starts with `wait_for_prior`, which lets the next kernel be scheduled the same way and then waits
     for the previous kernel to finish and its writes to be visible. The next kernel's launch and set-up overlap
@@ -130,7 +148,7 @@ def pdl_options(device: torch.device) -> dict:
     options = _PDL_OPTIONS.get(device)
     if options is None:
         on = (device.type == "cuda" and torch.version.hip is None and HAS_TRITON and not is_interpreting()
-              and envs.get("PAGODA_PDL"))  # griddepcontrol is NVIDIA's (a ROCm device is "cuda" to torch too)
+              and _settings.pdl)  # griddepcontrol is NVIDIA's (a ROCm device is "cuda" to torch too)
         if on:
             props = _properties(device)
             on = (props.major, props.minor) >= (9, 0)

@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "workers", "kernels", "cluster", "deploy", "benchmarks")
 ALLOWED = {  # package -> project packages it may import (at any level: lazy imports count too)
     "engine": {"engine", "workers", "cluster"},  # the last two only lazily, to pick an executor / the tiny model
-    "kernels": {"kernels", "engine.envs"},  # engine.envs: the one module that reads environment variables
+    "kernels": {"kernels"},  # its settings come from the caller (kernels._triton.configure), never the environment
     "workers": {"workers", "engine", "kernels"},
     "cluster": {"cluster", "engine", "workers", "kernels"},
     "benchmarks": {"benchmarks", "engine", "workers", "kernels", "cluster"},
@@ -52,8 +52,16 @@ def test_packages_import_only_what_the_design_allows():
 
 
 def test_envs_is_a_leaf():
-    """kernels/ may read engine.envs only because it imports nothing of the project."""
+    """engine.envs, which every package reads its variables through, imports nothing of the project."""
     assert [name for name, _ in _imports(REPO / "engine" / "envs.py") if name.split(".")[0] in PACKAGES] == []
+
+
+def test_kernels_read_no_environment():
+    """Settings reach the kernels as arguments (KernelSettings), not from os.environ."""
+    bad = [f"{path.relative_to(REPO)}: {line.strip()}" for path in (REPO / "kernels").rglob("*.py")
+           for line in path.read_text().splitlines() if "environ" in line or "getenv" in line]
+    bad = [line for line in bad if "TRITON_INTERPRET" not in line]  # Triton's own switch, which Triton reads too
+    assert not bad, bad
 
 
 def test_engine_imports_without_ray_fastapi_or_cuda():

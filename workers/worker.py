@@ -19,7 +19,8 @@ from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from engine.startup import StartupTimes
 from workers import parallel
-from kernels._triton import references_forced
+from kernels._triton import KernelSettings, references_forced
+from kernels._triton import configure as configure_kernels
 from kernels.fp8 import FP8_DTYPE
 from workers.grammar_mask import warm_up_grammar_mask
 from workers.sampler import warm_up_sampler
@@ -47,6 +48,7 @@ class Worker:
         self.model = None
         self.runner: ModelRunner | None = None
         self.startup = StartupTimes()
+        configure_kernels(kernel_settings())
 
     def init_device(self) -> None:
         with self.startup.phase("device"):
@@ -225,6 +227,11 @@ class InProcessExecutor(Executor):
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
+
+
+def kernel_settings() -> KernelSettings:
+    """The kernels' settings from the environment (`PAGODA_KERNELS=ref`, `PAGODA_PDL`)."""
+    return KernelSettings(force_references=envs.get("PAGODA_KERNELS").lower() == "ref", pdl=envs.get("PAGODA_PDL"))
 
 
 def _scale_range(scales) -> tuple[float, float]:

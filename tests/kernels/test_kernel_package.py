@@ -100,15 +100,21 @@ def test_cpu_tensors_need_the_interpreter():
 
 
 def test_pagoda_kernels_ref_forces_the_references(monkeypatch):
-    from kernels._triton import use_triton
+    """The worker reads PAGODA_KERNELS into the kernels' settings; the kernels read no environment."""
+    import kernels._triton as triton_helpers
+    from workers.worker import kernel_settings
 
     class FakeCuda:
         is_cuda = True
 
+    monkeypatch.setattr(triton_helpers, "_settings", triton_helpers.KernelSettings())
     monkeypatch.delenv("PAGODA_KERNELS", raising=False)
-    assert use_triton(FakeCuda())
+    triton_helpers.configure(kernel_settings())
+    assert triton_helpers.use_triton(FakeCuda())
     monkeypatch.setenv("PAGODA_KERNELS", "ref")
-    assert not use_triton(FakeCuda())
+    assert triton_helpers.use_triton(FakeCuda())  # read by the worker, not here
+    triton_helpers.configure(kernel_settings())
+    assert not triton_helpers.use_triton(FakeCuda())
 
 
 @pytest.mark.parametrize("capability, hip, env, expected", [
@@ -134,6 +140,10 @@ def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch, ca
         monkeypatch.delenv("PAGODA_PDL", raising=False)
     else:
         monkeypatch.setenv("PAGODA_PDL", env)
+    from workers.worker import kernel_settings
+
+    monkeypatch.setattr(triton_helpers, "_settings", triton_helpers.KernelSettings())
+    triton_helpers.configure(kernel_settings())
     on = expected and triton_helpers.HAS_TRITON
     assert triton_helpers.pdl_options(torch.device("cuda", 0)) == {"PDL": on, "launch_pdl": on}
     assert triton_helpers.pdl_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
