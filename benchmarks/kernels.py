@@ -31,24 +31,24 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python benchmarks/kernels.py`: this file must not shadow `kernels`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from kernels._triton import cdiv, tl, triton  # noqa: E402
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from kernels.kv_cache import write_kv_cache_triton  # noqa: E402
-from kernels.linear import linear_cublas, linear_ref, linear_triton  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
+from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
+from kernels._triton import cdiv, tl, triton
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_cache import write_kv_cache_triton
+from kernels.linear import linear_cublas, linear_ref, linear_triton
+from kernels.paged_attention import (
     decode_num_splits,
     paged_attention_decode_ref,
     paged_attention_decode_triton,
     paged_attention_prefill_ref,
     paged_attention_prefill_triton,
 )
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
-from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe  # noqa: E402
-from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8  # noqa: E402
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
 
 COPY_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
@@ -423,7 +423,8 @@ def bench_tune_linear(runner: Runner, cfg: dict):
     """Each projection alone against LINEAR_TUNE_CONFIGS: kernels/linear.py's default_config should be the best."""
     for rows in (1, 4):
         configs = {"default": None}
-        configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c for c in LINEAR_TUNE_CONFIGS})
+        configs.update({"n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c): c
+                        for c in LINEAR_TUNE_CONFIGS})
         for op in llama_linears(cfg):
             linear_case(runner, "tune linear", rows, cfg, [op], configs)
 

@@ -132,7 +132,7 @@ def _gemm_impls(layers, x):
 
     def scaled_mm_only():
         for layer in layers:
-            for op, (w, q, s, gated) in layer.items():
+            for op, (_, q, s, gated) in layer.items():
                 out = torch._scaled_mm(x_q[op][0], q.t(), scale_a=x_q[op][1][:, None], scale_b=s[None, :],
                                        out_dtype=torch.bfloat16)
                 if gated:

@@ -64,7 +64,8 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     if structured:
         row |= {"structured": structured} | grammar_figures(engine.structured.stats, grammar)
     if profile_steps and torch.cuda.is_available():
-        from benchmarks.step_profile import print_profile, profile_steps as run_profile
+        from benchmarks.step_profile import print_profile
+        from benchmarks.step_profile import profile_steps as run_profile
 
         row["profile"] = run_profile(engine, profile_steps)
         print_profile(f"batch {len(prompts)}", row["profile"])
@@ -90,10 +91,9 @@ def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_s
 
 
 def main(args: argparse.Namespace) -> dict:
+    from benchmarks.structured import tokenizer_dir
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
-
-    from benchmarks.structured import tokenizer_dir
 
     model_dir, load_format = resolve_model(args.model, args.preset)
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
@@ -118,7 +118,8 @@ def main(args: argparse.Namespace) -> dict:
     engine.shutdown()
     print_table(rows, ["batch", "prompt_len", "structured", "decode_ms_per_token", "tokens_per_s", "prefill_s",
                        "min_running", "preemptions", "mask_ms_per_step"])
-    result = {"benchmark": "latency", "device": device_name(), "model": args.preset or args.model or "smollm2-135m-instruct",
+    result = {"benchmark": "latency", "device": device_name(),
+              "model": args.preset or args.model or "smollm2-135m-instruct",
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers, "results": rows}
     write_json(args.output_json, result)

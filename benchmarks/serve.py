@@ -14,8 +14,14 @@ import time
 
 import numpy as np
 
-from benchmarks.common import (add_workload_args, input_len_range, percentiles, print_table, synthetic_prompts,
-                               write_json)
+from benchmarks.common import (
+    add_workload_args,
+    input_len_range,
+    percentiles,
+    print_table,
+    synthetic_prompts,
+    write_json,
+)
 from benchmarks.structured import BENCH_SCHEMA, STRUCTURED_CHOICES
 
 
@@ -70,7 +76,7 @@ async def _send(session, url: str, headers: dict, body: dict) -> dict:
                     usage = chunk["usage"]
                 if chunk.get("choices"):  # one chunk per engine step that moved, text or not (random weights
                     token_times.append(time.perf_counter())  # often sample ids the tokenizer prints as nothing)
-    except Exception as e:  # a failed request is counted, not fatal
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     if error or not token_times:

@@ -76,7 +76,7 @@ async def _send(client, body: dict) -> dict:
                 usage = chunk.usage
             if chunk.choices:
                 token_times.append(time.perf_counter())
-    except Exception as e:  # a failed request is counted, not fatal
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
     if not token_times:

@@ -101,7 +101,7 @@ def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, fill_thr
     manager.wait_for_compile(timeout_s=600)
     manager.poll()
     rng = random.Random(seed)
-    for i, req in enumerate(reqs.values()):  # spread the rows over the schema's states
+    for req in reqs.values():  # spread the rows over the schema's states
         _advance(manager, req, reqs, rng, steps=rng.randint(0, 60))
     req_ids = list(reqs)
     fill_s = accept_s = 0.0

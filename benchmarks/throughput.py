@@ -18,8 +18,15 @@ import tempfile
 import time
 from dataclasses import replace
 
-from benchmarks.common import (SAMPLING_SETTINGS, add_workload_args, device_name, input_len_range, print_table,
-                               synthetic_prompts, write_json)
+from benchmarks.common import (
+    SAMPLING_SETTINGS,
+    add_workload_args,
+    device_name,
+    input_len_range,
+    print_table,
+    synthetic_prompts,
+    write_json,
+)
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
 from workers.presets import resolve_model
 

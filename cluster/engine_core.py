@@ -65,6 +65,6 @@ class RayConnection(CoreConnection):
     def shutdown(self) -> None:
         try:
             ray.get(self._control("shutdown").remote(), timeout=CALL_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - it may be gone already
+        except Exception:  # it may be gone already
             logger.warning("engine actor did not shut down cleanly", exc_info=True)
         ray.kill(self.actor)

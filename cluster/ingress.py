@@ -35,15 +35,21 @@ from cluster import errors
 from cluster.errors import ErrorInfo
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
-from cluster.schema_rules import ModelFacts
-from cluster.protocol import (Accepted, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              GenerateRequest, TokenizeRequest, generation_prompt)
+from cluster.protocol import (
+    Accepted,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    generation_prompt,
+)
+from cluster.request_run import AcceptTimeout, Admission, RequestRun, is_replica_loss, sse_response, unless_disconnected
 from cluster.responses import chat_body, chat_chunks, completion_body, completion_chunks
-from cluster.request_run import (AcceptTimeout, Admission, RequestRun, is_replica_loss, sse_response,
-                                 unless_disconnected)
+from cluster.schema_rules import ModelFacts
 from cluster.tool_choice import tool_parser_for_choice
-from engine.structured_outputs import import_in_background
 from engine.errors import shortened
+from engine.structured_outputs import import_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +269,7 @@ class Ingress:
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
-            raise e.renamed(req.param_name(e.param))
+            raise e.renamed(req.param_name(e.param)) from None
         meta = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": name}
         if req.stream:
@@ -303,7 +309,7 @@ class Ingress:
                 if not healthy:
                     logger.warning("no healthy replica of %s: %s", self._name_of(name), results or "none")
                     raise errors.ServiceUnavailableError(f"no healthy replica of {self._name_of(name)!r}")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - an error of any kind is answered as the edge maps it
             return _error_response(e, None)
         degraded = any(m["healthy"] < m["replicas"] for m in models.values())
         return JSONResponse({"status": "degraded" if degraded else "ok", "models": models})
@@ -314,7 +320,7 @@ class Ingress:
         for name in _one_name_per_deployment(self.models):
             try:
                 snapshots += [r for r in await self._broadcast(name, "collect_metrics") if isinstance(r, list)]
-            except Exception as e:  # a model with no replica has no metrics; the others still do
+            except Exception as e:  # noqa: BLE001 - a model with no replica has no metrics; the others still do
                 logger.warning("metrics of %s unavailable: %s", name, e)
         return Response(merge_families(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -338,7 +344,7 @@ class Ingress:
         try:
             model = json.loads(body or b"{}").get("model")
         except (ValueError, AttributeError):
-            raise errors.InvalidRequestError("the body must be a JSON object with 'model'")
+            raise errors.InvalidRequestError("the body must be a JSON object with 'model'") from None
         name, _ = self._model(model)
         return JSONResponse({"replicas": await self._broadcast(name, "fail_engine")})
 
@@ -352,7 +358,7 @@ class Ingress:
             return await handler(request, body, request_id)
         except errors.ClientDisconnectedError:
             return Response(status_code=499)  # nobody reads it
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - an error of any kind is answered as the edge maps it
             return _error_response(e, request_id)
 
     def _authorize(self, request: Request) -> None:
@@ -462,7 +468,7 @@ class Ingress:
             first = await asyncio.wait_for(gen.__anext__(), self.config.accept_timeout_s)
         except asyncio.TimeoutError:
             raise AcceptTimeout(
-                f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s")
+                f"no replica of {name!r} accepted the request within {self.config.accept_timeout_s:.0f}s") from None
         if isinstance(first, ErrorInfo):
             raise first.to_exception()
         self._note_replica(name, first.replica)
@@ -472,7 +478,7 @@ class Ingress:
         try:
             result = await asyncio.wait_for(response, self.config.accept_timeout_s)
         except asyncio.TimeoutError:
-            raise errors.ServiceUnavailableError("no replica answered in time")
+            raise errors.ServiceUnavailableError("no replica answered in time") from None
         if isinstance(result, ErrorInfo):
             raise result.to_exception()
         return result

@@ -22,9 +22,15 @@ from typing_extensions import Annotated
 from cluster.errors import ErrorInfo, InvalidRequestError
 from cluster.tool_choice import tool_choice_constraint
 from engine.errors import ParamError
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
 from engine.structured_outputs import StructuredOutputsParams
-from engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, REPETITION_PENALTY_RANGE,
-                                    SamplingParams)
 
 _INT32 = 2**31 - 1
 
@@ -366,7 +372,7 @@ class ChatCompletionRequest(_Request):
             return make_params(self._sampling_kwargs(defaults, max_tokens=max_tokens, logprobs=logprobs,
                                                      prompt_logprobs=self.prompt_logprobs))
         except InvalidRequestError as e:
-            raise e.renamed(self.param_name(e.param))
+            raise e.renamed(self.param_name(e.param)) from None
 
     def _constraint(self) -> StructuredOutputsParams | None:
         if self.tool_choice is not None and not self.tools:
@@ -500,7 +506,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
             except ValueError:
-                raise InvalidRequestError("is not JSON", f"messages[{i}].tool_calls[{j}].function.arguments")
+                raise InvalidRequestError("is not JSON", f"messages[{i}].tool_calls[{j}].function.arguments") from None
         out.append(entry)
     return out
 

@@ -59,5 +59,5 @@ def ensure_ray_initialized(num_cpus_needed: int = 1) -> None:
 def _bootstrap_address() -> str | None:
     try:
         return ray._private.utils.read_ray_address()
-    except Exception:  # private API: treat any failure as "no cluster started with `ray start`"
+    except Exception:  # noqa: BLE001 - private API: treat any failure as "no cluster started with `ray start`"
         return None

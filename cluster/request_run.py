@@ -99,7 +99,7 @@ class RequestRun:
             try:
                 async for delta in self._stream(i):
                     queue.put_nowait((i, delta))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((i, e))
             finally:
                 queue.put_nowait((i, None))
@@ -199,7 +199,7 @@ def sse_response(chunks: AsyncIterator[dict], run: RequestRun) -> StreamingRespo
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
-        except Exception as e:  # the status is sent already: report in the stream, as OpenAI does
+        except Exception as e:  # noqa: BLE001 - the status is sent already: report in the stream, as OpenAI does
             error = errors.to_http_error(e)
             if error.status_code >= 500:
                 logger.warning("request %s failed mid-stream: %s", run.request_id, error.message)

@@ -31,8 +31,8 @@ from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, ParamError
-from engine.sampling_params import default_sampling_overrides
 from engine.request_output import RequestDelta
+from engine.sampling_params import default_sampling_overrides
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class LLMServer:
         try:
             await self.engine.check_integrity()
             error = None
-        except Exception as e:  # an integrity failure is data for the caller, not a replica crash
+        except Exception as e:  # noqa: BLE001 - an integrity failure is data for the caller, not a replica crash
             error = f"{type(e).__name__}: {e}"
         return {"replica": self.replica_id, "ok": error is None, "error": error,
                 "stats": asdict(self.engine.get_stats())}
@@ -304,12 +304,12 @@ def _replica_name() -> str:
     try:
         deployment = serve.get_replica_context().replica_id.deployment_id
         return f"{deployment.app_name}#{deployment.name}#{_replica_tag()}"
-    except Exception:  # outside Serve
+    except Exception:  # noqa: BLE001 - outside Serve
         return _replica_tag()
 
 
 def _replica_tag() -> str:
     try:
         return serve.get_replica_context().replica_tag
-    except Exception:  # outside Serve (unit tests construct the class directly)
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests construct the class directly)
         return "local"

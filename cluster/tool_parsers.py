@@ -9,9 +9,9 @@ those of the outputs `tool_choice="required"` / a named function constrain (clus
 A parser reads a whole output (`parse`) or its text deltas (`feed`, then `finish`): content deltas and OpenAI's
 `delta.tool_calls` chunks (the first of a call has its index, id and name; later ones append to its arguments).
 Both read the same: each feed re-reads the output's unsettled tail (the text after the last finished call) and sends
-what grew, so the deltas of a stream add up to what `parse` returns (but for a cut call, below). Arguments are the JSON text as the
-model wrote it. Content next to a tool call loses the whitespace that touches it; a block that names no function
-stays content.
+what grew, so the deltas of a stream add up to what `parse` returns (but for a cut call, below). Arguments are the
+JSON text as the model wrote it. Content next to a tool call loses the whitespace that touches it; a block that names
+no function stays content.
 
 A call streams as it is written, as OpenAI and vLLM stream one: its first chunk once its name is known, then its
 arguments piece by piece. A whole output's call is a call once its JSON object closes: one that max_tokens (or a

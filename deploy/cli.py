@@ -129,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve(args, build_app(app_args), names, started_ray=False)
     from deploy.serve_env import cluster_env, is_loopback
 
-    for attempt in range(START_ATTEMPTS):
+    for _ in range(START_ATTEMPTS):
         _on_stop_signals(_interrupt)
         # Serve's processes read the environment when they start; a loopback --host keeps all of Ray on loopback
         with cluster_env(args.ingress_mode, args.host, local_only=is_loopback(args.host)):

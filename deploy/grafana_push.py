@@ -11,7 +11,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from grafana_client import GrafanaApi
 
 DASHBOARD_PATH = Path(__file__).parent / "grafana" / "pagoda.json"
 

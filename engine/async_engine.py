@@ -221,7 +221,7 @@ class AsyncLLMEngine:
             self._pump.get_loop().call_soon_threadsafe(self._pump.cancel)
         try:
             self.connection.shutdown()
-        except Exception:  # noqa: BLE001 - it may be gone already
+        except Exception:  # it may be gone already
             logger.warning("engine did not shut down cleanly", exc_info=True)
 
     # ---- plumbing ------------------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class AsyncLLMEngine:
                 result = await self.connection.poll(POLL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # the core is gone: nothing more will come
+            except Exception as e:  # noqa: BLE001 - the core is gone: nothing more will come
                 if not self._closed:
                     logger.error("engine failed: %s", e)
                     self._die(f"the engine process failed: {type(e).__name__}: {e}")

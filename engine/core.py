@@ -113,7 +113,7 @@ class EngineCore:
             try:
                 self.engine.add_processed(add.request_id, add.prompt_token_ids, add.params, add.stream,
                                           add.arrival_time)
-            except Exception as e:  # an invalid request fails alone; the client gets the error as its last delta
+            except Exception as e:  # noqa: BLE001 - an invalid request fails alone; the client gets the error as its last delta
                 self._publish([RequestDelta(add.request_id, finished=True, error=RequestError.from_exception(e))])
 
         self.loop.submit(run)
@@ -199,7 +199,7 @@ class EngineLoop:
         def run():
             try:
                 result.append((True, fn()))
-            except BaseException as e:  # reported to the caller
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
                 result.append((False, e))
             done.set()
 

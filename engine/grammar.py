@@ -107,7 +107,7 @@ class RequestGrammar:
         except ParamError as e:
             self.error = RequestError(str(e), RequestError.INVALID, e.param)
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - anything else is the engine's fault, reported on the request
             self.error = RequestError(f"structured_outputs: the grammar did not compile: {type(e).__name__}: {e}")
             return
         # Without stop tokens (ignore_eos) the grammar alone ends the request, once nothing more can follow.

@@ -87,7 +87,7 @@ class CompileQueue:
         result, error = None, None
         try:
             result = job.fn(*job.args)
-        except Exception as e:  # the future carries it to the request that waits
+        except Exception as e:  # noqa: BLE001 - the future carries it to the request that waits
             error = e
         with self._lock:  # its thread is free before anyone can see it done
             self._running.remove(job)

@@ -94,5 +94,5 @@ class LLM:
     def __del__(self):
         try:
             self.engine.shutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; shutdown() is the call that reports
             pass

@@ -54,7 +54,7 @@ _FINISH_REASONS = {
 @dataclass(eq=False)
 class Request:
     """One sequence. A user request with n > 1 becomes n of these: index 0 leads, the others wait for the leader's
-    prompt to be in the cache and then share its blocks (see `Scheduler._try_fork`)."""
+    prompt to be in the cache and then share its blocks (see `BlockManager.admit`)."""
 
     req_id: str
     prompt_token_ids: list[int]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.block_manager import BlockManager
+from engine.block_manager import Allocation, BlockManager
 from engine.config import SchedulerConfig
 from engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -53,10 +53,6 @@ class Scheduler:
         if req.grammar is not None:
             req.grammar.release()
         return req
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
 
     @property
     def num_running(self) -> int:
@@ -99,17 +95,15 @@ class Scheduler:
             if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1
                 continue
-            while (reserved := self.block_manager.try_allocate(req, num_new)) is None:
+            while (growth := self.block_manager.grow(req, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if growth is None:
                 break  # req itself was preempted: nothing after it is left either
-            new_block_ids, is_copy = reserved  # is_copy: its last block was shared with an n > 1 sibling
-            if is_copy:
-                new_block_ids = list(self.block_manager.block_ids(req.req_id))
-            out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens, is_copy))
+            out.cached_reqs.append(CachedRequestData(req.req_id, growth.new_block_ids, req.num_computed_tokens,
+                                                     growth.replaces_block_ids))
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
             i += 1
@@ -125,25 +119,11 @@ class Scheduler:
             if req.grammar is not None and not req.grammar.is_ready:
                 skipped.append(req)  # its grammar is still compiling
                 continue
-            if not self._try_fork(req):
-                skipped.append(req)  # its leader's prompt is not in the cache yet
+            if self._waits_for_leader(req):
+                skipped.append(req)  # n > 1: its leader's prompt is not computed yet
                 continue
-            if req.num_computed_tokens == 0 and not self.block_manager.block_ids(req.req_id):
-                # A request that wants prompt logprobs computes its whole prompt: a hit would skip positions.
-                wants_prompt = req.sampling_params.prompt_logprobs is not None
-                hits = [] if wants_prompt else self.block_manager.find_cached_prefix(req)
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = len(hits) * self.block_manager.block_size
-                num_new = min(req.num_tokens - len(hits) * self.block_manager.block_size, budget)
-                if self.block_manager.num_free_blocks < self._blocks_for_new(req, hits, num_new):
-                    self.waiting.appendleft(req)
-                    break
-                self.block_manager.allocate_cached(req, hits)
-                req.num_computed_tokens = len(hits) * self.block_manager.block_size
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.block_manager.try_allocate(req, num_new) is None:
-                self.block_manager.free(req)
-                req.num_computed_tokens = 0
+            allocation = self._admit(req, budget)
+            if allocation is None:
                 self.waiting.appendleft(req)
                 break
             req.status = RequestStatus.RUNNING
@@ -152,33 +132,31 @@ class Scheduler:
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
                 req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                list(self.block_manager.block_ids(req.req_id)), req.num_computed_tokens, req.sample_seed))
-            out.num_scheduled_tokens[req.req_id] = num_new
-            budget -= num_new
+                allocation.block_ids, req.num_computed_tokens, req.sample_seed))
+            out.num_scheduled_tokens[req.req_id] = allocation.num_new_tokens
+            budget -= allocation.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
 
-    def _blocks_for_new(self, req: Request, hits: list[int], num_new: int) -> int:
-        """Free blocks a new request takes: its uncached blocks, plus the hits that now sit in the free queue."""
-        size = self.block_manager.block_size
-        total = -(-(len(hits) * size + num_new) // size)
-        revived = sum(1 for b in hits if self.block_manager.blocks[b].ref_count == 0)
-        return total - len(hits) + revived
-
-    def _try_fork(self, req: Request) -> bool:
-        """For n > 1: share the leader's prompt blocks once an earlier step computed them (steps run in order, so
-        this step reads them after they are written). False: wait for the leader."""
+    def _waits_for_leader(self, req: Request) -> bool:
+        """n > 1: a sibling waits while its running leader still computes the prompt (maybe again, after a
+        preemption), then shares the leader's blocks (steps run in order: this step reads them after they are
+        written)."""
         leader = req.leader
-        if leader is None:
-            return True
-        if leader.status == RequestStatus.RUNNING and leader.num_computed_tokens < req.num_prompt_tokens - 1:
-            return False  # the leader's prompt is still being computed (maybe again, after a preemption)
-        req.leader = None
-        num_shared = req.num_prompt_tokens - 1  # a one-token prompt shares nothing: it is this request's to compute
-        if leader.status == RequestStatus.RUNNING and num_shared > 0:
-            self.block_manager.fork(leader, req, num_shared)
-            req.num_computed_tokens = num_shared
-            req.num_cached_tokens = num_shared
-        return True
+        return (leader is not None and leader.status == RequestStatus.RUNNING
+                and leader.num_computed_tokens < req.num_prompt_tokens - 1)
+
+    def _admit(self, req: Request, budget: int) -> Allocation | None:
+        """Gives req its blocks (what is already computed, and room for this step's tokens), or None. A sibling
+        tries its leader's blocks once: not admitted now, it later starts like a request of its own."""
+        leader, req.leader = req.leader, None
+        if leader is not None and leader.status != RequestStatus.RUNNING:
+            leader = None  # not running: it holds no blocks to share
+        allocation = self.block_manager.admit(req, budget, leader)
+        if allocation is not None:
+            req.num_computed_tokens = allocation.num_computed_tokens
+            if req.num_cached_tokens < 0:  # its first admission
+                req.num_cached_tokens = allocation.num_computed_tokens
+        return allocation
 
     def isolate(self, req_ids: list[str]) -> None:
         """The requests of a failed step go back to the waiting queue as suspects (their blocks freed, to be
@@ -221,6 +199,7 @@ class Scheduler:
             req.num_pending_tokens -= 1
             req.is_suspect = False
             req.append_output(token_id, logprobs)
+            status: RequestStatus | None
             if req.grammar is not None and not req.grammar.accept(token_id):
                 status = RequestStatus.FINISHED_ERROR  # never with the mask applied: fail it, not the engine
             else:

@@ -179,7 +179,7 @@ def _build_grammar(kind: str, text: str, any_whitespace: bool):
             alternatives = " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(text))
             return xgrammar.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgrammar.Grammar.from_ebnf(text)
-    except Exception as e:  # xgrammar raises RuntimeError with its C++ location in front
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its C++ location in front
         raise ParamError(f"structured_outputs.{kind}", f"is invalid: {xgrammar_message(e)}") from None
 
 

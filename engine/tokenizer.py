@@ -85,7 +85,7 @@ class TokenizerChild:
                     value = f"exit {self._process.returncode}"
                 else:
                     status, value = pickle.loads(out)
-            except Exception as e:  # a tokenizer class that does not pickle
+            except Exception as e:  # noqa: BLE001 - a tokenizer class that does not pickle
                 value = f"{type(e).__name__}: {e}"
         if status == "error":
             raise ValueError(_load_error(self.path, value))

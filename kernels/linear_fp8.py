@@ -48,7 +48,6 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.linear import store_output
 from kernels.fp8 import (
     FP8_DTYPE,
     QuantizedRows,
@@ -57,6 +56,7 @@ from kernels.fp8 import (
     quantize_ref,
     to_e4m3,
 )
+from kernels.linear import store_output
 
 MAX_ROWS = 16  # the decode-sized launch settings up to this many rows
 # From here on (per-row weight scales on a GPU): quantize_per_token + torch._scaled_mm. On the H200 it beat the

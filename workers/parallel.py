@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from engine import envs
-
 from kernels.linear import linear
 
 logger = logging.getLogger(__name__)

@@ -7,15 +7,14 @@ import json
 import os
 import shutil
 
-
 _COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02}
 _LLAMA_3 = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8,
             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "bos_token_id": 128000, "eos_token_id": 128001}
 
-_QWEN_3 = {**_COMMON, "num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
-           "bos_token_id": 151643, "eos_token_id": 151645}
+_QWEN_3 = {**_COMMON, "num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936,
+           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+           "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645}
 
 PRESETS = {
     "llama-3-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

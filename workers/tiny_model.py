@@ -14,7 +14,6 @@ import os
 
 import torch
 
-
 TINY_MODEL_NAME = "tiny-llama-v1"
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 BOS, EOS, IM_START, IM_END, PAD = SPECIAL_TOKENS

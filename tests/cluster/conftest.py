@@ -32,10 +32,9 @@ TOOLS_CHAT_TEMPLATE = (
 @pytest.fixture(scope="session")
 def serve_url(ray_cluster):
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from cluster.app import build_app
-
-    from ray.serve.context import _get_global_client
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port  # another test module may have started Serve first

@@ -94,7 +94,7 @@ class FakeCluster:
                f"--num-cpus={int(self.head_resources.get('CPU', 1))}", "--num-gpus=0",
                f"--resources={json.dumps(resources)}", "--include-dashboard=false", "--disable-usage-stats",
                f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
-               f"--node-ip-address=127.0.0.1"]
+               "--node-ip-address=127.0.0.1"]
         if self.system_config:
             cmd.append(f"--system-config={json.dumps(self.system_config, separators=(',', ':'))}")
         log = open(Path(self.temp_dir) / "head.log", "w")

@@ -17,8 +17,8 @@ def _run(tmp_path, *argv) -> dict:
 
 
 def test_bench_latency(tmp_path):
-    result = _run(tmp_path, "bench", "latency", "--model", "tiny", "--batch-sizes", "1", "3", "--prompt-lens", "8", "20",
-                  "--decode-steps", "4")
+    result = _run(tmp_path, "bench", "latency", "--model", "tiny", "--batch-sizes", "1", "3",
+                  "--prompt-lens", "8", "20", "--decode-steps", "4")
     cases = {(r["batch"], r["prompt_len"]): r for r in result["results"]}
     assert set(cases) == {(1, 8), (1, 20), (3, 8), (3, 20)}
     assert all(r["decode_ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in cases.values())

@@ -8,8 +8,8 @@ from tests.cluster.test_bench_smoke import _run
 
 
 def test_bench_throughput_structured(tmp_path):
-    result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16", "--output-len", "6",
-                  "--structured", "json-schema", "--device", "cpu")
+    result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16",
+                  "--output-len", "6", "--structured", "json-schema", "--device", "cpu")
     plain, constrained = result["results"]
     assert (plain["structured"], constrained["structured"]) == (None, "json-schema")
     assert plain["output_tokens"] == constrained["output_tokens"] == 4 * 6  # the schema cannot end earlier

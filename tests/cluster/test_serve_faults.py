@@ -144,9 +144,8 @@ def test_chat_template_kwargs_cannot_run_code_or_collide(http, kwargs, what):
 def test_a_request_template_that_runs_too_long_is_stopped():
     """Where an operator allows client templates, rendering has a time limit that stops it (unit level)."""
     from engine.errors import ParamError
-    from engine.tokenizer import apply_chat_template
+    from engine.tokenizer import apply_chat_template, load_tokenizer
     from workers.tiny_model import default_tiny_model_path
-    from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_tiny_model_path())
     loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}x{% endfor %}{% endfor %}"

@@ -113,7 +113,7 @@ def test_completion_logprobs_legacy_shape(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and logprob <= 0
         assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the sampled token is the best
 

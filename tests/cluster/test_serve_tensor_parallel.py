@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
 from tests.cluster.conftest import API_KEY
 
 PROMPTS = ["Hello, my name is", "def fibonacci(n):"]
@@ -38,8 +39,8 @@ def test_tp2_replica_uses_its_placement_group_and_matches_tp1(serve_url):
 
     from cluster.app import build_app
 
-    app = build_app({"models": [{"model": "tiny", "served_model_name": "tiny-tp2", "tensor_parallel_size": 2, "num_kv_blocks": 256,
-                                 "max_model_len": 512, "max_num_seqs": 32}]})
+    app = build_app({"models": [{"model": "tiny", "served_model_name": "tiny-tp2", "tensor_parallel_size": 2,
+                                 "num_kv_blocks": 256, "max_model_len": 512, "max_num_seqs": 32}]})
     serve.run(app, name="pagoda-tp", route_prefix="/tp")
     try:
         groups = serve_placement_groups("LLMServer_tiny-tp2")

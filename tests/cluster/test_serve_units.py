@@ -520,7 +520,7 @@ def test_the_schema_holds_each_models_bounds():
     assert not schema_accepts("CompletionRequest", {"model": "solo", "prompt": "x", "n": 8}, ("tiny", "solo"), two)
 
 
-def ModelFactsFor(**overrides):  # noqa: N802 - reads as the type it makes
+def ModelFactsFor(**overrides):  # reads as the type it makes
     from cluster.schema_rules import ModelFacts
 
     return ModelFacts.from_info(TINY_FACTS | overrides, None)

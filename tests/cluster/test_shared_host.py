@@ -56,7 +56,8 @@ def test_two_servers_on_one_host_never_answer_for_each_other(tmp_path):
         b.wait_ready(START_TIMEOUT_S)
         probe_b = Prober(port_b, None)
         probe_a = Prober(port_a, key)  # from before A starts: its start-up is probed too
-        with ServeProcess([*SMALL, "--served-model-name", "host-a", "--api-key-file", str(tmp_path / "key")], port_a) as a:
+        args_a = [*SMALL, "--served-model-name", "host-a", "--api-key-file", str(tmp_path / "key")]
+        with ServeProcess(args_a, port_a) as a:
             a.wait_ready(START_TIMEOUT_S)
             deadline = time.monotonic() + 60
             while not probe_a.keyed_ok_since(0) and time.monotonic() < deadline:
@@ -87,7 +88,7 @@ def test_each_cluster_environment_has_fallback_ports_of_its_own(monkeypatch, tmp
         monkeypatch.delenv(name, raising=False)  # the session cluster's
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    one, two = serve_env.ingress_env("direct", str(tmp_path / "one")), serve_env.ingress_env("direct", str(tmp_path / "two"))
+    one, two = (serve_env.ingress_env("direct", str(tmp_path / name)) for name in ("one", "two"))
     ports = [int(env[name]) for env in (one, two) for name in serve_env.FALLBACK_PORT_VARS]
     assert len(set(ports)) == 4 and not {8500, 9500} & set(ports)  # Serve's shared defaults
     for env in (one, two, serve_env.ingress_env("proxy")):

@@ -8,8 +8,14 @@ import random
 
 import pytest
 
-from cluster.tool_parsers import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, RequiredToolParser,
-                                  get_tool_parser, tool_parser_for_template)
+from cluster.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    get_tool_parser,
+    tool_parser_for_template,
+)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET", "nested": {"a": [1, "}{", {"b": "\\"]"}]}}}'

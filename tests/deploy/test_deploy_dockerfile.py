@@ -58,7 +58,8 @@ def test_installs_the_project_from_its_pyproject(instructions):
 
 
 def test_dependencies_are_pinned_to_the_tested_versions(repo, instructions):
-    pins = dict(re.findall(r'"?([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][^\s"]*)"?', " ".join(_args(instructions, "RUN"))))
+    run_args = " ".join(_args(instructions, "RUN"))
+    pins = dict(re.findall(r'"?([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][^\s"]*)"?', run_args))
     pins = {name.lower().replace("_", "-"): version for name, version in pins.items()}
     pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
     for requirement in pyproject["project"]["dependencies"]:

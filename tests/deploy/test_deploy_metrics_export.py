@@ -152,7 +152,8 @@ def test_dashboard_queries_find_series_in_prometheus(probe, known_metrics, repo,
     _scrape_until(url, known_metrics, send_traffic)
     target = url.removeprefix("http://").removesuffix("/metrics")
     (tmp_path / "prometheus.yml").write_text(
-        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n  static_configs: [{{targets: ['{target}']}}]\n")
+        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n"
+        f"  static_configs: [{{targets: ['{target}']}}]\n")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     prometheus = subprocess.Popen(

@@ -30,7 +30,8 @@ def test_serve_config_args_are_build_app_args(repo, name):
     args = app.parse_args(_load(repo, name)["applications"][0]["args"])
     for model in args.models:
         assert model.engine.model.startswith("/models/") and model.served_model_name
-        assert model.engine.device == "cuda", "device 'auto' would resolve to cpu if no GPU pod has joined at build time"
+        assert model.engine.device == "cuda", \
+            "device 'auto' would resolve to cpu if no GPU pod has joined at build time"
         assert (model.num_replicas is None) != (model.autoscaling_config is None)
 
 

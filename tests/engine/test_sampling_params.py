@@ -5,7 +5,8 @@ from engine.sampling_params import SamplingParams
 
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 1e-40), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("max_tokens", 0),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 1e-40), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+    ("max_tokens", 0),
     ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {5: 200.0}), ("logit_bias", {-1: 1.0}), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),

@@ -48,13 +48,12 @@ def assert_complete_and_valid(case: StructuredOutputsParams, completion) -> None
 
 
 def test_every_kind_gives_valid_outputs_sampled_and_greedy(llm):
-    names, params = [], []
-    for name, case in cases().items():
+    params = []
+    for case in cases().values():
         for seed in [None, 0, 1, 2]:
-            names.append(name)
             params.append(constrained(case, seed, n=2 if seed == 2 else 1))
     outs = llm.generate(["Hello"] * len(params), params, use_tqdm=False)
-    for name, p, out in zip(names, params, outs):
+    for p, out in zip(params, outs):
         for completion in out.outputs:
             assert_complete_and_valid(p.structured_outputs, completion)
     texts = [c.text for out in outs[4 * list(cases()).index("choice"):][:4] for c in out.outputs]

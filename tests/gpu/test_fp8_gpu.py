@@ -52,7 +52,8 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
     if arch == "mistral-window-8":
         from workers.tiny_model import make_tiny_model
 
-        model_dir = make_tiny_model(str(tmp_path / arch), arch="mistral", seed=2, config_overrides={"sliding_window": 8})
+        model_dir = make_tiny_model(str(tmp_path / arch), arch="mistral", seed=2,
+                                    config_overrides={"sliding_window": 8})
     else:
         model_dir = tiny_checkpoints[arch]
     kwargs = dict(model=model_dir, dtype="bfloat16", device="cuda", quantization="fp8", kv_cache_dtype="fp8",

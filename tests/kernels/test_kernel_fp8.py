@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+import kernels.linear_fp8 as linear_fp8_module
 from kernels.fp8 import (
     FP8_DTYPE,
     MAX_QUANTIZE_BLOCK,
@@ -26,9 +27,7 @@ from kernels.fp8 import (
     quantize_weight_blocks,
 )
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
-import kernels.linear_fp8 as linear_fp8_module
-from kernels.linear_fp8 import (MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap,
-                                 linear_fp8_triton)
+from kernels.linear_fp8 import MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import (
     decode_config,
     paged_attention_decode_ref,

@@ -20,7 +20,8 @@ def make_inputs(rows, out_rows, in_features, dtype, device, gated=False, bias=Fa
         return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
 
     weight_rows = 2 * out_rows if gated else out_rows
-    return dict(x=randn(rows, in_features, scale=3.0), weight=randn(weight_rows, in_features, scale=in_features ** -0.5),
+    return dict(x=randn(rows, in_features, scale=3.0),
+                weight=randn(weight_rows, in_features, scale=in_features ** -0.5),
                 bias=randn(weight_rows) if bias else None, gated=gated)
 
 

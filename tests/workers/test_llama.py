@@ -125,7 +125,7 @@ def test_rope_settings_reads_old_and_new_configs():
 
 def test_registry():
     assert get_model_class({"architectures": ["MistralForCausalLM"]}) is LlamaForCausalLM
-    for arch, (_, architecture, _) in TINY_ARCHES.items():
+    for _, architecture, _ in TINY_ARCHES.values():
         assert get_model_class({"architectures": [architecture]}).__name__ == architecture.replace("Mistral", "Llama")
     assert len(supported_architectures()) == len(TINY_ARCHES)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from engine.sampling_params import REPETITION_PENALTY_RANGE, SamplingParams
-from workers.sampler import (SamplingRow, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p,
-                             penalty_batch, sample, sample_async)
+from workers.sampler import (
+    SamplingRow,
+    SamplingTensors,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    penalty_batch,
+    sample,
+    sample_async,
+)
 from workers.token_history import TokenHistory, apply_history_penalties
 
 # probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04 (ids 0..5)

@@ -9,7 +9,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -89,4 +88,4 @@ def test_tp2_matches_tp1(tmp_path):
     mp.start_processes(_rank_main, args=(paths, 2, init_method, str(tmp_path)), nprocs=2, start_method="spawn")
     assert torch.load(tmp_path / "rank1.pt") == [None] * len(archs)
     for arch, logits, ref in zip(archs, torch.load(tmp_path / "rank0.pt"), expected):
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{arch}: {m}")
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=lambda m, arch=arch: f"{arch}: {m}")

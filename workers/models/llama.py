@@ -19,8 +19,12 @@ from torch import nn
 
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   default_weight_loader)
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
