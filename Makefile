@@ -27,9 +27,10 @@ generate: setup
 serve: setup
 	$(BIN)/pagoda serve
 
-# ruff over the repository (pyproject.toml configures it). CI runs it; `make test` does not.
+# ruff over the repository, mypy over engine/ (pyproject.toml configures both). CI runs it; `make test` does not.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
 # host, a real Prometheus, `pagoda serve` processes); CI runs both.

@@ -52,6 +52,7 @@ class ModelConfig:
     def from_path(cls, model: str, **kwargs) -> "ModelConfig":
         """Reads `config.json` and `generation_config.json` (or a GGUF file's metadata) and fills `max_model_len`
         from it when not given."""
+        hf_config: dict | None
         if model.endswith(".gguf"):
             from workers.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: engine imports no workers at import
 

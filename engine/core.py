@@ -12,6 +12,7 @@ all at once, so a poll's size is what the steps since the last one produced, not
 
 from __future__ import annotations
 
+import cProfile
 import logging
 import sys
 import threading
@@ -289,13 +290,11 @@ class _StepReport:
         self.interval_s = envs.get("PAGODA_LOG_STEPS_S")
         self.last, self.last_time = replace(engine.timing), time.monotonic()
         self.profile_steps = _step_range(envs.get("PAGODA_PROFILE_STEPS"))
-        self.profiler = None
+        self.profiler: cProfile.Profile | None = None
         self.num_steps = 0
 
     def before_step(self) -> None:
         if self.num_steps == self.profile_steps.start and self.profile_steps:
-            import cProfile
-
             self.profiler = cProfile.Profile()
             self.profiler.enable()
 

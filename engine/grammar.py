@@ -46,6 +46,8 @@ from engine.request_output import RequestError
 from engine.structured_outputs import StructuredOutputsParams, grammar_for, xgrammar_message
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class RequestGrammar:
         # stop_token_ids are plain text to the grammar: allowed where the grammar allows them, and sampling one
         # ends the request as a stop token does (as a stop string may, mid-grammar).
         self.stop_token_ids = stop_token_ids
-        self.matcher = None
+        self.matcher: xgrammar.GrammarMatcher | None = None
         self.num_accepted = 0
         self.is_finished = False  # the grammar is complete and allows nothing more
         self.error: RequestError | None = None  # why its request must fail
@@ -117,12 +119,14 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         """Advances by a sampled token; False if the grammar rejects it (the mask should have made that
         impossible)."""
-        if not self.matcher.accept_token(token_id):
+        matcher = self.matcher
+        assert matcher is not None, f"{self.req_id}: a token accepted before the grammar is ready"
+        if not matcher.accept_token(token_id):
             self.error = RequestError(f"structured_outputs: the grammar rejected token {token_id}")
             return False
         self.num_accepted += 1
-        if token_id in self.stop_token_ids or (self.matcher.is_completed()
-                                               and self._manager.allows_only_stop_tokens(self)):
+        if token_id in self.stop_token_ids or (
+                matcher.is_completed() and self._manager.allows_only_stop_tokens(matcher, self.stop_token_ids)):
             self.is_finished = True
         return True
 
@@ -154,7 +158,7 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._buffer = np.empty((0, self.num_words), dtype=np.int32)
         self._scratch = np.empty((1, self.num_words), dtype=np.int32)
-        self._batch_matcher = None
+        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
 
     @property
     def num_live(self) -> int:
@@ -168,12 +172,13 @@ class StructuredOutputManager:
     def add(self, seqs: list[Request]) -> None:
         """Gives each sequence of one request its own RequestGrammar over one shared compilation."""
         params = seqs[0].sampling_params
-        compiled = self._compile(params.structured_outputs)
+        constraint = params.structured_outputs
+        assert constraint is not None, f"{seqs[0].req_id}: no constraint to compile"
+        compiled = self._compile(constraint)
         stop_token_ids = tuple(t for t in params.all_stop_token_ids if t in self.eos_token_ids)
         now = self.clock()
         for seq in seqs:
-            seq.grammar = RequestGrammar(seq.req_id, params.structured_outputs.key, compiled, stop_token_ids, self,
-                                         now)
+            seq.grammar = RequestGrammar(seq.req_id, constraint.key, compiled, stop_token_ids, self, now)
             self.live[seq.req_id] = seq.grammar
             self._starting.append(seq.grammar)
 
@@ -299,7 +304,8 @@ class StructuredOutputManager:
         if self._buffer.shape[0] < len(req_ids):
             self._buffer = np.empty((max(len(req_ids), 2 * self._buffer.shape[0]), self.num_words), dtype=np.int32)
         bitmask = self._buffer[:len(req_ids)]
-        matchers, rows = [], []
+        matchers: list[xgrammar.GrammarMatcher] = []
+        rows: list[int] = []
         for i, req_id in enumerate(req_ids):
             req = requests.get(req_id)
             grammar = req.grammar if req is not None else None
@@ -334,11 +340,11 @@ class StructuredOutputManager:
             assert requests[req_id].num_pending_tokens == 1, f"{req_id}: a bitmask at launch with a token in flight"
         return self.fill_bitmask(req_ids, requests) if req_ids else None
 
-    def allows_only_stop_tokens(self, grammar: RequestGrammar) -> bool:
-        """Whether the grammar allows nothing next but its stop tokens (it is complete: the request can end now)."""
-        grammar.matcher.fill_next_token_bitmask(self._scratch, 0)
+    def allows_only_stop_tokens(self, matcher: xgrammar.GrammarMatcher, stop_token_ids: tuple[int, ...]) -> bool:
+        """Whether the matcher allows nothing next but the stop tokens (it is complete: the request can end now)."""
+        matcher.fill_next_token_bitmask(self._scratch, 0)
         words = self._scratch[0].view(np.uint32)
-        for token_id in grammar.stop_token_ids:
+        for token_id in stop_token_ids:
             words[token_id // 32] &= np.uint32(~(1 << (token_id % 32)) & 0xFFFFFFFF)
         return not words.any()
 

@@ -51,7 +51,7 @@ class CompileQueue:
         return len(self._running)
 
     def submit(self, fn: Callable, *args) -> Future:
-        future = Future()
+        future: Future = Future()
         with self._lock:
             self._pending.append(_Job(future, fn, args))
         self.dispatch()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -58,7 +59,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to each conversation, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         prompts = [{"prompt": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template),
                     "add_special_tokens": False} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

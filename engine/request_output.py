@@ -157,11 +157,14 @@ class RequestOutput:
         """A request's whole output from the only delta of a request that did not stream."""
         outputs = []
         for seq in sorted(delta.seqs, key=lambda s: s.index):
-            logprobs = cumulative = None
+            logprobs: list[dict[int, float]] | None = None
+            cumulative: float | None = None
             if seq.logprobs is not None:
-                logprobs = [{t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob}
-                            for entry in seq.logprobs]
-                cumulative = sum(entry.logprob for entry in seq.logprobs)
+                logprobs, cumulative = [], 0.0
+                for entry in seq.logprobs:
+                    assert entry.logprob is not None, f"{delta.request_id}: a generated token without its logprob"
+                    logprobs.append({t: lp for t, _, lp in entry.top} | {entry.token_id: entry.logprob})
+                    cumulative += entry.logprob
             outputs.append(CompletionOutput(seq.index, seq.text, list(seq.token_ids), logprobs, seq.finish_reason,
                                             seq.stop_reason, cumulative))
         prompt_logprobs = None if delta.prompt_logprobs is None else [

@@ -29,8 +29,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)  # a string or None is taken too: __post_init__ makes a list
+    stop_token_ids: list[int] = field(default_factory=list)  # None is taken too
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to max_model_len

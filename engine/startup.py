@@ -81,7 +81,7 @@ class BackgroundPhase(Generic[T]):
     def __init__(self, name: str, fn: Callable[[], T]):
         self.name = name
         self._fn = fn
-        self._result: T | None = None
+        self._result: T  # set by _run unless it records an error
         self._error: BaseException | None = None
         self._overlap = Overlap(0.0, 0.0)
         self._thread = threading.Thread(target=self._run, name=f"pagoda-{name}", daemon=True)

@@ -62,8 +62,8 @@ class TokenizerChild:
         self.path = path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.PIPE, env=env)
+            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
             self._failure = None
         except OSError as e:  # no interpreter to start
             self._process, self._failure = None, f"{type(e).__name__}: {e}"
