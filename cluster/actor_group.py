@@ -29,7 +29,12 @@ from dataclasses import dataclass, replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 
 from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement, worker_actor_options
 from cluster.ray_utils import actor_env_vars, ensure_ray_initialized, resolve_cluster_device
@@ -127,7 +132,7 @@ class WorkerActor:
                 self.awaiting = step
                 return AwaitingBitmask(step.bitmask_req_ids)
             return step.result()
-        except Exception as e:  # an error value, not an exception: the graph and the actor stay usable
+        except Exception as e:  # noqa: BLE001 - an error value, not an exception: the graph and the actor stay usable
             return StepFailure(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
 
     def _ensure_current_device(self) -> None:

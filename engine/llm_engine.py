@@ -17,8 +17,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, StepHandle, executor_class
-from engine.outputs import SchedulerOutput
 from engine.grammar import StructuredOutputManager
+from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup, TokenStrings

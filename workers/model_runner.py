@@ -29,8 +29,7 @@ from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
-from workers.sampler import (SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs,
-                             sample_async)
+from workers.sampler import SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs, sample_async
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003

@@ -13,20 +13,19 @@ import logging
 import torch
 
 from engine import envs
-
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from engine.startup import StartupTimes
-from workers import parallel
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
 from kernels.fp8 import FP8_DTYPE
+from workers import parallel
 from workers.grammar_mask import warm_up_grammar_mask
-from workers.sampler import warm_up_sampler
 from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
 from workers.kv_scales import attention_layers, calibrate_kv_scales
 from workers.model_runner import ModelRunner
+from workers.sampler import warm_up_sampler
 from workers.weights import load_model
 
 logger = logging.getLogger(__name__)
