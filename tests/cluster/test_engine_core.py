@@ -118,11 +118,13 @@ def test_a_dead_engine_actor_fails_requests_and_health(remote, ray_cluster):
         stream = remote.generate([5, 6, 7], long, "doomed")
         await stream.__anext__()
         ray_cluster.kill(remote.connection.actor)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError):
+
+        async def drain():
             async for _ in stream:
                 pass
-        assert time.monotonic() - start < 30
+
+        with pytest.raises(EngineDeadError):  # ends, rather than waiting for good (the bound: a hang, not a speed)
+            await asyncio.wait_for(drain(), timeout=120)
         with pytest.raises(EngineDeadError):
             remote.check_health()
 
