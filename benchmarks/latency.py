@@ -11,7 +11,7 @@ import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
-from workers.presets import resolve_model
+from workers.presets import model_or_preset
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> dict:
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
-    model_dir, load_format = resolve_model(args.model, args.preset)
+    model_dir, load_format = model_or_preset(args.model, args.preset)
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     config = engine_args(args, model=model_dir, load_format=load_format,
                          enable_prefix_caching=False).create_engine_config()

@@ -29,7 +29,16 @@ from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches, copy_blocks
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
-from workers.sampler import SampledBatch, SamplingRow, SamplingTensors, finish, penalty_batch, row_knobs, sample_async
+from workers.sampler import (
+    RowKnobs,
+    SampledBatch,
+    SamplingRow,
+    SamplingTensors,
+    finish,
+    penalty_batch,
+    row_knobs,
+    sample_async,
+)
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003
@@ -46,7 +55,7 @@ class RequestState:
     num_computed_tokens: int
     seed: int | None
     history_slot: int | None = None  # its row of the runner's TokenHistory (requests with penalties, rank 0)
-    knobs: tuple | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
+    knobs: RowKnobs | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
     num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
 
     def append(self, token_id: int) -> None:

@@ -61,7 +61,7 @@ def preset_dir(name: str) -> str:
     return path
 
 
-def resolve_model(model: str | None, preset: str | None) -> tuple[str | None, str]:
+def model_or_preset(model: str | None, preset: str | None) -> tuple[str | None, str]:
     """(model dir, load_format): a preset means random weights."""
     if preset:
         return preset_dir(preset), "random"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,21 +42,37 @@ class SamplingRow:
     output_token_ids: list[int]
     seed: int | None = None  # this step's noise key (seeded requests); None: a fresh one
     num_pending: int = 0  # outputs sampled but not yet in output_token_ids (overlapped steps)
-    knobs: tuple | None = None  # row_knobs(params), when the caller keeps them (the runner: once per request)
+    knobs: RowKnobs | None = None  # row_knobs(params), when the caller keeps them (the runner: once per request)
 
     @property
     def num_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_pending
 
 
-def row_knobs(params: SamplingParams) -> tuple[float, ...]:
-    """(inv_temperature, noise_scale, top_p, log_min_p, top_k, repetition, frequency, presence) of one row;
-    greedy rows have no noise and no filters."""
+class RowKnobs(NamedTuple):
+    """One row's sampling knobs, as the kernels take them (a tuple: a batch's rows are packed column by column
+    into one [8, N] tensor, in this order; SamplingTensors names the columns back)."""
+
+    inv_temperature: float
+    noise_scale: float  # 0 (greedy) or 1
+    top_p: float
+    log_min_p: float  # -inf: no min-p
+    top_k: int  # 0: off
+    repetition: float
+    frequency: float
+    presence: float
+
+
+_PENALTIES = slice(RowKnobs._fields.index("repetition"), None)  # the packed rows of the three penalties
+
+
+def row_knobs(params: SamplingParams) -> RowKnobs:
+    """A row's knobs; greedy rows have no noise and no filters."""
     penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
     if params.is_greedy:
-        return 1.0, 0.0, 1.0, float("-inf"), 0, *penalties
+        return RowKnobs(1.0, 0.0, 1.0, float("-inf"), 0, *penalties)
     log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
-    return 1.0 / params.temperature, 1.0, params.top_p, log_min_p, params.top_k, *penalties
+    return RowKnobs(1.0 / params.temperature, 1.0, params.top_p, log_min_p, params.top_k, *penalties)
 
 
 @dataclass
@@ -79,20 +96,22 @@ class SamplingTensors:
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingTensors:
         """Two host-to-device copies and a pass over the rows' knob tuples, whatever the batch size."""
         knobs = [row.knobs or row_knobs(row.params) for row in rows]
-        columns = list(zip(*knobs))
+        columns = RowKnobs(*zip(*knobs))  # each field: that knob of every row
         # Rows of [8, N] start 16-byte aligned whatever N: Triton compiles a sampling kernel per alignment of its
         # pointers (0.5 s each on an H200, while every request waits).
         width = -(-len(rows) // 4) * 4
         packed = to_device([c + (0.0,) * (width - len(c)) for c in columns], torch.float32, device)[:, :len(rows)]
-        packed[4].clamp_(max=vocab_size)  # top-k
-        repetition, frequency, presence = columns[5:]
-        penalty_rows = [i for i, (r, f, p) in enumerate(zip(repetition, frequency, presence))
+        on_device = RowKnobs(*packed)  # views of packed's rows
+        on_device.top_k.clamp_(max=vocab_size)
+        penalty_rows = [i for i, (r, f, p) in enumerate(zip(columns.repetition, columns.frequency, columns.presence))
                         if r != 1.0 or f or p]
         penalty_index = to_device(penalty_rows, torch.long, device)
-        return cls(*packed[:5], penalties=packed[5:].index_select(1, penalty_index), penalty_rows=penalty_rows,
-                   penalty_index=penalty_index, max_top_k=min(max(columns[4]), vocab_size),
-                   is_random=max(columns[1]) > 0, use_repetition=any(r != 1.0 for r in repetition),
-                   use_frequency_presence=any(f or p for f, p in zip(frequency, presence)))
+        return cls(on_device.inv_temperature, on_device.noise_scale, on_device.top_p, on_device.log_min_p,
+                   on_device.top_k, penalties=packed[_PENALTIES].index_select(1, penalty_index),
+                   penalty_rows=penalty_rows, penalty_index=penalty_index,
+                   max_top_k=min(max(columns.top_k), vocab_size), is_random=max(columns.noise_scale) > 0,
+                   use_repetition=any(r != 1.0 for r in columns.repetition),
+                   use_frequency_presence=any(f or p for f, p in zip(columns.frequency, columns.presence)))
 
 
 @dataclass

@@ -30,7 +30,7 @@ from workers.weights import load_model
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Worker:
@@ -42,7 +42,7 @@ class Worker:
         self.dist_init_method = dist_init_method
         self.device_index = device_index
         self.device_kind = resolve_device(config.parallel.device)
-        self.dtype = _DTYPES[resolve_dtype(config.model.dtype, self.device_kind, config.model.hf_config)]
+        self.dtype = TORCH_DTYPES[resolve_dtype(config.model.dtype, self.device_kind, config.model.hf_config)]
         self.kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.model = None
         self.runner: ModelRunner | None = None
