@@ -105,14 +105,15 @@ class RunnerExecutor(Executor):
 
 def measure(mode: str, num_seqs: int, steps: int, prompt_len: int, executor: str = "instant",
             sampling: str = "greedy") -> dict:
-    from engine.llm_engine import LLMEngine, build_engine_config
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(prompt_len + steps + 16) // 16)
     num_blocks = num_seqs * blocks_per_seq + 16
     stream, interval_s = MODES[mode]
-    config = build_engine_config(model="tiny", device="cpu", num_kv_blocks=num_blocks, max_num_seqs=num_seqs,
-                                 max_num_batched_tokens=max(8192, num_seqs), stream_interval_s=interval_s)
+    config = EngineArgs(model="tiny", device="cpu", num_kv_blocks=num_blocks, max_num_seqs=num_seqs,
+                        max_num_batched_tokens=max(8192, num_seqs), stream_interval_s=interval_s).create_engine_config()
     engine = LLMEngine(config, executor=InstantExecutor(num_blocks) if executor == "instant"
                        else RunnerExecutor(num_blocks, config))
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING_SETTINGS[sampling])

@@ -27,16 +27,9 @@ START_TIMEOUT_S = 1800.0  # loading a large model
 CALL_TIMEOUT_S = 60.0
 
 
-class EngineCoreActor(EngineCore):
-    """EngineCore with one more control call: `fail` (debugging)."""
-
-    def fail(self, reason: str) -> None:
-        self.loop.fail(reason)
-
-
 def core_actor_class():
     """Control calls in order on one thread; polls and health pings on threads of their own."""
-    return ray.remote(concurrency_groups={"control": 1, "poll": 1, "health": 1})(EngineCoreActor)
+    return ray.remote(concurrency_groups={"control": 1, "poll": 1, "health": 1})(EngineCore)
 
 
 class RayConnection(CoreConnection):

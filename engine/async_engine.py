@@ -94,7 +94,7 @@ class LocalConnection(CoreConnection):
         self.core.check_health()
 
     def fail(self, reason: str) -> None:
-        self.core.loop.fail(reason)
+        self.core.fail(reason)
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -128,12 +128,6 @@ class AsyncLLMEngine:
         self._dead_error: str | None = None
         self._closed = False
         self._last_progress = (self._stats.num_steps, clock())  # (steps, when): the stall clock
-
-    @classmethod
-    def from_args(cls, **kwargs) -> AsyncLLMEngine:
-        from engine.config import EngineArgs
-
-        return cls(EngineArgs(**kwargs).create_engine_config())
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -170,14 +164,6 @@ class AsyncLLMEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._send(AbortRequest(request_id))
-
-    def abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-        self._send(AbortRequest(request_id))
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._queues)
 
     # ---- health and stats ----------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -149,6 +149,10 @@ class EngineCore:
         self.loop.check_health()
         self.engine.executor.check_health()
 
+    def fail(self, reason: str) -> None:
+        """Debugging: the engine dies as if a step had crashed."""
+        self.loop.fail(reason)
+
     def shutdown(self) -> None:
         self.loop.shutdown()
         with self._cond:

@@ -12,8 +12,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster import actor_group
 from cluster.actor_group import RayExecutor, local_gpu_index
 from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement
+from engine.config import EngineArgs
 from engine.executor import ExecutorError
-from engine.llm_engine import LLMEngine, build_engine_config
+from engine.llm_engine import LLMEngine
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
@@ -55,10 +56,10 @@ def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_comp
     from workers.kv_pool import bytes_per_block
 
     model_dir = tiny_checkpoints["llama"]
-    reference = greedy_tokens(LLMEngine(build_engine_config(model=model_dir, dtype="float32", device="cpu",
-                                                            num_kv_blocks=64)))
-    config = build_engine_config(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
-                                 cpu_kv_cache_bytes=1 << 20)
+    reference = greedy_tokens(LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu",
+                                                   num_kv_blocks=64).create_engine_config()))
+    config = EngineArgs(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
+                        cpu_kv_cache_bytes=1 << 20).create_engine_config()
     executor = RayExecutor(config, use_compiled_graph=use_compiled_graph)
     assert executor.is_compiled_graph == use_compiled_graph
     pg_id = executor.placement_group.id.hex()
@@ -117,11 +118,11 @@ class Replica:
     def run(self, model_dir: str) -> dict:
         from ray.util.placement_group import get_current_placement_group
 
-        config = build_engine_config(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
-                                     num_kv_blocks=64)
+        config = EngineArgs(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
+                            num_kv_blocks=64).create_engine_config()
         try:
-            RayExecutor(build_engine_config(model=model_dir, dtype="float32", device="cpu",
-                                            tensor_parallel_size=4, num_kv_blocks=64))
+            RayExecutor(EngineArgs(model=model_dir, dtype="float32", device="cpu",
+                                   tensor_parallel_size=4, num_kv_blocks=64).create_engine_config())
             too_large = None
         except ValueError as e:
             too_large = str(e)
@@ -136,8 +137,8 @@ class Replica:
 
 def test_executor_in_callers_placement_group(ray_cluster, tiny_checkpoints):
     model_dir = tiny_checkpoints["llama"]
-    reference = greedy_tokens(LLMEngine(build_engine_config(model=model_dir, dtype="float32", device="cpu",
-                                                            num_kv_blocks=64)))
+    reference = greedy_tokens(LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu",
+                                                   num_kv_blocks=64).create_engine_config()))
     pg = placement_group(ReplicaPlacement(2, "cpu").bundles(), strategy=PLACEMENT_STRATEGY)
     ray.get(pg.ready(), timeout=60)
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,

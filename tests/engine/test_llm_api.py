@@ -7,6 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def fibonacci(n):", "Hello"]
@@ -155,7 +156,8 @@ async def generate(engine, prompt, params, request_id, stream=True):
 
 def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
     async def main():
-        engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+                                .create_engine_config())
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         deltas = await generate(engine, "Hello", params, "r1")
         assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
@@ -195,7 +197,8 @@ def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, c
     monkeypatch.setenv("PAGODA_PROFILE_STEPS", "1:2")
 
     async def main():
-        engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+                                .create_engine_config())
         core_engine = engine.connection.core.engine
         before = replace(core_engine.timing)
         await generate(engine, "Hello", SamplingParams(max_tokens=5, ignore_eos=True), "t")
@@ -245,7 +248,8 @@ def test_malformed_step_report_settings_are_ignored(tiny_model_dir, monkeypatch)
     monkeypatch.setenv("PAGODA_PROFILE_STEPS", "a:b")
 
     async def main():
-        engine = AsyncLLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
+        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
+                                .create_engine_config())
         deltas = await generate(engine, "Hi", SamplingParams(max_tokens=3, ignore_eos=True), "m")
         engine.shutdown()
         return deltas

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import build_engine_config
+from engine.config import EngineArgs
 from engine.model_source import default_served_model_name, resolve_model
 from engine.sampling_params import default_sampling_overrides
 
@@ -48,7 +48,7 @@ def test_repo_ids_resolve_to_the_local_snapshot(tmp_path, monkeypatch, tiny_mode
 def test_unknown_names_say_where_they_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match=r"models--Org--Missing.*downloads nothing"):
-        build_engine_config(model="Org/Missing")
+        EngineArgs(model="Org/Missing").create_engine_config()
     with pytest.raises(ValueError, match="no such .gguf file"):
         resolve_model(str(tmp_path / "nope.gguf"))
     with pytest.raises(ValueError, match="not a checkpoint directory, a .gguf file, 'tiny' or a Hugging Face"):
@@ -99,7 +99,7 @@ def test_generation_config_defaults_apply_where_a_request_sets_none(tiny_copy):
 def test_a_bad_generation_config_fails_at_load(tiny_copy):
     _set_generation_config(tiny_copy, top_p=0.0)
     with pytest.raises(ValueError, match="generation_config.json of .*: top_p must be in"):
-        build_engine_config(model=str(tiny_copy))
+        EngineArgs(model=str(tiny_copy)).create_engine_config()
 
 
 def test_chat_template_override_from_a_file_or_text(tmp_path, tiny_model_dir):
@@ -113,4 +113,4 @@ def test_chat_template_override_from_a_file_or_text(tmp_path, tiny_model_dir):
         assert out.prompt == "[user] Hi\n=>"
         llm.shutdown()
     with pytest.raises(ValueError, match="^chat_template 'nope.jinja' is neither a file nor a Jinja template"):
-        build_engine_config(model="tiny", chat_template="nope.jinja")
+        EngineArgs(model="tiny", chat_template="nope.jinja").create_engine_config()

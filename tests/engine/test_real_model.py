@@ -7,7 +7,7 @@ import os
 import torch
 
 from engine import SamplingParams
-from engine.llm_engine import build_engine_config
+from engine.config import EngineArgs
 from tests.hf_oracle import assert_matches_hf
 from workers.default_model import default_gguf_path
 
@@ -18,7 +18,7 @@ PROMPTS = ["The capital of Japan is", "def add(a, b):\n    return",
 
 
 def test_no_model_means_the_default(real_model_dir):
-    config = build_engine_config(device="cpu", num_kv_blocks=8)
+    config = EngineArgs(device="cpu", num_kv_blocks=8).create_engine_config()
     assert config.model.model == real_model_dir
     assert config.model.hf_config["architectures"] == ["LlamaForCausalLM"]
     assert config.model.eos_token_ids == (2,)  # <|im_end|>: a chat turn ends there
