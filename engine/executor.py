@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,7 @@ class StepHandle:
     error: ExecutorError | None = None
 
 
-def executor_class(config: EngineConfig) -> type[Executor]:
+def executor_class(config: EngineConfig) -> Callable[[EngineConfig], Executor]:
     """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray). The
     import (torch, the kernels) is the start-up's `imports` phase."""
     if config.parallel.tensor_parallel_size == 1 and not config.parallel.use_ray:

@@ -72,7 +72,6 @@ class LLMEngine:
         raises here as it would inline, once the executor is up, and releases the executor."""
         self.config = config
         self.startup = StartupTimes()  # imports, the executor's (rank 0's) phases, tokenizer_wait; tokenizer beside
-        make_executor = None
         child = TokenizerChild(config.model.tokenizer_path) if _expects_gpu(config) else None  # before the imports
         if executor is None:
             # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch
@@ -84,8 +83,10 @@ class LLMEngine:
                 if child is not None:
                     child.close()
                 raise
+        else:
+            make_executor = lambda _config: executor  # noqa: E731 - the caller's, started already
         tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model, child))
-        self.executor = self._start_executor(lambda: executor or make_executor(config))
+        self.executor = self._start_executor(lambda: make_executor(config))
         try:
             self.tokenizer, max_chars_per_token = tokenizer.join(self.startup)
         except BaseException:
@@ -112,7 +113,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_finished: dict[str, int] = {}  # finish reason -> requests
         self.step_tokens: list[int] = []  # tokens of each step since the last take_step_tokens() (bounded)
-        self._pending = None  # (SchedulerOutput, StepHandle) of the step in flight
+        self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # the step in flight
         self.timing = StepTiming()
         self._ids = itertools.count()
 
@@ -150,7 +151,7 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         arrival_time = arrival_time or time.time()
-        seqs = []
+        seqs: list[Request] = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i
@@ -248,14 +249,15 @@ class LLMEngine:
         if pending is None:
             return None, None, []
         sched, handle = pending
-        start, error = time.perf_counter(), handle.error
+        start = time.perf_counter()
         try:
-            result = self.executor.collect(handle) if error is None else None
+            if handle.error is not None:  # its sample() failed
+                raise handle.error
+            result = self.executor.collect(handle)
         except ExecutorError as e:
-            result, error = None, e
+            self.timing.wait_s += time.perf_counter() - start
+            return sched, None, self._fail_step(sched, e)
         self.timing.wait_s += time.perf_counter() - start
-        if error is not None:
-            return sched, None, self._fail_step(sched, error)
         return sched, self.scheduler.update_from_output(sched, result), []
 
     def _deltas(self, collected) -> list[RequestDelta]:
@@ -268,7 +270,7 @@ class LLMEngine:
         deltas = []
         for grammar in self.structured.poll():
             req = self.scheduler.requests.get(grammar.req_id)
-            if req is not None:
+            if req is not None and grammar.error is not None:  # (poll gives only the failed)
                 deltas += self._fail_requests([req.parent_id], grammar.error)
         return deltas
 
@@ -388,8 +390,3 @@ def _expects_gpu(config: EngineConfig) -> bool:
 def _tokenizer_eos(tokenizer) -> set[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return {eos} if isinstance(eos, int) else set()
-
-
-def build_engine_config(**kwargs) -> EngineConfig:
-    """`EngineArgs(**kwargs).create_engine_config()`: user-facing arguments -> the frozen config."""
-    return EngineArgs(**kwargs).create_engine_config()
