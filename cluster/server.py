@@ -132,12 +132,11 @@ class LLMServer:
             raise ParamError("chat_template_kwargs", "chat_template is not allowed on this server (the operator can "
                                                      "allow it: app arg allow_request_chat_template)")
         limit = self.settings.chat_template_time_limit_s if template is not None else None
-        if request.tools is not None:
-            kwargs["tools"] = request.tools
-        if request.continue_final_message:  # the last message stays open: the model continues it
-            kwargs["continue_final_message"] = True
+        # (continue_final_message: the last message stays open, the model continues it)
         return apply_chat_template(self.engine.tokenizer, request.messages, request.add_generation_prompt,
-                                   template, time_limit_s=limit, **kwargs)
+                                   template, time_limit_s=limit, tools=request.tools,
+                                   continue_final_message=bool(request.continue_final_message),
+                                   template_kwargs=kwargs)
 
     async def _stream(self, request: GenerateRequest, token_ids: list[int],
                       ) -> AsyncIterator[list[RequestDelta] | ErrorInfo]:

@@ -13,10 +13,13 @@ from engine.errors import ParamError
 
 logger = logging.getLogger(__name__)
 
-# Template variables the server sets itself; a request's chat_template_kwargs may not set them.
+# What a request's chat_template_kwargs may not set: the template variables the server sets itself, and the other
+# parameters of transformers' apply_chat_template (they would be taken as its arguments, not as variables).
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize",
                                       "return_dict", "chat_template", "tools", "documents",
-                                      "continue_final_message"})
+                                      "continue_final_message", "sanitize_control_tokens", "padding", "truncation",
+                                      "max_length", "return_tensors", "return_assistant_tokens_mask",
+                                      "tokenizer_kwargs"})
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, child: TokenizerChild | None = None):
@@ -101,9 +104,13 @@ def _load_error(path: str, cause: str) -> str:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, time_limit_s: float | None = None, **kwargs) -> str:
-    """Renders a conversation to prompt text with the tokenizer's template (or `chat_template`). Raises ParamError
-    on bad messages, a template that rejects them, or one that runs past `time_limit_s`."""
+                        chat_template: str | None = None, time_limit_s: float | None = None, *,
+                        tools: list[dict] | None = None, continue_final_message: bool = False,
+                        template_kwargs: dict | None = None) -> str:
+    """Renders a conversation to prompt text with the tokenizer's template (or `chat_template`). template_kwargs:
+    more variables for the template (none of RESERVED_TEMPLATE_KWARGS; a dict, so that a variable named like one of
+    these parameters stays a variable). Raises ParamError on bad messages, a template that rejects them, or one that
+    runs past `time_limit_s`."""
     if not isinstance(messages, list) or not messages:
         raise ParamError("messages", "must be a non-empty list")
     for message in messages:
@@ -114,7 +121,9 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     try:
         with _deadline(time_limit_s):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, **kwargs)
+                                                 chat_template=chat_template, tools=tools,
+                                                 continue_final_message=continue_final_message,
+                                                 **(template_kwargs or {}))
     except _TemplateTimeout:
         raise ParamError("chat_template", f"rendering ran past its limit of {time_limit_s:g} s") from None
     except Exception as e:  # jinja errors: the template rejected the conversation

@@ -134,11 +134,24 @@ def test_a_batch_larger_than_the_model_admits_at_once_is_400_not_429(http):
      "not allowed"),
     ({"add_generation_prompt": True}, "may not set"),
     ({"messages": []}, "may not set"),
+    ({"return_assistant_tokens_mask": True}, "may not set"),  # transformers' own argument, not a variable
 ])
 def test_chat_template_kwargs_cannot_run_code_or_collide(http, kwargs, what):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400, "chat_template_kwargs")
     assert what in error["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_template_variables_named_like_the_renderers_parameters_stay_variables(http, path):
+    """chat_template_kwargs {"tokenizer": ...} (schemathesis found it in CI) was passed as a keyword argument to the
+    server's own renderer, whose first parameter is `tokenizer`: a TypeError and a 500. Such names are variables of
+    the template, as any other."""
+    kwargs = {"tokenizer": ["x"], "time_limit_s": None, "template_kwargs": {}, "": {}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs,
+            "add_generation_prompt": True} | ({"max_tokens": 2} if path != "/tokenize" else {})
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
 
 
 def test_a_request_template_that_runs_too_long_is_stopped():
