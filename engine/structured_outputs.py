@@ -129,20 +129,28 @@ def grammar_for(params: StructuredOutputsParams):
     times, and the burst's first tokens came 0.55 s late on an H200's host). Different constraints build in
     parallel."""
     with _building_guard:
-        building = _building.setdefault(params.key, [threading.Lock(), 0])
-        building[1] += 1
+        building = _building.setdefault(params.key, _Building())
+        building.num_waiting += 1
     try:
-        with building[0]:
+        with building.lock:
             return _grammar(*params.key)
     finally:
         with _building_guard:
-            building[1] -= 1
-            if not building[1]:
+            building.num_waiting -= 1
+            if not building.num_waiting:
                 del _building[params.key]
 
 
+@dataclass
+class _Building:
+    """A constraint some thread builds: the lock its builder holds, and how many threads want it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    num_waiting: int = 0
+
+
 _building_guard = threading.Lock()
-_building: dict[tuple, list] = {}  # a constraint's key -> [the lock its builder holds, how many threads want it]
+_building: dict[tuple, _Building] = {}  # a constraint's key -> its build
 
 
 @functools.lru_cache(maxsize=_GRAMMAR_CACHE_SIZE)
