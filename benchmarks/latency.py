@@ -11,7 +11,7 @@ import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
-from workers.presets import model_or_preset
+from checkpoints.presets import model_or_preset
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

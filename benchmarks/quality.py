@@ -11,7 +11,7 @@ tokens (the default: one prefill; 1: every position a decode step). At each of t
     |Δ logprob|         |Pagoda's logprob - transformers'| of transformers' most likely token (mean, max)
 
 The issue's bar for FP8 weights + FP8 KV: agreement >= 97%, mean |Δ logprob| <= 0.05. Without --model, the built-in
-SmolLM2-135M-Instruct (workers/default_model.py); any Hugging Face checkpoint directory of a supported family works
+SmolLM2-135M-Instruct (checkpoints/builtin.py); any Hugging Face checkpoint directory of a supported family works
 (an FP8 checkpoint with `--reference` its full-precision source). `--ablations` adds FP8 weights alone and FP8 KV
 alone; `--kv-scales layer` calibrates one KV scale per layer instead of per head (the comparison behind the
 default). Runs on one rank (tensor_parallel_size 1).
@@ -127,7 +127,7 @@ def build_worker(args, model_dir: str, quantization, kv_cache_dtype: str, num_to
 
 
 def main(args: argparse.Namespace) -> dict:
-    from engine.model_source import resolve_model
+    from checkpoints.source import resolve_model
     from engine.tokenizer import load_tokenizer
 
     model_dir = resolve_model(args.model)  # None: the built-in SmolLM2-135M-Instruct

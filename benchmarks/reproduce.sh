@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 TP=${TP:-2}
 FP8=${FP8:-1}
 mkdir -p "$OUT"
-VOCAB=$($PY -c "import json; from workers.presets import preset_dir; \
+VOCAB=$($PY -c "import json; from checkpoints.presets import preset_dir; \
 print(json.load(open(preset_dir('$PRESET') + '/config.json'))['vocab_size'])")
 step() { echo "== $1"; shift; "$@" || echo "FAILED ($?): $*"; }
 

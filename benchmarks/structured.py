@@ -47,7 +47,7 @@ def tokenizer_dir(name: str) -> str:
     """A tokenizer directory; 'smollm2': the built-in model's (its 49152-token tokenizer), prepared once."""
     if name != "smollm2":
         return name
-    from workers.default_model import default_model_path
+    from checkpoints.builtin import default_model_path
 
     return default_model_path()
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     from engine.tokenizer import load_tokenizer
 
     if args.tokenizer is None:
-        from workers.tiny_model import default_tiny_model_path
+        from checkpoints.tiny import default_tiny_model_path
 
         args.tokenizer = default_tiny_model_path()
     tokenizer = load_tokenizer(tokenizer_dir(args.tokenizer))

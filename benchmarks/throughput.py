@@ -28,7 +28,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
-from workers.presets import model_or_preset
+from checkpoints.presets import model_or_preset
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> dict:
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     model_dir, load_format = model_or_preset(args.model, args.preset)
     if load_format != "random":  # a model name as users type it; none: the tiny model (a quick comparison)
-        from engine.model_source import resolve_model
+        from checkpoints.source import resolve_model
 
         model_dir = resolve_model(model_dir or "tiny")
     with open(os.path.join(model_dir, "config.json")) as f:

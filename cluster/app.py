@@ -232,7 +232,7 @@ def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]
 
 
 def _default_name(model: str | None) -> str:
-    from engine.model_source import default_served_model_name
+    from checkpoints.source import default_served_model_name
 
     return default_served_model_name(model)
 

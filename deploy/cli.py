@@ -15,7 +15,7 @@ from engine import envs
 from engine.arg_utils import add_engine_args, engine_args
 from engine.config import EngineArgs
 
-# workers.tiny_model.TINY_ARCHES' keys (not imported here: it brings torch; a test keeps the two equal)
+# checkpoints.tiny.TINY_ARCHES' keys (not imported here: it brings torch; a test keeps the two equal)
 TINY_ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 _DEFAULT_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import os\nimport sys\n"]
 
@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from workers.tiny_model import make_tiny_model
+    from checkpoints.tiny import make_tiny_model
 
     make_tiny_model(args.dir, arch=args.arch, seed=args.seed)
     print(f"wrote a tiny {args.arch} checkpoint to {args.dir}")

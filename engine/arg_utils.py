@@ -61,7 +61,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     model = getattr(args, "model_arg", None) or args.model
     load_format = args.load_format
     if getattr(args, "preset", None):
-        from workers.presets import preset_dir  # lazy: engine imports no other package at import time
+        from checkpoints.presets import preset_dir  # lazy: see create_engine_config (engine/config.py)
 
         model, load_format = preset_dir(args.preset), "random"
     values = dict(model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,

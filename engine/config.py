@@ -26,7 +26,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "random")
 class ModelConfig:
     """What to run: a Hugging Face checkpoint directory or a GGUF file, and how to load it."""
 
-    model: str  # a Hugging Face checkpoint directory or a .gguf file (engine.model_source resolves user names)
+    model: str  # a Hugging Face checkpoint directory or a .gguf file (checkpoints.source resolves user names)
     dtype: str = "auto"  # resolved by `resolve_dtype` once the device is known
     max_model_len: int = 0  # 0: take the checkpoint's max_position_embeddings
     load_format: str = "auto"
@@ -54,7 +54,7 @@ class ModelConfig:
         from it when not given."""
         hf_config: dict | None
         if model.endswith(".gguf"):
-            from workers.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: engine imports no workers at import
+            from checkpoints.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: it imports torch and numpy
 
             info = read_gguf_model(model)
             hf_config, generation_config = info.hf_config, info.generation_config
@@ -241,8 +241,10 @@ class EngineArgs:
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 
     def create_engine_config(self) -> EngineConfig:
-        """`model` is any name engine.model_source.resolve_model takes (None: the built-in SmolLM2)."""
-        from engine.model_source import resolve_model
+        """`model` is any name checkpoints.source.resolve_model takes (None: the built-in SmolLM2)."""
+        # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
+        # `import engine.config`, which every process pays, the ingress's too
+        from checkpoints.source import resolve_model
         from engine.sampling_params import default_sampling_overrides
         from engine.tokenizer import read_chat_template
 

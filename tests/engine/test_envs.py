@@ -8,7 +8,7 @@ from pathlib import Path
 from engine import envs
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["engine", "workers", "kernels", "cluster", "deploy", "benchmarks"]
+PACKAGES = ["engine", "checkpoints", "workers", "kernels", "cluster", "deploy", "benchmarks"]
 
 
 def _is_read(node: ast.AST, in_envs: bool) -> bool:

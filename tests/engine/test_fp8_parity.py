@@ -81,7 +81,7 @@ def test_fp8_with_sliding_windows_and_a_shared_expert(tmp_path, arch, overrides,
 
     Seeds: with some (Mistral's 1) a single activation of one prompt lands where the two float32 computations round
     it to neighbouring e4m3 values and a logprob moves by 0.04 (same tokens); these seeds have no such element."""
-    from workers.tiny_model import make_tiny_model
+    from checkpoints.tiny import make_tiny_model
 
     model_dir = make_tiny_model(str(tmp_path / arch), arch=arch, seed=seed, config_overrides=overrides)
     llm, outs = run(model_dir)

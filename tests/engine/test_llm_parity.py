@@ -6,9 +6,9 @@ import functools
 import pytest
 import torch
 
+from checkpoints.tiny import TINY_ARCHES, make_tiny_model
 from engine import LLM, SamplingParams
 from tests.prompts import PARITY_PROMPTS
-from workers.tiny_model import TINY_ARCHES, make_tiny_model
 
 MAX_NEW = 12
 PROMPTS = PARITY_PROMPTS

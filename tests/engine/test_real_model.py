@@ -6,10 +6,10 @@ import os
 
 import torch
 
+from checkpoints.builtin import default_gguf_path
 from engine import SamplingParams
 from engine.config import EngineArgs
 from tests.hf_oracle import assert_matches_hf
-from workers.default_model import default_gguf_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The capital of Japan is", "def add(a, b):\n    return",
@@ -47,8 +47,8 @@ def test_converted_checkpoint_holds_what_transformers_reads_from_the_gguf(real_m
 def test_logits_match_transformers_and_the_gguf_file_gives_the_same(real_llm, real_model_dir):
     from transformers import AutoModelForCausalLM
 
+    from checkpoints.gguf import open_gguf
     from engine import LLM
-    from workers.gguf import open_gguf
 
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, prompt_logprobs=2, logprobs=2)
     converted = real_llm.generate(PROMPTS, params, use_tqdm=False)

@@ -189,7 +189,7 @@ def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_
 
 
 def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
-    from workers.tiny_model import make_tiny_model
+    from checkpoints.tiny import make_tiny_model
 
     model_dir = make_tiny_model(str(tmp_path / "wide"), config_overrides={"vocab_size": 1100})  # tokenizer: 1000
     engine = LLMEngine.from_args(model=model_dir, device="cpu", num_kv_blocks=64)

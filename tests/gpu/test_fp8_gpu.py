@@ -50,7 +50,7 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
     the references without): the kernels stay well inside it. Every family's FP8 linears; a window of 8 over the
     e4m3 pool; Mixtral's bf16 experts."""
     if arch == "mistral-window-8":
-        from workers.tiny_model import make_tiny_model
+        from checkpoints.tiny import make_tiny_model
 
         model_dir = make_tiny_model(str(tmp_path / arch), arch="mistral", seed=2,
                                     config_overrides={"sliding_window": 8})
@@ -81,7 +81,7 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
 
 def test_gpu_8b_shape_random_fp8_weights_and_pool():
     """Llama-3-8B shapes, random FP8 weights drawn on the GPU: half the bytes of bf16, twice the KV blocks."""
-    from workers.presets import preset_dir
+    from checkpoints.presets import preset_dir
 
     kwargs = dict(model=preset_dir("llama-3-8b"), load_format="random", max_model_len=2048, max_num_seqs=8,
                   enforce_eager=True, gpu_memory_utilization=0.5)

@@ -9,9 +9,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from checkpoints.builtin import default_gguf_path  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.hf_oracle import assert_matches_hf  # noqa: E402
-from workers.default_model import default_gguf_path  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The capital of Japan is", "def add(a, b):\n    return",

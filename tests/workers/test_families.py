@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
+from checkpoints.tiny import make_tiny_model
 from tests.workers.test_llama import _hf_logits
 from workers.models import get_model_class
-from workers.tiny_model import make_tiny_model
 from workers.weights import load_model
 
 IDS = [(7 * i + 3) % 900 + 5 for i in range(120)]  # 120 tokens: past every original length below

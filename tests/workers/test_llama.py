@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from checkpoints.tiny import TINY_ARCHES, make_tiny_model
 from workers.models import get_model_class, supported_architectures
 from workers.models.llama import LlamaForCausalLM, rope_settings
-from workers.tiny_model import TINY_ARCHES, make_tiny_model
 from workers.weights import load_model
 
 PROMPTS = [

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from workers.tiny_model import TINY_ARCHES, make_tiny_model
+from checkpoints.tiny import TINY_ARCHES, make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 300, 7, 8], [600, 2, 31]]
 
@@ -61,7 +61,7 @@ def _check_collectives(rank: int, world_size: int) -> None:
 
 def _config(path: str) -> dict:
     if path.endswith(".gguf"):
-        from workers.gguf import read_gguf_model
+        from checkpoints.gguf import read_gguf_model
 
         return read_gguf_model(path).hf_config
     with open(os.path.join(path, "config.json")) as f:

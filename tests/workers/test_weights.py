@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoints.tiny import make_tiny_model
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.models import get_model_class
 from workers.models.llama import LlamaForCausalLM
-from workers.tiny_model import make_tiny_model
 from workers.weights import iterate_weights, load_model, safetensors_files
 
 

@@ -8,8 +8,8 @@ import threading
 
 from transformers import AutoTokenizer
 
-from workers import tiny_model
-from workers.tiny_model import default_tiny_model_path, make_tiny_model
+from checkpoints import tiny
+from checkpoints.tiny import default_tiny_model_path, make_tiny_model
 
 
 def _read(path: str, name: str) -> bytes:
@@ -58,8 +58,8 @@ def test_chat_template_renders(tmp_path):
 def test_default_path_builds_once_even_when_racing(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
     calls = []
-    real_make = tiny_model.make_tiny_model
-    monkeypatch.setattr(tiny_model, "make_tiny_model", lambda *a, **k: calls.append(1) or real_make(*a, **k))
+    real_make = tiny.make_tiny_model
+    monkeypatch.setattr(tiny, "make_tiny_model", lambda *a, **k: calls.append(1) or real_make(*a, **k))
     paths = []
     threads = [threading.Thread(target=lambda: paths.append(default_tiny_model_path())) for _ in range(2)]
     for t in threads:
@@ -76,7 +76,7 @@ def test_default_path_builds_once_even_when_racing(tmp_path, monkeypatch):
 def test_cli_offers_every_tiny_arch(tmp_path):
     from deploy.cli import TINY_ARCH_NAMES, main
 
-    assert TINY_ARCH_NAMES == list(tiny_model.TINY_ARCHES)
+    assert TINY_ARCH_NAMES == list(tiny.TINY_ARCHES)
     assert main(["make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3_moe"]) == 0
     config = json.loads(_read(str(tmp_path / "m"), "config.json"))
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["mlp_only_layers"] == [0]

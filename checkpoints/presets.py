@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+from checkpoints.source import cache_root
+
 _COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": 0.02}
 _LLAMA_3 = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8,
             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -48,8 +50,7 @@ def preset_dir(name: str) -> str:
     """A checkpoint directory for a preset (config.json + the tiny tokenizer), created once in the cache."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    from engine.model_source import cache_root
-    from workers.tiny_model import default_tiny_model_path
+    from checkpoints.tiny import default_tiny_model_path  # lazy: it imports torch, the presets' callers need not
 
     path = os.path.join(cache_root(), "presets", name)
     os.makedirs(path, exist_ok=True)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints.gguf import GGUFSlice, gguf_hf_config, open_gguf, qk_row_order, read_gguf_model
 from engine import LLM, SamplingParams
 from tests.gguf_files import write_gguf
 from tests.hf_oracle import assert_matches_hf
 from tests.prompts import PARITY_PROMPTS
-from workers.gguf import GGUFSlice, gguf_hf_config, open_gguf, qk_row_order, read_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
+from engine import envs
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # the served name of the built-in model
 TINY_MODEL = "tiny"
 TINY_MODEL_NAME = "pagoda-tiny"
@@ -30,11 +32,12 @@ def resolve_model(model: str | None) -> str:
     """The checkpoint directory or .gguf file to load. Raises ValueError naming what was tried when `model` is none
     of the forms above."""
     if model is None:
-        from workers.default_model import default_model_path  # lazy: engine imports no other package at import
+        # lazy, both: builtin imports this module back, and tiny imports torch (resolving a path must not)
+        from checkpoints.builtin import default_model_path
 
         return default_model_path()
     if model == TINY_MODEL:
-        from workers.tiny_model import default_tiny_model_path
+        from checkpoints.tiny import default_tiny_model_path
 
         return default_tiny_model_path()
     if model.endswith(".gguf") and not os.path.isfile(model):
@@ -102,8 +105,6 @@ def find_hf_snapshot(repo_id: str, revision: str | None = None) -> str:
 
 # ---- Pagoda's own cache ------------------------------------------------------------------------------------------
 def cache_root() -> str:
-    from engine import envs
-
     return envs.cache_dir()
 
 

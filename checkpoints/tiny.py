@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from checkpoints.source import build_once, cache_root
+
 TINY_MODEL_NAME = "tiny-llama-v1"
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 BOS, EOS, IM_START, IM_END, PAD = SPECIAL_TOKENS
@@ -210,7 +212,5 @@ def _save_quietly(model, path: str, max_shard_size: str | None) -> None:
 
 def default_tiny_model_path() -> str:
     """Builds the tiny Llama checkpoint once into `$PAGODA_CACHE/tiny-llama-v1` (default `~/.cache/pagoda`);
-    safe when several processes race (`engine.model_source.build_once`)."""
-    from engine.model_source import build_once, cache_root
-
+    safe when several processes race (`checkpoints.source.build_once`)."""
     return build_once(os.path.join(cache_root(), TINY_MODEL_NAME), lambda tmp: make_tiny_model(tmp, "llama", seed=0))

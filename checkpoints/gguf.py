@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from checkpoints.source import build_once, cache_root
+
 # Types `gguf.quants.dequantize` handles and that Pagoda has checked; any other type is an error naming it.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
@@ -217,7 +219,6 @@ def _as_tensor(values: np.ndarray) -> torch.Tensor:
 def gguf_tokenizer_dir(path: str, digest: str) -> str:
     """A tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template) built once from the GGUF
     metadata by transformers (slow: seconds) and cached under $PAGODA_CACHE/gguf-tokenizers/<digest>."""
-    from engine.model_source import build_once, cache_root
 
     def build(tmp: str) -> None:
         from transformers import AutoTokenizer

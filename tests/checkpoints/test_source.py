@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
+from checkpoints.source import default_served_model_name, resolve_model
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from engine.model_source import default_served_model_name, resolve_model
 from engine.sampling_params import default_sampling_overrides
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

