@@ -4,7 +4,7 @@ them, line for line (the cos/sin caches match bit for bit): `(inv_freq [head_dim
 attention_factor (YaRN's and LongRoPE's "mscale") multiplies cos and sin, as transformers multiplies them.
 
 `rope_scaling` is the config's dict with `rope_type` and its fields; `original_max_position_embeddings`, where the
-type uses it, already resolved (`workers.models.llama.rope_settings` does it as transformers' config does).
+type uses it, already resolved (`workers.models.args.rope_settings` does it as transformers' config does).
 
 Two types depend on the sequence length in transformers, which recomputes them in every forward pass from the
 longest position in that pass. A paged engine cannot: a key is rotated once, when it is written to the cache, and

@@ -21,6 +21,7 @@ from engine.quantization import QuantConfig
 from workers.layers.moe import FusedMoE
 from workers.layers.quantization import quantized_layers
 from workers.models import get_model_class
+from workers.models.args import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +60,15 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
     N(0, initializer_range) with `seed` (norm weights 1, biases 0) without reading any checkpoint.
     quant_config: FP8 linear layers (workers/layers/quantization.py), quantized as they load (or drawn in FP8).
     """
-    model_class = get_model_class(hf_config)
+    model_class, args = get_model_class(hf_config), ModelArgs.from_hf_config(hf_config)
     with quantized_layers(quant_config):
-        model = model_class(hf_config, dtype=dtype, device=device, max_model_len=max_model_len)
+        model = model_class(args, dtype=dtype, device=device, max_model_len=max_model_len)
     num_moe = sum(isinstance(m, FusedMoE) for m in model.modules())
     if quant_config is not None and num_moe:
         logger.info("FP8: the attention and dense linear layers; the routed experts of %d MoE layers stay %s",
                     num_moe, dtype)
     if load_format == "random":
-        init_random_weights(model, std=float(hf_config.get("initializer_range", 0.02)), seed=seed)
+        init_random_weights(model, std=args.initializer_range, seed=seed)
     elif load_format in ("auto", "safetensors"):
         assert model_dir is not None, "a checkpoint directory is needed unless load_format='random'"
         if model_dir.endswith(".gguf"):

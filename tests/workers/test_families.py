@@ -13,6 +13,7 @@ import torch
 from checkpoints.tiny import make_tiny_model
 from tests.workers.test_llama import _hf_logits
 from workers.models import get_model_class
+from workers.models.args import ModelArgs
 from workers.weights import load_model
 
 IDS = [(7 * i + 3) % 900 + 5 for i in range(120)]  # 120 tokens: past every original length below
@@ -120,9 +121,10 @@ def test_qwen_layer_rules_are_transformers_layer_types(config_class, architectur
     fields = dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=6, max_window_layers=3)
     hf = getattr(transformers, config_class)(**fields)
     expected = [6 if kind == "sliding_attention" else None for kind in hf.layer_types]
+    older = {name: value for name, value in hf.to_dict().items() if name != "layer_types"}
     model_class = get_model_class({"architectures": [architecture]})
-    assert model_class.layer_windows(fields) == expected and None in expected and 6 in expected
-    assert model_class.layer_windows({**fields, "use_sliding_window": False}) == [None] * 6
+    assert model_class.layer_windows(ModelArgs.from_hf_config(older)) == expected and None in expected and 6 in expected
+    assert model_class.layer_windows(ModelArgs.from_hf_config({**older, "use_sliding_window": False})) == [None] * 6
 
 
 def test_window_at_least_max_model_len_is_full_attention(tiny_checkpoints):

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from checkpoints.tiny import TINY_ARCHES, make_tiny_model
 from workers.models import get_model_class, supported_architectures
-from workers.models.llama import LlamaForCausalLM, rope_settings
+from workers.models.args import rope_settings
+from workers.models.llama import LlamaForCausalLM
 from workers.weights import load_model
 
 PROMPTS = [

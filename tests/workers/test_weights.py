@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from checkpoints.tiny import make_tiny_model
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.models import get_model_class
+from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM
 from workers.weights import iterate_weights, load_model, safetensors_files
 
@@ -43,7 +44,7 @@ class RecordingSlice:
 
 def _load_rank(path, hf_config, rank, tp_size, tp_state, reads=None):
     tp_state(rank, tp_size)
-    model = get_model_class(hf_config)(hf_config, torch.float32, "cpu")
+    model = get_model_class(hf_config)(ModelArgs.from_hf_config(hf_config), torch.float32, "cpu")
     weights = iterate_weights(path)
     if reads is not None:
         weights = ((name, RecordingSlice(s, reads.setdefault(name, []))) for name, s in weights)
@@ -181,7 +182,7 @@ def test_lm_head_logits_drop_the_padding(tp_state):
 
 def test_missing_and_unknown_weights_are_reported(sharded):
     path, hf_config, full = sharded
-    model = LlamaForCausalLM(hf_config, torch.float32, "cpu")
+    model = LlamaForCausalLM(ModelArgs.from_hf_config(hf_config), torch.float32, "cpu")
     partial = [(n, t) for n, t in full.items() if n != "model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match=r"qkv_proj.weight\[k\]"):
         model.load_weights(partial)

@@ -27,6 +27,7 @@ from workers.layers.linear import (
 )
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.models.args import ModelArgs
 
 # (fused parameter, checkpoint name, shard id)
 _STACKED_PARAMS = [
@@ -36,56 +37,29 @@ _STACKED_PARAMS = [
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 ]
-_ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")  # the types that read original_max_position_embeddings
 
 
-def rope_settings(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a config.json of either transformers 4 (`rope_theta`, `rope_scaling`)
-    or transformers 5 (`rope_parameters`). rope_scaling is None for plain RoPE, else a dict with `rope_type` and,
-    for the types that use it, `original_max_position_embeddings` resolved as transformers' config resolves it
-    (a top-level field first, as Phi-3 has; else the scaling's own; else max_position_embeddings)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = dict(cfg.get("rope_scaling") or params)
-    partial = scaling.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
-    if partial != 1.0:
-        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if cfg.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"  # what transformers' Phi3Config reads these old names as
-    if rope_type == "default":
-        return theta, None
-    scaling["rope_type"] = rope_type
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
-    if rope_type in _ORIGINAL_LEN_TYPES:
-        if "original_max_position_embeddings" in cfg:
-            scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
-    return theta, scaling
-
-
-def sliding_windows(cfg: dict, is_sliding=None) -> list[int | None]:
+def sliding_windows(args: ModelArgs, is_sliding=None, use_by_default: bool = True) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers decides it: none without
-    `sliding_window` or with `use_sliding_window` false (Qwen's switch); else the config's `layer_types` where it
-    has them (transformers 5), else `is_sliding(layer_idx)`, the family's rule (None: every layer)."""
-    num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
-    if not window or not cfg.get("use_sliding_window", True):
-        return [None] * num_layers
-    if cfg.get("layer_types"):
-        return [window if kind == "sliding_attention" else None for kind in cfg["layer_types"]]
-    return [window if is_sliding is None or is_sliding(i) else None for i in range(num_layers)]
+    `sliding_window` or with `use_sliding_window` false (Qwen's switch; `use_by_default` where the config has
+    none); else the config's `layer_types` where it has them (transformers 5), else `is_sliding(layer_idx)`, the
+    family's rule (None: every layer)."""
+    window = args.sliding_window
+    use = use_by_default if args.use_sliding_window is None else args.use_sliding_window
+    if not window or not use:
+        return [None] * args.num_layers
+    if args.layer_types:
+        return [window if kind == "sliding_attention" else None for kind in args.layer_types]
+    return [window if is_sliding is None or is_sliding(i) else None for i in range(args.num_layers)]
 
 
 class LlamaAttentionBlock(nn.Module):
     """qkv projection, (Qwen3: RMSNorm of each q and k head), RoPE and the KV write, paged attention, o projection."""
 
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None,
+    def __init__(self, args: ModelArgs, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None,
                  dtype, device, rotary_emb: RotaryEmbedding):
         super().__init__()
-        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        hidden, num_heads, num_kv_heads, head_dim = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, dtype, device)
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
@@ -93,9 +67,8 @@ class LlamaAttentionBlock(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = head_dim
         if qk_norm:
-            eps = cfg.get("rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(head_dim, eps, dtype, device)
-            self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+            self.q_norm = RMSNorm(head_dim, args.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, args.rms_norm_eps, dtype, device)
         self.qk_norm = qk_norm
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5, sliding_window,
                               device=device)
@@ -123,13 +96,12 @@ class LlamaAttentionBlock(nn.Module):
 class LlamaMLP(nn.Module):
     """gate/up, SiLU-and-mul, down. reduce_results=False: down returns this rank's partial sum (a shared expert)."""
 
-    def __init__(self, cfg: dict, bias: bool, dtype, device, intermediate_size: int | None = None,
+    def __init__(self, args: ModelArgs, bias: bool, dtype, device, intermediate_size: int | None = None,
                  reduce_results: bool = True):
         super().__init__()
-        hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
+        hidden, inter = args.hidden_size, intermediate_size or args.intermediate_size
+        if args.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {args.hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device, reduce_results)
 
@@ -145,13 +117,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, self_attn: LlamaAttentionBlock, mlp: nn.Module, dtype, device):
+    def __init__(self, args: ModelArgs, self_attn: LlamaAttentionBlock, mlp: nn.Module, dtype, device):
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype, device)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
 
     def forward(self, positions, h, residual, k_cache, v_cache, meta):
         # h: [T, hidden]; residual: [T, hidden] | None (the residual stream before this layer's add). Before FP8
@@ -167,11 +138,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, layers: list[LlamaDecoderLayer], dtype, device):
+    def __init__(self, args: ModelArgs, layers: list[LlamaDecoderLayer], dtype, device):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype, device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), dtype, device)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
@@ -184,50 +155,48 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral from a Hugging Face config.json dict; this rank's shard of the weights.
+    """Llama / Mistral from a config.json's ModelArgs; this rank's shard of the weights.
 
     The other families subclass it and change what differs: `attention_biases`, `qk_norm`, `layer_windows`,
     `make_mlp` and `checkpoint_entries` (checkpoint tensor -> parameters)."""
 
     qk_norm = False  # RMSNorm over each q and k head before RoPE (Qwen3)
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32, device=None,
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, device=None,
                  max_model_len: int | None = None):
         super().__init__()
-        cfg = self.hf_config = hf_config
-        trained_len = cfg.get("max_position_embeddings", 2048)
+        self.args = args
+        trained_len = args.max_position_embeddings
         max_model_len = max_model_len or trained_len
-        theta, scaling = rope_settings(cfg)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         # The rotary cache must cover every position the engine may ask for.
-        rotary_emb = RotaryEmbedding(head_dim, max(trained_len, max_model_len), theta, scaling, dtype, device,
-                                     max_position_embeddings=trained_len, max_model_len=max_model_len)
-        qkv_bias, o_bias = self.attention_biases(cfg)
-        windows = [w if w is not None and w < max_model_len else None for w in self.layer_windows(cfg)]
-        layers = [LlamaDecoderLayer(cfg, LlamaAttentionBlock(cfg, qkv_bias, o_bias, self.qk_norm, windows[i], dtype,
-                                                             device, rotary_emb),
-                                    self.make_mlp(cfg, i, dtype, device), dtype, device)
-                  for i in range(cfg["num_hidden_layers"])]
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.model = LlamaModel(cfg, layers, dtype, device)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], dtype, device)
+        rotary_emb = RotaryEmbedding(args.head_dim, max(trained_len, max_model_len), args.rope_theta,
+                                     args.rope_scaling, dtype, device, max_position_embeddings=trained_len,
+                                     max_model_len=max_model_len)
+        qkv_bias, o_bias = self.attention_biases(args)
+        windows = [w if w is not None and w < max_model_len else None for w in self.layer_windows(args)]
+        layers = [LlamaDecoderLayer(args, LlamaAttentionBlock(args, qkv_bias, o_bias, self.qk_norm, windows[i],
+                                                              dtype, device, rotary_emb),
+                                    self.make_mlp(args, i, dtype, device), dtype, device)
+                  for i in range(args.num_layers)]
+        self.tie_word_embeddings = args.tie_word_embeddings
+        self.model = LlamaModel(args, layers, dtype, device)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, dtype, device)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     # ---- what the families change ----------------------------------------------------------------------------
     @staticmethod
-    def attention_biases(cfg: dict) -> tuple[bool, bool]:
+    def attention_biases(args: ModelArgs) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias)."""
-        bias = bool(cfg.get("attention_bias", False))
-        return bias, bias
+        return args.attention_bias, args.attention_bias
 
     @staticmethod
-    def layer_windows(cfg: dict) -> list[int | None]:
+    def layer_windows(args: ModelArgs) -> list[int | None]:
         """Each layer's sliding window (None: full attention): here every layer's, when `sliding_window` is set."""
-        return sliding_windows(cfg)
+        return sliding_windows(args)
 
-    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
-        return LlamaMLP(cfg, bool(cfg.get("mlp_bias", False)), dtype, device)
+    def make_mlp(self, args: ModelArgs, layer_idx: int, dtype, device) -> nn.Module:
+        return LlamaMLP(args, args.mlp_bias, dtype, device)
 
     def checkpoint_entries(self, name: str, loaded) -> Iterator[tuple[str, object, object]]:
         """(parameter name, tensor or slice, shard id) for one checkpoint tensor: q/k/v and gate/up go to their

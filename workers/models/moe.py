@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from workers.layers.moe import FusedMoE, ReplicatedLinear, Router, expert_param_name
+from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM, LlamaMLP, sliding_windows
 from workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from workers.parallel import all_reduce
@@ -28,16 +29,18 @@ class SparseMoeBlock(nn.Module):
 
     takes_quantized_rows = False  # the router and the experts read h in the model's dtype
 
-    def __init__(self, cfg: dict, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 round_weights: bool, shared_intermediate_size: int, dtype, device):
+    def __init__(self, args: ModelArgs, intermediate_size: int, renormalize: bool, round_weights: bool,
+                 shared_intermediate_size: int, dtype, device):
         super().__init__()
-        hidden = cfg["hidden_size"]
+        if not args.num_experts:
+            raise ValueError("config.json has neither 'num_experts' nor 'num_local_experts', which the model needs")
+        hidden = args.hidden_size
         self.round_weights = round_weights  # Qwen casts the routing weights to the model dtype, Mixtral does not
-        self.gate = Router(hidden, num_experts, top_k, renormalize, dtype, device)
-        self.experts = FusedMoE(num_experts, hidden, intermediate_size, dtype, device)
+        self.gate = Router(hidden, args.num_experts, args.num_experts_per_tok, renormalize, dtype, device)
+        self.experts = FusedMoE(args.num_experts, hidden, intermediate_size, dtype, device)
         self.shared_expert = None
         if shared_intermediate_size:
-            self.shared_expert = LlamaMLP(cfg, False, dtype, device, shared_intermediate_size, reduce_results=False)
+            self.shared_expert = LlamaMLP(args, False, dtype, device, shared_intermediate_size, reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -60,20 +63,18 @@ def moe_checkpoint_entries(dense_entries, name: str, loaded) -> Iterator[tuple[s
         yield from dense_entries(name, loaded)
 
 
-def _qwen_moe_mlp(cfg: dict, layer_idx: int, shared_intermediate_size: int, dtype, device) -> nn.Module:
-    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    is_sparse = (layer_idx not in cfg.get("mlp_only_layers", []) and num_experts > 0
-                 and (layer_idx + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+def _qwen_moe_mlp(args: ModelArgs, layer_idx: int, shared_intermediate_size: int, dtype, device) -> nn.Module:
+    is_sparse = (layer_idx not in args.mlp_only_layers and args.num_experts > 0
+                 and (layer_idx + 1) % args.decoder_sparse_step == 0)
     if not is_sparse:
-        return LlamaMLP(cfg, False, dtype, device)
-    return SparseMoeBlock(cfg, num_experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                          bool(cfg.get("norm_topk_prob", False)), True, shared_intermediate_size, dtype, device)
+        return LlamaMLP(args, False, dtype, device)
+    return SparseMoeBlock(args, args.moe_intermediate_size, args.norm_topk_prob, True, shared_intermediate_size,
+                          dtype, device)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
-        return SparseMoeBlock(cfg, cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
-                              True, False, 0, dtype, device)
+    def make_mlp(self, args: ModelArgs, layer_idx: int, dtype, device) -> nn.Module:
+        return SparseMoeBlock(args, args.intermediate_size, True, False, 0, dtype, device)
 
     def checkpoint_entries(self, name: str, loaded):
         # The checkpoint's block_sparse_moe is this model's mlp.
@@ -82,17 +83,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     @staticmethod
-    def attention_biases(cfg: dict) -> tuple[bool, bool]:
-        return bool(cfg.get("qkv_bias", True)), False
+    def attention_biases(args: ModelArgs) -> tuple[bool, bool]:
+        return args.qkv_bias, False
 
     @staticmethod
-    def layer_windows(cfg: dict) -> list[int | None]:
+    def layer_windows(args: ModelArgs) -> list[int | None]:
         # transformers' Qwen2MoeConfig: the even-indexed layers below max_window_layers
-        return sliding_windows({"use_sliding_window": False, **cfg},
-                               lambda i: (i + 1) % 2 == 1 and i < cfg.get("max_window_layers", 0))
+        return sliding_windows(args, lambda i: (i + 1) % 2 == 1 and i < args.max_window_layers, use_by_default=False)
 
-    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
-        return _qwen_moe_mlp(cfg, layer_idx, cfg.get("shared_expert_intermediate_size", 0), dtype, device)
+    def make_mlp(self, args: ModelArgs, layer_idx: int, dtype, device) -> nn.Module:
+        return _qwen_moe_mlp(args, layer_idx, args.shared_expert_intermediate_size, dtype, device)
 
     def checkpoint_entries(self, name: str, loaded):
         return moe_checkpoint_entries(super().checkpoint_entries, name, loaded)
@@ -100,11 +100,11 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
-    def layer_windows(cfg: dict) -> list[int | None]:
-        return sliding_windows({"use_sliding_window": False, **cfg})  # every layer, with use_sliding_window
+    def layer_windows(args: ModelArgs) -> list[int | None]:
+        return sliding_windows(args, use_by_default=False)  # every layer, with use_sliding_window
 
-    def make_mlp(self, cfg: dict, layer_idx: int, dtype, device) -> nn.Module:
-        return _qwen_moe_mlp(cfg, layer_idx, 0, dtype, device)
+    def make_mlp(self, args: ModelArgs, layer_idx: int, dtype, device) -> nn.Module:
+        return _qwen_moe_mlp(args, layer_idx, 0, dtype, device)
 
     def checkpoint_entries(self, name: str, loaded):
         return moe_checkpoint_entries(super().checkpoint_entries, name, loaded)

@@ -1,5 +1,5 @@
 """Phi-3: the Llama decoder whose checkpoint already fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`), with
-longrope scaling (workers/models/llama.py's rope_settings, kernels/rope_scaling.py) and, in the 4k models, a
+longrope scaling (workers/models/args.py's rope_settings, kernels/rope_scaling.py) and, in the 4k models, a
 sliding window over every layer.
 
 A fused checkpoint tensor is loaded as its parts, each through a row range of the tensor, so a rank still reads
@@ -51,8 +51,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, loaded, shard_id
             return
         block_rows = 1
-        if shape[0] != total:
-            block_rows = (self.hf_config.get("quantization_config") or {}).get("weight_block_size", [0])[0]
+        if shape[0] != total:  # the blocks of the fused layer's scales (its QuantConfig.block_size)
+            block_size = getattr(self.get_submodule(name.rpartition(".")[0]), "block_size", None)
+            block_rows = block_size[0] if block_size else 0
             if not block_rows or shape[0] != -(-total // block_rows):
                 raise ValueError(f"{name}: {shape[0]} scale rows fit neither the {total} rows nor their blocks")
         for shard_id, start, rows in parts:
@@ -64,16 +65,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _fused_parts(self, name: str) -> list[tuple[object, int, int]] | None:
         """(shard id, first row, rows) of each part of a fused checkpoint tensor (its weight, or an FP8
         checkpoint's weight_scale / input_scale); None for any other tensor."""
-        cfg = self.hf_config
+        args = self.args
         module, _, suffix = name.rpartition(".")
         if suffix not in ("weight", "weight_scale", "input_scale"):
             return None
         if module.endswith(".self_attn.qkv_proj"):
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            q_rows = cfg["num_attention_heads"] * head_dim
-            kv_rows = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim
+            q_rows, kv_rows = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
             return [("q", 0, q_rows), ("k", q_rows, kv_rows), ("v", q_rows + kv_rows, kv_rows)]
         if module.endswith(".mlp.gate_up_proj"):
-            inter = cfg["intermediate_size"]
+            inter = args.intermediate_size
             return [(0, 0, inter), (1, inter, inter)]
         return None

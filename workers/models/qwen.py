@@ -9,22 +9,23 @@ transformers 5 config lists `layer_types`, those decide).
 
 from __future__ import annotations
 
+from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM, sliding_windows
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def attention_biases(cfg: dict) -> tuple[bool, bool]:
+    def attention_biases(args: ModelArgs) -> tuple[bool, bool]:
         return True, False
 
     @staticmethod
-    def layer_windows(cfg: dict) -> list[int | None]:
-        return sliding_windows({"use_sliding_window": False, **cfg}, lambda i: i >= cfg.get("max_window_layers", 0))
+    def layer_windows(args: ModelArgs) -> list[int | None]:
+        return sliding_windows(args, lambda i: i >= args.max_window_layers, use_by_default=False)
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
     qk_norm = True
 
     @staticmethod
-    def attention_biases(cfg: dict) -> tuple[bool, bool]:
-        return LlamaForCausalLM.attention_biases(cfg)
+    def attention_biases(args: ModelArgs) -> tuple[bool, bool]:
+        return LlamaForCausalLM.attention_biases(args)
