@@ -334,7 +334,7 @@ class Tool(_Strict):
 
 
 class NamedFunction(_Strict):
-    name: str
+    name: str = Field(min_length=1)
 
 
 class NamedToolChoice(_Strict):

@@ -157,6 +157,18 @@ def test_a_validation_error_names_the_check_that_failed(body, param, says):
     assert says in error.message, error.message
 
 
+def test_a_named_tool_choice_without_a_name_is_invalid_by_the_document_too():
+    """CI's fuzz run found {"function": {"name": ""}} valid by the document and refused by the server: the document
+    now says what the server checks (a name of at least one character)."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = validation_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                     "tool_choice": {"type": "function", "function": {"name": ""}}})
+    assert (error.status_code, error.param) == (400, "tool_choice"), (error.param, error.message)
+    assert "at least 1 character" in error.message, error.message
+    schema = ChatCompletionRequest.model_json_schema()["$defs"]["NamedFunction"]["properties"]["name"]
+    assert schema["minLength"] == 1
+
+
 def test_what_pagoda_does_not_do_is_refused_saying_so():
     """vLLM's beam search and its Lark grammars: a 400 that says Pagoda does not do them, not one about a field."""
     error = edge_error(CompletionRequest, {"prompt": "x", "use_beam_search": True})
