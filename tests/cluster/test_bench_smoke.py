@@ -50,6 +50,7 @@ def test_bench_quality_on_the_tiny_model(tmp_path):
         assert row["mean_abs_delta_logprob"] > 1e-5  # FP8 is a different computation, and it shows
 
 
+@pytest.mark.slow  # runs transformers beside Pagoda: ~20 s
 def test_bench_throughput_beside_transformers(tmp_path):
     result = _run(tmp_path, "bench", "throughput", "--num-requests", "6", "--input-len-range", "8", "24",
                   "--output-len", "5", "--compare", "hf")

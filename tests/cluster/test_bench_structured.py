@@ -3,10 +3,13 @@ json-schema` beside the plain run in throughput and latency, and the grammar hos
 
 import json
 
+import pytest
+
 from benchmarks.structured import main as structured_host
 from tests.cluster.test_bench_smoke import _run
 
 
+@pytest.mark.slow  # ~11 s
 def test_bench_throughput_structured(tmp_path):
     result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16",
                   "--output-len", "6", "--structured", "json-schema", "--device", "cpu")
@@ -19,6 +22,7 @@ def test_bench_throughput_structured(tmp_path):
         constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]]
 
 
+@pytest.mark.slow  # ~15 s
 def test_bench_latency_structured(tmp_path):
     result = _run(tmp_path, "bench", "latency", "--batch-sizes", "2", "--prompt-lens", "8", "--decode-steps", "3",
                   "--structured", "json-schema")

@@ -17,6 +17,7 @@ import re
 
 import httpx
 import jsonschema
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import Case
@@ -100,6 +101,7 @@ def sse_events_conform(ctx: CheckContext, response, case: Case):
     return None
 
 
+@pytest.mark.slow  # 1,200 generated requests: ~50 s on 2 cores
 def test_the_api_conforms_to_its_schema(serve_url):
     """Every operation, valid and invalid inputs (half each), EXAMPLES_PER_OPERATION cases, every check (400 and 429
     stay statuses positive_data_acceptance takes: judged_by judges them). (Driven from here, not through

@@ -32,6 +32,7 @@ def test_default_model_answers_through_the_openai_client(real_url):
     assert reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow  # lm-eval twice: ~15 s
 @pytest.mark.timeout(900)
 def test_lm_eval_through_pagoda_serve_gives_the_hf_backends_results(real_url, real_model_dir, tmp_path):
     """lm-eval's `local-completions` model against the server (loglikelihoods: echo + logprobs; generations: stop

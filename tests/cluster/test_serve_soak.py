@@ -7,6 +7,7 @@ import json
 import random
 
 import httpx
+import pytest
 
 from tests.cluster.conftest import API_KEY
 from tests.cluster.test_serve_faults import wait_until_idle
@@ -40,6 +41,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> tuple[i
     return r.status_code, False
 
 
+@pytest.mark.slow  # ~40 s of mixed load
 def test_soak_leaves_every_replica_clean(serve_url, http):
     rng = random.Random(2026)
 

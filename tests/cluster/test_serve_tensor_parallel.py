@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.cluster.conftest import API_KEY
 
@@ -34,6 +35,7 @@ def stream_usage(url: str, max_tokens: int, started: threading.Event) -> tuple[s
     return finish, usage.completion_tokens, time.monotonic()
 
 
+@pytest.mark.slow  # deploys a tp 2 app: ~25 s
 def test_tp2_replica_uses_its_placement_group_and_matches_tp1(serve_url):
     from ray import serve
 
