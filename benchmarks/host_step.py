@@ -114,8 +114,8 @@ def measure(mode: str, num_seqs: int, steps: int, prompt_len: int, executor: str
     stream, interval_s = MODES[mode]
     config = EngineArgs(model="tiny", device="cpu", num_kv_blocks=num_blocks, max_num_seqs=num_seqs,
                         max_num_batched_tokens=max(8192, num_seqs), stream_interval_s=interval_s).create_engine_config()
-    engine = LLMEngine(config, executor=InstantExecutor(num_blocks) if executor == "instant"
-                       else RunnerExecutor(num_blocks, config))
+    started = InstantExecutor(num_blocks) if executor == "instant" else RunnerExecutor(num_blocks, config)
+    engine = LLMEngine(config, lambda _config: lambda _config: started)
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING_SETTINGS[sampling])
     for i, prompt in enumerate(synthetic_prompts(num_seqs, (prompt_len, prompt_len), config.model.vocab_size, 0)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, stream=stream)

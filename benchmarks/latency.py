@@ -92,6 +92,7 @@ def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_s
 
 def main(args: argparse.Namespace) -> dict:
     from benchmarks.structured import tokenizer_dir
+    from cluster.executors import pick_executor
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     config = engine_args(args, model=model_dir, load_format=load_format,
                          enable_prefix_caching=False).create_engine_config()
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, pick_executor)
     workers = [{k: v for k, v in w.items() if k != "kv_scales"} for w in engine.executor.describe()]
     print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers),
           f"| {engine.executor.num_kv_blocks} KV blocks of {args.block_size} tokens, {workers[0]['kv_cache_dtype']}")

@@ -59,8 +59,8 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]])
     """One engine; each sampling setting warms up (its kernels compile) and then runs the whole workload."""
     from dataclasses import asdict
 
-    from engine import LLM, SamplingParams
     from engine.arg_utils import engine_args
+    from pagoda import LLM, SamplingParams
 
     llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format)))
     requests = [{"prompt_token_ids": p} for p in prompts]

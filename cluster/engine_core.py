@@ -17,6 +17,7 @@ import logging
 
 import ray
 
+from cluster.executors import pick_executor
 from engine.async_engine import CoreConnection
 from engine.config import EngineConfig
 from engine.core import AbortRequest, AddRequest, EngineCore, EngineInfo, PollResult
@@ -34,7 +35,7 @@ def core_actor_class():
 
 class RayConnection(CoreConnection):
     def __init__(self, config: EngineConfig, actor_options: dict):
-        self.actor = core_actor_class().options(**actor_options).remote(config)
+        self.actor = core_actor_class().options(**actor_options).remote(config, pick_executor)
         self._control = lambda method: getattr(self.actor, method).options(concurrency_group="control")
 
     def start(self) -> EngineInfo:

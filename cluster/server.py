@@ -24,6 +24,7 @@ from ray import serve
 
 from cluster.autoscaling import autoscaling_stats
 from cluster.errors import ErrorInfo
+from cluster.executors import pick_executor
 from cluster.metrics import ReplicaMetrics
 from cluster.placement import ReplicaPlacement
 from cluster.protocol import Accepted, GenerateRequest, TokenizeInput, error_info
@@ -69,7 +70,7 @@ class LLMServer:
             options = settings.placement.engine_actor_options(actor_env_vars())
             connection = RayConnection(config, options | {"name": f"EngineCore:{_replica_name()}"})
         else:
-            connection = LocalConnection(config)
+            connection = LocalConnection(config, pick_executor)
         self.engine = AsyncLLMEngine(config, connection, settings.engine_stall_timeout_s)
         self.metrics = ReplicaMetrics(self.model_name, self.replica_id)
         self._num_in_flight = 0

@@ -26,7 +26,7 @@ START_ATTEMPTS = 3  # a port HAProxy needs may be taken between choosing it and 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
 
     llm = LLM(**asdict(engine_args(args)))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,

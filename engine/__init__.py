@@ -1,10 +1,9 @@
-"""Pagoda's engine: scheduler, block manager, step contract, LLMEngine and the offline LLM API.
+"""Pagoda's engine: scheduler, block manager, step contract and LLMEngine (the offline `LLM` API is pagoda.LLM).
 
 Names are resolved lazily so that `import engine` stays light (no torch, no transformers until used).
 """
 
 _EXPORTS = {
-    "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "EngineArgs": "engine.config",
     "StructuredOutputsParams": "engine.structured_outputs",

@@ -29,6 +29,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.core import AbortRequest, AddRequest, EngineCore, EngineInfo, PollResult
 from engine.errors import EngineDeadError
+from engine.executor import ExecutorPicker
 from engine.llm_engine import EngineStats
 from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
 from engine.request_output import RequestDelta
@@ -75,8 +76,8 @@ class CoreConnection(ABC):
 class LocalConnection(CoreConnection):
     """The core in this process: its step thread shares this process's GIL with the event loop."""
 
-    def __init__(self, config: EngineConfig):
-        self.core = EngineCore(config)
+    def __init__(self, config: EngineConfig, pick_executor: ExecutorPicker):
+        self.core = EngineCore(config, pick_executor)
 
     def start(self) -> EngineInfo:
         return self.core.info()
@@ -103,14 +104,14 @@ class LocalConnection(CoreConnection):
 class AsyncLLMEngine:
     """Requests in, `RequestDelta` batches out. Build it on the event loop's thread; `generate` runs there."""
 
-    def __init__(self, config: EngineConfig, connection: CoreConnection | None = None,
+    def __init__(self, config: EngineConfig, connection: CoreConnection,
                  stall_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         """stall_timeout_s: None reads $PAGODA_ENGINE_STALL_S (120 s unless set). clock: what the stall check
         measures time with (a test drives its own)."""
         from engine.tokenizer import load_tokenizer
 
         self.config = config
-        self.connection = connection or LocalConnection(config)
+        self.connection = connection
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.chat_template)  # while a core loads
         info = self.connection.start()
         self.startup = info.startup  # where the engine's start-up went (engine/startup.py)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from engine import envs
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.executor import ExecutorPicker
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
@@ -72,12 +73,13 @@ class EngineCore:
     """Control calls (`apply`, `check_integrity`, `info`) may come from one thread, polls from another; both only
     queue work for the step thread or read what it published."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, pick_executor: ExecutorPicker):
+        """`pick_executor`: the caller's (cluster.executors.pick_executor), as LLMEngine takes it."""
         started_at, entered = process_started_at(), time.time()
         self.startup = StartupTimes(process_started_at=started_at)
         if started_at is not None:  # the process's start to here: Ray's worker boot, the actor class's imports
             self.startup.add("process", max(0.0, entered - started_at))
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, pick_executor)
         self.startup.merge(self.engine.startup)
         self._cond = threading.Condition()
         self._outbox: list[RequestDelta] = []

@@ -47,7 +47,9 @@ class Executor(ABC):
 
     def awaiting(self, handle: StepHandle) -> list[str]:
         """The constrained requests whose grammar bitmask the step waits for before it samples (deferred sampling;
-        empty otherwise). May wait until the ranks have launched the step. Raises ExecutorError."""
+        empty otherwise). May block until the ranks reach the step's sampling (a Ray group reads their answer, which
+        for a step with no constrained row is its whole output): the engine asks only about a step that has
+        constrained rows, once it has collected the step before. Raises ExecutorError."""
         return []
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
@@ -90,13 +92,8 @@ class StepHandle:
     error: ExecutorError | None = None
 
 
-def executor_class(config: EngineConfig) -> Callable[[EngineConfig], Executor]:
-    """In-process worker for one rank; a Ray actor group otherwise (imported lazily: engine never needs Ray). The
-    import (torch, the kernels) is the start-up's `imports` phase."""
-    if config.parallel.tensor_parallel_size == 1 and not config.parallel.use_ray:
-        from workers.worker import InProcessExecutor
-
-        return InProcessExecutor
-    from cluster.actor_group import RayExecutor
-
-    return RayExecutor
+ExecutorClass = Callable[[EngineConfig], Executor]  # starts an executor for a config: loads, allocates the KV pool
+ExecutorPicker = Callable[[EngineConfig], ExecutorClass]
+"""The caller's choice of executor for a config (engine/ imports none: cluster.executors.pick_executor is the one
+Pagoda's callers hand it). LLMEngine calls it in the start-up's `imports` phase: it may import torch and the
+kernels."""

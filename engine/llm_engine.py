@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.config import EngineArgs, EngineConfig, resolve_device
+from engine.config import EngineConfig, resolve_device
 from engine.errors import ParamError
-from engine.executor import Executor, ExecutorError, StepHandle, executor_class
+from engine.executor import Executor, ExecutorError, ExecutorPicker, StepHandle
 from engine.grammar import StructuredOutputManager
 from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
@@ -65,26 +65,24 @@ class StepTiming:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
-        """Loads the tokenizer on a thread of its own while the executor loads the model (the tokenizer's load is
-        mostly transformers' import, seconds on a cold process); joined before anything reads it. For a GPU model
-        the load itself runs in a child process, started first (engine/tokenizer.py TokenizerChild). A failed load
-        raises here as it would inline, once the executor is up, and releases the executor."""
+    def __init__(self, config: EngineConfig, pick_executor: ExecutorPicker):
+        """`pick_executor` is the caller's (cluster.executors.pick_executor; engine/ imports no executor). Loads the
+        tokenizer on a thread of its own while the executor loads the model (the tokenizer's load is mostly
+        transformers' import, seconds on a cold process); joined before anything reads it. For a GPU model the load
+        itself runs in a child process, started first (engine/tokenizer.py TokenizerChild). A failed load raises here
+        as it would inline, once the executor is up, and releases the executor."""
         self.config = config
         self.startup = StartupTimes()  # imports, the executor's (rank 0's) phases, tokenizer_wait; tokenizer beside
         child = TokenizerChild(config.model.tokenizer_path) if _expects_gpu(config) else None  # before the imports
-        if executor is None:
-            # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch
-            # too: two threads importing one package at once can deadlock in importlib.
-            try:
-                with self.startup.phase("imports"):
-                    make_executor = executor_class(config)
-            except BaseException:
-                if child is not None:
-                    child.close()
-                raise
-        else:
-            make_executor = lambda _config: executor  # noqa: E731 - the caller's, started already
+        # torch and the kernels before the tokenizer's thread starts importing transformers, which imports torch too:
+        # two threads importing one package at once can deadlock in importlib.
+        try:
+            with self.startup.phase("imports"):
+                make_executor = pick_executor(config)
+        except BaseException:
+            if child is not None:
+                child.close()
+            raise
         tokenizer = BackgroundPhase("tokenizer", lambda: _load_tokenizer(config.model, child))
         self.executor = self._start_executor(lambda: make_executor(config))
         try:
@@ -125,10 +123,6 @@ class LLMEngine:
         phases.add("workers_start", max(0.0, time.perf_counter() - start - phases.total_s()))
         self.startup.merge(phases)
         return executor
-
-    @classmethod
-    def from_args(cls, **kwargs) -> LLMEngine:
-        return cls(EngineArgs(**kwargs).create_engine_config())
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:

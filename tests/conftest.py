@@ -43,7 +43,7 @@ def real_model_dir():
 @pytest.fixture(scope="session")
 def real_llm(real_model_dir):
     """One offline engine on the real model (float32, CPU), shared by the tests that only read its outputs."""
-    from engine import LLM
+    from pagoda import LLM
 
     llm = LLM(model=real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
     yield llm

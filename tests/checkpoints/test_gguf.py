@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints.gguf import GGUFSlice, gguf_hf_config, open_gguf, qk_row_order, read_gguf_model
-from engine import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from tests.gguf_files import write_gguf
 from tests.hf_oracle import assert_matches_hf
 from tests.prompts import PARITY_PROMPTS

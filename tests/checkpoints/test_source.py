@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from checkpoints.source import default_served_model_name, resolve_model
-from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.sampling_params import default_sampling_overrides
+from pagoda import LLM, SamplingParams
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -11,12 +11,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import actor_group
 from cluster.actor_group import RayExecutor, local_gpu_index
+from cluster.executors import pick_executor
 from cluster.placement import PLACEMENT_STRATEGY, ReplicaPlacement
 from engine.config import EngineArgs
 from engine.executor import ExecutorError
 from engine.llm_engine import LLMEngine
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from tests.engines import llm_engine, the_executor
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3"]
 
@@ -56,8 +58,7 @@ def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_comp
     from workers.kv_pool import bytes_per_block
 
     model_dir = tiny_checkpoints["llama"]
-    reference = greedy_tokens(LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu",
-                                                   num_kv_blocks=64).create_engine_config()))
+    reference = greedy_tokens(llm_engine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64))
     config = EngineArgs(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
                         cpu_kv_cache_bytes=1 << 20).create_engine_config()
     executor = RayExecutor(config, use_compiled_graph=use_compiled_graph)
@@ -67,7 +68,7 @@ def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_comp
     # Each rank holds 1 of the 2 KV heads; every rank profiles, the executor takes the minimum.
     assert executor.num_kv_blocks == (1 << 20) // bytes_per_block(2, 16, 1, 16, torch.float32)
 
-    engine = LLMEngine(config, executor=executor)
+    engine = LLMEngine(config, the_executor(executor))
     assert greedy_tokens(engine) == reference
 
     # A bad step fails on every rank alike: an error for this step, not for the executor.
@@ -126,7 +127,7 @@ class Replica:
             too_large = None
         except ValueError as e:
             too_large = str(e)
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, pick_executor)
         executor = engine.executor
         result = dict(own_pg=get_current_placement_group().id.hex(), executor_pg=executor.placement_group.id.hex(),
                       owns_pg=executor._owns_placement_group, is_compiled=executor.is_compiled_graph,
@@ -137,8 +138,7 @@ class Replica:
 
 def test_executor_in_callers_placement_group(ray_cluster, tiny_checkpoints):
     model_dir = tiny_checkpoints["llama"]
-    reference = greedy_tokens(LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu",
-                                                   num_kv_blocks=64).create_engine_config()))
+    reference = greedy_tokens(llm_engine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64))
     pg = placement_group(ReplicaPlacement(2, "cpu").bundles(), strategy=PLACEMENT_STRATEGY)
     ray.get(pg.ready(), timeout=60)
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from cluster.engine_core import RayConnection
+from cluster.executors import pick_executor
 from cluster.placement import ReplicaPlacement
 from cluster.ray_utils import actor_env_vars
 from engine.async_engine import AsyncLLMEngine, CoreConnection, LocalConnection
@@ -16,6 +17,7 @@ from engine.core import AbortRequest, AddRequest, EngineCore, PollResult
 from engine.errors import EngineDeadError
 from engine.request_output import RequestDelta, RequestError, SequenceDelta
 from engine.sampling_params import SamplingParams
+from tests.engines import local_async_engine
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
 
@@ -63,7 +65,7 @@ def _joined(deltas):
 
 
 def test_remote_engine_gives_the_in_process_deltas(remote, config):
-    local = AsyncLLMEngine(config)
+    local = local_async_engine(config)
     assert remote.tokenizer.chat_template == local.tokenizer.chat_template == CHAT_TEMPLATE  # the override
 
     async def run(engine):
@@ -136,7 +138,7 @@ def test_a_slow_poller_gets_every_step_in_one_poll(config):
     request that does not stream gets in its one delta (text with a stop string, tokens, logprobs, n = 2)."""
     params = [SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, stop=["a"], ignore_eos=True)]
-    core = EngineCore(config)
+    core = EngineCore(config, pick_executor)
     try:
         ids = [core.engine.tokenizer.encode(p) for p in PROMPTS[:2]]
         core.apply([AddRequest(f"whole{i}", ids[i], p, stream=False) for i, p in enumerate(params)])
@@ -161,7 +163,7 @@ def test_a_slow_poller_gets_every_step_in_one_poll(config):
 
 
 def test_deltas_carry_only_what_is_new_and_aborts_leave_nothing(config):
-    core = EngineCore(config)
+    core = EngineCore(config, pick_executor)
     try:
         core.apply([AddRequest("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                                                               logprobs=1))])
@@ -190,7 +192,7 @@ def test_an_add_the_engine_refuses_fails_that_request_as_invalid(config):
     """A ParamError from the engine's add is the request's fault: its last delta carries an INVALID RequestError
     (a 400 at the edge), not a generic failure (a 500). A request id already in use is refused so (AsyncLLMEngine
     never sends one: the second add is sent by hand); the first request runs on."""
-    core = EngineCore(config)
+    core = EngineCore(config, pick_executor)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         core.apply([AddRequest("r", [5, 6, 7], params), AddRequest("r", [5, 6, 7], params)])
@@ -209,7 +211,7 @@ class _Recorder(CoreConnection):
     """Records what AsyncLLMEngine sends, and answers polls from a real in-process core."""
 
     def __init__(self, config):
-        self.local = LocalConnection(config)
+        self.local = LocalConnection(config, pick_executor)
         self.sent = []
 
     def start(self):

@@ -5,7 +5,7 @@ do; q/k/v, gate/up and the per-head KV scales are the same at any degree. Under 
 prefix-cache hits (tests/cluster/test_tensor_parallel.py's stress settings).
 """
 
-from engine import LLM
+from pagoda import LLM
 from tests import fp8_oracle
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_fp8_parity import MAX_NEW, assert_matches, oracle, prompt_ids, run

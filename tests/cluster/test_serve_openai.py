@@ -168,7 +168,7 @@ def test_echo_and_token_prompts(client, tiny_tokenizer):
 def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, tiny_model_dir):
     """lm-eval's loglikelihood request: the echoed prompt's tokens with their logprobs (the first None), then the
     completion's; streamed, the same tokens and logprobs."""
-    from engine import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
 
     llm = LLM(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
     (ref,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1,
@@ -196,7 +196,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, tiny_mo
 
 
 def test_http_matches_offline_llm_greedy_tokens(client, ray_cluster, serve_url):
-    from engine import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
 
     prompts = ["Hello, my name is", "def fibonacci(n):"]
     llm = LLM(model="tiny", num_kv_blocks=256, max_model_len=512, max_num_seqs=32)

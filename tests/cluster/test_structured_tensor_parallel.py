@@ -3,8 +3,8 @@ rank, the step after a constrained step launched before the driver has that step
 the ranks once it has them. The same tokens as the in-process single rank, every output valid, streamed or not,
 under preemption and chunked prefill, with n > 1."""
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from pagoda import LLM, SamplingParams
+from tests.engines import llm_engine
 from tests.structured_cases import cases, check_output
 
 STRESS = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=6)
@@ -28,7 +28,7 @@ def test_tp2_constrained_tokens_match_one_rank_streamed_and_not(ray_cluster, tin
     assert one_rank.engine.scheduler.num_preemptions > 0
     one_rank.shutdown()
 
-    engine = LLMEngine.from_args(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **STRESS)
+    engine = llm_engine(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **STRESS)
     assert type(engine.executor).__name__ == "RayExecutor" and engine.executor.supports_deferred_sampling
     events = record_steps(engine.executor)
     for name, params in work:

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError
+from pagoda import LLM, SamplingParams
+from tests.engines import local_async_engine
 from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 12
@@ -79,7 +79,8 @@ def assert_dead(actors) -> None:
 
 # qwen2_moe at tp 2 (in place of qwen2, which tp 4 keeps): routed experts split over the ranks, a shared expert, q/k/v
 # biases, one all-reduce per MoE block
-@pytest.mark.parametrize("arch,tp", [("llama", 2), ("llama", 4), ("qwen2", 4), ("qwen2_moe", 2)])
+@pytest.mark.parametrize("arch,tp", [("llama", 2), pytest.param("llama", 4, marks=pytest.mark.slow),
+                                     pytest.param("qwen2", 4, marks=pytest.mark.slow), ("qwen2_moe", 2)])
 def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
     model_dir = tiny_checkpoints[arch]
     ref_outs = single_rank_reference(model_dir)
@@ -106,7 +107,7 @@ def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
 def test_dead_worker_fails_requests_then_engine(ray_cluster, tiny_checkpoints):
     config = EngineArgs(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", tensor_parallel_size=2,
                         num_kv_blocks=64).create_engine_config()
-    async_engine = AsyncLLMEngine(config)
+    async_engine = local_async_engine(config)
     executor = async_engine.connection.core.engine.executor
     actors = list(executor.actors)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

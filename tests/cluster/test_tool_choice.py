@@ -9,8 +9,8 @@ import pytest
 
 from cluster.tool_choice import function_schemas, tool_choice_constraint, tool_parser_for_choice
 from cluster.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
-from engine import LLM, SamplingParams
 from engine.errors import ParamError
+from pagoda import LLM, SamplingParams
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import pytest
 
-SERVING_PACKAGES = ["engine", "checkpoints", "workers", "kernels", "cluster", "deploy"]
+SERVING_PACKAGES = ["engine", "checkpoints", "workers", "kernels", "cluster", "pagoda", "deploy"]
 
 
 @pytest.fixture(scope="module")

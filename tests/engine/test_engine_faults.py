@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
+from cluster.executors import pick_executor
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError
 from engine.executor import ExecutorError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.engines import local_async_engine, the_executor
 from workers.worker import InProcessExecutor
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):", "Hello"]
@@ -49,8 +50,8 @@ def run(engine, requests):
 def test_a_request_that_breaks_its_step_fails_alone(tiny_model_dir, overlap):
     config = EngineArgs(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=128).create_engine_config()
     named = [(f"r{i}", p) for i, p in enumerate(PROMPTS)]
-    reference = run(LLMEngine(config), named)
-    engine = LLMEngine(config, executor=PoisonedExecutor(config))
+    reference = run(LLMEngine(config, pick_executor), named)
+    engine = LLMEngine(config, the_executor(PoisonedExecutor(config)))
     engine.executor.supports_overlap = overlap
     done = run(engine, named[:2] + [("poison", "Hello there")] + named[2:])
     assert done["poison"].error and done["poison"].seqs[0].finish_reason == "error"
@@ -66,7 +67,7 @@ def test_a_request_that_breaks_its_step_fails_alone(tiny_model_dir, overlap):
 
 def test_a_stalled_engine_fails_the_health_check(tiny_model_dir):
     config = EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=64).create_engine_config()
-    engine = AsyncLLMEngine(config, stall_timeout_s=1.0)
+    engine = local_async_engine(config, stall_timeout_s=1.0)
 
     async def scenario():
         engine.connection.core.loop.submit(lambda: time.sleep(4))  # the step thread hangs (a stuck device)
@@ -93,7 +94,7 @@ def test_an_engine_idle_since_its_start_is_not_stalled_when_work_arrives(tiny_mo
     monkeypatch.setenv("PAGODA_ENGINE_STALL_S", "30")
     now = [0.0]
     config = EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=64).create_engine_config()
-    engine = AsyncLLMEngine(config, clock=lambda: now[0])
+    engine = local_async_engine(config, clock=lambda: now[0])
     assert engine.stall_timeout_s == 30.0
 
     async def one(i):

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.engines import llm_engine
 from tests.workloads import run_workload
 
 WORDS = "the quick brown fox jumps over a lazy dog while models read prompts and write tokens".split()
@@ -40,7 +40,7 @@ def by_index(delta):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed, overlap):
     work = make_workload(seed)
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
                                  max_num_batched_tokens=24, max_num_seqs=6)
     engine.executor.supports_overlap = overlap
     rng = random.Random(seed + 100)
@@ -54,7 +54,7 @@ def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed
     assert engine.scheduler.num_preemptions > 0  # the pool was small enough to matter
     assert set(finished) | aborted == {w[0] for w in work}
 
-    roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
+    roomy = llm_engine(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
     for req_id, prompt, params, _ in work:
         if req_id in aborted:
             continue

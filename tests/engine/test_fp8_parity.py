@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from tests import fp8_oracle
 from tests.prompts import PARITY_PROMPTS
 

@@ -5,10 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
+from pagoda import LLM, SamplingParams
+from tests.engines import llm_engine, local_async_engine
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def fibonacci(n):", "Hello"]
 
@@ -129,7 +128,7 @@ def test_chat_applies_the_template(llm):
 
 
 def test_abort_mid_generation_frees_blocks(tiny_model_dir):
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=64)
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=64)
     engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", "Hello", SamplingParams(max_tokens=5, ignore_eos=True))
     streamed = []
@@ -156,7 +155,7 @@ async def generate(engine, prompt, params, request_id, stream=True):
 
 def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
     async def main():
-        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+        engine = local_async_engine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
                                 .create_engine_config())
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         deltas = await generate(engine, "Hello", params, "r1")
@@ -197,7 +196,7 @@ def test_step_timing_and_the_periodic_step_report(tiny_model_dir, monkeypatch, c
     monkeypatch.setenv("PAGODA_PROFILE_STEPS", "1:2")
 
     async def main():
-        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
+        engine = local_async_engine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=128)
                                 .create_engine_config())
         core_engine = engine.connection.core.engine
         before = replace(core_engine.timing)
@@ -221,7 +220,7 @@ def test_stream_interval_deltas_lose_nothing(tiny_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outputs = []
     for interval, stream in ((0.0, False), (0.0, True), (60.0, True)):
-        engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64,
+        engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64,
                                      stream_interval_s=interval)
         engine.add_request("r", "Once upon a time", params, stream=stream)
         got = []
@@ -248,7 +247,7 @@ def test_malformed_step_report_settings_are_ignored(tiny_model_dir, monkeypatch)
     monkeypatch.setenv("PAGODA_PROFILE_STEPS", "a:b")
 
     async def main():
-        engine = AsyncLLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
+        engine = local_async_engine(EngineArgs(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=64)
                                 .create_engine_config())
         deltas = await generate(engine, "Hi", SamplingParams(max_tokens=3, ignore_eos=True), "m")
         engine.shutdown()

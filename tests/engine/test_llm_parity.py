@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints.tiny import TINY_ARCHES, make_tiny_model
-from engine import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 12

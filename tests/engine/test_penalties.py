@@ -9,8 +9,9 @@ import functools
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from pagoda import LLM, SamplingParams
+from tests.engines import llm_engine
 from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 12
@@ -60,7 +61,7 @@ def run_engine(model_dir: str, params: SamplingParams, prompts=PARITY_PROMPTS, o
                **kwargs) -> tuple[dict[str, list[list[int]]], LLMEngine, int]:
     """Steps an engine by hand; returns each request's completions, the engine and how many steps ran with a
     step in flight (overlapped)."""
-    engine = LLMEngine.from_args(model=model_dir, dtype="float32", device="cpu", **kwargs)
+    engine = llm_engine(model=model_dir, dtype="float32", device="cpu", **kwargs)
     engine.executor.supports_overlap = overlap
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, stream=False)  # one delta each: the whole output, at the end

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from pagoda import LLM, SamplingParams
+from tests.engines import llm_engine
 from tests.hf_oracle import assert_matches_hf
 from tests.prompts import PARITY_PROMPTS, PREFIX
 
@@ -63,7 +63,7 @@ def test_n_completions_report_the_prompt_logprobs_once(tiny_checkpoints, hf_mode
 
 
 def test_streaming_outputs_carry_them_once_and_short_prompts(tiny_checkpoints):
-    engine = LLMEngine.from_args(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
+    engine = llm_engine(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
                                  stream_interval_s=0.0)
     engine.add_request("long", PARITY_PROMPTS[3], replace(PARAMS, max_tokens=5, min_tokens=5))
     engine.add_request("one", {"prompt_token_ids": [7]}, replace(PARAMS, max_tokens=2))

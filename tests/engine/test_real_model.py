@@ -48,7 +48,7 @@ def test_logits_match_transformers_and_the_gguf_file_gives_the_same(real_llm, re
     from transformers import AutoModelForCausalLM
 
     from checkpoints.gguf import open_gguf
-    from engine import LLM
+    from pagoda import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, prompt_logprobs=2, logprobs=2)
     converted = real_llm.generate(PROMPTS, params, use_tqdm=False)

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 import engine.tokenizer
+from cluster.executors import pick_executor
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.prompts import longest_token_chars
@@ -49,7 +50,7 @@ def test_the_tokenizer_loads_while_the_executor_starts(tiny_model_dir, tiny_toke
 
     monkeypatch.setattr(engine.tokenizer, "load_tokenizer", load)
     monkeypatch.setattr(InProcessExecutor, "__init__", start)
-    llm = LLMEngine(_config(tiny_model_dir))
+    llm = LLMEngine(_config(tiny_model_dir), pick_executor)
     try:
         assert threads["executor"] is threading.current_thread() and threads["tokenizer"] is not threads["executor"]
         startup = llm.startup
@@ -90,7 +91,7 @@ def test_a_tokenizer_that_fails_to_load_fails_the_engine_with_its_error(tiny_mod
 
     monkeypatch.setattr(InProcessExecutor, "shutdown", shutdown)
     with pytest.raises(ValueError) as raised:
-        LLMEngine(_config(tiny_model_dir, tokenizer=str(empty)))
+        LLMEngine(_config(tiny_model_dir, tokenizer=str(empty)), pick_executor)
     assert str(raised.value) == str(inline.value)
     assert len(shut_down) == 1 and shut_down[0].worker is None
 

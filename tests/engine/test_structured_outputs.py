@@ -13,11 +13,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
 from engine.errors import ParamError
-from engine.llm_engine import LLMEngine
 from engine.request_output import RequestError
 from engine.structured_outputs import StructuredOutputsParams
+from pagoda import LLM, SamplingParams
+from tests.engines import llm_engine
 from tests.structured_cases import CHOICES, SCHEMAS, cases, check_output
 from tests.workloads import run_workload
 
@@ -133,7 +133,7 @@ def test_a_stop_token_id_the_grammar_needs_stops_the_request_there(llm):
 
 
 def test_streamed_deltas_add_up_to_valid_outputs(tiny_model_dir):
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512)
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512)
     texts: dict[str, list[str]] = {}
     finals = {}
     all_cases = cases()
@@ -164,7 +164,7 @@ def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_
         name, case = rng.choice(all_cases)
         prompt = " ".join(rng.choices("the quick brown fox jumps over a lazy dog".split(), k=rng.randint(1, 12)))
         work.append((f"r{i}-{name}", prompt, constrained(case, i, n=rng.choice([1, 1, 2])), rng.random() < 0.15))
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24,
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24,
                                  max_num_batched_tokens=6, max_num_seqs=8)
     for name, case in all_cases:  # compiled before the workload: when requests start no longer depends on timing
         engine.add_request(f"warm-{name}", "Hello", constrained(case, 0, max_tokens=1))
@@ -173,7 +173,7 @@ def test_preemption_chunked_prefill_n_and_aborts_keep_the_guarantees(tiny_model_
     finished, aborted = run_workload(engine, work, rng, abort_probability=0.2, check=engine.check_integrity)
     assert engine.scheduler.num_preemptions > 0
     assert set(finished) | aborted == {w[0] for w in work}
-    roomy = LLMEngine.from_args(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
+    roomy = llm_engine(model=tiny_model_dir, device="cpu", block_size=16, num_kv_blocks=512)
     for req_id, prompt, params, _ in work:
         if req_id in aborted:
             continue
@@ -192,7 +192,7 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tmp_path):
     from checkpoints.tiny import make_tiny_model
 
     model_dir = make_tiny_model(str(tmp_path / "wide"), config_overrides={"vocab_size": 1100})  # tokenizer: 1000
-    engine = LLMEngine.from_args(model=model_dir, device="cpu", num_kv_blocks=64)
+    engine = llm_engine(model=model_dir, device="cpu", num_kv_blocks=64)
     tokenizer_size = len(engine.tokenizer)
     assert engine.vocab_size == 1100 > tokenizer_size
     case = StructuredOutputsParams(json_object=True)
@@ -347,7 +347,7 @@ class _RefusingCompiler:
 def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_model_dir, fault, kind, param, message):
     """The failed request's last delta says why, as a kind the HTTP edge maps to a status: a grammar the compiler
     refuses is the request's fault (a 400 naming the field), a compiler that cannot be built the engine's (500)."""
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
+    engine = llm_engine(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
     if fault == "tokenizer":  # fault injection: a tokenizer xgrammar cannot read fails the compiler's construction
         engine.structured.tokenizer = object()
     else:
@@ -371,7 +371,7 @@ def test_a_grammar_not_compiled_in_time_fails_its_request_alone(tiny_model_dir):
     the reason, its queued compilation is cancelled, and a plain request beside it is served."""
     from engine.grammar import MAX_SLOW_COMPILES, NUM_COMPILE_THREADS, SLOW_COMPILE_S
 
-    engine = LLMEngine.from_args(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
+    engine = llm_engine(model=tiny_model_dir, device="cpu", num_kv_blocks=64)
     structured, gate, now = engine.structured, threading.Event(), [0.0]
     structured.clock = structured.compiles.clock = lambda: now[0]
     held = [structured.compiles.submit(gate.wait) for _ in range(NUM_COMPILE_THREADS)]

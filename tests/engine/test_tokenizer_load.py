@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 import engine.llm_engine
 import engine.tokenizer
+from cluster.executors import pick_executor
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -96,17 +97,15 @@ def children(monkeypatch) -> list[TokenizerChild]:
 
 def test_a_gpu_engine_takes_its_tokenizer_from_a_child_started_before_its_imports(tiny_model_dir, monkeypatch,
                                                                                   children):
-    real_executor_class = engine.llm_engine.executor_class
-
     def executor_class(config):  # the imports phase begins here
         assert children, "the imports began before the tokenizer's child process started"
-        return real_executor_class(config)
+        return pick_executor(config)
 
-    monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
     assert not engine.llm_engine._expects_gpu(EngineArgs(model=tiny_model_dir, device="cpu").create_engine_config())
     # the engine as on a GPU, with the model itself on the CPU (no GPU here)
     monkeypatch.setattr(engine.llm_engine, "_expects_gpu", lambda config: True)
-    llm = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config())
+    llm = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config(),
+                    executor_class)
     try:
         assert len(children) == 1 and children[0]._process.returncode == 0  # the child ran to its end
         assert llm.tokenizer(TEXT)["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)(TEXT)["input_ids"]
@@ -123,9 +122,9 @@ def test_a_start_up_that_fails_in_its_imports_ends_the_child(tiny_model_dir, mon
     def executor_class(config):
         raise RuntimeError("the kernels failed to import")  # injected: nothing here fails to import for real
 
-    monkeypatch.setattr(engine.llm_engine, "executor_class", executor_class)
     monkeypatch.setattr(engine.llm_engine, "_expects_gpu", lambda config: True)
     with pytest.raises(RuntimeError, match="failed to import"):
-        LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config())
+        LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", num_kv_blocks=32).create_engine_config(),
+                  executor_class)
     # killed while it was still importing (its imports take seconds), not left blocked on a pipe nobody reads
     assert len(children) == 1 and children[0]._process.returncode == -signal.SIGKILL

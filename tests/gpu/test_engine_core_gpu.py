@@ -13,9 +13,9 @@ pytest.importorskip("ray")
 from cluster.engine_core import RayConnection  # noqa: E402
 from cluster.placement import ReplicaPlacement  # noqa: E402
 from cluster.ray_utils import actor_env_vars  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 
 
 def test_engine_actor_on_a_gpu_matches_in_process(tiny_checkpoints, ray_cluster):

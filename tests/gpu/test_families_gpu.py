@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from checkpoints.tiny import TINY_ARCHES, make_tiny_model  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. A language model reads a prompt",
            "def fibonacci(n: int) -> list[int]:", "Once upon a time there was a small model that wanted to learn."]

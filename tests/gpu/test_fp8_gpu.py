@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 from tests.engine.test_fp8_parity import MAX_NEW, oracle, prompt_ids  # noqa: E402
 
 

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 ray = pytest.importorskip("ray")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 
 
 def test_actor_group_on_gpu_matches_in_process(tiny_checkpoints, ray_cluster):

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from checkpoints.builtin import default_gguf_path  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 from tests.hf_oracle import assert_matches_hf  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 from tests.structured_cases import cases, check_output  # noqa: E402
 
 

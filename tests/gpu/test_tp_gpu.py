@@ -8,7 +8,7 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
 ray = pytest.importorskip("ray")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2_moe"])  # MoE: experts split on their rows

@@ -9,8 +9,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.structured_outputs import StructuredOutputsParams  # noqa: E402
+from pagoda import LLM, SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
           "required": ["a", "b"]}

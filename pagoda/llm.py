@@ -1,4 +1,5 @@
-"""`LLM`: the offline API, as vLLM's users know it.
+"""`LLM`: the offline API, as vLLM's users know it. It sits above engine/ (which imports no executor) and hands the
+engine Pagoda's choice of one: the worker in this process, or a Ray actor group for tensor parallelism.
 
     llm = LLM()                                   # the built-in SmolLM2-135M-Instruct; LLM(model="tiny") for tests
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
 
+from cluster.executors import pick_executor
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.prompts import Prompt
@@ -22,7 +24,7 @@ from engine.tokenizer import apply_chat_template
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         """`model` and every other `EngineArgs` field (engine/config.py) as keyword arguments."""
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config(), pick_executor)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
