@@ -67,8 +67,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprobs | None] = field(default_factory=list)
-    # With params.prompt_logprobs: one entry per prompt token, None for the first (and until computed).
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token (as output_logprobs: the token's own logprob and the
+    # top alternatives), None for the first (nothing predicts it) and until computed.
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by a launched step, not yet known here (overlapped scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
@@ -111,8 +112,7 @@ class Request:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
         for i, (logprob, ids, values) in enumerate(zip(chunk.token_logprobs, chunk.top_token_ids,
                                                        chunk.top_logprobs)):
-            position = chunk.start + i
-            self.prompt_logprobs[position] = {**dict(zip(ids, values)), self.prompt_token_ids[position]: logprob}
+            self.prompt_logprobs[chunk.start + i] = Logprobs(logprob, ids, values)
 
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         if self.first_token_time is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import Logprobs
 from engine.request import Request
 from engine.request_output import RequestDelta, RequestError, RequestMetrics, SequenceDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -74,15 +75,15 @@ class RequestGroup:
             return None
         self.sent_prompt_logprobs = True
         entries = self.seqs[0].prompt_logprobs or [None] * len(self.prompt_token_ids)
-        strings, out = self.token_strings, []
-        for token_id, entry in zip(self.prompt_token_ids, entries):
-            if entry is None:  # the first token: nothing predicts it
-                out.append(TokenLogprob(token_id, strings(token_id), None))
-                continue
-            top = sorted(((t, v) for t, v in entry.items()), key=lambda item: -item[1])[:k]
-            out.append(TokenLogprob(token_id, strings(token_id), entry.get(token_id, float("nan")),
-                                    [(t, strings(t), v) for t, v in top]))
-        return out
+        strings = self.token_strings
+        return [TokenLogprob(token_id, strings(token_id), None) if entry is None  # the first: nothing predicts it
+                else self._token_logprob(token_id, entry, k) for token_id, entry in zip(self.prompt_token_ids, entries)]
+
+    def _token_logprob(self, token_id: int, logprobs: Logprobs, k: int) -> TokenLogprob:
+        """A token's logprob and its top k alternatives (best first), with the strings the API shows."""
+        strings = self.token_strings
+        return TokenLogprob(token_id, strings(token_id), logprobs.sampled_logprob,
+                            [(t, strings(t), v) for t, v in zip(logprobs.top_token_ids[:k], logprobs.top_logprobs[:k])])
 
     def _seq_delta(self, seq: Request, det: IncrementalDetokenizer) -> SequenceDelta | None:
         i = seq.index
@@ -98,10 +99,8 @@ class RequestGroup:
         self.is_done_sent[i] = finish_reason is not None
         logprobs = None
         if self.params.logprobs is not None:
-            strings = self.token_strings
-            logprobs = [TokenLogprob(t, strings(t), lp.sampled_logprob if lp else float("nan"),
-                                     [(top, strings(top), v) for top, v in zip(lp.top_token_ids, lp.top_logprobs)]
-                                     if lp else [])
+            k = self.params.logprobs
+            logprobs = [self._token_logprob(t, lp, k) if lp else TokenLogprob(t, self.token_strings(t), float("nan"))
                         for t, lp in zip(token_ids, seq.output_logprobs[start:])]
         return SequenceDelta(i, text, token_ids, logprobs, finish_reason,
                              seq.stop_reason if finish_reason is not None else None)
