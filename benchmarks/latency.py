@@ -10,7 +10,7 @@ import argparse
 import time
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
-from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
+from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
 from checkpoints.presets import model_or_preset
 
 
@@ -91,7 +91,6 @@ def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_s
 
 
 def main(args: argparse.Namespace) -> dict:
-    from benchmarks.structured import tokenizer_dir
     from cluster.executors import pick_executor
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from benchmarks.common import print_table, write_json
-from engine.grammar import BATCH_FILL_MIN_ROWS
+from engine.grammar import BATCH_FILL_MIN_ROWS, StructuredOutputManager
 
 BENCH_SCHEMA = {
     "type": "array", "minItems": 100,
@@ -81,7 +81,6 @@ def measure_host(tokenizer, vocab_size: int, num_rows: int, steps: int, fill_thr
     once per step) and accepts one allowed token per row, picked at random (any weights)."""
     from dataclasses import replace
 
-    from engine.grammar import StructuredOutputManager
     from engine.request import Request
     from engine.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ import argparse
 import gc
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from benchmarks.common import (
     SAMPLING_SETTINGS,
@@ -27,7 +27,7 @@ from benchmarks.common import (
     synthetic_prompts,
     write_json,
 )
-from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants
+from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
 from checkpoints.presets import model_or_preset
 
 
@@ -57,8 +57,6 @@ def sampling_settings(args) -> list[tuple[str, dict]]:
 
 def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> list[dict]:
     """One engine; each sampling setting warms up (its kernels compile) and then runs the whole workload."""
-    from dataclasses import asdict
-
     from engine.arg_utils import engine_args
     from pagoda import LLM, SamplingParams
 
@@ -150,8 +148,6 @@ def _free_memory() -> None:
 def main(args: argparse.Namespace) -> dict:
     import json
     import os
-
-    from benchmarks.structured import tokenizer_dir
 
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     model_dir, load_format = model_or_preset(args.model, args.preset)

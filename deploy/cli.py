@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster.tool_parsers import TOOL_CALL_PARSERS
 from engine import envs
 from engine.arg_utils import add_engine_args, engine_args
-from engine.config import EngineArgs
+from engine.config import EngineArgs, resolve_device
 
 # checkpoints.tiny.TINY_ARCHES' keys (not imported here: it brings torch; a test keeps the two equal)
 TINY_ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
@@ -76,8 +76,6 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         model["num_replicas"] = 1 if args.num_replicas is None else args.num_replicas
     ingress_replicas = args.ingress_replicas
     if ingress_replicas is None:
-        from engine.config import resolve_device
-
         ingress_replicas = GPU_INGRESS_REPLICAS if resolve_device(engine.device) == "cuda" else 1
     app = {"models": [model], "api_key": api_key(args),
            "ingress_replicas": ingress_replicas}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.errors import EngineDeadError
 from engine.executor import ExecutorPicker
 from engine.llm_engine import EngineStats, LLMEngine
@@ -339,8 +339,6 @@ def _configure_step_thread(device: str) -> None:
     """On CPU, torch's multi-threaded ops started from a thread other than the main one pay for a new OpenMP team
     on every op (a 64x128 matmul: 60 us instead of 11 us on the CI machine): the step thread runs its ops on
     PAGODA_TORCH_THREADS threads (default 1)."""
-    from engine.config import resolve_device
-
     if resolve_device(device) == "cpu":
         import torch
 

@@ -26,7 +26,7 @@ from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup import BackgroundPhase, StartupTimes
-from engine.tokenizer import TokenizerChild
+from engine.tokenizer import TokenizerChild, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -367,8 +367,6 @@ class LLMEngine:
 
 def _load_tokenizer(model_config, child: TokenizerChild | None) -> tuple[object, int]:
     """The tokenizer and its longest token's length (a scan of the vocabulary), on the tokenizer's thread."""
-    from engine.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(model_config.tokenizer_path, model_config.chat_template, child)
     return tokenizer, longest_token_chars(tokenizer)
 

@@ -85,3 +85,23 @@ def test_the_boundary_check_sees_lazy_imports(tmp_path):
     path.write_text("import os\n\n\ndef pick():\n    from cluster.actor_group import RayExecutor\n    return os\n")
     assert _imports(path) == [("os", True), ("cluster.actor_group.RayExecutor", False)]
     assert not _allowed("cluster.actor_group.RayExecutor", ALLOWED["engine"])
+
+
+def test_no_function_imports_a_module_its_file_imports_at_the_top():
+    """A function-level import is for a module kept out of the file's import (Ray, torch, a cycle), never one the
+    file has imported already."""
+    bad = []
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            at_top = {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+            at_top |= {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+            top_nodes = {id(node) for node in tree.body}
+            for node in ast.walk(tree):
+                if id(node) in top_nodes:
+                    continue
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                         [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+                bad += [f"{path.relative_to(REPO)}:{node.lineno} imports {name} again" for name in names
+                        if name in at_top]
+    assert not bad, "\n".join(bad)

@@ -15,7 +15,7 @@ import torch
 from engine import envs
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
-from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from engine.outputs import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.startup import StartupTimes
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
@@ -99,7 +99,6 @@ class Worker:
     @torch.inference_mode()
     def _profile_run(self) -> None:
         """A forward at the largest step the scheduler can send (and its logits), to measure peak activations."""
-        from engine.outputs import NewRequestData
         from engine.sampling_params import SamplingParams
 
         sched_config, block_size = self.config.scheduler, self.config.cache.block_size
@@ -143,7 +142,6 @@ class Worker:
     def _warm_up_prefill(self, num_blocks: int) -> None:
         """Compiles the prefill kernel's tile variants now (one per query-length class), not while the first
         requests wait. The dummy sequences write into KV blocks that nobody owns yet, then leave."""
-        from engine.outputs import NewRequestData
         from engine.sampling_params import SamplingParams
 
         block_size, sched_config = self.config.cache.block_size, self.config.scheduler
