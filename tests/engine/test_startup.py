@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+import engine.llm_engine
 import engine.tokenizer
 from cluster.executors import pick_executor
 from engine.config import EngineArgs
@@ -48,7 +49,7 @@ def test_the_tokenizer_loads_while_the_executor_starts(tiny_model_dir, tiny_toke
         _wait(tokenizer_began, "the tokenizer's load")
         real_start(self, config)
 
-    monkeypatch.setattr(engine.tokenizer, "load_tokenizer", load)
+    monkeypatch.setattr(engine.llm_engine, "load_tokenizer", load)  # where the engine reads it
     monkeypatch.setattr(InProcessExecutor, "__init__", start)
     llm = LLMEngine(_config(tiny_model_dir), pick_executor)
     try:
