@@ -98,18 +98,19 @@ class WorkerActor:
             port = s.getsockname()[1]
         return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
-    def init_worker(self, init_method: str) -> int:
-        """Joins the group, loads this rank's shard; returns how many KV blocks fit here."""
+    def init_worker(self, init_method: str) -> tuple[int, int]:
+        """Joins the group, loads this rank's shard; returns how many KV blocks fit here, on the device and in the
+        host tier."""
         from workers.worker import Worker
 
         self.device_index = local_gpu_index() if self.is_cuda else None
         self.worker = Worker(self.config, self.rank, self.world_size, init_method, self.device_index)
         self.worker.init_device()
         self.worker.load_model()
-        return self.worker.determine_num_blocks()
+        return self.worker.determine_num_blocks(), self.worker.determine_num_host_blocks()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks, num_host_blocks)
 
     def startup_phases(self) -> dict[str, float]:
         return dict(self.worker.startup.phases)
@@ -264,14 +265,15 @@ class RayExecutor(Executor):
             self.config = replace(config, parallel=replace(config.parallel, device=device))
             self.placement_group = self._acquire_placement_group(caller_pg, device)
             self.actors = self._start_actors(device)
-            self.num_kv_blocks = self._init_workers()
+            self.num_kv_blocks, self.num_host_kv_blocks = self._init_workers()
             self._broadcast = StepBroadcast(self.actors, use_compiled_graph)
         except BaseException:
             self._dead_error = "start-up failed"  # no orderly shutdown: ranks may be stuck in the rendezvous
             self.shutdown()
             raise
-        logger.info("%d ranks on %s, %d KV blocks, step broadcast through %s", self.world_size, device,
-                    self.num_kv_blocks, "a compiled graph" if self.is_compiled_graph else "actor calls")
+        logger.info("%d ranks on %s, %d KV blocks (%d in the host tier), step broadcast through %s",
+                    self.world_size, device, self.num_kv_blocks, self.num_host_kv_blocks,
+                    "a compiled graph" if self.is_compiled_graph else "actor calls")
 
     def startup_phases(self) -> dict[str, float]:
         return dict(self._startup_phases)
@@ -315,17 +317,19 @@ class RayExecutor(Executor):
         return [remote_class.options(**worker_actor_options(device, self.placement_group, rank, env_vars))
                 .remote(self.config, rank, self.world_size) for rank in range(self.world_size)]
 
-    def _init_workers(self) -> int:
-        """Rendezvous, load every shard, then the smallest KV pool any rank can hold, on every rank."""
+    def _init_workers(self) -> tuple[int, int]:
+        """Rendezvous, load every shard, then the smallest KV pool (and host tier) any rank can hold, on every
+        rank. Returns (device blocks, host blocks)."""
         timeout_s = envs.get("PAGODA_WORKER_INIT_TIMEOUT_S")
         init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=timeout_s)
         per_rank = _get_all([a.init_worker.remote(init_method) for a in self.actors], timeout_s)
-        num_blocks = min(per_rank)
+        num_blocks, num_host_blocks = (min(counts) for counts in zip(*per_rank))
         if len(set(per_rank)) > 1:
-            logger.info("KV blocks per rank %s: using %d on every rank", per_rank, num_blocks)
-        _get_all([a.init_kv_cache.remote(num_blocks) for a in self.actors], timeout_s)
+            logger.info("KV blocks per rank (device, host) %s: using %d and %d on every rank", per_rank, num_blocks,
+                        num_host_blocks)
+        _get_all([a.init_kv_cache.remote(num_blocks, num_host_blocks) for a in self.actors], timeout_s)
         self._startup_phases = ray.get(self.actors[0].startup_phases.remote(), timeout=timeout_s)
-        return num_blocks
+        return num_blocks, num_host_blocks
 
     # ---- steps -----------------------------------------------------------------------------------------------
     # launch returns at once: the driver schedules the next step while the ranks run this one (the next step

@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
-from workers.kv_pool import KVCaches, copy_blocks
+from workers.kv_pool import HostKVPool, KVCaches, copy_blocks
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
     RowKnobs,
@@ -66,9 +66,11 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
-                 scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False):
+                 scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False,
+                 host_pool: HostKVPool | None = None):
         self.model = model
         self.kv_caches = kv_caches
+        self.host_pool = host_pool  # the host-memory KV tier (CacheConfig.swap_space_gib); None: none
         self.block_size = block_size
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
@@ -108,7 +110,32 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        self._move_kv(sched)
+
+    def _move_kv(self, sched: SchedulerOutput) -> None:
+        """The step's KV moves, before its forward (outside any CUDA graph), in the contract's order: offloads to
+        the host tier, copy-on-write, onloads from the host tier. On CUDA offloads run on a stream of their own:
+        the step waits for them only when it writes a block they read; later steps wait at their start."""
+        pool = self.host_pool
+        if pool is None:
+            assert not (sched.kv_offloads or sched.kv_onloads), "the step moves KV to a host tier this rank lacks"
+            copy_blocks(self.kv_caches, sched.block_copies)
+            return
+        pool.wait_for_offloads()
+        pool.offload(sched.kv_offloads)
+        if pool.is_offloading and not self._blocks_written(sched).isdisjoint(d for d, _ in sched.kv_offloads):
+            pool.wait_for_offloads()
         copy_blocks(self.kv_caches, sched.block_copies)
+        pool.onload(sched.kv_onloads)
+
+    def _blocks_written(self, sched: SchedulerOutput) -> set[int]:
+        """The device blocks the step writes: copy-on-write and onload targets, and where its tokens' KV goes."""
+        written = {dst for _, dst in sched.block_copies} | {dst for _, dst in sched.kv_onloads}
+        for req_id, count in sched.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            written.update(state.block_ids[start // self.block_size:(start + count - 1) // self.block_size + 1])
+        return written
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         slot = None

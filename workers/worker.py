@@ -1,7 +1,7 @@
 """`Worker`: one tensor-parallel rank. Owns the device, the model shard and its part of the paged KV pool.
 
 Lifecycle (the same in-process and inside a Ray actor):
-    init_device() -> load_model() -> determine_num_blocks() -> init_kv_cache(n) -> execute_model(...) * N
+    init_device() -> load_model() -> determine_num_blocks() -> init_kv_cache(n, n_host) -> execute_model(...) * N
 Each start-up call records its phases in `startup` (engine/startup.py): device, weights, kv_profile, kv_alloc,
 cuda_graphs, warm_up.
 """
@@ -22,7 +22,14 @@ from kernels._triton import configure as configure_kernels
 from kernels.fp8 import FP8_DTYPE
 from workers import parallel
 from workers.grammar_mask import warm_up_grammar_mask
-from workers.kv_pool import allocate_kv_caches, bytes_per_block, num_blocks_cpu, num_blocks_gpu
+from workers.kv_pool import (
+    HostKVPool,
+    allocate_kv_caches,
+    bytes_per_block,
+    num_blocks_cpu,
+    num_blocks_gpu,
+    num_host_blocks,
+)
 from workers.kv_scales import attention_layers, calibrate_kv_scales
 from workers.model_runner import ModelRunner
 from workers.sampler import warm_up_sampler
@@ -96,6 +103,10 @@ class Worker:
             self._profile_run()
             return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes)
 
+    def determine_num_host_blocks(self) -> int:
+        """How many blocks the host tier holds on this rank (the executor takes the minimum over ranks)."""
+        return num_host_blocks(self.config.cache, self.block_bytes)
+
     @torch.inference_mode()
     def _profile_run(self) -> None:
         """A forward at the largest step the scheduler can send (and its logits), to measure peak activations."""
@@ -119,18 +130,23 @@ class Worker:
         del runner, caches
         torch.cuda.synchronize(self.device)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """The device pool of num_blocks and, when num_host_blocks > 0, the host tier behind it."""
         with self.startup.phase("kv_alloc"):
             caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
                                         self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype,
                                         self.device)
+            host_pool = HostKVPool(caches, num_host_blocks) if num_host_blocks > 0 else None
         with self.startup.phase("cuda_graphs"):  # the runner captures the decode graphs as it is built
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
                                       use_cuda_graphs=not (self.config.parallel.enforce_eager
-                                                           or references_forced()))
+                                                           or references_forced()), host_pool=host_pool)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
+        if host_pool is not None:  # the operator's memory: say how much
+            logger.info("rank %d: host KV tier of %d blocks (%.2f GiB of %s host memory)", self.rank,
+                        num_host_blocks, host_pool.num_bytes / 2**30, "pinned" if host_pool.is_pinned else "plain")
         if self.device_kind == "cuda":
             with self.startup.phase("warm_up"):
                 self._warm_up_prefill(num_blocks)
@@ -197,7 +213,8 @@ class InProcessExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
         self.num_kv_blocks = self.worker.determine_num_blocks()
-        self.worker.init_kv_cache(self.num_kv_blocks)
+        self.num_host_kv_blocks = self.worker.determine_num_host_blocks()
+        self.worker.init_kv_cache(self.num_kv_blocks, self.num_host_kv_blocks)
 
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return StepHandle(_as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True))
