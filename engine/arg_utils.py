@@ -37,6 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         default=_DEFAULTS["enable_prefix_caching"])
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="same as --no-enable-prefix-caching")
+    parser.add_argument("--swap-space", "--kv-offload-gib", dest="swap_space", type=float,
+                        default=_DEFAULTS["swap_space"], metavar="GIB",
+                        help="GiB of host memory per GPU for a second KV tier: every computed block is also written "
+                             "there, and a prefix the GPU pool has evicted (or a preempted request's) is copied back "
+                             "instead of computed again (default 0: none; needs prefix caching)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"])
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
@@ -71,5 +76,5 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager,
                   chat_template=args.chat_template, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, swap_space=args.swap_space)
     return EngineArgs(**(values | overrides))

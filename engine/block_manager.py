@@ -11,9 +11,16 @@ the same block on every rank.
 
 The scheduler sees the pool through these calls only: `admit` a waiting request (its reusable prefix and room for
 its first tokens, all or nothing), `grow` a running one, `free` either; `commit` after a step publishes what it
-computed, `take_copies` hands over the copy-on-write work. Which block is where stays in here: the host-memory KV
-tier will be a second pool behind the same calls (a prefix found there is one more kind of hit for `admit`, an
-evicted block can move there), with no new call in the scheduler.
+computed, `take_transfers` hands over the KV moves the step must make. Which block is where stays in here.
+
+The host tier (`num_host_blocks` > 0, `--swap-space`) is a second pool of blocks in host memory, a level of the
+prefix cache below the device's: every block `commit` publishes is also written to the host (write-through, an
+offload the next step makes beside its forward), host blocks are evicted least recently used, and `admit` continues
+a request's cached prefix on the host where the device's ends: those blocks are copied back (onloads) instead of
+computed. A preempted request's computed blocks are on the host already, so it resumes by copying them back.
+
+    device pool   [ prefix-cache hits | onloaded from the host | computed now ]    one block table
+    host pool     every committed block's copy, LRU; found by the same hash chain
 """
 
 from __future__ import annotations
@@ -57,13 +64,23 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
+        assert not num_host_blocks or enable_prefix_caching, "the host tier is a level of the prefix cache"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
         self.prefix_queries_tokens = 0
-        self.prefix_hits_tokens = 0
+        self.prefix_hits_tokens = 0  # found on the device
+        self.host_hits_tokens = 0  # found on the host (copied back)
+        self.num_offloaded_blocks = 0
+        self.num_onloaded_blocks = 0
+        self._host_cached: OrderedDict[bytes, int] = OrderedDict()  # block hash -> host block, least recent first
+        self._host_free = list(range(num_host_blocks))
+        self._offloads: dict[int, int] = {}  # device block -> host block, not yet taken by a step
+        self._onloads: list[tuple[int, int]] = []  # (host block, device block), not yet taken
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -96,8 +113,10 @@ class BlockManager:
             num_committed = min(num_computed // self.block_size, self._num_committed[leader.req_id])
         else:
             leader = None  # a one-token prompt has nothing to share
-            prefix = self._cached_prefix(req)
-            num_committed = len(prefix)
+            hashes = self._prefix_hashes(req)
+            prefix = self._cached_prefix(hashes)
+            host_hits = self._host_prefix(hashes[len(prefix):])
+            num_committed = len(prefix) + len(host_hits)
             num_computed = num_committed * self.block_size
         num_new = min(req.num_tokens - num_computed, num_tokens_budget)
         num_appended = self._num_blocks_for(num_computed + num_new) - len(prefix)
@@ -107,12 +126,16 @@ class BlockManager:
             return None
         if leader is None and self.enable_prefix_caching:  # counted once the request is admitted, not at each attempt
             self.prefix_queries_tokens += req.num_tokens
-            self.prefix_hits_tokens += num_computed
+            self.prefix_hits_tokens += len(prefix) * self.block_size
+            self.host_hits_tokens += len(host_hits) * self.block_size
         for block_id in prefix:
             self._take(block_id)
         table = self._tables[req.req_id] = list(prefix)
         self._num_committed[req.req_id] = num_committed
-        self._extend(table, num_computed, num_appended, is_copy)
+        added = self._extend(table, num_computed, num_appended, is_copy)
+        if leader is None:
+            for (block_hash, host_block), block_id in zip(host_hits, added):
+                self._onload(block_hash, host_block, block_id)
         return Allocation(list(table), num_computed, num_new)
 
     def grow(self, req: Request, num_new_tokens: int) -> Growth | None:
@@ -131,9 +154,20 @@ class BlockManager:
             self._release(block_id)
         self._num_committed.pop(req.req_id, None)
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The KV moves the next step makes before its forward (engine/outputs.py SchedulerOutput): offloads (device
+        block, host block), copy-on-write (src, dst) and onloads (host block, device block). A device block offloaded
+        in a step is not written by it, nor a host block written by a step read by it (see _pop_free and
+        _host_prefix), so the offloads may run beside the step."""
+        offloads, copies, onloads = list(self._offloads.items()), self._pending_copies, self._onloads
+        self._offloads, self._pending_copies, self._onloads = {}, [], []
+        self.num_offloaded_blocks += len(offloads)
+        self.num_onloaded_blocks += len(onloads)
+        return offloads, copies, onloads
+
+    @property
+    def host_usage(self) -> float:
+        return len(self._host_cached) / self.num_host_blocks if self.num_host_blocks else 0.0
 
     # ---- prefix cache --------------------------------------------------------------------------------------------
     def commit(self, req: Request) -> None:
@@ -152,27 +186,80 @@ class BlockManager:
             if block.block_hash is None and req.block_hashes[i] not in self._cached:
                 block.block_hash = req.block_hashes[i]
                 self._cached[block.block_hash] = block.block_id
+                self._offload(block)
         self._num_committed[req.req_id] = num_full
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached block no request holds, on the device and on the host."""
         for block in self._blocks:
             if block.ref_count == 0 and block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
                 block.block_hash = None
+        writing, reading = set(self._offloads.values()), {host for host, _ in self._onloads}
+        for block_hash, host_block in list(self._host_cached.items()):
+            if host_block not in writing and host_block not in reading:
+                del self._host_cached[block_hash]
+                self._host_free.append(host_block)
 
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks, the last token left out. None for a request that
-        wants prompt logprobs: it computes every position."""
+    def _prefix_hashes(self, req: Request) -> list[bytes]:
+        """The hashes a cached prefix may cover: every full block but the one with the last token. None for a
+        request that wants prompt logprobs: it computes every position."""
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         self._update_hashes(req)
+        return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+
+    def _cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Device block ids of the longest cached prefix of `hashes`."""
         hits = []
-        for block_hash in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
+        for block_hash in hashes:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _host_prefix(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
+        """(hash, host block) of the longest prefix of `hashes` on the host, short of a block this step writes."""
+        writing = set(self._offloads.values()) if self._offloads else ()
+        hits = []
+        for block_hash in hashes:
+            host_block = self._host_cached.get(block_hash)
+            if host_block is None or host_block in writing:
+                break
+            hits.append((block_hash, host_block))
+        return hits
+
+    # ---- the host tier -------------------------------------------------------------------------------------------
+    def _offload(self, block: Block) -> None:
+        """Write-through: a newly committed device block gets a copy on the host, unless the host holds its hash."""
+        if not self.num_host_blocks:
+            return
+        assert block.block_hash is not None
+        if block.block_hash in self._host_cached:
+            self._host_cached.move_to_end(block.block_hash)
+            return
+        host_block = self._free_host_block()
+        if host_block is not None:
+            self._host_cached[block.block_hash] = host_block
+            self._offloads[block.block_id] = host_block
+
+    def _free_host_block(self) -> int | None:
+        """A free host block, evicting the least recently used one that the next step neither reads nor writes."""
+        if self._host_free:
+            return self._host_free.pop()
+        busy = set(self._offloads.values()) | {host for host, _ in self._onloads}
+        victim = next((h for h, host in self._host_cached.items() if host not in busy), None)
+        return None if victim is None else self._host_cached.pop(victim)
+
+    def _onload(self, block_hash: bytes, host_block: int, block_id: int) -> None:
+        """Device block block_id gets the host's copy of block_hash (in the next step, before its forward) and is
+        a cached block from now on."""
+        self._host_cached.move_to_end(block_hash)
+        self._onloads.append((host_block, block_id))
+        block = self._blocks[block_id]
+        block.block_hash = block_hash
+        self._cached[block_hash] = block_id
 
     def _update_hashes(self, req: Request) -> None:
         """Extends the request's hash chain over every full block of its known tokens."""
@@ -210,7 +297,16 @@ class BlockManager:
         return added
 
     def _pop_free(self) -> int:
-        block_id, _ = self._free_queue.popitem(last=False)
+        """The least recently used free block, past those whose offload the next step makes (it must not write them):
+        those go to the back of the queue. If every free block waits for its offload, the first one's is dropped."""
+        for _ in range(len(self._offloads) + 1):
+            block_id = next(iter(self._free_queue))
+            if block_id not in self._offloads:
+                break
+            self._free_queue.move_to_end(block_id)
+        else:
+            self._drop_offload(block_id)
+        del self._free_queue[block_id]
         block = self._blocks[block_id]
         if block.block_hash is not None:  # evict from the prefix cache
             if self._cached.get(block.block_hash) == block_id:
@@ -218,6 +314,13 @@ class BlockManager:
             block.block_hash = None
         block.ref_count = 1
         return block_id
+
+    def _drop_offload(self, block_id: int) -> None:
+        host_block = self._offloads.pop(block_id)
+        block_hash = self._blocks[block_id].block_hash
+        if block_hash is not None and self._host_cached.get(block_hash) == host_block:
+            del self._host_cached[block_hash]
+        self._host_free.append(host_block)
 
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -246,4 +349,8 @@ class BlockManager:
             assert is_free == (block.ref_count == 0), f"block {block.block_id} free={is_free} ref={block.ref_count}"
         for block_hash, block_id in self._cached.items():
             assert self._blocks[block_id].block_hash == block_hash, f"cache entry of block {block_id} is stale"
-        assert not self._pending_copies, f"copies never sent: {self._pending_copies}"
+        assert not self._pending_copies and not self._onloads, \
+            f"copies never sent: {self._pending_copies} {self._onloads}"
+        host_blocks = list(self._host_cached.values()) + self._host_free
+        assert sorted(host_blocks) == list(range(self.num_host_blocks)), "a host block is lost or held twice"
+        assert set(self._offloads.values()) <= set(self._host_cached.values()), "an offload to an uncached host block"

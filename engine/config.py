@@ -130,8 +130,19 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # the memory cap for the pool on CPU
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn with per-head scales
+    # The host-memory KV tier, per rank (vLLM's --swap-space): GiB of host memory in the device pool's block layout
+    # and dtype; 0: none. num_host_kv_blocks, when set, is its size in blocks instead (tests).
+    swap_space_gib: float = 0.0
+    num_host_kv_blocks: int | None = None
 
     def __post_init__(self):
+        if self.swap_space_gib < 0:
+            raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space_gib}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
+            raise ParamError("num_host_kv_blocks", f"must be >= 0, got {self.num_host_kv_blocks}")
+        if (self.swap_space_gib or self.num_host_kv_blocks) and not self.enable_prefix_caching:
+            raise ParamError("swap_space", "the host KV tier needs prefix caching (its blocks are found by the prefix "
+                                           "cache's hashes): leave prefix caching on, or set no swap space")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ParamError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
@@ -212,6 +223,8 @@ class EngineArgs:
     chat_template: str | None = None  # a file, or the template's text: replaces the tokenizer's
     quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8)
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV pool
+    swap_space: float = 0.0  # GiB of host memory per rank for the host KV tier (vLLM's name); 0: none
+    num_host_kv_blocks: int | None = None  # the host tier's size in blocks instead (tests)
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -236,7 +249,8 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         return (CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization,
-                            self.cpu_kv_cache_bytes, self.enable_prefix_caching, self.kv_cache_dtype),
+                            self.cpu_kv_cache_bytes, self.enable_prefix_caching, self.kv_cache_dtype, self.swap_space,
+                            self.num_host_kv_blocks),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 2048),
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 

@@ -35,6 +35,7 @@ class Executor(ABC):
     launch (synchronous steps); otherwise it awaits `sample`. Collect steps in launch order."""
 
     num_kv_blocks: int
+    num_host_kv_blocks: int = 0  # the host tier's blocks on every rank (CacheConfig.swap_space_gib); 0: none
     supports_overlap: bool = False  # launch returns before the step's tokens are on the host
     # launch may leave a step's constrained rows unsampled until the driver supplies their grammar bitmask (sample);
     # otherwise the bitmask must travel in the SchedulerOutput.

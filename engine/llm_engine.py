@@ -46,6 +46,11 @@ class EngineStats:
     num_finished: dict[str, int] | None = None  # finish reason -> requests
     device_memory_used_bytes: int = 0  # set by the engine loop from the executor (0 on CPU)
     device_utilization: float = 0.0  # 0..1, where the device reports it
+    # the host KV tier (--swap-space): prompt tokens found there, blocks written to it and copied back, its usage
+    host_prefix_cache_hits: int = 0
+    kv_offloaded_blocks: int = 0
+    kv_onloaded_blocks: int = 0
+    host_kv_cache_usage: float = 0.0
 
 
 @dataclass
@@ -96,7 +101,8 @@ class LLMEngine:
         if self.max_model_len < config.model.max_model_len:
             logger.warning("max_model_len lowered from %d to %d: the KV pool holds %d blocks of %d tokens",
                            config.model.max_model_len, self.max_model_len, num_blocks, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                          self.executor.num_host_kv_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
@@ -230,7 +236,7 @@ class LLMEngine:
 
     @staticmethod
     def _is_idle(sched) -> bool:
-        return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids)
+        return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids or sched.kv_offloads)
 
     def _finish_pending(self) -> list[RequestDelta]:
         """Reads back the step in flight, advances its requests and makes their deltas."""
@@ -348,7 +354,9 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
-                           dict(self.num_finished))
+                           dict(self.num_finished), host_prefix_cache_hits=bm.host_hits_tokens,
+                           kv_offloaded_blocks=bm.num_offloaded_blocks, kv_onloaded_blocks=bm.num_onloaded_blocks,
+                           host_kv_cache_usage=bm.host_usage)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -59,7 +59,14 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens to compute this step
     finished_req_ids: list[str] = field(default_factory=list)  # drop from the persistent batch (finished, aborted)
     preempted_req_ids: list[str] = field(default_factory=list)  # drop too; they come back as new requests
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the step
+    # The KV moves each rank makes before the step's forward: computed blocks written to the host tier (device
+    # block, host block), copy-on-write (src, dst), prefixes found on the host brought back (host block, device
+    # block). The block manager guarantees that a device block a step offloads is not one that step writes, and a
+    # host block a step offloads to is not one that step onloads from: offloads may run on a stream of their own,
+    # beside the step, as long as the next step waits for them before it writes.
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_onloads: list[tuple[int, int]] = field(default_factory=list)
     # The allowed tokens of the constrained requests that sample in this step, when the driver knows them at launch
     # (None: no constraint, or the executor awaits them after launch: engine/executor.py, deferred sampling).
     grammar_bitmask: GrammarBitmask | None = None

@@ -79,7 +79,7 @@ class Scheduler:
             budget = self._schedule_running(out, budget, self.running)
             if not out.preempted_req_ids:
                 self._schedule_waiting(out, budget)
-        out.block_copies = self.block_manager.take_copies()
+        out.kv_offloads, out.block_copies, out.kv_onloads = self.block_manager.take_transfers()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens:

@@ -121,7 +121,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     child = make_req("p#1", range(6))
     allocation = bm.admit(child, 8, leader)  # positions 0..4: blocks 0 and 1 (block 1 partly filled)
     assert (allocation.num_computed_tokens, allocation.num_new_tokens) == (5, 1)
-    copies = bm.take_copies()
+    _, copies, _ = bm.take_transfers()
     assert copies == [(leader_blocks[1], allocation.block_ids[1])]  # copied before the child writes position 5
     assert allocation.block_ids[0] == leader_blocks[0] and allocation.block_ids[1] != leader_blocks[1]
     assert bm.prefix_queries_tokens == 6  # the leader's; a fork is no prefix-cache query
@@ -138,7 +138,7 @@ def test_fork_without_room_for_its_copy_changes_nothing():
     bm.admit(leader, 6)
     leader.num_computed_tokens = 6
     assert bm.admit(make_req("p#1", range(6)), 8, leader) is None
-    assert bm.num_free_blocks == 0 and bm.take_copies() == []
+    assert bm.num_free_blocks == 0 and bm.take_transfers() == ([], [], [])
     bm.check_integrity()
 
 

@@ -39,9 +39,15 @@ def by_index(delta):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_keeps_invariants_and_greedy_tokens(tiny_model_dir, seed, overlap):
-    work = make_workload(seed)
     engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
-                                 max_num_batched_tokens=24, max_num_seqs=6)
+                        max_num_batched_tokens=24, max_num_seqs=6)
+    run_and_compare_with_each_alone(engine, tiny_model_dir, seed, overlap)
+
+
+def run_and_compare_with_each_alone(engine, tiny_model_dir, seed: int, overlap: bool) -> None:
+    """Runs make_workload(seed) on `engine` (a small pool), checking the block manager after every step, then each
+    request alone in a roomy engine: the same tokens."""
+    work = make_workload(seed)
     engine.executor.supports_overlap = overlap
     rng = random.Random(seed + 100)
     finished, aborted = run_workload(engine, work, rng, abort_probability=0.3,

@@ -1,0 +1,163 @@
+"""The host KV tier in the block manager: write-through of committed blocks, prefixes continued on the host and
+copied back, LRU eviction, and the rules that let a step's offloads run beside it."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig
+from engine.errors import ParamError
+from engine.sampling_params import SamplingParams
+from tests.engine.test_block_manager import admit_computed, make_req
+from tests.engine.test_engine_stress import run_and_compare_with_each_alone
+from tests.engines import llm_engine
+
+
+def evict_the_device_cache(bm: BlockManager) -> None:
+    """Takes every device block for a request that is never committed (its blocks are not cached) and frees it."""
+    filler = make_req("filler", range(10_000, 10_000 + bm.num_blocks * bm.block_size))
+    assert bm.admit(filler, filler.num_tokens) is not None
+    bm.take_transfers()
+    bm.free(filler)
+
+
+def test_committed_blocks_are_written_to_the_host_once():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=8)
+    req = make_req("a", range(13))  # 3 full blocks
+    allocation = admit_computed(bm, req)
+    offloads, copies, onloads = bm.take_transfers()
+    assert [device for device, _ in offloads] == allocation.block_ids[:3] and copies == onloads == []
+    assert len({host for _, host in offloads}) == 3 and bm.num_offloaded_blocks == 3
+    bm.free(req)
+    again = make_req("b", range(13))
+    admit_computed(bm, again)  # the device cache has them: no second copy
+    assert bm.take_transfers() == ([], [], []) and bm.prefix_hits_tokens == 12
+    bm.check_integrity()
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_from_the_host():
+    bm = BlockManager(num_blocks=5, block_size=4, num_host_blocks=8)
+    first = make_req("a", range(13))
+    admit_computed(bm, first)
+    offloaded = dict(bm.take_transfers()[0])
+    bm.free(first)
+    evict_the_device_cache(bm)
+    again = make_req("a2", range(13))
+    allocation = bm.admit(again, 13)
+    assert (allocation.num_computed_tokens, allocation.num_new_tokens) == (12, 1)
+    offloads, _, onloads = bm.take_transfers()
+    assert offloads == [] and [device for _, device in onloads] == allocation.block_ids[:3]
+    assert [host for host, _ in onloads] == [offloaded[b] for b in sorted(offloaded, key=list(offloaded).index)]
+    assert (bm.prefix_hits_tokens, bm.host_hits_tokens, bm.num_onloaded_blocks) == (0, 12, 3)
+    bm.check_integrity()
+    # the copied-back blocks are device cache entries again: a third request hits them on the device
+    third = make_req("a3", range(13))
+    assert bm.admit(third, 13).block_ids[:3] == allocation.block_ids[:3]
+    bm.check_integrity()
+
+
+def test_a_block_the_next_step_offloads_is_not_the_one_it_writes():
+    bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=8)
+    first = make_req("a", range(9))  # blocks 0, 1 full and offloaded by the next step; block 2 partly filled
+    first_blocks = admit_computed(bm, first).block_ids
+    bm.free(first)
+    # Without the rule the LRU order would hand out a's tail first, then its full blocks: the other request gets
+    # the free blocks without a pending offload first.
+    second = make_req("b", range(100, 104))
+    taken = bm.admit(second, 4).block_ids
+    assert not set(taken) & set(first_blocks[:2])
+    # then the partly filled one, then only offloading blocks are left: one offload is dropped, and the host forgets
+    # that block's hash
+    third = make_req("c", range(200, 208))
+    third_blocks = bm.admit(third, 8).block_ids
+    offloads, _, _ = bm.take_transfers()
+    assert len(offloads) == 1 and offloads[0][0] not in third_blocks and len(bm._host_cached) == 1
+    bm.check_integrity()
+
+
+def test_the_host_evicts_its_least_recently_used_block():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=2)
+    for i in range(3):  # three one-block prompts, one step each
+        req = make_req(f"r{i}", range(10 * i, 10 * i + 5))
+        admit_computed(bm, req)
+        bm.take_transfers()
+        bm.free(req)
+    assert bm.host_usage == 1.0 and bm.num_offloaded_blocks == 3
+    evict_the_device_cache(bm)  # the host holds the last two
+    hits = [bm.admit(make_req(f"q{i}", range(10 * i, 10 * i + 5)), 5).num_computed_tokens for i in range(3)]
+    assert hits == [0, 4, 4]
+    assert len(bm.take_transfers()[2]) == 2
+    bm.check_integrity()
+
+
+def test_a_host_block_the_step_reads_is_not_overwritten_by_it():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=1)
+    a = make_req("a", range(5))
+    admit_computed(bm, a)
+    bm.take_transfers()
+    bm.free(a)
+    evict_the_device_cache(bm)  # the one host block holds a's
+    back = bm.admit(make_req("a2", range(5)), 5)  # copied back from the host in the next step
+    assert back.num_computed_tokens == 4
+    b = make_req("b", range(50, 55))
+    admit_computed(bm, b)  # its block would need the one host block, which the step reads: no copy
+    offloads, _, onloads = bm.take_transfers()
+    assert offloads == [] and len(onloads) == 1
+    bm.check_integrity()
+
+
+def test_the_host_tier_needs_prefix_caching():
+    with pytest.raises(ParamError, match="prefix caching"):
+        CacheConfig(enable_prefix_caching=False, swap_space_gib=4)
+    with pytest.raises(ParamError, match="swap_space"):
+        CacheConfig(swap_space_gib=-1)
+
+
+@pytest.mark.parametrize("flag", ["--swap-space", "--kv-offload-gib"])
+def test_the_flag_reaches_the_serve_apps_engine_args(flag):
+    from cluster.app import parse_args
+    from deploy.cli import build_parser, serve_app_args
+
+    app_args = serve_app_args(build_parser().parse_args(["serve", "--model", "tiny", flag, "2.5"]))
+    assert app_args["models"][0]["swap_space"] == 2.5
+    engine = parse_args(app_args).models[0].engine
+    assert engine.swap_space == 2.5 and engine._parts()[0].swap_space_gib == 2.5
+
+
+# ---- an engine with a host tier (the tiny model on CPU: the worker's copies are real, the streams are not) --------
+def _greedy(engine, req_id: str, prompt: list[int]) -> list[int]:
+    engine.add_request(req_id, {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), stream=False)
+    out = None
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            out = delta
+    return out.seqs[0].token_ids
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_model_dir):
+    prompt = list(range(1, 41))  # 10 blocks of 4
+    others = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(3)]
+    small = dict(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24)
+    reference = _greedy(llm_engine(**small, enable_prefix_caching=False), "ref", prompt)
+    engine = llm_engine(**small, num_host_kv_blocks=64)
+    assert engine.executor.num_host_kv_blocks == 64
+    assert _greedy(engine, "first", prompt) == reference
+    for i, other in enumerate(others):  # 120 more tokens through a 96-token pool: the prompt's blocks are evicted
+        _greedy(engine, f"other{i}", other)
+    bm = engine.block_manager
+    assert bm.num_offloaded_blocks >= 10 + 3 * 9
+    assert _greedy(engine, "again", prompt) == reference
+    assert bm.host_hits_tokens == 36 and bm.num_onloaded_blocks >= 9  # all but the block with the last token
+    stats = engine.get_stats()
+    assert (stats.host_prefix_cache_hits, stats.kv_onloaded_blocks) == (36, bm.num_onloaded_blocks)
+    engine.step()
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_preempted_requests_resume_from_the_host_with_the_same_tokens(tiny_model_dir, overlap):
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
+                        max_num_batched_tokens=24, max_num_seqs=6, num_host_kv_blocks=256)
+    run_and_compare_with_each_alone(engine, tiny_model_dir, seed=3, overlap=overlap)
+    assert engine.block_manager.host_hits_tokens > 0 and engine.block_manager.num_onloaded_blocks > 0
