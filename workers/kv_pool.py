@@ -175,7 +175,9 @@ def _register(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
     num_bytes = buffer.numel() * buffer.element_size()
     cudart = torch.cuda.cudart()
     with torch.cuda.device(device):
-        error = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
+        # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, mapped into the device's
+        # address space (under UVA at the host address itself)
+        error = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 3)
         if int(error) != 0:
             raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**30:.2f} GiB for the host KV tier failed "
                                f"({error}): lower swap_space (the host tier's GiB per rank)")
