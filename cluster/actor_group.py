@@ -58,6 +58,7 @@ class StepFailure:
     rank: int
     error: str
     traceback: str
+    is_fatal: bool = False  # a KV move failed: the rank's pools no longer match the driver's books
 
 
 @dataclass
@@ -134,7 +135,10 @@ class WorkerActor:
                 return AwaitingBitmask(step.bitmask_req_ids)
             return step.result()
         except Exception as e:  # noqa: BLE001 - an error value, not an exception: the graph and the actor stay usable
-            return StepFailure(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+            from workers.kv_pool import KVMoveError  # (loaded with the worker already)
+
+            return StepFailure(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc(),
+                               is_fatal=isinstance(e, KVMoveError))
 
     def _ensure_current_device(self) -> None:
         """The compiled graph runs steps on its own thread; CUDA's current device is per thread (Triton uses it)."""
@@ -386,6 +390,8 @@ class RayExecutor(Executor):
             logger.error("%s\n%s", message, failures[0].traceback)
             if len(failures) < len(results):  # the ranks' persistent batches no longer agree
                 raise self._mark_dead(f"{message} (and not on every rank)")
+            if any(f.is_fatal for f in failures):
+                raise self._mark_dead(message)
             raise ExecutorError(message)
         return results[0]
 

@@ -16,6 +16,11 @@ from workers.inputs import to_device
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class KVMoveError(RuntimeError):
+    """A step's KV move (offload, copy-on-write, onload) failed: what the pools hold is no longer what the driver's
+    books say, so the executor can run no more steps (fatal), unlike a failed forward."""
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     element_bytes = torch.tensor([], dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes

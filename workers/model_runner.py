@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
-from workers.kv_pool import HostKVPool, KVCaches, copy_blocks
+from workers.kv_pool import HostKVPool, KVCaches, KVMoveError, copy_blocks
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
     RowKnobs,
@@ -92,6 +92,7 @@ class ModelRunner:
 
     # ---- persistent batch ----------------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
+        self._move_kv(sched)  # first: a step that fails after this point has made its moves, as the driver assumes
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             state = self.requests.pop(req_id, None)
             self.scoring.discard(req_id)
@@ -110,32 +111,31 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-        self._move_kv(sched)
 
     def _move_kv(self, sched: SchedulerOutput) -> None:
+        """The step's KV moves; a failure among them is a KVMoveError (the executor's end, not the step's)."""
+        try:
+            self._make_kv_moves(sched)
+        except Exception as e:
+            raise KVMoveError(f"moving KV blocks failed: {type(e).__name__}: {e}") from e
+
+    def _make_kv_moves(self, sched: SchedulerOutput) -> None:
         """The step's KV moves, before its forward (outside any CUDA graph), in the contract's order: offloads to
-        the host tier, copy-on-write, onloads from the host tier. On CUDA offloads run on a stream of their own:
-        the step waits for them only when it writes a block they read; later steps wait at their start."""
+        the host tier, copy-on-write, onloads from the host tier. On CUDA offloads run on a stream of their own,
+        beside the step; the next step waits for them at its start."""
         pool = self.host_pool
         if pool is None:
             assert not (sched.kv_offloads or sched.kv_onloads), "the step moves KV to a host tier this rank lacks"
             copy_blocks(self.kv_caches, sched.block_copies)
             return
+        # The block manager never has a step write a block it offloads (engine/block_manager.py _pop_free; a full,
+        # committed block is not written by its holders), so the offloads need not finish before this forward.
+        assert not {d for d, _ in sched.kv_offloads} & {d for _, d in sched.block_copies + sched.kv_onloads}, \
+            "a step writes a device block it offloads"
         pool.wait_for_offloads()
         pool.offload(sched.kv_offloads)
-        if pool.is_offloading and not self._blocks_written(sched).isdisjoint(d for d, _ in sched.kv_offloads):
-            pool.wait_for_offloads()
         copy_blocks(self.kv_caches, sched.block_copies)
         pool.onload(sched.kv_onloads)
-
-    def _blocks_written(self, sched: SchedulerOutput) -> set[int]:
-        """The device blocks the step writes: copy-on-write and onload targets, and where its tokens' KV goes."""
-        written = {dst for _, dst in sched.block_copies} | {dst for _, dst in sched.kv_onloads}
-        for req_id, count in sched.num_scheduled_tokens.items():
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            written.update(state.block_ids[start // self.block_size:(start + count - 1) // self.block_size + 1])
-        return written
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         slot = None

@@ -24,6 +24,7 @@ from workers import parallel
 from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import (
     HostKVPool,
+    KVMoveError,
     allocate_kv_caches,
     bytes_per_block,
     num_blocks_cpu,
@@ -254,9 +255,10 @@ def _scale_range(scales) -> tuple[float, float]:
 
 
 def _as_executor_error(fn, *args):
-    """Runs a step's launch or wait; a failure becomes an ExecutorError that fails the step's requests."""
+    """Runs a step's launch or wait; a failure becomes an ExecutorError that fails the step's requests (a failed KV
+    move: every request, and the executor stops)."""
     try:
         return fn(*args)
     except Exception as e:
         logger.exception("step failed")
-        raise ExecutorError(f"{type(e).__name__}: {e}") from e
+        raise ExecutorError(f"{type(e).__name__}: {e}", is_fatal=isinstance(e, KVMoveError)) from e

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineArgs
+from engine.executor import ExecutorError
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.kv_pool import HostKVPool, allocate_kv_caches, bytes_per_block, num_host_blocks
@@ -96,8 +97,9 @@ def block(caches, block_id):
     return [(k[block_id].clone(), v[block_id].clone()) for k, v in caches]
 
 
-def test_step_order_offload_copy_onload(executor):
-    """Offloads read the device blocks before the step's copy-on-write and onloads write them."""
+def test_a_step_makes_its_three_kinds_of_moves(executor):
+    """Offloads, copy-on-write and onloads of one step, into blocks no other move of it touches (the block
+    manager's rules); a step that would write a block it offloads is refused as a failed move: fatal."""
     runner = executor.worker.runner
     prompt = list(range(3, 43))  # 40 tokens: blocks 0 and 1 full, 2 partly
     runner.execute_model(SchedulerOutput(
@@ -106,20 +108,23 @@ def test_step_order_offload_copy_onload(executor):
     first, second = block(runner.kv_caches, 0), block(runner.kv_caches, 1)
     assert not torch.equal(first[0][0], second[0][0])
     runner.execute_model(SchedulerOutput(finished_req_ids=["a"], kv_offloads=[(1, 1)]))
-    # Block 0 goes to host block 2, is copied to block 5, then host block 1 (a's second block) comes back into it.
-    runner.execute_model(SchedulerOutput(kv_offloads=[(0, 2)], block_copies=[(0, 5)], kv_onloads=[(1, 0)]))
+    runner.execute_model(SchedulerOutput(kv_offloads=[(0, 2)], block_copies=[(0, 5)], kv_onloads=[(1, 6)]))
     host = runner.host_pool.caches
     for (k, v), (first_k, first_v), (second_k, second_v), (host_k, host_v) in zip(
             runner.kv_caches, first, second, host):
-        assert same_bits(host_k[2], first_k) and same_bits(host_v[2], first_v)  # offloaded before the onload
-        assert same_bits(k[5], first_k) and same_bits(v[5], first_v)  # copied before the onload
-        assert same_bits(k[0], second_k) and same_bits(v[0], second_v)  # the onload, last
+        assert same_bits(host_k[2], first_k) and same_bits(host_v[2], first_v)  # offloaded
+        assert same_bits(k[5], first_k) and same_bits(v[5], first_v)  # copied on write
+        assert same_bits(k[6], second_k) and same_bits(v[6], second_v)  # brought back from host block 1
+    with pytest.raises(ExecutorError, match="writes a device block it offloads") as failed:
+        executor.execute_model(SchedulerOutput(kv_offloads=[(0, 3)], kv_onloads=[(1, 0)]))
+    assert failed.value.is_fatal
 
 
 def prefix_reuse_tokens(execute, onload: bool = True, num_tokens: int = 4) -> tuple[list[int], list[int]]:
-    """Request a computes a 40-token prompt and its blocks 0 and 1 go to host blocks 0 and 1 while another request
-    takes them over (the same step); request b, with a's prompt, gets them back into blocks 5 and 6 and computes
-    only the last 8 tokens. Returns (a's greedy tokens, b's). `execute(SchedulerOutput) -> ModelRunnerOutput`."""
+    """Request a computes a 40-token prompt and its blocks 0 and 1 go to host blocks 0 and 1 (the step that ends
+    it), then another request takes them over; request b, with a's prompt, gets them back into blocks 5 and 6 and
+    computes only the last 8 tokens. Returns (a's greedy tokens, b's).
+    `execute(SchedulerOutput) -> ModelRunnerOutput`."""
     prompt, greedy = list(range(3, 43)), SamplingParams(temperature=0.0)
 
     def generate(req_id, new_request, moves):
@@ -131,7 +136,8 @@ def prefix_reuse_tokens(execute, onload: bool = True, num_tokens: int = 4) -> tu
         return tokens
 
     a_tokens = generate("a", NewRequestData("a", prompt, [], greedy, [0, 1, 2], 0), {})
-    execute(SchedulerOutput(finished_req_ids=["a"], kv_offloads=[(0, 0), (1, 1)], num_scheduled_tokens={"x": 32},
+    execute(SchedulerOutput(finished_req_ids=["a"], kv_offloads=[(0, 0), (1, 1)]))
+    execute(SchedulerOutput(num_scheduled_tokens={"x": 32},
                             new_reqs=[NewRequestData("x", list(range(50, 82)), [], greedy, [0, 1], 0)]))
     execute(SchedulerOutput(finished_req_ids=["x"]))
     moves = {"kv_onloads": [(0, 5), (1, 6)]} if onload else {}
