@@ -40,8 +40,10 @@ def serve_url(ray_cluster):
     port = _get_global_client().http_config.port  # another test module may have started Serve first
     small = {"model": "tiny", "num_kv_blocks": 256, "replica_num_cpus": 0.5, "max_num_seqs": 32}
     app = build_app({
+        # "tiny" runs with a host KV tier (every committed block written through to it): the serve tests, the soak
+        # with its disconnects included, exercise it and check both tiers' integrity
         "models": [{"served_model_name": "tiny", "num_replicas": 2, "max_model_len": 1024,
-                    "chat_template": TOOLS_CHAT_TEMPLATE, **small},
+                    "chat_template": TOOLS_CHAT_TEMPLATE, **small, "num_host_kv_blocks": 512},
                    {"served_model_name": "tiny-solo", "num_replicas": 1, "health_check_period_s": 1.0, **small},
                    {"served_model_name": "tiny-queue", "num_replicas": 1, "max_ongoing_requests": 1,
                     "max_queued_requests": 2, **small}],

@@ -124,20 +124,27 @@ def test_the_flag_reaches_the_serve_apps_engine_args(flag):
 
 
 # ---- an engine with a host tier (the tiny model on CPU: the worker's copies are real, the streams are not) --------
-def _greedy(engine, req_id: str, prompt: list[int]) -> list[int]:
+def _greedy(engine, req_id: str, prompt: list[int]) -> tuple[list[int], list]:
+    """The greedy tokens and their logprobs (top 2)."""
     engine.add_request(req_id, {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), stream=False)
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), stream=False)
     out = None
     while engine.has_unfinished_requests():
         for delta in engine.step():
             out = delta
-    return out.seqs[0].token_ids
+    seq = out.seqs[0]
+    return seq.token_ids, [(entry.logprob, [(t, v) for t, _, v in entry.top]) for entry in seq.logprobs]
 
 
-def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_model_dir):
+@pytest.mark.parametrize("model, kv_cache_dtype", [("tiny", "auto"), ("tiny", "fp8"), ("smollm2", "auto")])
+def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_model_dir, real_model_dir, model,
+                                                                         kv_cache_dtype):
+    """Tokens and logprobs equal to an engine without the tier's (whose KV is computed): the tiny model, FP8 KV,
+    and the built-in SmolLM2 (float32)."""
     prompt = list(range(1, 41))  # 10 blocks of 4
     others = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(3)]
-    small = dict(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24)
+    small = dict(model=tiny_model_dir if model == "tiny" else real_model_dir, dtype="float32", device="cpu",
+                 block_size=4, num_kv_blocks=24, kv_cache_dtype=kv_cache_dtype)
     reference = _greedy(llm_engine(**small, enable_prefix_caching=False), "ref", prompt)
     engine = llm_engine(**small, num_host_kv_blocks=64)
     assert engine.executor.num_host_kv_blocks == 64
