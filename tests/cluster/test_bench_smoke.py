@@ -38,6 +38,20 @@ def test_bench_latency_fp8_reports_its_pool(tmp_path):
     assert fp8["results"][0]["decode_ms_per_token"] > 0
 
 
+def test_bench_multi_turn_finds_evicted_histories_on_the_host(tmp_path):
+    """Six conversations of three turns through a 96-token device pool: with the host tier their histories, evicted
+    from the device, are found on the host; without it they are computed again. Every turn is answered either way."""
+    out = tmp_path / "multi_turn.json"
+    assert pagoda(["bench", "multi-turn", "--model", "tiny", "--device", "cpu", "--block-size", "4",
+                   "--num-kv-blocks", "24", "--swap-space-runs", "0", "0.001", "--num-conversations", "6", "--turns",
+                   "3", "--system-len", "24", "--user-len", "8", "--output-len", "4", "--request-rate", "50",
+                   "--output-json", str(out)]) == 0
+    off, on = json.loads(out.read_text())["results"]
+    assert off["turns"] == on["turns"] == 18 and off["num_host_kv_blocks"] == 0 < on["num_host_kv_blocks"]
+    assert off["host_hits_tokens"] == 0 < on["host_hits_tokens"] and on["offloaded_blocks"] > 0
+    assert on["ttft_s"]["p50"] > 0 and on["total_tokens_per_s"] > 0
+
+
 def test_bench_quality_on_the_tiny_model(tmp_path):
     result = _run(tmp_path, "bench", "quality", "--model", "tiny", "--positions", "40", "--quantization", "fp8",
                   "--kv-cache-dtype", "fp8", "--device", "cpu", "--ablations")
