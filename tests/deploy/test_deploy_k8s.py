@@ -142,6 +142,10 @@ def test_rayservice_gpu_layout(repo, manifest):
     assert group["maxReplicas"] * gpus >= max_replicas * tp, "the worker group cannot hold Serve's max_replicas"
     tolerations = group["template"]["spec"]["tolerations"]
     assert any(t["key"] == "nvidia.com/gpu" for t in tolerations)
+    # a host KV tier is pinned host memory the pod must be given: swap_space GiB per GPU, and 16 Gi beside it
+    memory_gi = int(container["resources"]["requests"]["memory"].removesuffix("Gi"))
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+    assert memory_gi >= model.get("swap_space", 0) * tp + 16, "the pod's memory cannot hold the host KV tier"
 
 
 @pytest.mark.parametrize("manifest", sorted(SERVE_FILES))
