@@ -110,7 +110,7 @@ def run_workload(engine, args: argparse.Namespace, vocab: int) -> dict:
             "prompt_tokens": sum(t.prompt_len for t in done), "ttft_s": percentiles(ttft),
             "ttft_s_later_turns": percentiles(later), "prefix_cache_queries": stats.prefix_cache_queries,
             "device_hits_tokens": stats.prefix_cache_hits, "host_hits_tokens": stats.host_prefix_cache_hits,
-            "offloaded_blocks": stats.kv_offloaded_blocks, "onloaded_blocks": stats.kv_onloaded_blocks,
+            "offloaded_bytes": stats.kv_offloaded_bytes, "onloaded_bytes": stats.kv_onloaded_bytes,
             "preemptions": stats.num_preemptions}
 
 

@@ -99,16 +99,16 @@ class WorkerActor:
             port = s.getsockname()[1]
         return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
-    def init_worker(self, init_method: str) -> tuple[int, int]:
+    def init_worker(self, init_method: str) -> tuple[int, int, int]:
         """Joins the group, loads this rank's shard; returns how many KV blocks fit here, on the device and in the
-        host tier."""
+        host tier, and a block's bytes on this rank."""
         from workers.worker import Worker
 
         self.device_index = local_gpu_index() if self.is_cuda else None
         self.worker = Worker(self.config, self.rank, self.world_size, init_method, self.device_index)
         self.worker.init_device()
         self.worker.load_model()
-        return self.worker.determine_num_blocks(), self.worker.determine_num_host_blocks()
+        return self.worker.determine_num_blocks(), self.worker.determine_num_host_blocks(), self.worker.block_bytes
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_host_blocks)
@@ -323,10 +323,12 @@ class RayExecutor(Executor):
 
     def _init_workers(self) -> tuple[int, int]:
         """Rendezvous, load every shard, then the smallest KV pool (and host tier) any rank can hold, on every
-        rank. Returns (device blocks, host blocks)."""
+        rank. Returns (device blocks, host blocks); sets kv_block_bytes."""
         timeout_s = envs.get("PAGODA_WORKER_INIT_TIMEOUT_S")
         init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=timeout_s)
-        per_rank = _get_all([a.init_worker.remote(init_method) for a in self.actors], timeout_s)
+        answers = _get_all([a.init_worker.remote(init_method) for a in self.actors], timeout_s)
+        per_rank = [(blocks, host_blocks) for blocks, host_blocks, _ in answers]
+        self.kv_block_bytes = sum(block_bytes for _, _, block_bytes in answers)
         num_blocks, num_host_blocks = (min(counts) for counts in zip(*per_rank))
         if len(set(per_rank)) > 1:
             logger.info("KV blocks per rank (device, host) %s: using %d and %d on every rank", per_rank, num_blocks,

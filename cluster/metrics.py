@@ -41,8 +41,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
     "pagoda:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache.", (), None),
     "pagoda:host_prefix_cache_hits": ("counter", "Prompt tokens found in the host KV tier (copied back, not "
                                                  "computed).", (), None),
-    "pagoda:kv_offloaded_blocks": ("counter", "KV blocks written to the host tier.", (), None),
-    "pagoda:kv_onloaded_blocks": ("counter", "KV blocks copied back from the host tier.", (), None),
+    "pagoda:kv_offloaded_bytes": ("counter", "KV bytes written to the host tier (all ranks).", (), None),
+    "pagoda:kv_onloaded_bytes": ("counter", "KV bytes copied back from the host tier (all ranks).", (), None),
     "pagoda:host_kv_cache_usage_perc": ("gauge", "Host KV tier usage (1 = full).", (), None),
     "pagoda:num_preemptions": ("counter", "Preemptions (a request's blocks freed, recomputed later).", (), None),
     "pagoda:prompt_tokens": ("counter", "Prompt tokens received.", (), None),
@@ -68,8 +68,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
 
 # EngineStats field -> counter fed by its growth.
 _ENGINE_COUNTERS = {name: f"pagoda:{name}" for name in
-                    ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits", "kv_offloaded_blocks",
-                     "kv_onloaded_blocks", "num_preemptions", "prompt_tokens", "generation_tokens")}
+                    ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits", "kv_offloaded_bytes",
+                     "kv_onloaded_bytes", "num_preemptions", "prompt_tokens", "generation_tokens")}
 _ENGINE_GAUGES = {"num_running": "pagoda:num_requests_running", "num_waiting": "pagoda:num_requests_waiting",
                   "kv_cache_usage": "pagoda:kv_cache_usage_perc",
                   "host_kv_cache_usage": "pagoda:host_kv_cache_usage_perc",

@@ -46,10 +46,11 @@ class EngineStats:
     num_finished: dict[str, int] | None = None  # finish reason -> requests
     device_memory_used_bytes: int = 0  # set by the engine loop from the executor (0 on CPU)
     device_utilization: float = 0.0  # 0..1, where the device reports it
-    # the host KV tier (--swap-space): prompt tokens found there, blocks written to it and copied back, its usage
+    # the host KV tier (--swap-space): prompt tokens found there, bytes written to it and copied back (all ranks),
+    # its usage
     host_prefix_cache_hits: int = 0
-    kv_offloaded_blocks: int = 0
-    kv_onloaded_blocks: int = 0
+    kv_offloaded_bytes: int = 0
+    kv_onloaded_bytes: int = 0
     host_kv_cache_usage: float = 0.0
 
 
@@ -355,7 +356,8 @@ class LLMEngine:
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
                            dict(self.num_finished), host_prefix_cache_hits=bm.host_hits_tokens,
-                           kv_offloaded_blocks=bm.num_offloaded_blocks, kv_onloaded_blocks=bm.num_onloaded_blocks,
+                           kv_offloaded_bytes=bm.num_offloaded_blocks * self.executor.kv_block_bytes,
+                           kv_onloaded_bytes=bm.num_onloaded_blocks * self.executor.kv_block_bytes,
                            host_kv_cache_usage=bm.host_usage)
 
     def check_integrity(self) -> None:

@@ -10,8 +10,14 @@
         weights strategy "channel" (`weight_scale` [N, 1]) or "tensor"; input_activations dynamic "token"
         or static "tensor" (`input_scale`)
 
-Everything else (int4/int8 methods, weight-only FP8, other formats) is a ValueError that names what is not
-supported: a checkpoint is never loaded as if it were unquantized.
+Weight-only integer checkpoints, read as stored (workers/layers/quantization_int.py; activations stay in the
+model's dtype):
+    quant_method "awq", version "gemm" (AutoAWQ): 4 bits, zero_point true, group_size 32 / 64 / 128
+    quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing): bits 4 or 8, sym true
+        or false, desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
+
+Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
+is not supported: a checkpoint is never loaded as if it were unquantized.
 
 Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): quantization="fp8" quantizes the attention projections,
 the dense MLPs and a shared expert; the routed experts (workers/layers/moe.py's fused kernel) and the routers stay
@@ -25,7 +31,8 @@ from dataclasses import dataclass
 
 from engine.errors import ParamError
 
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, "fp8", "awq", "gptq")  # "awq" / "gptq" only name the checkpoint's own method
+INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -33,15 +40,32 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 class QuantConfig:
     """FP8 linear layers. weight: "channel" (a scale per output row; per-tensor checkpoints are expanded to it)
     or "block" (`block_size` = (rows, cols) per scale); activation: "dynamic" (per token, at run time) or
-    "static" (a per-tensor `input_scale` from the checkpoint). `ignored`: module name prefixes left unquantized."""
+    "static" (a per-tensor `input_scale` from the checkpoint). `ignored`: module name prefixes left unquantized.
 
-    method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors"
+    Or weight-only integers (method "awq" / "gptq", `is_packed_int`): `bits` per weight packed in int32,
+    a scale and a zero point per group of `group_size` input features (None: one group over all of them),
+    `desc_act`: GPTQ's act-order, each input feature's group read from the checkpoint's g_idx."""
+
+    method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq"
     is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
     weight: str = "channel"
     block_size: tuple[int, int] | None = None
     activation: str = "dynamic"
     scale_name: str = "weight_scale"  # the checkpoint's name for the weight scales ("weight_scale_inv" in HF fp8)
     ignored: tuple[str, ...] = ()
+    bits: int = 8
+    group_size: int | None = None
+    desc_act: bool = False
+
+    @property
+    def is_packed_int(self) -> bool:
+        """Weight-only integers packed in int32 (AWQ, GPTQ), dequantized in the matmul."""
+        return self.method in ("awq", "gptq")
+
+    @property
+    def pack_factor(self) -> int:
+        """Weights per int32."""
+        return 32 // self.bits
 
     def is_ignored(self, module_name: str) -> bool:
         """Whether the checkpoint left `module_name` (e.g. "model.layers.0.mlp.down_proj") unquantized: a listed
@@ -61,8 +85,13 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
         raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
     qc = hf_config.get("quantization_config")
     if not qc:
+        if quantization in ("awq", "gptq"):
+            raise ValueError(f"quantization={quantization!r}: the checkpoint has no quantization_config (an "
+                             f"{quantization.upper()} checkpoint is read as stored, never made at load)")
         return QuantConfig("fp8", is_checkpoint_fp8=False) if quantization == "fp8" else None
     method = qc.get("quant_method")
+    if quantization in ("awq", "gptq") or method in ("awq", "gptq"):
+        return _int_checkpoint(quantization, method, qc, hf_config)
     if method in ("fp8", "compressed-tensors"):
         config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
         if has_experts(hf_config):
@@ -76,7 +105,7 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
                              "not supported")
         return config
     raise ValueError(f"quantization_config: quant_method {method!r} is not supported (supported: 'fp8', "
-                     f"'compressed-tensors' with format 'float-quantized')")
+                     f"'compressed-tensors' with format 'float-quantized', 'awq', 'gptq')")
 
 
 def has_experts(hf_config: dict) -> bool:
@@ -138,3 +167,69 @@ def _check_float8(what: str, args: dict) -> None:
     if args.get("num_bits") != 8 or args.get("type") != "float" or args.get("symmetric") is False:
         raise ValueError(f"quantization_config: compressed-tensors {what} {args!r} is not supported "
                          "(8-bit symmetric float only)")
+
+
+def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_config: dict) -> QuantConfig:
+    """An AWQ or GPTQ checkpoint's scheme; ValueError naming the first field Pagoda does not support."""
+    if quantization is not None and quantization != method:
+        raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quantization_config "
+                         f"quant_method {method!r}")
+    if has_experts(hf_config):
+        raise ValueError(f"quantization_config: a {method} checkpoint of a mixture-of-experts model "
+                         f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported yet: the fused "
+                         "MoE kernel takes no int4 experts")
+    if "Phi3ForCausalLM" in (hf_config.get("architectures") or []):
+        raise ValueError(f"quantization_config: a {method} checkpoint of Phi-3 (fused qkv_proj / gate_up_proj "
+                         "tensors) is not supported yet")
+    config = _awq(qc) if method == "awq" else _gptq(qc)
+    kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
+    if kept:
+        raise ValueError(f"quantization_config: {method} modules_to_not_convert naming decoder modules "
+                         f"({kept[:4]}) is not supported")
+    return config
+
+
+def _int_group_size(method: str, qc: dict, allow_one_group: bool) -> int | None:
+    group_size = qc.get("group_size", qc.get("q_group_size"))
+    if group_size == -1 and allow_one_group:
+        return None
+    if group_size not in INT_GROUP_SIZES:
+        allowed = INT_GROUP_SIZES + ((-1,) if allow_one_group else ())
+        raise ValueError(f"quantization_config: {method} group_size {group_size!r} is not supported {allowed}")
+    return group_size
+
+
+def _awq(qc: dict) -> QuantConfig:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"quantization_config: awq version {qc.get('version')!r} is not supported (only 'gemm', "
+                         "AutoAWQ's GEMM packing; not gemv, gemv_fast, marlin, exllama or ipex)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"quantization_config: awq bits {bits!r} is not supported (4)")
+    if qc.get("zero_point", True) is not True:
+        raise ValueError(f"quantization_config: awq zero_point {qc.get('zero_point')!r} is not supported (true)")
+    return QuantConfig("awq", False, weight="group", activation="none", bits=4,
+                       group_size=_int_group_size("awq", qc, allow_one_group=False),
+                       ignored=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _gptq(qc: dict) -> QuantConfig:
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt != "gptq":
+        raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported (only 'gptq', "
+                         "the v1 packing AutoGPTQ and GPTQModel save)")
+    bits = qc.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config: gptq bits {bits!r} is not supported (4 or 8)")
+    for field in ("sym", "desc_act"):
+        if not isinstance(qc.get(field, field == "sym"), bool):
+            raise ValueError(f"quantization_config: gptq {field} {qc.get(field)!r} is not supported (true/false)")
+    if qc.get("lm_head"):
+        raise ValueError("quantization_config: gptq lm_head true (a quantized LM head) is not supported")
+    if qc.get("dynamic"):
+        raise ValueError("quantization_config: gptq dynamic (per-module overrides) is not supported")
+    return QuantConfig("gptq", False, weight="group", activation="none", bits=bits,
+                       group_size=_int_group_size("gptq", qc, allow_one_group=True),
+                       desc_act=bool(qc.get("desc_act", False)),
+                       ignored=tuple(qc.get("modules_to_not_convert") or ()))

@@ -216,6 +216,7 @@ class InProcessExecutor(Executor):
         self.num_kv_blocks = self.worker.determine_num_blocks()
         self.num_host_kv_blocks = self.worker.determine_num_host_blocks()
         self.worker.init_kv_cache(self.num_kv_blocks, self.num_host_kv_blocks)
+        self.kv_block_bytes = self.worker.block_bytes
 
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return StepHandle(_as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True))

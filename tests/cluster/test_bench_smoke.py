@@ -48,7 +48,7 @@ def test_bench_multi_turn_finds_evicted_histories_on_the_host(tmp_path):
                    "--output-json", str(out)]) == 0
     off, on = json.loads(out.read_text())["results"]
     assert off["turns"] == on["turns"] == 18 and off["num_host_kv_blocks"] == 0 < on["num_host_kv_blocks"]
-    assert off["host_hits_tokens"] == 0 < on["host_hits_tokens"] and on["offloaded_blocks"] > 0
+    assert off["host_hits_tokens"] == 0 < on["host_hits_tokens"] and on["offloaded_bytes"] > 0
     assert on["ttft_s"]["p50"] > 0 and on["total_tokens_per_s"] > 0
 
 

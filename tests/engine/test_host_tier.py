@@ -156,7 +156,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_mo
     assert _greedy(engine, "again", prompt) == reference
     assert bm.host_hits_tokens == 36 and bm.num_onloaded_blocks >= 9  # all but the block with the last token
     stats = engine.get_stats()
-    assert (stats.host_prefix_cache_hits, stats.kv_onloaded_blocks) == (36, bm.num_onloaded_blocks)
+    block_bytes = engine.executor.kv_block_bytes
+    assert block_bytes == engine.executor.worker.block_bytes > 0
+    assert (stats.host_prefix_cache_hits, stats.kv_onloaded_bytes) == (36, bm.num_onloaded_blocks * block_bytes)
     engine.step()
     engine.check_integrity()
     engine.shutdown()

@@ -168,12 +168,14 @@ def test_tensor_parallel_ranks_move_blocks(ray_cluster, tiny_checkpoints):
     single = InProcessExecutor(EngineArgs(**args).create_engine_config())
     try:
         reference = prefix_reuse_tokens(single.execute_model)
+        single_block_bytes = single.kv_block_bytes
     finally:
         single.shutdown()
     assert reference[0] == reference[1]
     executor = RayExecutor(EngineArgs(tensor_parallel_size=2, **args).create_engine_config())
     try:
         assert executor.num_host_kv_blocks == 4
+        assert executor.kv_block_bytes == single_block_bytes  # each rank's half of every block, summed
         assert prefix_reuse_tokens(executor.execute_model) == reference
     finally:
         executor.shutdown()

@@ -20,6 +20,7 @@ from kernels.fp8 import QuantizedRows
 from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
 from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config
+from workers.layers.quantization_int import create_int_weights, linear_int
 from workers.parallel import all_reduce, get_tp_rank, get_tp_size, linear_all_reduce
 
 
@@ -59,14 +60,15 @@ def _param(shape: tuple[int, ...], dtype, device, loader) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y[:, rank's slice] = x @ W[rank's rows].T (+ b[rank's slice]). The output stays split across ranks.
 
-    Built inside `quantized_layers(config)` (workers/layers/quantization.py), the weight is FP8 with scales."""
+    Built inside `quantized_layers(config)` (workers/layers/quantization.py), the weight is FP8 with scales, or
+    an AWQ / GPTQ checkpoint's packed integers (workers/layers/quantization_int.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.in_features = in_features
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
-        _make_weight(self, self.out_features_per_rank, in_features, dtype, device)
+        _make_weight(self, self.out_features_per_rank, in_features, dtype, device, is_k_split=False)
         self.bias = _param((self.out_features_per_rank,), dtype, device, self.weight_loader) if bias else None
 
     def shard(self, shard_id=None) -> Shard:
@@ -86,6 +88,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False, quantize_output: bool = False):
         # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)], as
         # QuantizedRows with quantize_output (for an FP8 layer after that takes_quantized_rows)
+        if self.quant_config is not None and self.quant_config.is_packed_int:
+            assert not quantize_output, "only an FP8 layer quantizes its output"
+            return linear_int(self, x, self.bias, gated)
         if self.quant_config is not None:
             return linear_fp8(x, self.weight, self.weight_scale, self.bias, gated, self.block_size, self.input_scale,
                               quantize_output)
@@ -188,7 +193,7 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         self.out_features = out_features
-        _make_weight(self, out_features, self.in_features_per_rank, dtype, device)
+        _make_weight(self, out_features, self.in_features_per_rank, dtype, device, is_k_split=True)
         self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
 
     def shard(self, shard_id=None) -> Shard:
@@ -205,7 +210,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
-        if self.quant_config is not None:
+        if self.quant_config is not None and self.quant_config.is_packed_int:
+            y = linear_int(self, x, None)
+            if not self.reduce_results:
+                return y
+            y = all_reduce(y)
+        elif self.quant_config is not None:
             y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
             if not self.reduce_results:
                 return y
@@ -221,13 +231,18 @@ def takes_quantized_rows(layer: nn.Module) -> bool:
     """FP8 weights with per-row scales and per-token activations: the kernel before the layer (an RMSNorm, a
     SiLU-and-mul) may hand it its input quantized (kernels/fp8.py `QuantizedRows`) instead of the layer quantizing
     it in a pass of its own."""
-    return layer.quant_config is not None and layer.block_size is None and layer.input_scale is None
+    config = layer.quant_config
+    return (config is not None and not config.is_packed_int and layer.block_size is None
+            and layer.input_scale is None)
 
 
-def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device) -> None:
-    """The layer's weight: FP8 with scales when built inside `quantized_layers`, else `dtype`."""
+def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device, is_k_split: bool) -> None:
+    """The layer's weight: FP8 with scales, or packed integers (AWQ, GPTQ), when built inside
+    `quantized_layers`, else `dtype`."""
     layer.quant_config = current_quant_config()
-    if layer.quant_config is not None:
+    if layer.quant_config is not None and layer.quant_config.is_packed_int:
+        create_int_weights(layer, rows, cols, device, layer.quant_config, is_k_split)
+    elif layer.quant_config is not None:
         create_fp8_weights(layer, rows, cols, device, layer.quant_config)
     else:
         layer.weight = _param((rows, cols), dtype, device, layer.weight_loader)
