@@ -19,9 +19,17 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A module `__getattr__` that imports each exported name from its module on first use."""
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    def __getattr__(name):
+        if name in exports:
+            import importlib
+
+            return getattr(importlib.import_module(exports[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports("engine", _EXPORTS)

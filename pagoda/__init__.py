@@ -7,6 +7,8 @@
 Names are resolved lazily, so that `import pagoda` stays light (no torch until used).
 """
 
+from engine import lazy_exports
+
 _EXPORTS = {
     "LLM": "pagoda.llm",
     "SamplingParams": "engine.sampling_params",
@@ -18,11 +20,4 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+__getattr__ = lazy_exports("pagoda", _EXPORTS)
