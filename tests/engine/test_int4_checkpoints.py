@@ -1,0 +1,160 @@
+"""AWQ and GPTQ checkpoints served as stored (int4 packed in int32, dequantized per matmul, never held as floats).
+
+The checkpoints are written by tests/int4_checkpoints.py, which quantizes a tiny Llama round-to-nearest and packs
+it as AutoAWQ (GEMM) and AutoGPTQ / GPTQModel (v1) pack (the libraries cannot be installed here). The oracle is
+Pagoda on the same model with the dequantized weights written as a float32 checkpoint: the int layers dequantize
+to exactly those floats and hand them to the same matmul, so tokens are equal and logprobs agree to 1e-4.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from engine.quantization import resolve_quantization
+from kernels.linear_int import AWQ_GEMM, gptq_v1, unpack_weight, unpack_zeros
+from pagoda import LLM, SamplingParams
+from tests import int4_checkpoints as ic
+from tests.prompts import PARITY_PROMPTS
+
+MAX_NEW = 8
+# hidden 128, intermediate 256: every K a multiple of 128 (group 128), k/v 64 rows (whole int32s at tp 2)
+SHAPE = {"hidden_size": 128, "intermediate_size": 256}
+FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 32, sym=True),
+           ic.Int4Format("gptq", 128, sym=False), ic.Int4Format("gptq", 32, sym=False, desc_act=True),
+           ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True)]
+
+
+@pytest.fixture(scope="session")
+def tiny_float(tmp_path_factory) -> str:
+    from checkpoints.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("int4") / "float"), "llama", seed=3, config_overrides=SHAPE)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(root: str, tiny_float: str, fmt: ic.Int4Format) -> tuple[str, str, dict]:
+    dst, oracle = f"{root}/{fmt.name}", f"{root}/{fmt.name}-oracle"
+    layers = ic.write_int4_checkpoint(tiny_float, dst, oracle, fmt)
+    return dst, oracle, layers
+
+
+@pytest.fixture(scope="session")
+def int4(tmp_path_factory, tiny_float):
+    root = str(tmp_path_factory.mktemp("int4-ckpt"))
+    return lambda fmt: checkpoint(root, tiny_float, fmt)
+
+
+def generate(model_dir: str, inspect=None, **kwargs):
+    """Greedy outputs of the parity prompts; `inspect(llm)` runs before the engine shuts down."""
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
+    try:
+        outs = llm.generate(PARITY_PROMPTS, params, use_tqdm=False)
+        llm.engine.check_integrity()
+        if inspect is not None:
+            inspect(llm)
+        return outs
+    finally:
+        llm.shutdown()
+
+
+def assert_same(reference, outs):
+    for ref, out in zip(reference, outs):
+        ref_c, c = ref.outputs[0], out.outputs[0]
+        assert c.token_ids == ref_c.token_ids, f"prompt {ref.prompt!r}"
+        for ref_entry, entry in zip(ref_c.logprobs, c.logprobs):
+            assert set(entry) == set(ref_entry)
+            for token_id, logprob in ref_entry.items():
+                assert abs(entry[token_id] - logprob) < 1e-4
+
+
+def test_packing_as_the_tools_pack_it():
+    """Literal int32s: AutoAWQ packs columns 0..7 in nibble order 0 2 4 6 1 3 5 7, AutoGPTQ rows 0..7 in order."""
+    values = torch.arange(8, dtype=torch.int32)
+    qz = ic.Quantized(values[None, :], values[None, :], torch.ones(1, 8, dtype=torch.float16),
+                      torch.zeros(1, dtype=torch.int32))
+    assert ic.pack_awq(qz)["qweight"].item() == 0x75316420
+    column = ic.Quantized(values[:, None], torch.full((1, 1), 1, dtype=torch.int32), torch.ones(1, 1).half(),
+                          torch.zeros(8, dtype=torch.int32))
+    assert ic.pack_gptq(column, 4)["qweight"].item() == 0x76543210
+    assert unpack_weight(torch.tensor([[0x75316420]], dtype=torch.int32), AWQ_GEMM).tolist() == [list(range(8))]
+    assert unpack_weight(torch.tensor([[0x76543210]], dtype=torch.int32), gptq_v1(4)).flatten().tolist() \
+        == list(range(8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_unpacking_gives_back_the_integers(int4, fmt):
+    from safetensors.torch import load_file
+
+    dst, _, layers = int4(fmt)
+    tensors = load_file(f"{dst}/model.safetensors")
+    packing = AWQ_GEMM if fmt.method == "awq" else gptq_v1(fmt.bits)
+    for module, qz in layers.items():
+        assert tensors[f"{module}.qweight"].dtype == torch.int32
+        assert torch.equal(unpack_weight(tensors[f"{module}.qweight"], packing), qz.q)
+        assert torch.equal(unpack_zeros(tensors[f"{module}.qzeros"], packing), qz.zeros)
+        if fmt.method == "gptq":
+            assert torch.equal(tensors[f"{module}.g_idx"], qz.g_idx)
+    if fmt.desc_act:
+        assert not torch.equal(qz.g_idx, torch.sort(qz.g_idx).values), "act-order's g_idx is shuffled"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_tokens_and_logprobs_equal_the_dequantized_model(int4, fmt):
+    dst, oracle, _ = int4(fmt)
+    outs = generate(dst, inspect=assert_holds_packed_weights)
+    assert_same(generate(oracle), outs)
+
+
+def assert_holds_packed_weights(llm) -> None:
+    layer = llm.engine.executor.worker.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.qweight.dtype == torch.int32 and layer.mlp.down_proj.weight is None
+    floats = [name for name, p in layer.named_parameters() if p.is_floating_point() and name.endswith("weight")]
+    assert all("norm" in name for name in floats), f"a float weight: {floats}"
+
+
+def test_the_checkpoint_differs_from_the_float_model(int4, tiny_float):
+    """The oracle is the quantized model, not the float one: the test above could fail."""
+    _, oracle, _ = int4(FORMATS[0])
+    float_outs, ref = generate(tiny_float), generate(oracle)
+    assert any(abs(a.outputs[0].logprobs[0][t] - b.outputs[0].logprobs[0][t]) > 1e-3
+               for a, b in zip(ref, float_outs) for t in a.outputs[0].logprobs[0] if t in b.outputs[0].logprobs[0])
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"version": "gemv"}, "version 'gemv'"), ({"version": "marlin"}, "version 'marlin'"),
+    ({"version": "exllama"}, "version 'exllama'"), ({"zero_point": False}, "zero_point False"),
+    ({"bits": 8}, "awq bits 8"), ({"group_size": 16}, "group_size 16"),
+    ({"modules_to_not_convert": ["mlp.down_proj"]}, "modules_to_not_convert")])
+def test_unsupported_awq_variants_are_refused(change, field):
+    qc = {**ic.Int4Format("awq").quantization_config(), **change}
+    with pytest.raises(ValueError, match=field):
+        resolve_quantization(None, {"quantization_config": qc})
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"bits": 3}, "gptq bits 3"), ({"bits": 2}, "gptq bits 2"), ({"checkpoint_format": "gptq_v2"}, "gptq_v2"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"), ({"group_size": 256}, "group_size 256"),
+    ({"lm_head": True}, "lm_head"), ({"dynamic": {"-:.*down.*": {}}}, "dynamic"), ({"sym": None}, "sym None")])
+def test_unsupported_gptq_variants_are_refused(change, field):
+    qc = {**ic.Int4Format("gptq").quantization_config(), **change}
+    with pytest.raises(ValueError, match=field):
+        resolve_quantization(None, {"quantization_config": qc})
+
+
+def test_refused_models_and_mismatches():
+    awq = ic.Int4Format("awq").quantization_config()
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        resolve_quantization(None, {"quantization_config": awq, "num_local_experts": 8})
+    with pytest.raises(ValueError, match="Phi-3"):
+        resolve_quantization(None, {"quantization_config": awq, "architectures": ["Phi3ForCausalLM"]})
+    with pytest.raises(ValueError, match="does not match"):
+        resolve_quantization("gptq", {"quantization_config": awq})
+    with pytest.raises(ValueError, match="no quantization_config"):
+        resolve_quantization("awq", {})
+    config = resolve_quantization("awq", {"quantization_config": awq})
+    assert (config.method, config.bits, config.group_size, config.is_packed_int) == ("awq", 4, 32, True)
+    gptq = resolve_quantization(None, {"quantization_config": ic.Int4Format("gptq", -1, desc_act=True)
+                                       .quantization_config()})
+    assert (gptq.group_size, gptq.desc_act, gptq.pack_factor) == (None, True, 8)

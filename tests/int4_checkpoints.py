@@ -1,0 +1,161 @@
+"""AWQ and GPTQ checkpoints written here, packed as the producing tools pack them (AutoAWQ and AutoGPTQ cannot be
+installed here), from a tiny float checkpoint quantized round-to-nearest per group; and the oracle: the same
+model with the dequantized weights, written as a float32 checkpoint.
+
+The packing, restated from the tools (not from Pagoda's unpacking, which the tests check against it):
+- AutoAWQ, version "gemm" (awq/modules/linear/gemm.py, awq/utils/packing_utils.py): the integers as [K, N];
+  qweight int32 [K, N / 8], the int32 of columns 8c..8c+7 holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] in its
+  nibble i (bits 4i..4i+3); qzeros int32 [K / g, N / 8] packed the same way; scales fp16 [K / g, N];
+  w = (q - zero) * scale.
+- AutoGPTQ / GPTQModel, the v1 format (qlinear_cuda_old.py's pack): qweight int32 [K / p, N] (p = 32 / bits),
+  row r holding input features p r + j in field j (bits j up); qzeros int32 [K / g, N / p], the zero points
+  minus one packed along N in the same sequential order; scales fp16 [K / g, N]; g_idx int32 [K]. The weight
+  columns stay in the model's order under act-order: g_idx says each input feature's group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    """What to write: method "awq" / "gptq", bits, group_size (-1: one group), sym (GPTQ; AWQ is always
+    asymmetric), desc_act (GPTQ: act-order, a shuffled g_idx)."""
+
+    method: str
+    group_size: int = 32
+    bits: int = 4
+    sym: bool = False
+    desc_act: bool = False
+
+    @property
+    def name(self) -> str:
+        sym = ("-sym" if self.sym else "-asym") if self.method == "gptq" else ""
+        return f"{self.method}{self.bits}-g{self.group_size}{sym}{'-act' if self.desc_act else ''}"
+
+    def quantization_config(self) -> dict:
+        if self.method == "awq":  # as AutoAWQ writes it (transformers' AwqConfig.to_dict, trimmed)
+            return {"quant_method": "awq", "bits": self.bits, "group_size": self.group_size, "zero_point": True,
+                    "version": "gemm", "modules_to_not_convert": None}
+        return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
+                "sym": self.sym, "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+                "checkpoint_format": "gptq", "model_name_or_path": None, "model_file_base_name": None}
+
+
+@dataclass
+class Quantized:
+    """One linear layer's round-to-nearest quantization: q int [K, N], zeros int [G, N], scales fp16 [G, N],
+    g_idx int [K]."""
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        """w [N, K] float32."""
+        g = self.g_idx.long()
+        return ((self.q - self.zeros[g]).float() * self.scales[g].float()).t().contiguous()
+
+
+def quantize(w: torch.Tensor, fmt: Int4Format, order: torch.Tensor | None = None) -> Quantized:
+    """w [N, K] -> integers per group of input features; under act-order the groups are those of `order`, a
+    permutation of K (GPTQ's order by the Hessian's diagonal: the same for layers that read the same input)."""
+    n, k = w.shape
+    g = k if fmt.group_size == -1 else fmt.group_size
+    maxq = (1 << fmt.bits) - 1
+    order = order if fmt.desc_act and order is not None else torch.arange(k)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // g).to(torch.int32)
+    groups = w.float().t()[order].reshape(k // g, g, n)  # [G, g, N]: each group's inputs, in act-order
+    lo, hi = groups.amin(dim=1).clamp(max=0), groups.amax(dim=1).clamp(min=0)
+    if fmt.sym:  # GPTQ's symmetric grid: zero in the middle
+        hi = torch.maximum(-lo, hi)
+        lo = -hi
+    scales = ((hi - lo) / maxq).clamp(min=1e-6).half()
+    if fmt.sym:
+        zeros = torch.full_like(scales, (maxq + 1) // 2, dtype=torch.int32)
+    else:  # GPTQ v1 cannot store a zero of 0 (it keeps zero - 1): 1..maxq; AWQ the same range, harmlessly
+        zeros = torch.round(-lo / scales.float()).clamp(1, maxq).to(torch.int32)
+    wk = w.float().t()  # [K, N]
+    gk = g_idx.long()
+    q = torch.round(wk / scales[gk].float() + zeros[gk]).clamp(0, maxq).to(torch.int32)
+    return Quantized(q, zeros, scales, g_idx)
+
+
+def _packed(values: np.ndarray, axis: int, bits: int, order) -> torch.Tensor:
+    """uint32 packing of `values` (unsigned, < 2^bits) along `axis`: int32 i holds value order[f] of its run in
+    field f; returned as the int32 the tools save."""
+    v = np.moveaxis(values.astype(np.uint32), axis, 0)
+    p = 32 // bits
+    out = np.zeros((v.shape[0] // p,) + v.shape[1:], dtype=np.uint32)
+    for field, j in enumerate(order):
+        out |= v[j::p] << np.uint32(bits * field)
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(out, 0, axis)).view(np.int32))
+
+
+def pack_awq(qz: Quantized) -> dict[str, torch.Tensor]:
+    return {"qweight": _packed(qz.q.numpy(), 1, 4, AWQ_PACK_ORDER),
+            "qzeros": _packed(qz.zeros.numpy(), 1, 4, AWQ_PACK_ORDER), "scales": qz.scales}
+
+
+def pack_gptq(qz: Quantized, bits: int) -> dict[str, torch.Tensor]:
+    seq = range(32 // bits)
+    stored = (qz.zeros - 1).numpy().astype(np.int64) & ((1 << bits) - 1)  # v1: zero - 1
+    return {"qweight": _packed(qz.q.numpy(), 0, bits, seq), "qzeros": _packed(stored, 1, bits, seq),
+            "scales": qz.scales, "g_idx": qz.g_idx}
+
+
+def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
+                          seed: int = 0) -> dict[str, Quantized]:
+    """The checkpoint `src` (float, one safetensors file) as `fmt` in `dst`, and its dequantized weights as a
+    float32 checkpoint in `oracle_dst`. Biases are stored fp16, as the tools store them (the oracle's rounded
+    alike). Returns each linear module's quantization."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    packed, oracle, layers, orders = {}, {}, {}, {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        module, _, suffix = name.rpartition(".")
+        if module.rsplit(".", 1)[-1] not in LINEARS:
+            packed[name] = oracle[name] = t
+        elif suffix == "bias":
+            packed[name], oracle[name] = t.half(), t.half().float()
+        else:  # q/k/v and gate/up read the same input: one act-order for them
+            same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj",
+                                                                                                 "gate_proj")
+            if same_input not in orders:
+                orders[same_input] = torch.randperm(t.shape[1], generator=generator)
+            qz = layers[module] = quantize(t, fmt, orders[same_input])
+            parts = pack_awq(qz) if fmt.method == "awq" else pack_gptq(qz, fmt.bits)
+            packed.update({f"{module}.{k}": v for k, v in parts.items()})
+            oracle[name] = qz.dequantized()
+    for path, state, qc in ((dst, packed, fmt.quantization_config()), (oracle_dst, oracle, None)):
+        os.makedirs(path, exist_ok=True)
+        for fname in os.listdir(src):
+            if not fname.endswith(".safetensors"):
+                shutil.copy(os.path.join(src, fname), path)
+        save_file(state, os.path.join(path, "model.safetensors"))
+        if qc is not None:
+            set_quantization_config(path, qc)
+    return layers
+
+
+def set_quantization_config(model_dir: str, qc: dict) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = qc
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,136 @@
+"""Weight-only integer linear layers (AWQ, GPTQ): what such a tensor-parallel layer holds and how its shards load.
+
+Built inside `quantized_layers(config)` with an AWQ or GPTQ QuantConfig, every ColumnParallel / MergedColumn / QKV
+/ RowParallel linear holds this rank's slice of the checkpoint's tensors, as stored (kernels/linear_int.py has
+the layouts), under the checkpoint's names:
+
+    qweight  int32  AWQ [K_rank, N_rank / 8]     GPTQ [K_rank / p, N_rank]      (p = 32 / bits)
+    qzeros   int32  [G_rank, N_rank / p]
+    scales   fp16   [G_rank, N_rank]
+    g_idx    int32  [K_rank] (GPTQ only): each input feature's group among this rank's G_rank
+
+A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
+q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
+and the groups of it, which must start and end on group boundaries (else a ValueError naming
+tensor_parallel_size and group_size); with GPTQ's act-order (g_idx in any order) or one group over all of K, a
+rank's inputs may belong to any group, so it keeps every group's scales and zeros (they are small) and its slice
+of g_idx.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quantization import QuantConfig
+from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, linear_int_ref
+
+
+def packing_of(config: QuantConfig) -> IntPacking:
+    return AWQ_GEMM if config.method == "awq" else gptq_v1(config.bits)
+
+
+def _param(shape, dtype, device, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: QuantConfig,
+                       is_k_split: bool) -> None:
+    """Gives `layer` (which has `shard(shard_id) -> Shard` and `tp_size`) the packed parameters for its
+    [rows = N_rank, cols = K_rank] weight; `is_k_split`: a row-parallel layer (K split across ranks)."""
+    packing = packing_of(config)
+    p, g = packing.pack_factor, config.group_size
+    layer.quant_config, layer.packing, layer.group_size = config, packing, g
+    k_total = cols * layer.tp_size if is_k_split else cols
+    # every group on every rank: one group, act-order, or a layer whose K is not split
+    layer.has_all_groups = g is None or config.desc_act or not is_k_split
+    if g is not None and k_total % g:
+        raise ValueError(f"in_features {k_total} is not a multiple of group_size {g}")
+    if not layer.has_all_groups and cols % g:
+        raise ValueError(f"tensor_parallel_size {layer.tp_size}: this rank's {cols} input features are not whole "
+                         f"groups of group_size {g}; use a tensor_parallel_size that splits K on group boundaries")
+    num_groups = (1 if g is None else k_total // g) if layer.has_all_groups else cols // g
+    packed_sizes = {"output features": rows, **({"input features": cols} if packing.is_packed_along_k else {})}
+    for what, size in packed_sizes.items():  # qzeros always pack N; GPTQ's qweight packs K
+        if size % p:
+            raise ValueError(f"{config.method}: this rank's {size} {what} do not fill whole int32s of {p} values "
+                             f"(tensor_parallel_size {layer.tp_size})")
+    qweight_shape = (cols // p, rows) if packing.is_packed_along_k else (cols, rows // p)
+    loader = _loader(layer)
+    layer.qweight = _param(qweight_shape, torch.int32, device, loader)
+    layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
+    layer.scales = _param((num_groups, rows), torch.float16, device, loader)
+    layer.g_idx = _param((cols,), torch.int32, device, loader) if config.method == "gptq" else None
+    layer.weight = None  # no float weight anywhere
+    layer.block_size = layer.input_scale = None
+
+
+def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """The layer's x [T, K_rank] @ W.T (+ bias) -> [T, N_rank] (gated: [T, N_rank / 2])."""
+    return linear_int_ref(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size,
+                          layer.packing, bias, gated)
+
+
+def _loader(layer):
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        name = next(n for n in ("qweight", "qzeros", "scales", "g_idx") if getattr(layer, n) is param)
+        _load(layer, name, param, loaded, shard_id)
+    return load
+
+
+def _load(layer, name: str, param: nn.Parameter, loaded, shard_id) -> None:
+    shard, packing = layer.shard(shard_id), layer.packing
+    p = packing.pack_factor
+    k_src = shard.src_cols if shard.src_cols is not None else slice(None)  # K slice (row-parallel) or all
+    if name == "g_idx":
+        _load_g_idx(layer, param, loaded[k_src], shard_id)
+        return
+    if name == "qweight":
+        k_rows = _divided(k_src, p, "input features") if packing.is_packed_along_k else k_src
+        n_div = 1 if packing.is_packed_along_k else p
+    else:  # qzeros, scales: a row per group
+        k_rows = slice(None) if layer.has_all_groups else _groups(layer, k_src)
+        n_div = p if name == "qzeros" else 1
+    n_src, n_dst = _divided(shard.src_rows, n_div, "output features"), _divided(shard.dst, n_div, "output features")
+    part = loaded[k_rows, n_src]
+    dst = param.data[:, n_dst]
+    assert tuple(dst.shape) == tuple(part.shape), (f"{name}: shape mismatch: parameter {tuple(dst.shape)}, "
+                                                   f"loaded {tuple(part.shape)}")
+    if name != "scales" and part.dtype != torch.int32:
+        raise ValueError(f"an {layer.quant_config.method} checkpoint's {name} must be int32, got {part.dtype}")
+    dst.copy_(part)
+
+
+def _load_g_idx(layer, param: nn.Parameter, part: torch.Tensor, shard_id) -> None:
+    part = part.to(torch.int32)
+    if not layer.has_all_groups:  # this rank's groups only: number them from its first
+        part = part - layer.shard(shard_id).src_cols.start // layer.group_size
+    if part.numel() and (int(part.min()) < 0 or int(part.max()) >= layer.scales.shape[0]):
+        raise ValueError(f"g_idx names groups outside this rank's {layer.scales.shape[0]} (a g_idx out of "
+                         "order needs desc_act true in quantization_config)")
+    loaded_parts = getattr(layer, "g_idx_loaded", set())
+    if loaded_parts and not torch.equal(param.data, part.to(param.device)):
+        raise ValueError(f"the fused parts of a layer have different g_idx ({sorted(loaded_parts, key=str)} and "
+                         f"{shard_id!r}): q/k/v and gate/up must share the input's act-order")
+    param.data.copy_(part)
+    layer.g_idx_loaded = loaded_parts | {shard_id}
+
+
+def _divided(s: slice, d: int, what: str) -> slice:
+    """A slice of values as a slice of the int32s packing `d` of them."""
+    if s.start is None and s.stop is None:
+        return s
+    if s.start % d or s.stop % d:
+        raise ValueError(f"this rank's {what} [{s.start}, {s.stop}) are not whole int32s of {d} packed values; "
+                         "use another tensor_parallel_size")
+    return slice(s.start // d, s.stop // d)
+
+
+def _groups(layer, k: slice) -> slice:
+    g = layer.group_size
+    if k.start % g or k.stop % g:
+        raise ValueError(f"tensor_parallel_size {layer.tp_size}: this rank's input features [{k.start}, {k.stop}) "
+                         f"split a group of group_size {g}")
+    return slice(k.start // g, k.stop // g)
