@@ -25,29 +25,31 @@ FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("g
            ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True)]
 
 
-@pytest.fixture(scope="session")
-def tiny_float(tmp_path_factory) -> str:
+def int4_factory(tmp_path_factory):
+    """fmt -> (int4 checkpoint, its dequantized float32 checkpoint, each module's integers), written once."""
     from checkpoints.tiny import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("int4") / "float"), "llama", seed=3, config_overrides=SHAPE)
+    root = tmp_path_factory.mktemp("int4")
+    tiny_float = make_tiny_model(str(root / "float"), "llama", seed=3, config_overrides=SHAPE)
 
+    @functools.lru_cache(maxsize=None)
+    def checkpoint(fmt: ic.Int4Format) -> tuple[str, str, dict]:
+        dst, oracle = str(root / fmt.name), str(root / f"{fmt.name}-oracle")
+        return dst, oracle, ic.write_int4_checkpoint(tiny_float, dst, oracle, fmt)
 
-@functools.lru_cache(maxsize=None)
-def checkpoint(root: str, tiny_float: str, fmt: ic.Int4Format) -> tuple[str, str, dict]:
-    dst, oracle = f"{root}/{fmt.name}", f"{root}/{fmt.name}-oracle"
-    layers = ic.write_int4_checkpoint(tiny_float, dst, oracle, fmt)
-    return dst, oracle, layers
+    checkpoint.tiny_float = tiny_float  # type: ignore[attr-defined]
+    return checkpoint
 
 
 @pytest.fixture(scope="session")
-def int4(tmp_path_factory, tiny_float):
-    root = str(tmp_path_factory.mktemp("int4-ckpt"))
-    return lambda fmt: checkpoint(root, tiny_float, fmt)
+def int4(tmp_path_factory):
+    return int4_factory(tmp_path_factory)
 
 
 def generate(model_dir: str, inspect=None, **kwargs):
     """Greedy outputs of the parity prompts; `inspect(llm)` runs before the engine shuts down."""
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256, **kwargs)
+    kwargs.setdefault("num_kv_blocks", 256)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
     try:
         outs = llm.generate(PARITY_PROMPTS, params, use_tqdm=False)
@@ -114,10 +116,10 @@ def assert_holds_packed_weights(llm) -> None:
     assert all("norm" in name for name in floats), f"a float weight: {floats}"
 
 
-def test_the_checkpoint_differs_from_the_float_model(int4, tiny_float):
+def test_the_checkpoint_differs_from_the_float_model(int4):
     """The oracle is the quantized model, not the float one: the test above could fail."""
     _, oracle, _ = int4(FORMATS[0])
-    float_outs, ref = generate(tiny_float), generate(oracle)
+    float_outs, ref = generate(int4.tiny_float), generate(oracle)
     assert any(abs(a.outputs[0].logprobs[0][t] - b.outputs[0].logprobs[0][t]) > 1e-3
                for a, b in zip(ref, float_outs) for t in a.outputs[0].logprobs[0] if t in b.outputs[0].logprobs[0])
 

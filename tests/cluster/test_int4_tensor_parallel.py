@@ -1,0 +1,39 @@
+"""AWQ and GPTQ checkpoints under tensor parallelism on CPU: two Ray worker actors over gloo, each reading only its
+slice of the packed tensors (column-parallel: its output columns, whole int32s; row-parallel: its input rows and
+their groups, or every group under act-order and with one group). Under preemption, chunked prefill and
+prefix-cache hits (tests/cluster/test_tensor_parallel.py's stress settings), the tokens equal, and logprobs agree
+to 1e-4 with, one rank on the dequantized float32 checkpoint.
+"""
+
+import pytest
+
+from tests import int4_checkpoints as ic
+from tests.cluster.test_tensor_parallel import STRESS
+from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory
+
+STRESS_INT4 = {**STRESS, "num_kv_blocks": 16}  # the parity prompts preempt in 16 blocks of 4 tokens, not in 24
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    return int4_factory(tmp_path_factory)
+
+
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, desc_act=True),
+                                 ic.Int4Format("gptq", -1, sym=True)], ids=lambda f: f.name)
+def test_tp2_int4_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, int4_checkpoint, fmt):
+    dst, oracle, _ = int4_checkpoint(fmt)
+
+    def check(llm):
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits_tokens > 0
+
+    outs = generate(dst, inspect=check, tensor_parallel_size=2, **STRESS_INT4)
+    assert_same(generate(oracle), outs)
+
+
+def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkpoint):
+    """group 128 over o_proj's 128 inputs: a rank's 64 would split the group."""
+    dst, _, _ = int4_checkpoint(ic.Int4Format("awq", 128))
+    with pytest.raises(Exception, match="tensor_parallel_size 2.*group_size 128"):
+        generate(dst, tensor_parallel_size=2)
