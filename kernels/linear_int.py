@@ -17,6 +17,12 @@ dequantized on the fly.
 for fp16 scales), and `linear_int_ref` hands it to `kernels.linear.linear`, so an int layer computes what an
 unquantized layer holding the dequantized weight computes, bit for bit. The weight is dequantized per call and
 dropped: the layer holds only the packed tensors.
+
+For up to MAX_ROWS rows on a GPU (decode), `_int_linear_kernel` never writes W: each program owns BLOCK_N output
+features, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile of integers in registers (the same
+float32 arithmetic, rounded to x's dtype) before its tl.dot; the gated SiLU-and-mul epilogue is kernels/linear.py's.
+A first version: it gathers the zeros and scales of every element of a tile (cached reads, not streamed ones) and
+its speed is not yet measured on a GPU; larger batches take the reference (dequantize, then cuBLAS).
 """
 
 from __future__ import annotations
@@ -25,7 +31,22 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import linear
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    next_power_of_2,
+    pdl_options,
+    tl,
+    triton,
+    upcast_dot_operands,
+    use_triton,
+    wait_for_prior,
+)
+from kernels.linear import MAX_ROWS, linear, store_output
 
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
@@ -99,3 +120,133 @@ def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: 
     """x [T, K] @ W.T (+ bias) -> [T, N] (gated: silu(gate) * up, [T, N / 2]), W dequantized for this call."""
     weight = dequantize_ref(qweight, qzeros, scales, g_idx, group_size, packing, x.dtype)
     return linear(x, weight, bias, gated)
+
+
+def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
+               bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference."""
+    if use_triton(x) and x.shape[0] <= MAX_ROWS:
+        return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
+    return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
+
+
+@triton.jit
+def _field_shift(j, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """The shift of value j (of the 32 / BITS an int32 packs): AWQ's nibble (j % 2) * 4 + j // 2 (its order
+    0 2 4 6 1 3 5 7 inverted), else field j."""
+    if AWQ_ORDER:
+        return ((j % 2) * 4 + j // 2) * BITS
+    return j * BITS
+
+
+@triton.jit
+def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qw, stride_qz, stride_s,
+                      group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
+                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale."""
+    P: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    mask = k_mask[:, None] & n_mask[None, :]
+    if PACKED_ALONG_K:  # GPTQ: qweight [K / P, N]
+        packed = tl.load(qw_ptr + (ks // P)[:, None] * stride_qw + cols[None, :], mask=mask, other=0)
+        q = (packed >> ((ks % P) * BITS)[:, None]) & MASK
+    else:  # AWQ: qweight [K, N / P]
+        packed = tl.load(qw_ptr + ks[:, None] * stride_qw + (cols // P)[None, :], mask=mask, other=0)
+        q = (packed >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK
+    if HAS_G_IDX:
+        groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+    else:
+        groups = ks // group_size
+    zp = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :], mask=mask, other=0)
+    zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK) + ZERO_OFFSET
+    scale = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return (q - zeros).to(tl.float32) * scale
+
+
+@triton.jit
+def _int_linear_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K, group_size,
+    stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col,
+    ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_prior(PDL)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_mask = ks < K
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        w = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, offs_n, n_mask, stride_qw, stride_qz,
+                              stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX)
+        w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
+        if UPCAST:
+            xv = xv.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(xv, w, input_precision=PRECISION)
+        if GATED:
+            w_up = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, up_col + offs_n, n_mask, stride_qw,
+                                     stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER,
+                                     HAS_G_IDX)
+            w_up = w_up.to(x_ptr.dtype.element_ty)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+    store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS, GATED)
+
+
+def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated) -> tuple[int, int]:
+    """(K, N) of the packed weight, after checking every shape and dtype against x's."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros)) + ((("g_idx", g_idx),) if g_idx is not None else ()):
+        check_dtype(name, t, (torch.int32,))
+    check_dtype("scales", scales, FLOAT_DTYPES)
+    p = packing.pack_factor
+    k, n = (qweight.shape[0] * p, qweight.shape[1]) if packing.is_packed_along_k else (qweight.shape[0],
+                                                                                        qweight.shape[1] * p)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} input features, the packed weight {k}")
+    if scales.shape[1] != n or qzeros.shape != (scales.shape[0], n // p):
+        raise ValueError(f"scales {tuple(scales.shape)} and qzeros {tuple(qzeros.shape)} do not fit N = {n}")
+    if g_idx is None and (k // (group_size or k)) != scales.shape[0]:
+        raise ValueError(f"{scales.shape[0]} groups of scales, {k} input features in groups of {group_size}")
+    if g_idx is not None and g_idx.shape != (k,):
+        raise ValueError(f"g_idx must be [{k}], got {tuple(g_idx.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if gated and n % 2:
+        raise ValueError(f"a gated weight stacks gate and up columns: an even count, got {n}")
+    return k, n
+
+
+def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
+                      bias=None, gated: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Triton launcher of `linear_int` (any number of rows; meant for a few)."""
+    k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
+    check_launchable(*[t for t in (x, qweight, qzeros, scales, g_idx, bias) if t is not None])
+    for name, t in (("x", x), ("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        check_last_dim_contiguous(name, t)
+    num_rows, out_features = x.shape[0], n // 2 if gated else n
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return out
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, **(config or {})}
+    _int_linear_kernel[(cdiv(out_features, cfg["BLOCK_N"]),)](
+        x, qweight, qzeros, scales, g_idx if g_idx is not None else qweight, bias if bias is not None else scales,
+        out, num_rows, out_features, k, group_size or k,
+        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), out_features,
+        ZERO_OFFSET=packing.zero_offset, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
+        AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, GATED=gated,
+        UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
+        BLOCK_M=max(16, next_power_of_2(num_rows)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -73,16 +73,19 @@ import kernels.fp8 as fp8  # noqa: E402
 import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
+import kernels.linear_int as linear_int  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, kv_cache, linear, linear_fp8, moe, paged_attention, rms_norm, rotary, sampling):
+for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, moe, paged_attention, rms_norm, rotary,
+               sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
+linear_int.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
 
@@ -274,6 +277,16 @@ def main() -> int:
             linear.linear_triton(empty(rows, 4096), empty(2 * 14336, 4096), gated=True)
             CASE[0] = f"linear down, {rows} rows"
             linear.linear_triton(empty(rows, 14336), empty(4096, 14336))
+        for rows in (1, 16):  # the int4 decode kernel: AWQ qkv, GPTQ act-order gate_up + silu (8B shapes)
+            CASE[0] = f"int4 linear awq qkv, {rows} rows"
+            linear_int.linear_int_triton(empty(rows, 4096), empty(4096, 6144 // 8, dtype=torch.int32),
+                                         empty(32, 6144 // 8, dtype=torch.int32), empty(32, 6144, dtype=torch.float16),
+                                         None, 128, linear_int.AWQ_GEMM)
+            CASE[0] = f"int4 linear gptq act-order gate_up + silu, {rows} rows"
+            linear_int.linear_int_triton(empty(rows, 4096), empty(512, 2 * 14336, dtype=torch.int32),
+                                         empty(32, 2 * 14336 // 8, dtype=torch.int32),
+                                         empty(32, 2 * 14336, dtype=torch.float16), empty(4096, dtype=torch.int32),
+                                         128, linear_int.gptq_v1(4), gated=True)
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]
         sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64))

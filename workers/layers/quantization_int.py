@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, linear_int_ref
+from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1
+from kernels.linear_int import linear_int as linear_int_kernel
 
 
 def packing_of(config: QuantConfig) -> IntPacking:
@@ -69,7 +70,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
 
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
     """The layer's x [T, K_rank] @ W.T (+ bias) -> [T, N_rank] (gated: [T, N_rank / 2])."""
-    return linear_int_ref(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size,
+    return linear_int_kernel(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size,
                           layer.packing, bias, gated)
 
 
