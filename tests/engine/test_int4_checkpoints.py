@@ -160,3 +160,16 @@ def test_refused_models_and_mismatches():
     gptq = resolve_quantization(None, {"quantization_config": ic.Int4Format("gptq", -1, desc_act=True)
                                        .quantization_config()})
     assert (gptq.group_size, gptq.desc_act, gptq.pack_factor) == (None, True, 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_families(tmp_path, arch):
+    """Qwen2's q/k/v biases (stored fp16, as the tools store them) and tied embeddings, Qwen3's head norms and
+    head_dim 16, Mistral: AWQ and GPTQ act-order equal their dequantized checkpoints."""
+    from checkpoints.tiny import make_tiny_model
+
+    tiny = make_tiny_model(str(tmp_path / "float"), arch, seed=4, config_overrides=SHAPE)
+    for fmt in (ic.Int4Format("awq", 32), ic.Int4Format("gptq", 64, desc_act=True)):
+        dst, oracle = str(tmp_path / fmt.name), str(tmp_path / f"{fmt.name}-oracle")
+        ic.write_int4_checkpoint(tiny, dst, oracle, fmt)
+        assert_same(generate(oracle), generate(dst, inspect=assert_holds_packed_weights))
