@@ -19,6 +19,8 @@ of g_idx.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -66,6 +68,29 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     layer.g_idx = _param((cols,), torch.int32, device, loader) if config.method == "gptq" else None
     layer.weight = None  # no float weight anywhere
     layer.block_size = layer.input_scale = None
+    first_k = layer.tp_rank * cols if is_k_split and layer.has_all_groups else 0
+    for param in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx):
+        if param is not None:
+            param.random_init = functools.partial(_random_init, layer, param, first_k)
+
+
+@torch.no_grad()
+def _random_init(layer, param: nn.Parameter, first_k: int, std: float, generator: torch.Generator) -> None:
+    """Random weights drawn in the packed format directly (load_format="random"): uniform integers around a zero
+    point in the middle of their range, scales that give them standard deviation `std`, g_idx in order."""
+    bits, packing = layer.quant_config.bits, layer.packing
+    if param is layer.qweight:
+        param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=generator, device=param.device,
+                                  dtype=torch.int32))
+    elif param is layer.qzeros:
+        stored = (1 << (bits - 1)) - packing.zero_offset
+        word = sum(stored << (bits * i) for i in range(packing.pack_factor))
+        param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+    elif param is layer.scales:
+        param.fill_(std / (((1 << bits) ** 2 - 1) / 12) ** 0.5)  # a uniform integer's standard deviation
+    else:
+        k = torch.arange(first_k, first_k + param.shape[0], dtype=torch.int32, device=param.device)
+        param.copy_(k // layer.group_size if layer.group_size is not None else torch.zeros_like(k))
 
 
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
