@@ -21,8 +21,9 @@ dropped: the layer holds only the packed tensors.
 For up to MAX_ROWS rows on a GPU (decode), `_int_linear_kernel` never writes W: each program owns BLOCK_N output
 features, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile of integers in registers (the same
 float32 arithmetic, rounded to x's dtype) before its tl.dot; the gated SiLU-and-mul epilogue is kernels/linear.py's.
-A first version: it gathers the zeros and scales of every element of a tile (cached reads, not streamed ones) and
-its speed is not yet measured on a GPU; larger batches take the reference (dequantize, then cuBLAS).
+A first version: a tile inside one group (no g_idx, BLOCK_K dividing group_size) reads one row of zeros and scales;
+otherwise (act-order) it gathers them per element (cached reads, not streamed ones). Its speed is not yet measured
+on a GPU; larger batches take the reference (dequantize, then cuBLAS).
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ def _field_shift(j, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
 @triton.jit
 def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qw, stride_qz, stride_s,
                       group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
-                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr):
-    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale."""
+                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale.
+    ONE_GROUP: the tile's inputs are one group (no g_idx, BLOCK_K divides group_size), whose zeros and scales
+    are one row of BLOCK_N, not a gather per element."""
     P: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     mask = k_mask[:, None] & n_mask[None, :]
@@ -153,6 +156,12 @@ def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, st
     else:  # AWQ: qweight [K, N / P]
         packed = tl.load(qw_ptr + ks[:, None] * stride_qw + (cols // P)[None, :], mask=mask, other=0)
         q = (packed >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK
+    if ONE_GROUP:
+        group = tl.min(ks, axis=0) // group_size
+        zp = tl.load(qz_ptr + group * stride_qz + cols // P, mask=n_mask, other=0)
+        zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)) & MASK) + ZERO_OFFSET
+        scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)
+        return (q - zeros[None, :]).to(tl.float32) * scale[None, :]
     if HAS_G_IDX:
         groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
     else:
@@ -168,7 +177,8 @@ def _int_linear_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K, group_size,
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
-    HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
@@ -184,7 +194,8 @@ def _int_linear_kernel(
         xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
         w = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, offs_n, n_mask, stride_qw, stride_qz,
-                              stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX)
+                              stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
+                              ONE_GROUP)
         w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
         if UPCAST:
             xv = xv.to(tl.float32)
@@ -193,7 +204,7 @@ def _int_linear_kernel(
         if GATED:
             w_up = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, up_col + offs_n, n_mask, stride_qw,
                                      stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER,
-                                     HAS_G_IDX)
+                                     HAS_G_IDX, ONE_GROUP)
             w_up = w_up.to(x_ptr.dtype.element_ty)
             if UPCAST:
                 w_up = w_up.to(tl.float32)
@@ -244,7 +255,8 @@ def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None,
         out, num_rows, out_features, k, group_size or k,
         x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), out_features,
         ZERO_OFFSET=packing.zero_offset, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
-        AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, GATED=gated,
+        AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None,
+        ONE_GROUP=g_idx is None and (group_size or k) % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
         BLOCK_M=max(16, next_power_of_2(num_rows)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
