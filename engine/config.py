@@ -33,7 +33,8 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
     chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
-    quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none)
+    quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none);
+    # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
@@ -80,7 +81,8 @@ class ModelConfig:
 
     @property
     def quant_config(self) -> QuantConfig | None:
-        """The FP8 scheme of the linear layers (None: unquantized); ValueError if the checkpoint's is unsupported."""
+        """The scheme of the linear layers (FP8, AWQ, GPTQ; None: unquantized); ValueError if the checkpoint's is
+        unsupported."""
         return resolve_quantization(self.quantization, self.hf_config)
 
     @property

@@ -1,5 +1,5 @@
-"""Which FP8 scheme a model's linear layers use: from the user's `quantization` and the checkpoint's
-`quantization_config` (pure Python: the engine validates it before any worker starts).
+"""Which scheme a model's linear layers use (FP8, or AWQ / GPTQ integers): from the user's `quantization` and the
+checkpoint's `quantization_config` (pure Python: the engine validates it before any worker starts).
 
     quantization="fp8" on a bf16/fp16/fp32 checkpoint   online: each rank quantizes its shard at load,
                                                          per output channel, activations per token
@@ -21,7 +21,7 @@ is not supported: a checkpoint is never loaded as if it were unquantized.
 
 Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): quantization="fp8" quantizes the attention projections,
 the dense MLPs and a shared expert; the routed experts (workers/layers/moe.py's fused kernel) and the routers stay
-in the model's dtype. An FP8 checkpoint of such a model (FP8 experts) is refused.
+in the model's dtype. An FP8, AWQ or GPTQ checkpoint of such a model (quantized experts) is refused.
 """
 
 from __future__ import annotations
