@@ -81,6 +81,8 @@ class BlockManager:
         self._host_free = list(range(num_host_blocks))
         self._offloads: dict[int, int] = {}  # device block -> host block, not yet taken by a step
         self._onloads: list[tuple[int, int]] = []  # (host block, device block), not yet taken
+        self._host_writing: set[int] = set()  # the host blocks of _offloads
+        self._host_reading: set[int] = set()  # the host blocks of _onloads
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -161,6 +163,7 @@ class BlockManager:
         _host_prefix), so the offloads may run beside the step."""
         offloads, copies, onloads = list(self._offloads.items()), self._pending_copies, self._onloads
         self._offloads, self._pending_copies, self._onloads = {}, [], []
+        self._host_writing, self._host_reading = set(), set()
         self.num_offloaded_blocks += len(offloads)
         self.num_onloaded_blocks += len(onloads)
         return offloads, copies, onloads
@@ -195,9 +198,8 @@ class BlockManager:
             if block.ref_count == 0 and block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
                 block.block_hash = None
-        writing, reading = set(self._offloads.values()), {host for host, _ in self._onloads}
         for block_hash, host_block in list(self._host_cached.items()):
-            if host_block not in writing and host_block not in reading:
+            if host_block not in self._host_writing and host_block not in self._host_reading:
                 del self._host_cached[block_hash]
                 self._host_free.append(host_block)
 
@@ -221,11 +223,10 @@ class BlockManager:
 
     def _host_prefix(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
         """(hash, host block) of the longest prefix of `hashes` on the host, short of a block this step writes."""
-        writing = set(self._offloads.values()) if self._offloads else ()
         hits = []
         for block_hash in hashes:
             host_block = self._host_cached.get(block_hash)
-            if host_block is None or host_block in writing:
+            if host_block is None or host_block in self._host_writing:
                 break
             hits.append((block_hash, host_block))
         return hits
@@ -243,13 +244,14 @@ class BlockManager:
         if host_block is not None:
             self._host_cached[block.block_hash] = host_block
             self._offloads[block.block_id] = host_block
+            self._host_writing.add(host_block)
 
     def _free_host_block(self) -> int | None:
         """A free host block, evicting the least recently used one that the next step neither reads nor writes."""
         if self._host_free:
             return self._host_free.pop()
-        busy = set(self._offloads.values()) | {host for host, _ in self._onloads}
-        victim = next((h for h, host in self._host_cached.items() if host not in busy), None)
+        victim = next((h for h, host in self._host_cached.items()
+                       if host not in self._host_writing and host not in self._host_reading), None)
         return None if victim is None else self._host_cached.pop(victim)
 
     def _onload(self, block_hash: bytes, host_block: int, block_id: int) -> None:
@@ -257,6 +259,7 @@ class BlockManager:
         a cached block from now on."""
         self._host_cached.move_to_end(block_hash)
         self._onloads.append((host_block, block_id))
+        self._host_reading.add(host_block)
         block = self._blocks[block_id]
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
@@ -317,6 +320,7 @@ class BlockManager:
 
     def _drop_offload(self, block_id: int) -> None:
         host_block = self._offloads.pop(block_id)
+        self._host_writing.discard(host_block)
         block_hash = self._blocks[block_id].block_hash
         if block_hash is not None and self._host_cached.get(block_hash) == host_block:
             del self._host_cached[block_hash]
@@ -354,3 +358,4 @@ class BlockManager:
         host_blocks = list(self._host_cached.values()) + self._host_free
         assert sorted(host_blocks) == list(range(self.num_host_blocks)), "a host block is lost or held twice"
         assert set(self._offloads.values()) <= set(self._host_cached.values()), "an offload to an uncached host block"
+        assert self._host_writing == set(self._offloads.values()), "the host blocks written this step are miscounted"
