@@ -15,6 +15,10 @@ model's dtype):
     quant_method "awq", version "gemm" (AutoAWQ): 4 bits, zero_point true, group_size 32 / 64 / 128
     quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing): bits 4 or 8, sym true
         or false, desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
+    quant_method "compressed-tensors", format "pack-quantized" (llm-compressor's W4A16 / W8A16; method
+        "pack-quantized" here): one config group, weights type "int", num_bits 4 or 8, symmetric (no zero points)
+        or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
+        `weight_g_idx` or none; no input_activations
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from engine.errors import ParamError
 
 QUANTIZATIONS = (None, "fp8", "awq", "gptq")  # "awq" / "gptq" only name the checkpoint's own method
+INT_METHODS = ("awq", "gptq", "pack-quantized")
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -42,11 +47,13 @@ class QuantConfig:
     or "block" (`block_size` = (rows, cols) per scale); activation: "dynamic" (per token, at run time) or
     "static" (a per-tensor `input_scale` from the checkpoint). `ignored`: module name prefixes left unquantized.
 
-    Or weight-only integers (method "awq" / "gptq", `is_packed_int`): `bits` per weight packed in int32,
-    a scale and a zero point per group of `group_size` input features (None: one group over all of them),
-    `desc_act`: GPTQ's act-order, each input feature's group read from the checkpoint's g_idx."""
+    Or weight-only integers (method "awq" / "gptq" / "pack-quantized", `is_packed_int`): `bits` per weight packed
+    in int32, a scale and a zero point per group of `group_size` input features (None: one group over all of
+    them), `desc_act`: act-order, each input feature's group read from the checkpoint's g_idx;
+    `has_zero_points` False: a symmetric checkpoint stores none (the zero is 2^(bits - 1) of the stored unsigned
+    integers)."""
 
-    method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq"
+    method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq" | "pack-quantized"
     is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
     weight: str = "channel"
     block_size: tuple[int, int] | None = None
@@ -56,11 +63,12 @@ class QuantConfig:
     bits: int = 8
     group_size: int | None = None
     desc_act: bool = False
+    has_zero_points: bool = True
 
     @property
     def is_packed_int(self) -> bool:
-        """Weight-only integers packed in int32 (AWQ, GPTQ), dequantized in the matmul."""
-        return self.method in ("awq", "gptq")
+        """Weight-only integers packed in int32 (AWQ, GPTQ, compressed-tensors), dequantized in the matmul."""
+        return self.method in INT_METHODS
 
     @property
     def pack_factor(self) -> int:
@@ -90,7 +98,9 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
                              f"{quantization.upper()} checkpoint is read as stored, never made at load)")
         return QuantConfig("fp8", is_checkpoint_fp8=False) if quantization == "fp8" else None
     method = qc.get("quant_method")
-    if quantization in ("awq", "gptq") or method in ("awq", "gptq"):
+    if method == "compressed-tensors" and _compressed_tensors_format(qc) == "pack-quantized":
+        method = "pack-quantized"
+    if quantization in ("awq", "gptq") or method in INT_METHODS:
         return _int_checkpoint(quantization, method, qc, hf_config)
     if method in ("fp8", "compressed-tensors"):
         config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
@@ -105,7 +115,15 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
                              "not supported")
         return config
     raise ValueError(f"quantization_config: quant_method {method!r} is not supported (supported: 'fp8', "
-                     f"'compressed-tensors' with format 'float-quantized', 'awq', 'gptq')")
+                     f"'compressed-tensors' with format 'float-quantized' or 'pack-quantized', 'awq', 'gptq')")
+
+
+def _compressed_tensors_format(qc: dict) -> str | None:
+    """The checkpoint's format: top-level, or (newer compressed-tensors) that of its config groups."""
+    if qc.get("format"):
+        return qc["format"]
+    formats = {group.get("format") for group in (qc.get("config_groups") or {}).values()}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def has_experts(hf_config: dict) -> bool:
@@ -131,10 +149,10 @@ def _hf_fp8(qc: dict) -> QuantConfig:
 
 
 def _compressed_tensors(qc: dict) -> QuantConfig:
-    fmt = qc.get("format")
+    fmt = _compressed_tensors_format(qc)
     if fmt != "float-quantized":
         raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} is not supported "
-                         "(only 'float-quantized' FP8)")
+                         "(only 'float-quantized' FP8 and 'pack-quantized' int)")
     if qc.get("kv_cache_scheme"):
         raise ValueError("quantization_config: compressed-tensors kv_cache_scheme is not supported "
                          "(use kv_cache_dtype='fp8', whose scales Pagoda computes at load)")
@@ -170,10 +188,12 @@ def _check_float8(what: str, args: dict) -> None:
 
 
 def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_config: dict) -> QuantConfig:
-    """An AWQ or GPTQ checkpoint's scheme; ValueError naming the first field Pagoda does not support."""
+    """An AWQ, GPTQ or pack-quantized checkpoint's scheme; ValueError naming the first field Pagoda does not
+    support."""
     if quantization is not None and quantization != method:
         raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quantization_config "
                          f"quant_method {method!r}")
+    assert method in INT_METHODS, f"not an int method: {method!r}"
     if has_experts(hf_config):
         raise ValueError(f"quantization_config: a {method} checkpoint of a mixture-of-experts model "
                          f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported yet: the fused "
@@ -181,10 +201,10 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
     if "Phi3ForCausalLM" in (hf_config.get("architectures") or []):
         raise ValueError(f"quantization_config: a {method} checkpoint of Phi-3 (fused qkv_proj / gate_up_proj "
                          "tensors) is not supported yet")
-    config = _awq(qc) if method == "awq" else _gptq(qc)
+    config = {"awq": _awq, "gptq": _gptq, "pack-quantized": _pack_quantized}[method](qc)
     kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
     if kept:
-        raise ValueError(f"quantization_config: {method} modules_to_not_convert naming decoder modules "
+        raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore naming decoder modules "
                          f"({kept[:4]}) is not supported")
     return config
 
@@ -233,3 +253,44 @@ def _gptq(qc: dict) -> QuantConfig:
                        group_size=_int_group_size("gptq", qc, allow_one_group=True),
                        desc_act=bool(qc.get("desc_act", False)),
                        ignored=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+ACT_ORDERS = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
+
+
+def _pack_quantized(qc: dict) -> QuantConfig:
+    """llm-compressor's weight-only int checkpoint (compressed-tensors' PackedQuantizationCompressor)."""
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("quantization_config: compressed-tensors kv_cache_scheme is not supported")
+    if qc.get("sparsity_config"):
+        raise ValueError("quantization_config: compressed-tensors sparsity_config (sparse weights) is not supported")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config: compressed-tensors with {len(groups)} config_groups is not "
+                         "supported (one group of Linear targets)")
+    group = groups[0]
+    for field in ("input_activations", "output_activations"):
+        if group.get(field):
+            raise ValueError(f"quantization_config: pack-quantized {field} {group[field]!r} is not supported "
+                             "(weight-only W4A16 / W8A16)")
+    w = group.get("weights") or {}
+    if w.get("type") != "int":
+        raise ValueError(f"quantization_config: pack-quantized weights type {w.get('type')!r} is not supported "
+                         "('int')")
+    if w.get("num_bits") not in (4, 8):
+        raise ValueError(f"quantization_config: pack-quantized weights num_bits {w.get('num_bits')!r} is not "
+                         "supported (4 or 8)")
+    if not isinstance(w.get("symmetric"), bool) or w.get("dynamic"):
+        raise ValueError(f"quantization_config: pack-quantized weights symmetric {w.get('symmetric')!r} / dynamic "
+                         f"{w.get('dynamic')!r} is not supported (symmetric true or false, static)")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"quantization_config: pack-quantized weights strategy {strategy!r} is not supported "
+                         "('group' or 'channel')")
+    actorder = w.get("actorder")
+    if actorder not in ACT_ORDERS:
+        raise ValueError(f"quantization_config: pack-quantized weights actorder {actorder!r} is not supported")
+    group_size = _int_group_size("pack-quantized", w, allow_one_group=False) if strategy == "group" else None
+    return QuantConfig("pack-quantized", False, weight="group", activation="none", bits=w["num_bits"],
+                       group_size=group_size, desc_act=ACT_ORDERS[actorder] and group_size is not None,
+                       ignored=tuple(qc.get("ignore") or ()), has_zero_points=not w["symmetric"])

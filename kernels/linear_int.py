@@ -1,7 +1,8 @@
 """Weight-only integer linear layers (W4A16, W8A16): AWQ and GPTQ weights as their checkpoints store them,
 dequantized on the fly.
 
-    AWQ (AutoAWQ, version "gemm")                   GPTQ v1 (AutoGPTQ, GPTQModel)
+    AWQ (AutoAWQ, version "gemm")                   GPTQ v1 (AutoGPTQ, GPTQModel); `offset_binary`:
+                                                    the same, zeros stored as they are
     qweight int32 [K, N / 8]: 8 columns an int32    qweight int32 [K / p, N]: p = 32 / bits rows an int32,
             column j of each 8 in nibble                    row j of each p in field j (bits * j)
             AWQ_FIELDS[j] (AutoAWQ packs in the
@@ -73,6 +74,12 @@ AWQ_GEMM = IntPacking(bits=4, is_packed_along_k=False, fields=AWQ_FIELDS, zero_o
 
 def gptq_v1(bits: int) -> IntPacking:
     return IntPacking(bits=bits, is_packed_along_k=True, fields=None, zero_offset=1)
+
+
+def offset_binary(bits: int) -> IntPacking:
+    """Signed integers stored as q + 2^(bits - 1), packed along K in order (compressed-tensors' pack_to_int32,
+    and GGUF Q4_0 / Q8_0 repacked at load), zero points as stored: GPTQ's layout without its off-by-one."""
+    return IntPacking(bits=bits, is_packed_along_k=True, fields=None, zero_offset=0)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, along_rows: bool, fields: tuple[int, ...] | None = None):

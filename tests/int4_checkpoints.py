@@ -1,6 +1,7 @@
-"""AWQ and GPTQ checkpoints written here, packed as the producing tools pack them (AutoAWQ and AutoGPTQ cannot be
-installed here), from a tiny float checkpoint quantized round-to-nearest per group; and the oracle: the same
-model with the dequantized weights, written as a float32 checkpoint.
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints written here, packed as the producing tools pack them
+(AutoAWQ, AutoGPTQ and llm-compressor are not installed here), from a tiny float checkpoint quantized
+round-to-nearest per group; and the oracle: the same model with the dequantized weights, written as a float32
+checkpoint.
 
 The packing, restated from the tools (not from Pagoda's unpacking, which the tests check against it):
 - AutoAWQ, version "gemm" (awq/modules/linear/gemm.py, awq/utils/packing_utils.py): the integers as [K, N];
@@ -11,6 +12,12 @@ The packing, restated from the tools (not from Pagoda's unpacking, which the tes
   row r holding input features p r + j in field j (bits j up); qzeros int32 [K / g, N / p], the zero points
   minus one packed along N in the same sequential order; scales fp16 [K / g, N]; g_idx int32 [K]. The weight
   columns stay in the model's order under act-order: g_idx says each input feature's group.
+- compressed-tensors, format "pack-quantized" (llm-compressor's W4A16 / W8A16; compressed_tensors'
+  PackedQuantizationCompressor and pack_to_int32): the signed integers q - 2^(bits-1) as [N, K], stored plus
+  2^(bits-1) (unsigned) and packed along K in order: weight_packed int32 [N, K / p], input feature p c + j in field
+  j; weight_scale [N, G] in the model's dtype (bf16 here); weight_zero_point (asymmetric only) int32 [N / p, G],
+  the signed zero points stored the same way, packed along N; weight_g_idx int32 [K] (actorder "group");
+  weight_shape int64 [2] = [N, K]. Symmetric: no zero points, w = q_signed * scale.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds
 
 @dataclass(frozen=True)
 class Int4Format:
-    """What to write: method "awq" / "gptq", bits, group_size (-1: one group), sym (GPTQ; AWQ is always
-    asymmetric), desc_act (GPTQ: act-order, a shuffled g_idx)."""
+    """What to write: method "awq" / "gptq" / "pack-quantized", bits, group_size (-1: one group; pack-quantized:
+    strategy "channel"), sym (GPTQ, pack-quantized; AWQ is always asymmetric), desc_act (act-order, a shuffled
+    g_idx: GPTQ's desc_act, compressed-tensors' actorder "group")."""
 
     method: str
     group_size: int = 32
@@ -41,10 +49,27 @@ class Int4Format:
 
     @property
     def name(self) -> str:
-        sym = ("-sym" if self.sym else "-asym") if self.method == "gptq" else ""
-        return f"{self.method}{self.bits}-g{self.group_size}{sym}{'-act' if self.desc_act else ''}"
+        sym = ("-sym" if self.sym else "-asym") if self.method != "awq" else ""
+        method = "ct" if self.method == "pack-quantized" else self.method
+        return f"{method}{self.bits}-g{self.group_size}{sym}{'-act' if self.desc_act else ''}"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.method == "pack-quantized" else torch.float16
 
     def quantization_config(self) -> dict:
+        if self.method == "pack-quantized":  # as llm-compressor writes it (QuantizationConfig.to_dict, trimmed)
+            channel = self.group_size == -1
+            weights = {"num_bits": self.bits, "type": "int", "symmetric": self.sym, "dynamic": False,
+                       "strategy": "channel" if channel else "group", "group_size": None if channel else
+                       self.group_size, "actorder": "group" if self.desc_act else None, "observer": "minmax",
+                       "observer_kwargs": {}, "block_structure": None}
+            return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                    "quantization_status": "compressed", "global_compression_ratio": None,
+                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                  "input_activations": None, "output_activations": None,
+                                                  "format": "pack-quantized"}},
+                    "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "version": "0.10.2"}
         if self.method == "awq":  # as AutoAWQ writes it (transformers' AwqConfig.to_dict, trimmed)
             return {"quant_method": "awq", "bits": self.bits, "group_size": self.group_size, "zero_point": True,
                     "version": "gemm", "modules_to_not_convert": None}
@@ -83,7 +108,7 @@ def quantize(w: torch.Tensor, fmt: Int4Format, order: torch.Tensor | None = None
     if fmt.sym:  # GPTQ's symmetric grid: zero in the middle
         hi = torch.maximum(-lo, hi)
         lo = -hi
-    scales = ((hi - lo) / maxq).clamp(min=1e-6).half()
+    scales = ((hi - lo) / maxq).clamp(min=1e-6).to(fmt.scale_dtype)
     if fmt.sym:
         zeros = torch.full_like(scales, (maxq + 1) // 2, dtype=torch.int32)
     else:  # GPTQ v1 cannot store a zero of 0 (it keeps zero - 1): 1..maxq; AWQ the same range, harmlessly
@@ -117,6 +142,28 @@ def pack_gptq(qz: Quantized, bits: int) -> dict[str, torch.Tensor]:
             "scales": qz.scales, "g_idx": qz.g_idx}
 
 
+def pack_compressed_tensors(qz: Quantized, bits: int, sym: bool, has_g_idx: bool) -> dict[str, torch.Tensor]:
+    """The unsigned integers of `quantize` are compressed-tensors' signed ones plus 2^(bits-1): what
+    pack_to_int32 stores."""
+    seq = range(32 // bits)
+    k, n = qz.q.shape
+    parts = {"weight_packed": _packed(qz.q.t().numpy(), 1, bits, seq), "weight_scale": qz.scales.t().contiguous(),
+             "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if not sym:
+        parts["weight_zero_point"] = _packed(qz.zeros.t().numpy(), 0, bits, seq)
+    if has_g_idx:
+        parts["weight_g_idx"] = qz.g_idx
+    return parts
+
+
+def pack(qz: Quantized, fmt: Int4Format) -> dict[str, torch.Tensor]:
+    if fmt.method == "awq":
+        return pack_awq(qz)
+    if fmt.method == "gptq":
+        return pack_gptq(qz, fmt.bits)
+    return pack_compressed_tensors(qz, fmt.bits, fmt.sym, fmt.desc_act)
+
+
 def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
                           seed: int = 0) -> dict[str, Quantized]:
     """The checkpoint `src` (float, one safetensors file) as `fmt` in `dst`, and its dequantized weights as a
@@ -130,15 +177,17 @@ def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
         module, _, suffix = name.rpartition(".")
         if module.rsplit(".", 1)[-1] not in LINEARS:
             packed[name] = oracle[name] = t
-        elif suffix == "bias":
+        elif suffix == "bias" and fmt.method != "pack-quantized":  # llm-compressor keeps the model's dtype
             packed[name], oracle[name] = t.half(), t.half().float()
+        elif suffix == "bias":
+            packed[name] = oracle[name] = t
         else:  # q/k/v and gate/up read the same input: one act-order for them
             same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj",
                                                                                                  "gate_proj")
             if same_input not in orders:
                 orders[same_input] = torch.randperm(t.shape[1], generator=generator)
             qz = layers[module] = quantize(t, fmt, orders[same_input])
-            parts = pack_awq(qz) if fmt.method == "awq" else pack_gptq(qz, fmt.bits)
+            parts = pack(qz, fmt)
             packed.update({f"{module}.{k}": v for k, v in parts.items()})
             oracle[name] = qz.dequantized()
     for path, state, qc in ((dst, packed, fmt.quantization_config()), (oracle_dst, oracle, None)):

@@ -101,15 +101,28 @@ def init_random_weights(model: nn.Module, std: float, seed: int) -> None:
             param.normal_(0.0, std, generator=generators[param.device])
 
 
+# compressed-tensors' pack-quantized names -> the int layers' (workers/layers/quantization_int.py)
+PACK_QUANTIZED_NAMES = {"weight_packed": "qweight", "weight_scale": "scales", "weight_zero_point": "qzeros",
+                        "weight_g_idx": "g_idx"}
+
+
 def checkpoint_names(weights: Iterator[tuple[str, object]], quant_config: QuantConfig | None):
-    """An FP8 checkpoint's tensor names as the layers call them: `weight_scale_inv` (transformers' fp8) is a
-    `weight_scale` (both multiply the e4m3 weight). KV-cache scales in a checkpoint are not used (Pagoda
-    calibrates its own at load, workers/kv_scales.py): skipped, with a warning."""
+    """A quantized checkpoint's tensor names as the layers call them: `weight_scale_inv` (transformers' fp8) is a
+    `weight_scale` (both multiply the e4m3 weight); compressed-tensors' pack-quantized tensors take AWQ's and
+    GPTQ's names, and its `weight_shape` (the unpacked [N, K], which the packed shapes imply) is dropped.
+    KV-cache scales in a checkpoint are not used (Pagoda calibrates its own at load, workers/kv_scales.py):
+    skipped, with a warning."""
     skipped = 0
+    is_pack_quantized = quant_config is not None and quant_config.method == "pack-quantized"
     for name, loaded in weights:
         if name.endswith((".k_scale", ".v_scale", ".kv_scale")):
             skipped += 1
             continue
+        if is_pack_quantized:
+            module, _, suffix = name.rpartition(".")
+            if suffix == "weight_shape":
+                continue
+            name = f"{module}.{PACK_QUANTIZED_NAMES.get(suffix, suffix)}"
         if quant_config is not None and quant_config.scale_name != "weight_scale" and name.endswith(
                 "." + quant_config.scale_name):
             name = name[: -len(quant_config.scale_name)] + "weight_scale"

@@ -1,8 +1,9 @@
-"""AWQ and GPTQ checkpoints under tensor parallelism on CPU: two Ray worker actors over gloo, each reading only its
-slice of the packed tensors (column-parallel: its output columns, whole int32s; row-parallel: its input rows and
-their groups, its g_idx numbered from its first group, or every group under act-order and with one group). Under
-preemption, chunked prefill and prefix-cache hits (tests/cluster/test_tensor_parallel.py's stress settings), the
-tokens equal, and logprobs agree to 1e-4 with, one rank on the dequantized float32 checkpoint.
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints under tensor parallelism on CPU: two Ray worker
+actors over gloo, each reading only its slice of the packed tensors (column-parallel: its output columns, whole
+int32s; row-parallel: its input rows and their groups, its g_idx numbered from its first group, or every group
+under act-order and with one group). Under preemption, chunked prefill and prefix-cache hits
+(tests/cluster/test_tensor_parallel.py's stress settings), the tokens equal, and logprobs agree to 1e-4 with, one
+rank on the dequantized float32 checkpoint.
 """
 
 import pytest
@@ -20,7 +21,9 @@ def int4_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, sym=True),
-                                 ic.Int4Format("gptq", 32, desc_act=True), ic.Int4Format("gptq", -1, sym=True)],
+                                 ic.Int4Format("gptq", 32, desc_act=True), ic.Int4Format("gptq", -1, sym=True),
+                                 ic.Int4Format("pack-quantized", 32, sym=True),
+                                 ic.Int4Format("pack-quantized", 32, sym=False, desc_act=True)],
                          ids=lambda f: f.name)
 def test_tp2_int4_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, int4_checkpoint, fmt):
     dst, oracle, _ = int4_checkpoint(fmt)

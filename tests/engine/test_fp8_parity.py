@@ -173,7 +173,7 @@ def _with_quantization_config(src: str, dst, qc: dict) -> str:
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3 is not supported"),
     ({"quant_method": "awq", "version": "gemv"}, "awq version 'gemv' is not supported"),  # the rest: test_int4_*
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "format 'int-quantized'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.down_proj"]},
      "leaving decoder modules unquantized"),

@@ -4,7 +4,7 @@ against its torch reference, on weights packed as the tools pack them (tests/int
 import pytest
 import torch
 
-from kernels.linear_int import AWQ_GEMM, gptq_v1, linear_int, linear_int_ref, linear_int_triton
+from kernels.linear_int import AWQ_GEMM, gptq_v1, linear_int, linear_int_ref, linear_int_triton, offset_binary
 from tests import int4_checkpoints as ic
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -17,8 +17,13 @@ def packed_layer(fmt: ic.Int4Format, out_features: int, in_features: int, device
     w = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
     order = torch.randperm(in_features, generator=gen)
     qz = ic.quantize(w, fmt, order)
-    parts = ic.pack_awq(qz) if fmt.method == "awq" else ic.pack_gptq(qz, fmt.bits)
-    packing = AWQ_GEMM if fmt.method == "awq" else gptq_v1(fmt.bits)
+    if fmt.method == "pack-quantized":  # the layer's layout: the checkpoint's [N, ...] tensors transposed
+        ct = ic.pack_compressed_tensors(qz, fmt.bits, sym=False, has_g_idx=True)
+        parts = {"qweight": ct["weight_packed"].t().contiguous(), "qzeros": ct["weight_zero_point"].t().contiguous(),
+                 "scales": ct["weight_scale"].t().float().contiguous(), "g_idx": ct["weight_g_idx"]}
+    else:
+        parts = ic.pack_awq(qz) if fmt.method == "awq" else ic.pack_gptq(qz, fmt.bits)
+    packing = {"awq": AWQ_GEMM, "gptq": gptq_v1(fmt.bits), "pack-quantized": offset_binary(fmt.bits)}[fmt.method]
     g_idx = parts.get("g_idx") if fmt.desc_act else None
     group_size = None if fmt.group_size == -1 else fmt.group_size
     return dict(qweight=parts["qweight"].to(device), qzeros=parts["qzeros"].to(device),
@@ -28,7 +33,7 @@ def packed_layer(fmt: ic.Int4Format, out_features: int, in_features: int, device
 
 FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, sym=True),
            ic.Int4Format("gptq", 32, desc_act=True), ic.Int4Format("gptq", -1, sym=True),
-           ic.Int4Format("gptq", 64, bits=8, desc_act=True)]
+           ic.Int4Format("gptq", 64, bits=8, desc_act=True), ic.Int4Format("pack-quantized", 32)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

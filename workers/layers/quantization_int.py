@@ -1,13 +1,18 @@
-"""Weight-only integer linear layers (AWQ, GPTQ): what such a tensor-parallel layer holds and how its shards load.
+"""Weight-only integer linear layers (AWQ, GPTQ, compressed-tensors pack-quantized): what such a tensor-parallel
+layer holds and how its shards load.
 
-Built inside `quantized_layers(config)` with an AWQ or GPTQ QuantConfig, every ColumnParallel / MergedColumn / QKV
+Built inside `quantized_layers(config)` with an int QuantConfig, every ColumnParallel / MergedColumn / QKV
 / RowParallel linear holds this rank's slice of the checkpoint's tensors, as stored (kernels/linear_int.py has
-the layouts), under the checkpoint's names:
+the layouts), under AWQ's and GPTQ's names:
 
     qweight  int32  AWQ [K_rank, N_rank / 8]     GPTQ [K_rank / p, N_rank]      (p = 32 / bits)
-    qzeros   int32  [G_rank, N_rank / p]
-    scales   fp16   [G_rank, N_rank]
-    g_idx    int32  [K_rank] (GPTQ only): each input feature's group among this rank's G_rank
+    qzeros   int32  [G_rank, N_rank / p]         (a buffer of 2^(bits - 1) when the checkpoint stores none)
+    scales   fp16   [G_rank, N_rank]             (float32 for compressed-tensors: its bf16 or fp16, exactly)
+    g_idx    int32  [K_rank] (GPTQ, act-order compressed-tensors): each input feature's group among G_rank
+
+compressed-tensors stores the transposes, N first (weight_packed [N, K / p], weight_scale [N, G],
+weight_zero_point [N / p, G], packed along N): the same int32 words, so a rank indexes its [N, K] slice of them
+and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above.
 
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
@@ -25,12 +30,21 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1
+from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, offset_binary
 from kernels.linear_int import linear_int as linear_int_kernel
 
 
 def packing_of(config: QuantConfig) -> IntPacking:
-    return AWQ_GEMM if config.method == "awq" else gptq_v1(config.bits)
+    if config.method == "awq":
+        return AWQ_GEMM
+    return gptq_v1(config.bits) if config.method == "gptq" else offset_binary(config.bits)
+
+
+def _mid_range_zeros(shape, packing: IntPacking, device) -> torch.Tensor:
+    """Packed zero points of 2^(bits - 1) (as stored, less the packing's zero_offset) in every field."""
+    stored = (1 << (packing.bits - 1)) - packing.zero_offset
+    word = sum(stored << (packing.bits * i) for i in range(packing.pack_factor))
+    return torch.full(shape, word - (1 << 32) if word >= 1 << 31 else word, dtype=torch.int32, device=device)
 
 
 def _param(shape, dtype, device, loader) -> nn.Parameter:
@@ -46,6 +60,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     packing = packing_of(config)
     p, g = packing.pack_factor, config.group_size
     layer.quant_config, layer.packing, layer.group_size = config, packing, g
+    layer.is_n_major = config.method == "pack-quantized"  # the checkpoint's tensors are [N, ...]
     k_total = cols * layer.tp_size if is_k_split else cols
     # every group on every rank: one group, act-order, or a layer whose K is not split
     layer.has_all_groups = g is None or config.desc_act or not is_k_split
@@ -63,9 +78,13 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     qweight_shape = (cols // p, rows) if packing.is_packed_along_k else (cols, rows // p)
     loader = _loader(layer)
     layer.qweight = _param(qweight_shape, torch.int32, device, loader)
-    layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
-    layer.scales = _param((num_groups, rows), torch.float16, device, loader)
-    layer.g_idx = _param((cols,), torch.int32, device, loader) if config.method == "gptq" else None
+    if config.has_zero_points:
+        layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
+    else:
+        layer.register_buffer("qzeros", _mid_range_zeros((num_groups, rows // p), packing, device))
+    layer.scales = _param((num_groups, rows), torch.float32 if layer.is_n_major else torch.float16, device, loader)
+    has_g_idx = config.method == "gptq" or config.desc_act
+    layer.g_idx = _param((cols,), torch.int32, device, loader) if has_g_idx else None
     layer.weight = None  # no float weight anywhere
     layer.block_size = layer.input_scale = None
     first_k = layer.tp_rank * cols if is_k_split and layer.has_all_groups else 0
@@ -83,9 +102,7 @@ def _random_init(layer, param: nn.Parameter, first_k: int, std: float, generator
         param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=generator, device=param.device,
                                   dtype=torch.int32))
     elif param is layer.qzeros:
-        stored = (1 << (bits - 1)) - packing.zero_offset
-        word = sum(stored << (bits * i) for i in range(packing.pack_factor))
-        param.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+        param.copy_(_mid_range_zeros(param.shape, packing, param.device))
     elif param is layer.scales:
         param.fill_(std / (((1 << bits) ** 2 - 1) / 12) ** 0.5)  # a uniform integer's standard deviation
     else:
@@ -120,7 +137,7 @@ def _load(layer, name: str, param: nn.Parameter, loaded, shard_id) -> None:
         k_rows = slice(None) if layer.has_all_groups else _groups(layer, k_src)
         n_div = p if name == "qzeros" else 1
     n_src, n_dst = _divided(shard.src_rows, n_div, "output features"), _divided(shard.dst, n_div, "output features")
-    part = loaded[k_rows, n_src]
+    part = loaded[n_src, k_rows].t() if layer.is_n_major else loaded[k_rows, n_src]
     dst = param.data[:, n_dst]
     assert tuple(dst.shape) == tuple(part.shape), (f"{name}: shape mismatch: parameter {tuple(dst.shape)}, "
                                                    f"loaded {tuple(part.shape)}")
