@@ -34,7 +34,8 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
     chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
     quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none);
-    # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway
+    # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway;
+    # "gguf": a .gguf model's Q4_0 / Q8_0 linears served from their blocks (engine/quantization.py)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
@@ -58,7 +59,8 @@ class ModelConfig:
             from checkpoints.gguf import gguf_tokenizer_dir, read_gguf_model  # lazy: it imports torch and numpy
 
             info = read_gguf_model(model)
-            hf_config, generation_config = info.hf_config, info.generation_config
+            hf_config = {**info.hf_config, "gguf_linear_types": list(info.linear_types)}  # for quantization="gguf"
+            generation_config = info.generation_config
             if kwargs.get("tokenizer") is None:
                 kwargs["tokenizer"] = gguf_tokenizer_dir(model, info.header_digest)
         else:

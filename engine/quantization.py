@@ -20,6 +20,11 @@ model's dtype):
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
         `weight_g_idx` or none; no input_activations
 
+quantization="gguf" on a .gguf model: decoder linears stored Q4_0 or Q8_0 (all of them one type) are served from
+their own blocks, each 32 weights a group of a symmetric int layer (checkpoints/gguf.py repacks them exactly);
+a file whose decoder linears mix types, or are of another type (Q4_1, k-quants), is dequantized at load as
+without it (a warning says so). Without quantization="gguf" a GGUF file is dequantized at load.
+
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
 
@@ -30,13 +35,17 @@ in the model's dtype. An FP8, AWQ or GPTQ checkpoint of such a model (quantized 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 from engine.errors import ParamError
 
-QUANTIZATIONS = (None, "fp8", "awq", "gptq")  # "awq" / "gptq" only name the checkpoint's own method
-INT_METHODS = ("awq", "gptq", "pack-quantized")
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = (None, "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
+INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
+GGUF_INT_TYPES = {"Q4_0": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly (checkpoints/gguf.py)
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -91,6 +100,8 @@ def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConf
     """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported."""
     if quantization not in QUANTIZATIONS:
         raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "gguf":
+        return _gguf(hf_config)
     qc = hf_config.get("quantization_config")
     if not qc:
         if quantization in ("awq", "gptq"):
@@ -124,6 +135,21 @@ def _compressed_tensors_format(qc: dict) -> str | None:
         return qc["format"]
     formats = {group.get("format") for group in (qc.get("config_groups") or {}).values()}
     return formats.pop() if len(formats) == 1 else None
+
+
+def _gguf(hf_config: dict) -> QuantConfig | None:
+    """The int layers for a GGUF file's Q4_0 / Q8_0 decoder linears (`gguf_linear_types`: ModelConfig.from_path
+    reads them from the file), or None (dequantized at load) for other or mixed types."""
+    types = hf_config.get("gguf_linear_types")
+    if types is None:
+        raise ValueError("quantization='gguf' serves a .gguf model's own blocks; this model is not a GGUF file")
+    if len(types) != 1 or types[0] not in GGUF_INT_TYPES:
+        logger.warning("quantization='gguf': the decoder's linear weights are %s; only files whose linears are all "
+                       "Q4_0 or all Q8_0 are served from their blocks: this one is dequantized at load",
+                       "/".join(types) or "none")
+        return None
+    return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[types[0]],
+                       group_size=32, has_zero_points=False)
 
 
 def has_experts(hf_config: dict) -> bool:

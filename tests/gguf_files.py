@@ -18,8 +18,10 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | None = None) -> str:
-    """A GGUF file of the checkpoint in hf_dir: 2-D weights in `qtype`, norms and biases in F32."""
+def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | None = None,
+               tensor_types: dict[str, str] | None = None) -> str:
+    """A GGUF file of the checkpoint in hf_dir: 2-D weights in `qtype` (`tensor_types`: GGUF tensor name -> its
+    own type, as llama.cpp's mixes give some tensors more bits), norms and biases in F32."""
     import gguf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -41,7 +43,6 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
         getattr(writer, f"add_sampling_{key}")(value)
     _add_tokenizer(writer, hf_dir)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
-    raw = gguf.GGMLQuantizationType[qtype]
     for name, w in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         stem, suffix = name.rsplit(".", 1)
         if arch == "llama" and ".q_proj" in name:
@@ -50,7 +51,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
             w = _llama_cpp_permute(w, cfg["num_key_value_heads"])
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if w.ndim == 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w.astype(np.float32), raw), raw_dtype=raw)
+            own = gguf.GGMLQuantizationType[(tensor_types or {}).get(gguf_name, qtype)]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w.astype(np.float32), own), raw_dtype=own)
         else:
             writer.add_tensor(gguf_name, w.astype(np.float32))
     writer.write_header_to_file()

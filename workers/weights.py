@@ -74,7 +74,9 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         if model_dir.endswith(".gguf"):
             from checkpoints.gguf import iterate_gguf_weights
 
-            weights = iterate_gguf_weights(model_dir, hf_config)  # dequantized: quant_config quantizes them online
+            # dequantized (FP8 quantizes them online), or Q4_0 / Q8_0 linears as int blocks with quantization="gguf"
+            is_int = quant_config is not None and quant_config.method == "gguf"
+            weights = iterate_gguf_weights(model_dir, hf_config, int_linears=is_int)
         else:
             weights = iterate_weights(model_dir)
         model.load_weights(checkpoint_names(weights, quant_config))

@@ -10,6 +10,7 @@ import pytest
 
 from tests import int4_checkpoints as ic
 from tests.cluster.test_tensor_parallel import STRESS
+from tests.engine.test_gguf_int import gguf_factory
 from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory
 
 STRESS_INT4 = {**STRESS, "num_kv_blocks": 16}  # the parity prompts preempt in 16 blocks of 4 tokens, not in 24
@@ -41,3 +42,17 @@ def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkp
     dst, _, _ = int4_checkpoint(ic.Int4Format("awq", 128))
     with pytest.raises(Exception, match="tensor_parallel_size 2.*group_size 128"):
         generate(dst, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype):
+    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q8_0 linears."""
+    path = gguf_factory(tmp_path_factory)("llama", qtype)
+
+    def check(llm):
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
+        assert llm.engine.config.model.quant_config.method == "gguf"  # what the ranks build their layers from
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits_tokens > 0
+
+    outs = generate(path, inspect=check, tensor_parallel_size=2, quantization="gguf", **STRESS_INT4)
+    assert_same(generate(path), outs)

@@ -1,5 +1,5 @@
-"""Weight-only integer linear layers (AWQ, GPTQ, compressed-tensors pack-quantized): what such a tensor-parallel
-layer holds and how its shards load.
+"""Weight-only integer linear layers (AWQ, GPTQ, compressed-tensors pack-quantized, GGUF Q4_0 / Q8_0): what such
+a tensor-parallel layer holds and how its shards load.
 
 Built inside `quantized_layers(config)` with an int QuantConfig, every ColumnParallel / MergedColumn / QKV
 / RowParallel linear holds this rank's slice of the checkpoint's tensors, as stored (kernels/linear_int.py has
@@ -12,7 +12,9 @@ the layouts), under AWQ's and GPTQ's names:
 
 compressed-tensors stores the transposes, N first (weight_packed [N, K / p], weight_scale [N, G],
 weight_zero_point [N / p, G], packed along N): the same int32 words, so a rank indexes its [N, K] slice of them
-and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above.
+and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above. GGUF Q4_0 /
+Q8_0 blocks (quantization="gguf") arrive in that N-first layout too, repacked by checkpoints/gguf.py, with fp16
+scales and no zero points.
 
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
@@ -60,7 +62,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     packing = packing_of(config)
     p, g = packing.pack_factor, config.group_size
     layer.quant_config, layer.packing, layer.group_size = config, packing, g
-    layer.is_n_major = config.method == "pack-quantized"  # the checkpoint's tensors are [N, ...]
+    layer.is_n_major = config.method in ("pack-quantized", "gguf")  # the checkpoint's tensors are [N, ...]
     k_total = cols * layer.tp_size if is_k_split else cols
     # every group on every rank: one group, act-order, or a layer whose K is not split
     layer.has_all_groups = g is None or config.desc_act or not is_k_split
@@ -82,7 +84,8 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
         layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
     else:
         layer.register_buffer("qzeros", _mid_range_zeros((num_groups, rows // p), packing, device))
-    layer.scales = _param((num_groups, rows), torch.float32 if layer.is_n_major else torch.float16, device, loader)
+    scale_dtype = torch.float32 if config.method == "pack-quantized" else torch.float16  # GGUF's d: fp16
+    layer.scales = _param((num_groups, rows), scale_dtype, device, loader)
     has_g_idx = config.method == "gptq" or config.desc_act
     layer.g_idx = _param((cols,), torch.int32, device, loader) if has_g_idx else None
     layer.weight = None  # no float weight anywhere
