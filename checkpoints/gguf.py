@@ -13,16 +13,18 @@ rank thus dequantizes only its shard, as it reads only its slice of a safetensor
 llama.cpp stores the q and k projections of Llama models with each head's rows interleaved for its rotary layout
 (pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...); the slices undo that with a row permutation, read lazily like the rest.
 
-With quantization="gguf", a decoder linear stored Q4_0 or Q8_0 is served from its own blocks instead: each block
-of 32 weights is one group of a symmetric int layer (workers/layers/quantization_int.py), repacked exactly:
+With quantization="gguf", a decoder linear stored Q4_0, Q4_1 or Q8_0 is served from its own blocks instead: each
+block of 32 weights is one group of an int layer (workers/layers/quantization_int.py), repacked exactly:
 
     Q4_0 block: d fp16, 16 bytes qs; weight j = d * ((qs[j] & 15) - 8), weight j + 16 = d * ((qs[j] >> 4) - 8)
+    Q4_1 block: d fp16, m fp16, qs;  weight j = d * (qs[j] & 15) + m, weight j + 16 = d * (qs[j] >> 4) + m
     Q8_0 block: d fp16, 32 int8 q;   weight j = d * q[j]
     ->  qweight int32 [N, K / p]: the unsigned q (Q8_0's q + 128) of inputs p c .. p c + p - 1 in fields 0..p-1
         scales  fp16  [N, K / 32]: d;   zero 8 (Q4_0) or 128 (Q8_0)   (kernels.linear_int.offset_binary)
+        mins    fp16  [N, K / 32]: m (Q4_1, which has no zero point)
 
 the same layout as compressed-tensors' pack-quantized, N first; `GGUFIntSlice` repacks only the rows and blocks a
-rank asks for. (Q4_1's w = d q + m and the k-quants are still dequantized at load.)
+rank asks for. (Q5_0/1 and the k-quants are still dequantized at load.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from checkpoints.source import build_once, cache_root
 # Types `gguf.quants.dequantize` handles and that Pagoda has checked; any other type is an error naming it.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
-INT_TYPES = {"Q4_0": 4, "Q8_0": 8}  # served as int layers with quantization="gguf": bits
+INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # served as int layers with quantization="gguf": bits
 _LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes q/k rows for these architectures only
@@ -177,8 +179,9 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
         sliced = GGUFSlice(tensor, rows)
         if int_linears and _is_linear_weight(tensor.name) and tensor.tensor_type.name in INT_TYPES:
             module = name[: -len(".weight")]
-            yield f"{module}.qweight", GGUFIntSlice(sliced, "qweight")
-            yield f"{module}.scales", GGUFIntSlice(sliced, "scales")
+            parts = ("qweight", "scales", "mins") if tensor.tensor_type.name == "Q4_1" else ("qweight", "scales")
+            for part in parts:
+                yield f"{module}.{part}", GGUFIntSlice(sliced, part)
         else:
             yield name, sliced
 
@@ -243,8 +246,8 @@ class GGUFSlice:
 
 
 class GGUFIntSlice:
-    """A Q4_0 / Q8_0 tensor's blocks as an int layer's `qweight` int32 [N, K / p] or `scales` fp16 [N, K / 32]
-    (see the module docstring), read like a safetensors slice: `[a:b]` rows, `[a:b, c:d]` rows and packed
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks as an int layer's `qweight` int32 [N, K / p], `scales` or `mins` fp16
+    [N, K / 32] (see the module docstring), read like a safetensors slice: `[a:b]` rows, `[a:b, c:d]` rows and packed
     columns on block boundaries. Only the rows and blocks asked for are read and repacked."""
 
     BLOCK = 32
@@ -253,7 +256,8 @@ class GGUFIntSlice:
         assert base.qtype.name in INT_TYPES and base.block_size == self.BLOCK, base.qtype.name
         self.base, self.part, self.bits = base, part, INT_TYPES[base.qtype.name]
         rows, cols = base.shape
-        self.per_column = self.BLOCK if part == "scales" else 32 // self.bits  # weights per column of this part
+        self.per_column = 32 // self.bits if part == "qweight" else self.BLOCK  # weights per column of this part
+        self.num_halves = 2 if base.qtype.name == "Q4_1" else 1  # fp16s before the codes: d (and m)
         self.shape = (rows, cols // self.per_column)
 
     def get_shape(self) -> list[int]:
@@ -268,9 +272,10 @@ class GGUFIntSlice:
         size = self.base.type_size
         raw = self.base._rows(rows)[:, first // self.BLOCK * size: last // self.BLOCK * size]
         blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes]
-        if self.part == "scales":
-            return torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).reshape(raw.shape[0], -1))
-        codes = blocks[:, :, 2:]
+        if self.part != "qweight":  # d, or Q4_1's m after it
+            at = 0 if self.part == "scales" else 2
+            return torch.from_numpy(blocks[:, :, at:at + 2].copy().view(np.float16).reshape(raw.shape[0], -1))
+        codes = blocks[:, :, 2 * self.num_halves:]
         if self.bits == 4:  # low nibbles are weights 0..15 of the block, high nibbles 16..31
             q = np.concatenate([codes & 15, codes >> 4], axis=2)
         else:  # int8 -> unsigned q + 128

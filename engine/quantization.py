@@ -20,10 +20,11 @@ model's dtype):
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
         `weight_g_idx` or none; no input_activations
 
-quantization="gguf" on a .gguf model: decoder linears stored Q4_0 or Q8_0 (all of them one type) are served from
-their own blocks, each 32 weights a group of a symmetric int layer (checkpoints/gguf.py repacks them exactly);
-a file whose decoder linears mix types, or are of another type (Q4_1, k-quants), is dequantized at load as
-without it (a warning says so). Without quantization="gguf" a GGUF file is dequantized at load.
+quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 (all of them one type) are served
+from their own blocks, each 32 weights a group of an int layer (checkpoints/gguf.py repacks them exactly; Q4_1
+with `mins` instead of zero points); a file whose decoder linears mix types, or are of another type (Q5_0/1,
+k-quants), is dequantized at load as without it (a warning says so). Without quantization="gguf" a GGUF file is
+dequantized at load.
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
 INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
-GGUF_INT_TYPES = {"Q4_0": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly (checkpoints/gguf.py)
+GGUF_INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly: bits
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -60,7 +61,7 @@ class QuantConfig:
     in int32, a scale and a zero point per group of `group_size` input features (None: one group over all of
     them), `desc_act`: act-order, each input feature's group read from the checkpoint's g_idx;
     `has_zero_points` False: a symmetric checkpoint stores none (the zero is 2^(bits - 1) of the stored unsigned
-    integers)."""
+    integers); `has_mins`: GGUF Q4_1's additive minimum per group instead (w = q * scale + min)."""
 
     method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq" | "pack-quantized"
     is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
@@ -73,6 +74,7 @@ class QuantConfig:
     group_size: int | None = None
     desc_act: bool = False
     has_zero_points: bool = True
+    has_mins: bool = False
 
     @property
     def is_packed_int(self) -> bool:
@@ -145,11 +147,11 @@ def _gguf(hf_config: dict) -> QuantConfig | None:
         raise ValueError("quantization='gguf' serves a .gguf model's own blocks; this model is not a GGUF file")
     if len(types) != 1 or types[0] not in GGUF_INT_TYPES:
         logger.warning("quantization='gguf': the decoder's linear weights are %s; only files whose linears are all "
-                       "Q4_0 or all Q8_0 are served from their blocks: this one is dequantized at load",
+                       "Q4_0, all Q4_1 or all Q8_0 are served from their blocks: this one is dequantized at load",
                        "/".join(types) or "none")
         return None
     return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[types[0]],
-                       group_size=32, has_zero_points=False)
+                       group_size=32, has_zero_points=False, has_mins=types[0] == "Q4_1")
 
 
 def has_experts(hf_config: dict) -> bool:

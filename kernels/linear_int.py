@@ -112,30 +112,38 @@ def group_index(num_in_features: int, group_size: int | None, device) -> torch.T
     return k // group_size if group_size is not None else torch.zeros_like(k)
 
 
-def dequantize_ref(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                   group_size: int | None, packing: IntPacking, dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in `dtype` (see the module docstring); g_idx None: k // group_size."""
+def dequantize_ref(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
+                   g_idx: torch.Tensor | None, group_size: int | None, packing: IntPacking, dtype: torch.dtype,
+                   mins: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in `dtype` (see the module docstring); g_idx None: k // group_size. `mins` [G, N] (GGUF Q4_1)
+    instead of zero points: W = q * scale + min, rounded once in float32 as gguf's dequantization rounds it."""
     q = unpack_weight(qweight, packing)  # [K, N]
+    groups = (g_idx if g_idx is not None else group_index(q.shape[0], group_size, q.device)).long()  # [K]
+    if mins is not None:
+        assert mins.shape == scales.shape, f"mins {tuple(mins.shape)} and scales {tuple(scales.shape)} differ"
+        w = q.float() * scales[groups].float() + mins[groups].float()  # [K, N]
+        return w.t().contiguous().to(dtype)
+    assert qzeros is not None, "zero points or mins"
     zeros = unpack_zeros(qzeros, packing)  # [G, N]
     assert zeros.shape == scales.shape, f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} differ"
-    groups = (g_idx if g_idx is not None else group_index(q.shape[0], group_size, q.device)).long()  # [K]
     w = (q - zeros[groups]).float() * scales[groups].float()  # [K, N], exact in float32
     return w.t().contiguous().to(dtype)
 
 
 def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
-                   bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, gated: bool = False, mins=None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N] (gated: silu(gate) * up, [T, N / 2]), W dequantized for this call."""
-    weight = dequantize_ref(qweight, qzeros, scales, g_idx, group_size, packing, x.dtype)
+    weight = dequantize_ref(qweight, qzeros, scales, g_idx, group_size, packing, x.dtype, mins)
     return linear(x, weight, bias, gated)
 
 
 def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
-               bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference."""
-    if use_triton(x) and x.shape[0] <= MAX_ROWS:
+               bias: torch.Tensor | None = None, gated: bool = False, mins=None) -> torch.Tensor:
+    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference
+    (always for `mins`: the kernel has no additive-minimum path yet)."""
+    if use_triton(x) and x.shape[0] <= MAX_ROWS and mins is None:
         return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
-    return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
+    return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
 
 
 @triton.jit

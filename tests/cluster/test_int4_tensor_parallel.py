@@ -44,9 +44,9 @@ def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkp
         generate(dst, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype):
-    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q8_0 linears."""
+    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q4_1 / Q8_0 linears."""
     path = gguf_factory(tmp_path_factory)("llama", qtype)
 
     def check(llm):

@@ -1,7 +1,8 @@
-"""GGUF Q4_0 / Q8_0 linears served from their own blocks (quantization="gguf"): each block of 32 weights is a group
-of a symmetric int layer, repacked exactly at load (checkpoints/gguf.py GGUFIntSlice). The files are written with
-the gguf package's own quantizers (tests/gguf_files.py); the oracle is Pagoda on the same file without
-quantization="gguf", which dequantizes it to float32 at load: tokens equal, logprobs within 1e-4.
+"""GGUF Q4_0 / Q4_1 / Q8_0 linears served from their own blocks (quantization="gguf"): each block of 32 weights is a
+group of an int layer (Q4_1: with an additive minimum instead of a zero point), repacked exactly at load
+(checkpoints/gguf.py GGUFIntSlice). The files are written with the gguf package's own quantizers
+(tests/gguf_files.py); the oracle is Pagoda on the same file without quantization="gguf", which dequantizes it to
+float32 at load: tokens equal, logprobs within 1e-4.
 """
 
 import functools
@@ -39,22 +40,33 @@ def ggufs(tmp_path_factory):
     return gguf_factory(tmp_path_factory)
 
 
-def assert_int_layers(bits: int):
+def assert_int_layers(bits: int, has_mins: bool = False):
     def check(llm):
         layer = llm.engine.executor.worker.model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
             assert linear.weight is None and linear.qweight.dtype == torch.int32
             assert linear.packing == offset_binary(bits) and linear.group_size == 32
+            assert (linear.mins is not None) == has_mins and (linear.qzeros is None) == has_mins
     return check
 
 
-@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_0")])
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"),
+                                         ("qwen2", "Q4_1")])
 def test_tokens_and_logprobs_equal_the_dequantized_file(ggufs, arch, qtype):
     """Llama's permuted q/k rows, Qwen2's biases and tied embeddings; the embeddings stay dequantized."""
     path = ggufs(arch, qtype)
-    bits = 4 if qtype == "Q4_0" else 8
-    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(bits)))
+    bits = 8 if qtype == "Q8_0" else 4
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(bits, qtype == "Q4_1")))
+
+
+def test_the_builtin_smollm2_from_its_q4_1_blocks():
+    """The built-in model's file (linears Q4_1, embeddings Q8_0) served from its blocks equals the same file
+    dequantized at load (what the built-in model serves by default, converted to float32)."""
+    from checkpoints.builtin import default_gguf_path
+
+    path = default_gguf_path()
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(4, has_mins=True)))
 
 
 def test_an_lm_head_of_another_type_leaves_the_linears_int(ggufs):
@@ -74,14 +86,14 @@ def test_mixed_linear_types_load_dequantized(ggufs):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=floats))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_repacked_blocks_dequantize_as_gguf_does(ggufs, qtype):
     """Rows (in Hugging Face order) and column blocks of qweight / scales give gguf's own dequantization, bit for
     bit, for the whole tensor and for a rank's slice."""
     from checkpoints.gguf import iterate_gguf_weights
 
     path = ggufs("llama", qtype)
-    bits = 4 if qtype == "Q4_0" else 8
+    bits = 8 if qtype == "Q8_0" else 4
     p = 32 // bits
     weights = dict(iterate_gguf_weights(path, int_linears=True))
     floats = dict(iterate_gguf_weights(path))
@@ -95,8 +107,9 @@ def test_repacked_blocks_dequantize_as_gguf_does(ggufs, qtype):
             qw, sc = qweight[rows, q_cols], scales[rows, s_cols]
             assert qw.dtype == torch.int32 and sc.dtype == torch.float16
             zeros = torch.full((sc.shape[1], sc.shape[0] // p), _mid_word(bits), dtype=torch.int32)
-            got = dequantize_ref(qw.t().contiguous(), zeros, sc.t().contiguous(), None, 32, offset_binary(bits),
-                                 torch.float32)
+            mins = weights[f"{module}.mins"][rows, s_cols].t().contiguous() if qtype == "Q4_1" else None
+            got = dequantize_ref(qw.t().contiguous(), None if qtype == "Q4_1" else zeros, sc.t().contiguous(), None,
+                                 32, offset_binary(bits), torch.float32, mins)
             assert torch.equal(got, w[rows, cols])
 
 
@@ -108,8 +121,9 @@ def _mid_word(bits: int) -> int:
 def test_refusals_and_fallbacks():
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", {"architectures": ["LlamaForCausalLM"]})
-    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_1"]}) is None  # dequantized at load
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q5_0"]}) is None  # dequantized at load
     assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_0", "Q8_0"]}) is None
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_1"]}).has_mins
     config = resolve_quantization("gguf", {"gguf_linear_types": ["Q8_0"]})
     assert (config.method, config.bits, config.group_size, config.has_zero_points) == ("gguf", 8, 32, False)
     assert np.int32(_mid_word(4)) == np.int32(-2004318072)  # 0x88888888

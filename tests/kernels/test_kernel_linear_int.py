@@ -73,3 +73,20 @@ def test_cpu_dispatch_takes_the_reference():
     layer = packed_layer(ic.Int4Format("awq", 32), 32, 64, "cpu")
     x = torch.randn(2, 64)
     assert torch.equal(linear_int(x, **layer), linear_int_ref(x, **layer))
+
+
+def test_mins_take_the_reference_and_add_once():
+    """GGUF Q4_1's additive minimum: W = q * scale + min, rounded once in float32 (gguf's own arithmetic); the
+    public function takes the reference for it (the Triton kernel has no mins path yet)."""
+    from kernels.linear_int import dequantize_ref
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (64, 16), generator=gen, dtype=torch.int32)  # [K, N]
+    scales, mins = torch.rand(2, 16, generator=gen).half(), -torch.rand(2, 16, generator=gen).half()
+    qweight = ic._packed(q.numpy(), 0, 4, range(8))
+    w = dequantize_ref(qweight, None, scales, None, 32, offset_binary(4), torch.float32, mins)
+    groups = torch.arange(64) // 32
+    assert torch.equal(w, (q.float() * scales[groups].float() + mins[groups].float()).t())
+    x = torch.randn(3, 64, generator=gen)
+    out = linear_int(x, qweight, None, scales, None, 32, offset_binary(4), mins=mins)
+    assert torch.equal(out, linear_int_ref(x, qweight, None, scales, None, 32, offset_binary(4), mins=mins))

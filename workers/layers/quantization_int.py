@@ -14,7 +14,7 @@ compressed-tensors stores the transposes, N first (weight_packed [N, K / p], wei
 weight_zero_point [N / p, G], packed along N): the same int32 words, so a rank indexes its [N, K] slice of them
 and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above. GGUF Q4_0 /
 Q8_0 blocks (quantization="gguf") arrive in that N-first layout too, repacked by checkpoints/gguf.py, with fp16
-scales and no zero points.
+scales and no zero points; Q4_1's with `mins` fp16 [G_rank, N_rank] in place of qzeros (w = q * scale + min).
 
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
@@ -80,7 +80,11 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     qweight_shape = (cols // p, rows) if packing.is_packed_along_k else (cols, rows // p)
     loader = _loader(layer)
     layer.qweight = _param(qweight_shape, torch.int32, device, loader)
-    if config.has_zero_points:
+    layer.mins = None
+    if config.has_mins:  # GGUF Q4_1: w = q * scale + min
+        layer.qzeros = None
+        layer.mins = _param((num_groups, rows), torch.float16, device, loader)
+    elif config.has_zero_points:
         layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
     else:
         layer.register_buffer("qzeros", _mid_range_zeros((num_groups, rows // p), packing, device))
@@ -91,7 +95,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     layer.weight = None  # no float weight anywhere
     layer.block_size = layer.input_scale = None
     first_k = layer.tp_rank * cols if is_k_split and layer.has_all_groups else 0
-    for param in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx):
+    for param in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.mins):
         if param is not None:
             param.random_init = functools.partial(_random_init, layer, param, first_k)
 
@@ -107,21 +111,27 @@ def _random_init(layer, param: nn.Parameter, first_k: int, std: float, generator
     elif param is layer.qzeros:
         param.copy_(_mid_range_zeros(param.shape, packing, param.device))
     elif param is layer.scales:
-        param.fill_(std / (((1 << bits) ** 2 - 1) / 12) ** 0.5)  # a uniform integer's standard deviation
+        param.fill_(_random_scale(std, bits))
+    elif param is layer.mins:  # centred as a zero point of 2^(bits - 1) would centre them
+        param.fill_(-(1 << (bits - 1)) * _random_scale(std, bits))
     else:
         k = torch.arange(first_k, first_k + param.shape[0], dtype=torch.int32, device=param.device)
         param.copy_(k // layer.group_size if layer.group_size is not None else torch.zeros_like(k))
 
 
+def _random_scale(std: float, bits: int) -> float:
+    return std / (((1 << bits) ** 2 - 1) / 12) ** 0.5  # a uniform integer's standard deviation
+
+
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
     """The layer's x [T, K_rank] @ W.T (+ bias) -> [T, N_rank] (gated: [T, N_rank / 2])."""
     return linear_int_kernel(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size,
-                          layer.packing, bias, gated)
+                             layer.packing, bias, gated, layer.mins)
 
 
 def _loader(layer):
     def load(param: nn.Parameter, loaded, shard_id=None) -> None:
-        name = next(n for n in ("qweight", "qzeros", "scales", "g_idx") if getattr(layer, n) is param)
+        name = next(n for n in ("qweight", "qzeros", "scales", "g_idx", "mins") if getattr(layer, n) is param)
         _load(layer, name, param, loaded, shard_id)
     return load
 
@@ -136,7 +146,7 @@ def _load(layer, name: str, param: nn.Parameter, loaded, shard_id) -> None:
     if name == "qweight":
         k_rows = _divided(k_src, p, "input features") if packing.is_packed_along_k else k_src
         n_div = 1 if packing.is_packed_along_k else p
-    else:  # qzeros, scales: a row per group
+    else:  # qzeros, scales, mins: a row per group
         k_rows = slice(None) if layer.has_all_groups else _groups(layer, k_src)
         n_div = p if name == "qzeros" else 1
     n_src, n_dst = _divided(shard.src_rows, n_div, "output features"), _divided(shard.dst, n_div, "output features")
@@ -144,7 +154,7 @@ def _load(layer, name: str, param: nn.Parameter, loaded, shard_id) -> None:
     dst = param.data[:, n_dst]
     assert tuple(dst.shape) == tuple(part.shape), (f"{name}: shape mismatch: parameter {tuple(dst.shape)}, "
                                                    f"loaded {tuple(part.shape)}")
-    if name != "scales" and part.dtype != torch.int32:
+    if name not in ("scales", "mins") and part.dtype != torch.int32:
         raise ValueError(f"an {layer.quant_config.method} checkpoint's {name} must be int32, got {part.dtype}")
     dst.copy_(part)
 
