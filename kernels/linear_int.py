@@ -13,6 +13,7 @@ dequantized on the fly.
     group of input feature k: k // group_size       g_idx   int32 [K]: input feature k's group (act-order)
 
     W[n, k] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]        y = x @ W.T
+    or, with `mins` [G, N] in place of qzeros (GGUF Q4_1):  W[n, k] = q[k, n] * scale[g(k), n] + min[g(k), n]
 
 `dequantize_ref` writes W [N, K] in the activations' dtype (computed in float32: (q - zero) * scale is exact there
 for fp16 scales), and `linear_int_ref` hands it to `kernels.linear.linear`, so an int layer computes what an
@@ -139,10 +140,9 @@ def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: 
 
 def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                bias: torch.Tensor | None = None, gated: bool = False, mins=None) -> torch.Tensor:
-    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference
-    (always for `mins`: the kernel has no additive-minimum path yet)."""
-    if use_triton(x) and x.shape[0] <= MAX_ROWS and mins is None:
-        return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
+    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference."""
+    if use_triton(x) and x.shape[0] <= MAX_ROWS:
+        return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
     return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
 
 
@@ -158,8 +158,10 @@ def _field_shift(j, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
 @triton.jit
 def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qw, stride_qz, stride_s,
                       group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
-                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr):
-    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale.
+                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+                      HAS_MINS: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale, or with
+    HAS_MINS q * scale + min (qz_ptr then holds the mins, float [G, N], not packed zeros).
     ONE_GROUP: the tile's inputs are one group (no g_idx, BLOCK_K divides group_size), whose zeros and scales
     are one row of BLOCK_N, not a gather per element."""
     P: tl.constexpr = 32 // BITS
@@ -171,20 +173,30 @@ def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, st
     else:  # AWQ: qweight [K, N / P]
         packed = tl.load(qw_ptr + ks[:, None] * stride_qw + (cols // P)[None, :], mask=mask, other=0)
         q = (packed >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK
-    if ONE_GROUP:
+    if ONE_GROUP:  # one row of zeros (or mins) and scales: [BLOCK_N], broadcast over the tile's rows
         group = tl.min(ks, axis=0) // group_size
-        zp = tl.load(qz_ptr + group * stride_qz + cols // P, mask=n_mask, other=0)
-        zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)) & MASK) + ZERO_OFFSET
-        scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)
-        return (q - zeros[None, :]).to(tl.float32) * scale[None, :]
-    if HAS_G_IDX:
-        groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+        scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_MINS:
+            low = tl.load(qz_ptr + group * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            zp = tl.load(qz_ptr + group * stride_qz + cols // P, mask=n_mask, other=0)
+            zeros = (((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)) & MASK) + ZERO_OFFSET)[None, :]
+    else:  # gathered per element: [BLOCK_K, BLOCK_N]
+        if HAS_G_IDX:
+            groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+        else:
+            groups = ks // group_size
+        scale = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            low = tl.load(qz_ptr + groups[:, None] * stride_qz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            zp = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :], mask=mask, other=0)
+            zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK) + ZERO_OFFSET
+    if HAS_MINS:  # if / else, not an early return: the compiler would still visit what follows it
+        w = q.to(tl.float32) * scale + low
     else:
-        groups = ks // group_size
-    zp = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :], mask=mask, other=0)
-    zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK) + ZERO_OFFSET
-    scale = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (q - zeros).to(tl.float32) * scale
+        w = (q - zeros).to(tl.float32) * scale
+    return w
 
 
 @triton.jit
@@ -192,8 +204,8 @@ def _int_linear_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K, group_size,
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
-    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
@@ -210,7 +222,7 @@ def _int_linear_kernel(
                      other=0.0)
         w = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, offs_n, n_mask, stride_qw, stride_qz,
                               stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                              ONE_GROUP)
+                              ONE_GROUP, HAS_MINS)
         w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
         if UPCAST:
             xv = xv.to(tl.float32)
@@ -219,7 +231,7 @@ def _int_linear_kernel(
         if GATED:
             w_up = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, up_col + offs_n, n_mask, stride_qw,
                                      stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER,
-                                     HAS_G_IDX, ONE_GROUP)
+                                     HAS_G_IDX, ONE_GROUP, HAS_MINS)
             w_up = w_up.to(x_ptr.dtype.element_ty)
             if UPCAST:
                 w_up = w_up.to(tl.float32)
@@ -227,12 +239,16 @@ def _int_linear_kernel(
     store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS, GATED)
 
 
-def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated) -> tuple[int, int]:
+def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated,
+                      mins=None) -> tuple[int, int]:
     """(K, N) of the packed weight, after checking every shape and dtype against x's."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
     check_dtype("x", x, FLOAT_DTYPES)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros)) + ((("g_idx", g_idx),) if g_idx is not None else ()):
+    if (qzeros is None) == (mins is None):
+        raise ValueError("give qzeros or mins, not both or neither")
+    ints = (("qweight", qweight),) + ((("qzeros", qzeros),) if qzeros is not None else ())
+    for name, t in ints + ((("g_idx", g_idx),) if g_idx is not None else ()):
         check_dtype(name, t, (torch.int32,))
     check_dtype("scales", scales, FLOAT_DTYPES)
     p = packing.pack_factor
@@ -240,7 +256,11 @@ def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bi
                                                                                         qweight.shape[1] * p)
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} input features, the packed weight {k}")
-    if scales.shape[1] != n or qzeros.shape != (scales.shape[0], n // p):
+    if mins is not None:
+        check_dtype("mins", mins, FLOAT_DTYPES)
+        if mins.shape != scales.shape:
+            raise ValueError(f"mins {tuple(mins.shape)} and scales {tuple(scales.shape)} differ")
+    if scales.shape[1] != n or (qzeros is not None and qzeros.shape != (scales.shape[0], n // p)):
         raise ValueError(f"scales {tuple(scales.shape)} and qzeros {tuple(qzeros.shape)} do not fit N = {n}")
     if g_idx is None and (k // (group_size or k)) != scales.shape[0]:
         raise ValueError(f"{scales.shape[0]} groups of scales, {k} input features in groups of {group_size}")
@@ -254,11 +274,13 @@ def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bi
 
 
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
-                      bias=None, gated: bool = False, config: dict | None = None) -> torch.Tensor:
-    """Triton launcher of `linear_int` (any number of rows; meant for a few)."""
-    k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated)
-    check_launchable(*[t for t in (x, qweight, qzeros, scales, g_idx, bias) if t is not None])
-    for name, t in (("x", x), ("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+                      bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
+    """Triton launcher of `linear_int` (any number of rows; meant for a few); `mins` in place of qzeros."""
+    k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
+    zero_term = mins if mins is not None else qzeros  # the kernel reads one or the other through qz_ptr
+    check_launchable(*[t for t in (x, qweight, zero_term, scales, g_idx, bias) if t is not None])
+    for name, t in (("x", x), ("qweight", qweight), ("qzeros" if mins is None else "mins", zero_term),
+                    ("scales", scales)):
         check_last_dim_contiguous(name, t)
     num_rows, out_features = x.shape[0], n // 2 if gated else n
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
@@ -266,12 +288,13 @@ def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None,
         return out
     cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, **(config or {})}
     _int_linear_kernel[(cdiv(out_features, cfg["BLOCK_N"]),)](
-        x, qweight, qzeros, scales, g_idx if g_idx is not None else qweight, bias if bias is not None else scales,
-        out, num_rows, out_features, k, group_size or k,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), out_features,
+        x, qweight, zero_term, scales, g_idx if g_idx is not None else qweight,
+        bias if bias is not None else scales, out, num_rows, out_features, k, group_size or k,
+        x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
         ZERO_OFFSET=packing.zero_offset, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
         AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None,
-        ONE_GROUP=g_idx is None and (group_size or k) % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, GATED=gated,
+        ONE_GROUP=g_idx is None and (group_size or k) % cfg["BLOCK_K"] == 0, HAS_MINS=mins is not None,
+        HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
         BLOCK_M=max(16, next_power_of_2(num_rows)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -287,6 +287,10 @@ def main() -> int:
                                          empty(32, 2 * 14336 // 8, dtype=torch.int32),
                                          empty(32, 2 * 14336, dtype=torch.float16), empty(4096, dtype=torch.int32),
                                          128, linear_int.gptq_v1(4), gated=True)
+            CASE[0] = f"int4 linear gguf q4_1 (mins) qkv, {rows} rows"
+            linear_int.linear_int_triton(empty(rows, 4096), empty(512, 6144, dtype=torch.int32), None,
+                                         empty(128, 6144, dtype=torch.float16), None, 32,
+                                         linear_int.offset_binary(4), mins=empty(128, 6144, dtype=torch.float16))
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]
         sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64))
@@ -298,7 +302,7 @@ def main() -> int:
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
         compile_fp8()
     except Exception as exc:  # noqa: BLE001
-        print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc}")
+        print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         return 1
     return 0
 

@@ -75,18 +75,37 @@ def test_cpu_dispatch_takes_the_reference():
     assert torch.equal(linear_int(x, **layer), linear_int_ref(x, **layer))
 
 
-def test_mins_take_the_reference_and_add_once():
-    """GGUF Q4_1's additive minimum: W = q * scale + min, rounded once in float32 (gguf's own arithmetic); the
-    public function takes the reference for it (the Triton kernel has no mins path yet)."""
+def test_mins_add_once():
+    """GGUF Q4_1's additive minimum: W = q * scale + min, rounded once in float32 (gguf's own arithmetic)."""
     from kernels.linear_int import dequantize_ref
 
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randint(0, 16, (64, 16), generator=gen, dtype=torch.int32)  # [K, N]
-    scales, mins = torch.rand(2, 16, generator=gen).half(), -torch.rand(2, 16, generator=gen).half()
-    qweight = ic._packed(q.numpy(), 0, 4, range(8))
-    w = dequantize_ref(qweight, None, scales, None, 32, offset_binary(4), torch.float32, mins)
+    layer = q4_1_layer(64, 16, "cpu")
+    w = dequantize_ref(layer["qweight"], None, layer["scales"], None, 32, offset_binary(4), torch.float32,
+                       layer["mins"])
     groups = torch.arange(64) // 32
-    assert torch.equal(w, (q.float() * scales[groups].float() + mins[groups].float()).t())
-    x = torch.randn(3, 64, generator=gen)
-    out = linear_int(x, qweight, None, scales, None, 32, offset_binary(4), mins=mins)
-    assert torch.equal(out, linear_int_ref(x, qweight, None, scales, None, 32, offset_binary(4), mins=mins))
+    q = layer["q"]
+    assert torch.equal(w, (q.float() * layer["scales"][groups].float() + layer["mins"][groups].float()).t())
+
+
+def q4_1_layer(in_features: int, out_features: int, device, seed: int = 2) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (in_features, out_features), generator=gen, dtype=torch.int32)  # [K, N]
+    groups = in_features // 32
+    scales = (torch.rand(groups, out_features, generator=gen) / 8).half()
+    mins = (-torch.rand(groups, out_features, generator=gen)).half()
+    return dict(qweight=ic._packed(q.numpy(), 0, 4, range(8)).to(device), scales=scales.to(device),
+                mins=mins.to(device), q=q)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_mins_match_ref(rows, gated, device, poisoned_allocations):
+    """Q4_1's path in the kernel (one group per tile and, at BLOCK_K 64 over groups of 32, the gather)."""
+    layer = q4_1_layer(192, 96, device)
+    args = dict(qweight=layer["qweight"], qzeros=None, scales=layer["scales"], g_idx=None, group_size=32,
+                packing=offset_binary(4), mins=layer["mins"])
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(3)).to(device)
+    ref = linear_int_ref(x, **args, gated=gated)
+    for config in CONFIGS:
+        torch.testing.assert_close(linear_int_triton(x, **args, gated=gated, config=config), ref, atol=1e-4,
+                                   rtol=1e-4)
