@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +78,13 @@ def read_gguf_model(path: str) -> GGUFModelInfo:
 
 
 def linear_types(reader) -> tuple[str, ...]:
-    return tuple(sorted({t.tensor_type.name for t in reader.tensors if _is_linear_weight(t.name)}))
+    return tuple(sorted(set(linear_module_types(reader).values())))
+
+
+def linear_module_types(reader) -> dict[str, str]:
+    """Hugging Face module name of each decoder linear ("model.layers.0.self_attn.q_proj") -> its GGUF type."""
+    return {hf_tensor_name(t.name)[: -len(".weight")]: t.tensor_type.name for t in reader.tensors
+            if _is_linear_weight(t.name)}
 
 
 def _is_linear_weight(gguf_name: str) -> bool:
@@ -164,9 +170,10 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def iterate_gguf_weights(path: str, hf_config: dict | None = None,
-                         int_linears: bool = False) -> Iterator[tuple[str, GGUFSlice | GGUFIntSlice]]:
+                         int_modules: Container[str] = ()) -> Iterator[tuple[str, GGUFSlice | GGUFIntSlice]]:
     """(Hugging Face name, lazy slice) for every tensor of the file, as `weights.iterate_weights` yields them;
-    `int_linears`: a Q4_0 / Q8_0 decoder linear as its `qweight` and `scales` (`GGUFIntSlice`), not dequantized."""
+    a Q4_0 / Q4_1 / Q8_0 linear of `int_modules` (Hugging Face module names) as its `qweight`, `scales` (and
+    Q4_1's `mins`) blocks (`GGUFIntSlice`), not dequantized."""
     reader = open_gguf(path)
     hf_config = hf_config or gguf_hf_config(reader)
     head_dim = hf_config["head_dim"]
@@ -177,8 +184,8 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
         if permuted and (".q_proj." in name or ".k_proj." in name):
             rows = qk_row_order(int(tensor.shape[-1]), head_dim)
         sliced = GGUFSlice(tensor, rows)
-        if int_linears and _is_linear_weight(tensor.name) and tensor.tensor_type.name in INT_TYPES:
-            module = name[: -len(".weight")]
+        module = name[: -len(".weight")]
+        if module in int_modules and _is_linear_weight(tensor.name) and tensor.tensor_type.name in INT_TYPES:
             parts = ("qweight", "scales", "mins") if tensor.tensor_type.name == "Q4_1" else ("qweight", "scales")
             for part in parts:
                 yield f"{module}.{part}", GGUFIntSlice(sliced, part)

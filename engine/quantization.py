@@ -20,11 +20,11 @@ model's dtype):
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
         `weight_g_idx` or none; no input_activations
 
-quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 (all of them one type) are served
-from their own blocks, each 32 weights a group of an int layer (checkpoints/gguf.py repacks them exactly; Q4_1
-with `mins` instead of zero points); a file whose decoder linears mix types, or are of another type (Q5_0/1,
-k-quants), is dequantized at load as without it (a warning says so). Without quantization="gguf" a GGUF file is
-dequantized at load.
+quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 are served from their own
+blocks, each 32 weights a group of an int layer of their type (checkpoints/gguf.py repacks them exactly; Q4_1
+with `mins` instead of zero points); linears of another type (Q5_0/1, k-quants), and fused q/k/v or gate/up
+whose parts differ in type, are dequantized at load as without it (a warning says so). Without
+quantization="gguf" a GGUF file is dequantized at load.
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -140,18 +140,21 @@ def _compressed_tensors_format(qc: dict) -> str | None:
 
 
 def _gguf(hf_config: dict) -> QuantConfig | None:
-    """The int layers for a GGUF file's Q4_0 / Q8_0 decoder linears (`gguf_linear_types`: ModelConfig.from_path
-    reads them from the file), or None (dequantized at load) for other or mixed types."""
+    """Int layers for a GGUF file's Q4_0 / Q4_1 / Q8_0 decoder linears (`gguf_linear_types`: ModelConfig.from_path
+    reads them from the file), or None (dequantized at load) when it has none. The config is the first type's;
+    the worker gives each linear its own (workers/weights.py `gguf_int_layers`)."""
     types = hf_config.get("gguf_linear_types")
     if types is None:
         raise ValueError("quantization='gguf' serves a .gguf model's own blocks; this model is not a GGUF file")
-    if len(types) != 1 or types[0] not in GGUF_INT_TYPES:
-        logger.warning("quantization='gguf': the decoder's linear weights are %s; only files whose linears are all "
-                       "Q4_0, all Q4_1 or all Q8_0 are served from their blocks: this one is dequantized at load",
-                       "/".join(types) or "none")
+    served = [t for t in types if t in GGUF_INT_TYPES]
+    if len(served) != len(types):
+        logger.warning("quantization='gguf': the decoder's linear weights are %s; those of %s (and fused q/k/v or "
+                       "gate/up whose parts differ in type) are dequantized at load", "/".join(types) or "none",
+                       "/".join(t for t in types if t not in served))
+    if not served:
         return None
-    return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[types[0]],
-                       group_size=32, has_zero_points=False, has_mins=types[0] == "Q4_1")
+    return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[served[0]],
+                       group_size=32, has_zero_points=False, has_mins=served[0] == "Q4_1")
 
 
 def has_experts(hf_config: dict) -> bool:

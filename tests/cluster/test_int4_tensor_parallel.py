@@ -44,10 +44,15 @@ def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkp
         generate(dst, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype):
-    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q4_1 / Q8_0 linears."""
-    path = gguf_factory(tmp_path_factory)("llama", qtype)
+MIXED = (("blk.0.attn_v.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q8_0"), ("blk.1.attn_output.weight", "Q4_1"))
+
+
+@pytest.mark.parametrize("qtype, types", [("Q4_0", ()), ("Q4_1", ()), ("Q8_0", ()), ("Q4_0", MIXED)],
+                         ids=["Q4_0", "Q4_1", "Q8_0", "mixed"])
+def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype, types):
+    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q4_1 / Q8_0 linears
+    (in a mixed file, each linear as its type allows)."""
+    path = gguf_factory(tmp_path_factory)("llama", qtype, types)
 
     def check(llm):
         assert type(llm.engine.executor).__name__ == "RayExecutor"

@@ -76,9 +76,28 @@ def test_an_lm_head_of_another_type_leaves_the_linears_int(ggufs):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(4)))
 
 
-def test_mixed_linear_types_load_dequantized(ggufs):
-    """attn_v in Q5_0 beside Q4_0 (a fused q/k/v of two types): the file loads as without quantization='gguf'."""
-    path = ggufs("llama", "Q4_0", (("blk.0.attn_v.weight", "Q5_0"),))
+def test_each_linear_as_its_type_allows(ggufs):
+    """A file of mixed types: layer 0's attn_v in Q5_0 beside Q4_0 q/k (one fused matmul of two types: dequantized),
+    its ffn_down in Q8_0 (8-bit int), layer 1's q/k/v all Q8_0 (8-bit int) and its attn_output Q4_1 (mins); the
+    rest Q4_0."""
+    path = ggufs("llama", "Q4_0", (("blk.0.attn_v.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q8_0"),
+                                   ("blk.1.attn_q.weight", "Q8_0"), ("blk.1.attn_k.weight", "Q8_0"),
+                                   ("blk.1.attn_v.weight", "Q8_0"), ("blk.1.attn_output.weight", "Q4_1")))
+
+    def check(llm):
+        layers = llm.engine.executor.worker.model.model.layers
+        assert layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+        for linear, bits, has_mins in ((layers[0].self_attn.o_proj, 4, False), (layers[0].mlp.down_proj, 8, False),
+                                       (layers[0].mlp.gate_up_proj, 4, False), (layers[1].self_attn.qkv_proj, 8, False),
+                                       (layers[1].self_attn.o_proj, 4, True), (layers[1].mlp.down_proj, 4, False)):
+            assert linear.weight is None and linear.packing == offset_binary(bits)
+            assert (linear.mins is not None) == has_mins
+
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=check))
+
+
+def test_no_servable_linear_loads_dequantized(ggufs):
+    path = ggufs("llama", "Q5_0")
 
     def floats(llm):
         assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
@@ -90,12 +109,12 @@ def test_mixed_linear_types_load_dequantized(ggufs):
 def test_repacked_blocks_dequantize_as_gguf_does(ggufs, qtype):
     """Rows (in Hugging Face order) and column blocks of qweight / scales give gguf's own dequantization, bit for
     bit, for the whole tensor and for a rank's slice."""
-    from checkpoints.gguf import iterate_gguf_weights
+    from checkpoints.gguf import iterate_gguf_weights, linear_module_types, open_gguf
 
     path = ggufs("llama", qtype)
     bits = 8 if qtype == "Q8_0" else 4
     p = 32 // bits
-    weights = dict(iterate_gguf_weights(path, int_linears=True))
+    weights = dict(iterate_gguf_weights(path, int_modules=set(linear_module_types(open_gguf(path)))))
     floats = dict(iterate_gguf_weights(path))
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         qweight, scales, w = weights[f"{module}.qweight"], weights[f"{module}.scales"], floats[f"{module}.weight"]
@@ -121,8 +140,8 @@ def _mid_word(bits: int) -> int:
 def test_refusals_and_fallbacks():
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", {"architectures": ["LlamaForCausalLM"]})
-    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q5_0"]}) is None  # dequantized at load
-    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_0", "Q8_0"]}) is None
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q5_0", "Q6_K"]}) is None  # dequantized at load
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_0", "Q5_0", "Q8_0"]}).method == "gguf"
     assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_1"]}).has_mins
     config = resolve_quantization("gguf", {"gguf_linear_types": ["Q8_0"]})
     assert (config.method, config.bits, config.group_size, config.has_zero_points) == ("gguf", 8, 32, False)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quantization import QuantConfig
 from kernels.fp8 import QuantizedRows
 from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
-from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config
+from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config, quantized_layers
 from workers.layers.quantization_int import create_int_weights, linear_int
 from workers.parallel import all_reduce, get_tp_rank, get_tp_size, linear_all_reduce
 
@@ -246,3 +247,20 @@ def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device, is_k_spl
         create_fp8_weights(layer, rows, cols, device, layer.quant_config)
     else:
         layer.weight = _param((rows, cols), dtype, device, layer.weight_loader)
+
+
+_WEIGHT_TENSORS = ("weight", "qweight", "qzeros", "scales", "g_idx", "mins", "weight_scale", "input_scale")
+
+
+def remake_weight(layer: nn.Module, config: QuantConfig | None, dtype) -> None:
+    """Rebuilds a Column- or RowParallelLinear's weight for `config` (None: unquantized, in `dtype`) in place of
+    the one it was built with, before loading: a GGUF file's linears each take what their own type allows."""
+    device = next(p.device for p in layer.parameters(recurse=False))
+    for name in _WEIGHT_TENSORS:
+        if name in layer._parameters or name in layer._buffers:
+            delattr(layer, name)
+    is_k_split = isinstance(layer, RowParallelLinear)
+    rows, cols = ((layer.out_features, layer.in_features_per_rank) if is_k_split
+                  else (layer.out_features_per_rank, layer.in_features))
+    with quantized_layers(config):
+        _make_weight(layer, rows, cols, dtype, device, is_k_split)
