@@ -146,3 +146,17 @@ def test_refusals_and_fallbacks():
     config = resolve_quantization("gguf", {"gguf_linear_types": ["Q8_0"]})
     assert (config.method, config.bits, config.group_size, config.has_zero_points) == ("gguf", 8, 32, False)
     assert np.int32(_mid_word(4)) == np.int32(-2004318072)  # 0x88888888
+
+
+def test_random_weights_with_mins(ggufs):
+    """load_format="random" with Q4_1's layers: mins centre the integers as a mid-range zero point would; the
+    standard deviation is the initializer's (0.02: a GGUF's metadata names none, ModelArgs' default)."""
+    path = ggufs("llama", "Q4_1")
+
+    def check(llm):
+        layer = llm.engine.executor.worker.model.model.layers[1].mlp.down_proj
+        w = dequantize_ref(layer.qweight, None, layer.scales, None, 32, layer.packing, torch.float32, layer.mins)
+        step = layer.scales.float().mean().item()
+        assert layer.mins is not None and abs(w.mean().item() + step / 2) < 1e-3 and abs(w.std().item() - 0.02) < 2e-3
+
+    generate(path, inspect=check, load_format="random", quantization="gguf")

@@ -119,3 +119,21 @@ def test_w4a8_and_mismatches_are_refused():
                                                                                        False)
     no_top_format = {k: v for k, v in qc.items() if k != "format"}  # newer versions: the format per group
     assert resolve_quantization(None, {"quantization_config": no_top_format}) == config
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[2], FORMATS[4]], ids=lambda f: f.name)
+def test_random_weights_are_drawn_packed(ct, fmt):
+    """load_format="random" on a pack-quantized config: packed integers, zero points mid-range (stored or the
+    symmetric buffer), scales giving the dequantized weight the initializer's standard deviation (0.3)."""
+    from kernels.linear_int import dequantize_ref
+
+    dst, _, _ = ct(fmt)
+
+    def check(llm):
+        layer = llm.engine.executor.worker.model.model.layers[1].mlp.down_proj
+        w = dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size, layer.packing,
+                           torch.float32)
+        step = layer.scales.float().mean().item()  # uniform integers' mean is half a step below the zero point
+        assert abs(w.mean().item() + step / 2) < 0.01 and abs(w.std().item() - 0.3) < 0.02
+
+    generate(dst, inspect=check, load_format="random")
