@@ -52,9 +52,11 @@ def running_app(ray_cluster):
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http_port = _get_global_client().http_config.port  # another test may have started Serve first
-    # A small KV pool (12 blocks of 16 tokens) so that concurrent requests preempt each other.
+    # A small KV pool (12 blocks of 16 tokens) so that concurrent requests preempt each other, and a host KV tier
+    # that they resume from (its counters are on the dashboard).
     app = build_app({"models": [{"model": "tiny", "served_model_name": MODEL, "device": "cpu", "num_kv_blocks": 12,
-                                 "block_size": 16, "max_num_seqs": 8, "replica_num_cpus": 0.5}]})
+                                 "block_size": 16, "max_num_seqs": 8, "replica_num_cpus": 0.5,
+                                 "num_host_kv_blocks": 64}]})
     serve.run(app, name=APP, route_prefix=f"/{APP}")
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     yield f"http://127.0.0.1:{http_port}/{APP}", f"127.0.0.1:{node['MetricsExportPort']}"
