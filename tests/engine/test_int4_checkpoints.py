@@ -175,20 +175,22 @@ def test_other_families(tmp_path, arch):
         assert_same(generate(oracle), generate(dst, inspect=assert_holds_packed_weights))
 
 
+def assert_random_packed_weights(llm) -> None:
+    """A random int layer (load_format="random"): dequantized, the initializer's standard deviation (0.3 for the tiny
+    model) around a mean half a step below the zero point (uniform integers)."""
+    from kernels.linear_int import dequantize_ref
+
+    layer = llm.engine.executor.worker.model.model.layers[1].mlp.down_proj
+    w = dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size, layer.packing,
+                       torch.float32)
+    step = layer.scales.float().mean().item()
+    assert abs(w.mean().item() + step / 2) < 0.01 and abs(w.std().item() - 0.3) < 0.02
+
+
 @pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, desc_act=True),
                                  ic.Int4Format("gptq", 64, bits=8)], ids=lambda f: f.name)
 def test_random_weights_are_drawn_packed(int4, fmt):
     """load_format="random" on an int checkpoint's config: packed integers, zero points mid-range and scales that
     give the dequantized weight the initializer's standard deviation (0.3 for the tiny model); it generates."""
-    from kernels.linear_int import dequantize_ref
-
     dst, _, _ = int4(fmt)
-
-    def check(llm):
-        layer = llm.engine.executor.worker.model.model.layers[1].mlp.down_proj
-        w = dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size, layer.packing,
-                           torch.float32)
-        step = layer.scales.float().mean().item()  # uniform integers' mean is half a step below the zero point
-        assert abs(w.mean().item() + step / 2) < 0.01 and abs(w.std().item() - 0.3) < 0.02
-
-    generate(dst, inspect=check, load_format="random")
+    generate(dst, inspect=assert_random_packed_weights, load_format="random")
