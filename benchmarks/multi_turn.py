@@ -27,8 +27,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from engine.arg_utils import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--swap-space-runs", dest="swap_spaces", type=float, nargs="+", default=[0.0, 16.0],
-                        metavar="GIB", help="the host tier's GiB per rank of each run (0: no tier)")
+    parser.add_argument("--swap-space-runs", dest="swap_spaces", type=float, nargs="+", default=None,
+                        metavar="GIB", help="the host tier's GiB per rank of each run (0: no tier; default: 0 and "
+                                            "--swap-space, or 0 and 16)")
     parser.add_argument("--num-conversations", type=int, default=200)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=1024, help="the shared system prompt's tokens")
@@ -121,7 +122,7 @@ def main(args: argparse.Namespace) -> dict:
 
     model_dir, load_format = model_or_preset(args.model, args.preset)
     rows = []
-    for gib in args.swap_spaces:
+    for gib in args.swap_spaces or [0.0, args.swap_space or 16.0]:
         config = engine_args(args, model=model_dir, load_format=load_format, swap_space=gib).create_engine_config()
         engine = LLMEngine(config, pick_executor)
         vocab = min(args.vocab_size or engine.vocab_size, engine.vocab_size, 30000)
