@@ -19,12 +19,15 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import signal
 import sys
 
 BINARY_VAR = "PAGODA_HAPROXY_BINARY"  # the real HAProxy
 HOST_VAR = "PAGODA_HAPROXY_BIND_HOST"
 WRAPPER_VAR = "PAGODA_HAPROXY_WRAPPER"  # the script that runs this
 PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+PARENT_VAR = "PAGODA_HAPROXY_PARENT"  # the wrapper's parent pid, as the script saw it
+PR_SET_PDEATHSIG = 1
 
 
 def bind_to_host(config: str, host: str, ports: list[str]) -> str:
@@ -54,8 +57,24 @@ def rewrite_config(path: str, host: str | None, ports: list[str]) -> None:
                 f.write(rewritten)
 
 
+def end_with_parent(parent: int) -> None:
+    """HAProxy gets SIGTERM when the process that started it (Serve's proxy actor, pid `parent`) ends: Linux's
+    parent-death signal, which outlives the exec. Without it, a proxy actor killed with its cluster (a session's
+    end, a killed `pagoda serve`) left its HAProxy processes running, the ports held. Elsewhere: nothing."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != parent:
+        sys.exit(1)  # it ended before the signal was set
+
+
 def main(argv: list[str]) -> None:
     binary, host = os.environ[BINARY_VAR], os.environ.get(HOST_VAR)
+    if os.environ.get(PARENT_VAR, "").isdigit():
+        end_with_parent(int(os.environ.pop(PARENT_VAR)))
     if "-f" in argv[:-1]:
         ports = [os.environ[name] for name in PORT_VARS if os.environ.get(name)]
         rewrite_config(argv[argv.index("-f") + 1], host, ports)

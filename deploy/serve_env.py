@@ -38,6 +38,8 @@ HAPROXY_FILE_VARS = {"RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock", "RAY_SERVE_H
 MAX_DIR_CHARS = 97 - 58 - len("m.sock")
 # Where ingress_env records the directory it made (HAProxy's files go there unless the caller named theirs).
 PRIVATE_DIR_VAR = "PAGODA_HAPROXY_PRIVATE_DIR"
+# Its name starts so, and it holds a file naming the process that made it (and removes it when its cluster ends).
+PRIVATE_DIR_PREFIX, OWNER_FILE = "pagoda-haproxy-", "owner"
 # Serve's fallback proxy (a Python proxy on the head, HAProxy's backup server while no ingress replica is up) binds
 # 8500 and 9500 in every cluster, with SO_REUSEPORT: the kernel spread one cluster's fallback requests over every
 # cluster's proxy on the machine, past their API keys. Each cluster gets its own (unset ones: random free ports).
@@ -125,10 +127,7 @@ def ingress_env(mode: str, private_dir: str | None = None, host: str = "127.0.0.
     env = dict(DIRECT_INGRESS_ENV) | common
     for name in (*HAPROXY_PORT_VARS, *FALLBACK_PORT_VARS):
         env[name] = os.environ.get(name) or str(free_port())
-    directory = private_dir or tempfile.mkdtemp(prefix="pagoda-haproxy-")
-    if not private_dir and len(directory) > MAX_DIR_CHARS:  # a long $TMPDIR
-        os.rmdir(directory)
-        directory = tempfile.mkdtemp(prefix="pagoda-haproxy-", dir="/tmp")
+    directory = private_dir or _private_dir()
     os.chmod(directory, 0o700)
     if not private_dir:
         env[PRIVATE_DIR_VAR] = directory  # this call's own: the one cluster_env removes
@@ -154,10 +153,64 @@ def _haproxy_bound_to(host: str | None, directory: str) -> dict[str, str]:
         binary = binary if os.access(binary, os.X_OK) else shutil.which("haproxy") or binary
     script = os.path.join(directory, "haproxy")
     with open(script, "w") as f:
-        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(haproxy_bind.__file__)} \"$@\"\n")
+        f.write(f"#!/bin/sh\n{haproxy_bind.PARENT_VAR}=$PPID exec {shlex.quote(sys.executable)} -I "
+                f"{shlex.quote(haproxy_bind.__file__)} \"$@\"\n")
     os.chmod(script, 0o700)
     env = {HAPROXY_BINARY_VAR: script, haproxy_bind.WRAPPER_VAR: script, haproxy_bind.BINARY_VAR: binary}
     return env | ({haproxy_bind.HOST_VAR: host} if host else {})
+
+
+def _private_dir() -> str:
+    """A new directory for HAProxy's files, marked with this process as its owner; first the ones whose owner died
+    before it could remove its own (a killed `pagoda serve` or test session) are removed."""
+    parent = tempfile.gettempdir()
+    if len(os.path.join(parent, PRIVATE_DIR_PREFIX + "12345678")) > MAX_DIR_CHARS:  # a long $TMPDIR
+        parent = "/tmp"
+    remove_abandoned_dirs(parent)
+    directory = tempfile.mkdtemp(prefix=PRIVATE_DIR_PREFIX, dir=parent)
+    with open(os.path.join(directory, OWNER_FILE), "w") as f:
+        f.write(_process_identity(os.getpid()))
+    return directory
+
+
+def remove_abandoned_dirs(parent: str) -> list[str]:
+    """Removes this user's private HAProxy directories in `parent` whose owner process is gone; returns them.
+    A directory without an owner mark (made before there was one) is left alone."""
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith(PRIVATE_DIR_PREFIX):
+            continue
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = f.read()
+        except OSError:
+            continue
+        pid = owner.split(":")[0]
+        if pid.isdigit() and _process_identity(int(pid)) != owner:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_identity(pid: int) -> str:
+    """`pid:start` (start: the process's start time in clock ticks since boot, so that a reused pid is another
+    process); "" when no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}:{f.read().rsplit(')', 1)[1].split()[19]}"
+    except FileNotFoundError:
+        return ""
+    except OSError:  # no /proc: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return ""
+        except PermissionError:
+            pass
+        return f"{pid}:"
 
 
 def haproxy_dir(env: dict[str, str]) -> str | None:

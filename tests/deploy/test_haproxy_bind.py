@@ -77,3 +77,84 @@ def test_bind_to_host_rewrites_only_those_ports():
     bound = haproxy_bind.bind_to_host(config, "::1", ["8404", "9101"])
     assert "  bind ::1:8404\n" in bound and "    bind ::1:9101\n" in bound
     assert "    bind 127.0.0.1:8404\n" in bound  # a frontend with its own address is left alone
+
+
+def test_haproxy_ends_with_the_process_that_started_it(tmp_path, monkeypatch):
+    """Serve's proxy actor starts HAProxy; when the actor is killed (its cluster's end), HAProxy must not run on,
+    holding its ports (reloaded ones, `-sf`, were seen running after their cluster had gone)."""
+    import signal
+    import sys
+    import time
+
+    from tests.ports import free_port
+
+    for name in (*serve_env.HAPROXY_PORT_VARS, serve_env.HAPROXY_BINARY_VAR, haproxy_bind.WRAPPER_VAR):
+        monkeypatch.delenv(name, raising=False)
+    env = serve_env.ingress_env("direct", str(tmp_path), host="127.0.0.1")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(_config(env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"],
+                              free_port()))
+    starter = ("import subprocess, sys, time\n"
+               f"p = subprocess.Popen([{env[serve_env.HAPROXY_BINARY_VAR]!r}, '-db', '-f', {str(config)!r}])\n"
+               "print(p.pid, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", starter], env=os.environ | env, stdout=subprocess.PIPE,
+                              text=True)
+    haproxy = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while os.path.basename(_cmdline(haproxy).split("\0")[0]) != "haproxy":  # the script, the wrapper, HAProxy
+            assert time.monotonic() < deadline, "HAProxy did not start"
+            time.sleep(0.1)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while _cmdline(haproxy):
+            assert time.monotonic() < deadline, "HAProxy outlived the process that started it"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        if _cmdline(haproxy):
+            os.kill(haproxy, signal.SIGKILL)  # ours: started by this test
+
+
+def _cmdline(pid: int) -> str:
+    """The process's command line ("" once it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_directories_of_owners_that_died_are_removed(tmp_path):
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_owner = tmp_path / "pagoda-haproxy-dead"
+    live_owner = tmp_path / "pagoda-haproxy-live"
+    unmarked = tmp_path / "pagoda-haproxy-unmarked"
+    other = tmp_path / "somebody-else"
+    for path in (dead_owner, live_owner, unmarked, other):
+        path.mkdir()
+    (dead_owner / serve_env.OWNER_FILE).write_text(f"{gone.stdout.strip()}:1")
+    (dead_owner / "admin.sock").write_text("")
+    (other / serve_env.OWNER_FILE).write_text(f"{gone.stdout.strip()}:1")
+    (live_owner / serve_env.OWNER_FILE).write_text(serve_env._process_identity(os.getpid()))
+    assert serve_env.remove_abandoned_dirs(str(tmp_path)) == [str(dead_owner)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pagoda-haproxy-live", "pagoda-haproxy-unmarked",
+                                                         "somebody-else"]
+    # this process's start time is part of its identity: the same pid with another start is another process
+    (live_owner / serve_env.OWNER_FILE).write_text(f"{os.getpid()}:1")
+    assert serve_env.remove_abandoned_dirs(str(tmp_path)) == [str(live_owner)]
+
+
+def test_a_private_directory_names_its_owner(monkeypatch):
+    for name in (*serve_env.HAPROXY_PORT_VARS, serve_env.HAPROXY_BINARY_VAR, haproxy_bind.WRAPPER_VAR):
+        monkeypatch.delenv(name, raising=False)
+    with serve_env.cluster_env("direct") as env:
+        directory = serve_env.haproxy_dir(env)
+        with open(os.path.join(directory, serve_env.OWNER_FILE)) as f:
+            assert f.read() == serve_env._process_identity(os.getpid())
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert not os.path.exists(directory)
