@@ -20,16 +20,31 @@ for fp16 scales), and `linear_int_ref` hands it to `kernels.linear.linear`, so a
 unquantized layer holding the dequantized weight computes, bit for bit. The weight is dequantized per call and
 dropped: the layer holds only the packed tensors.
 
-For up to MAX_ROWS rows on a GPU (decode), `_int_linear_kernel` never writes W: each program owns BLOCK_N output
-features, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile of integers in registers (the same
-float32 arithmetic, rounded to x's dtype) before its tl.dot; the gated SiLU-and-mul epilogue is kernels/linear.py's.
-A first version: a tile inside one group (no g_idx, BLOCK_K dividing group_size) reads one row of zeros and scales;
-otherwise (act-order) it gathers them per element (cached reads, not streamed ones). Its speed is not yet measured
-on a GPU; larger batches take the reference (dequantize, then cuBLAS).
+On a GPU, one Triton kernel (`_int_linear_kernel`) never writes W: each program owns a [BLOCK_M, BLOCK_N] tile
+of the output, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile of integers in registers
+(kernels/int_tiles.py: the same float32 arithmetic, rounded to x's dtype) before its tl.dot on the tensor cores;
+the gated SiLU-and-mul epilogue is kernels/linear.py's. Two families of launch settings:
+
+    rows <= MAX_ROWS (decode)   `decode_config`: one row tile (x padded to 16 rows), narrow column tiles streaming
+                                all of K, each value loading its own word
+    more rows (GEMM)            `gemm_config`: row tiles of 32-128 in grouped order (a column tile's weights stay
+                                in L2 while GROUP_M row tiles use them), each packed word loaded once
+
+A tile inside one group (no g_idx, BLOCK_K dividing group_size) reads one row of zeros and scales; otherwise
+(act-order, groups of 32 under 64-wide tiles) it gathers them per element (cached reads, not streamed ones).
+
+From DEQUANTIZE_MIN_ROWS rows on, `linear_int_dequantized` instead writes W once into a scratch of x's dtype
+(`_int_dequantize_kernel`, the reference's values exactly) and hands it to cuBLAS: with enough rows the GEMM is
+compute-bound, the weight's dequantization (N x K work, once) is small beside its 2 x T x N x K FLOPs, and cuBLAS's
+GEMM is faster than a Triton one. `python -m benchmarks.kernels --only int4` times the decode tiles, the GEMM tiles,
+dequantize-then-cuBLAS and bf16 cuBLAS on Llama-3-8B's and 70B's linears at 1-2048 rows and prints where the
+dequantizing path overtakes the GEMM: DEQUANTIZE_MIN_ROWS should be that crossing. Speeds on an H200 are not yet
+measured.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +57,23 @@ from kernels._triton import (
     check_launchable,
     dot_precision,
     next_power_of_2,
+    num_sms,
     pdl_options,
+    shared_memory_per_block,
     tl,
     triton,
     upcast_dot_operands,
     use_triton,
     wait_for_prior,
 )
-from kernels.linear import MAX_ROWS, linear, store_output
+from kernels.int_tiles import weight_tile
+from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
+# From this many rows on, `linear_int` dequantizes W into a scratch and runs cuBLAS instead of the Triton GEMM tiles:
+# vLLM's choice for AWQ (its FP16_MATMUL_HEURISTIC_CONDITION) as a first guess, to be set to the crossing that
+# `python -m benchmarks.kernels --only int4` prints for the H200. A `linear_int` argument: callers may choose.
+DEQUANTIZE_MIN_ROWS = 256
+GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
 
@@ -139,64 +162,25 @@ def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: 
 
 
 def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
-               bias: torch.Tensor | None = None, gated: bool = False, mins=None) -> torch.Tensor:
-    """`linear_int_ref`'s result: the Triton kernel for x of at most MAX_ROWS rows on a GPU, else the reference."""
-    if use_triton(x) and x.shape[0] <= MAX_ROWS:
-        return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
-    return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
+               bias: torch.Tensor | None = None, gated: bool = False, mins=None,
+               dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
+    """`linear_int_ref`'s result. On a GPU: the Triton kernel for x of fewer than `dequantize_min_rows` rows
+    (decode tiles up to MAX_ROWS, GEMM tiles above), `linear_int_dequantized` from there; elsewhere the reference."""
+    if not use_triton(x):
+        return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
+    if x.shape[0] >= dequantize_min_rows:
+        return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
+    return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
 
 
 @triton.jit
-def _field_shift(j, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
-    """The shift of value j (of the 32 / BITS an int32 packs): AWQ's nibble (j % 2) * 4 + j // 2 (its order
-    0 2 4 6 1 3 5 7 inverted), else field j."""
-    if AWQ_ORDER:
-        return ((j % 2) * 4 + j // 2) * BITS
-    return j * BITS
-
-
-@triton.jit
-def _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qw, stride_qz, stride_s,
-                      group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
-                      AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr,
-                      HAS_MINS: tl.constexpr):
-    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, output features cols: (q - zero) * scale, or with
-    HAS_MINS q * scale + min (qz_ptr then holds the mins, float [G, N], not packed zeros).
-    ONE_GROUP: the tile's inputs are one group (no g_idx, BLOCK_K divides group_size), whose zeros and scales
-    are one row of BLOCK_N, not a gather per element."""
-    P: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    mask = k_mask[:, None] & n_mask[None, :]
-    if PACKED_ALONG_K:  # GPTQ: qweight [K / P, N]
-        packed = tl.load(qw_ptr + (ks // P)[:, None] * stride_qw + cols[None, :], mask=mask, other=0)
-        q = (packed >> ((ks % P) * BITS)[:, None]) & MASK
-    else:  # AWQ: qweight [K, N / P]
-        packed = tl.load(qw_ptr + ks[:, None] * stride_qw + (cols // P)[None, :], mask=mask, other=0)
-        q = (packed >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK
-    if ONE_GROUP:  # one row of zeros (or mins) and scales: [BLOCK_N], broadcast over the tile's rows
-        group = tl.min(ks, axis=0) // group_size
-        scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_MINS:
-            low = tl.load(qz_ptr + group * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            zp = tl.load(qz_ptr + group * stride_qz + cols // P, mask=n_mask, other=0)
-            zeros = (((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)) & MASK) + ZERO_OFFSET)[None, :]
-    else:  # gathered per element: [BLOCK_K, BLOCK_N]
-        if HAS_G_IDX:
-            groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
-        else:
-            groups = ks // group_size
-        scale = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_MINS:
-            low = tl.load(qz_ptr + groups[:, None] * stride_qz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        else:
-            zp = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :], mask=mask, other=0)
-            zeros = ((zp >> _field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK) + ZERO_OFFSET
-    if HAS_MINS:  # if / else, not an early return: the compiler would still visit what follows it
-        w = q.to(tl.float32) * scale + low
-    else:
-        w = (q - zeros).to(tl.float32) * scale
-    return w
+def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, in groups of GROUP_M row tiles that take each column tile in turn:
+    programs running together share a column tile's weights (in L2) and GROUP_M row tiles of x."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
 @triton.jit
@@ -205,13 +189,15 @@ def _int_linear_kernel(
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
     HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, UNPACK_ONCE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
-    rows = tl.arange(0, BLOCK_M)
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -220,18 +206,19 @@ def _int_linear_kernel(
         k_mask = ks < K
         xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
-        w = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, offs_n, n_mask, stride_qw, stride_qz,
-                              stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                              ONE_GROUP, HAS_MINS)
+        w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_qw,
+                        stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
+                        ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N)
         w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
         if UPCAST:
             xv = xv.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(xv, w, input_precision=PRECISION)
         if GATED:
-            w_up = _dequantized_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, ks, k_mask, up_col + offs_n, n_mask, stride_qw,
-                                     stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER,
-                                     HAS_G_IDX, ONE_GROUP, HAS_MINS)
+            w_up = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, up_col + n0, up_col + offs_n, n_mask,
+                               up_col + N, K, stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, BITS,
+                               PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
+                               BLOCK_N)
             w_up = w_up.to(x_ptr.dtype.element_ty)
             if UPCAST:
                 w_up = w_up.to(tl.float32)
@@ -239,12 +226,8 @@ def _int_linear_kernel(
     store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS, GATED)
 
 
-def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated,
-                      mins=None) -> tuple[int, int]:
-    """(K, N) of the packed weight, after checking every shape and dtype against x's."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
-    check_dtype("x", x, FLOAT_DTYPES)
+def _packed_shape(qweight, qzeros, scales, g_idx, group_size, packing: IntPacking, mins) -> tuple[int, int]:
+    """(K, N) of the packed weight, after checking the packed tensors' shapes and dtypes against each other."""
     if (qzeros is None) == (mins is None):
         raise ValueError("give qzeros or mins, not both or neither")
     ints = (("qweight", qweight),) + ((("qzeros", qzeros),) if qzeros is not None else ())
@@ -254,8 +237,6 @@ def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bi
     p = packing.pack_factor
     k, n = (qweight.shape[0] * p, qweight.shape[1]) if packing.is_packed_along_k else (qweight.shape[0],
                                                                                         qweight.shape[1] * p)
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} input features, the packed weight {k}")
     if mins is not None:
         check_dtype("mins", mins, FLOAT_DTYPES)
         if mins.shape != scales.shape:
@@ -266,6 +247,18 @@ def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bi
         raise ValueError(f"{scales.shape[0]} groups of scales, {k} input features in groups of {group_size}")
     if g_idx is not None and g_idx.shape != (k,):
         raise ValueError(f"g_idx must be [{k}], got {tuple(g_idx.shape)}")
+    return k, n
+
+
+def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated,
+                      mins=None) -> tuple[int, int]:
+    """(K, N) of the packed weight, after checking every shape and dtype against x's."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    k, n = _packed_shape(qweight, qzeros, scales, g_idx, group_size, packing, mins)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} input features, the packed weight {k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if gated and n % 2:
@@ -273,30 +266,130 @@ def _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bi
     return k, n
 
 
+def _check_packed_launchable(qweight, qzeros, scales, g_idx, mins, *others) -> torch.Tensor:
+    """The zero points' or mins' tensor (the kernels read one or the other through qz_ptr), after checking that
+    a kernel can read all of them."""
+    zero_term = mins if mins is not None else qzeros
+    check_launchable(*[t for t in (*others, qweight, zero_term, scales, g_idx) if t is not None])
+    for name, t in (("qweight", qweight), ("qzeros" if mins is None else "mins", zero_term), ("scales", scales)):
+        check_last_dim_contiguous(name, t)
+    return zero_term
+
+
+def decode_config(num_rows: int) -> dict:
+    """Launch settings for a few rows: one row tile (x padded to tl.dot's 16 rows), narrow column tiles streaming
+    all of K (a first version, not yet tuned on a GPU)."""
+    return {"BLOCK_M": max(16, next_power_of_2(num_rows)), "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1,
+            "num_warps": 4, "num_stages": 2, "UNPACK_ONCE": False}
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_config(num_rows: int, out_features: int, gated: bool, dtype: torch.dtype, device: torch.device) -> dict:
+    """Launch settings for more rows: row tiles of 32-128 (GEMM_ROW_TILES), the widest column tiles that still give
+    a program to every SM (gated: half as wide, for its two accumulators), each word of the packed tile loaded once.
+    Stages shrink until x's tiles and the packed words fit in shared memory beside the dequantized tiles. A first
+    choice, to be set from `python -m benchmarks.kernels --only int4`."""
+    block_m = next(m for m in GEMM_ROW_TILES if num_rows <= m or m == GEMM_ROW_TILES[-1])
+    widths = (64, 32) if gated else (128, 64, 32)
+    tiles_m = cdiv(num_rows, block_m)
+    block_n = next((n for n in widths if tiles_m * cdiv(out_features, n) >= num_sms(device)), widths[-1])
+    block_k = 64 if block_m == 128 else 128
+    stages, size, halves = 4, dtype.itemsize, 2 if gated else 1
+    limit = shared_memory_per_block(device)
+    while stages > 2 and (stages * (block_m * size + halves * block_n) * block_k
+                          + halves * block_k * block_n * size > limit):
+        stages -= 1
+    # 8 warps where the accumulators or the float32 dequantized tiles (registers) reach 128 x 128 values
+    warps = 8 if max(block_m, block_k) * block_n * halves >= 128 * 128 else 4
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, "UNPACK_ONCE": True}
+
+
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                       bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
-    """Triton launcher of `linear_int` (any number of rows; meant for a few); `mins` in place of qzeros."""
+    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Its settings: `config`
+    over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
     k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
-    zero_term = mins if mins is not None else qzeros  # the kernel reads one or the other through qz_ptr
-    check_launchable(*[t for t in (x, qweight, zero_term, scales, g_idx, bias) if t is not None])
-    for name, t in (("x", x), ("qweight", qweight), ("qzeros" if mins is None else "mins", zero_term),
-                    ("scales", scales)):
-        check_last_dim_contiguous(name, t)
+    zero_term = _check_packed_launchable(qweight, qzeros, scales, g_idx, mins, x, bias)
+    check_last_dim_contiguous("x", x)
     num_rows, out_features = x.shape[0], n // 2 if gated else n
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return out
-    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2, **(config or {})}
-    _int_linear_kernel[(cdiv(out_features, cfg["BLOCK_N"]),)](
+    default = (decode_config(num_rows) if num_rows <= MAX_ROWS
+               else gemm_config(num_rows, out_features, gated, x.dtype, x.device))
+    cfg = {**default, **(config or {})}
+    p = packing.pack_factor
+    # whole words: AWQ's up half starts on one (and every tile does: BLOCK_N, BLOCK_K are multiples of p)
+    unpack_once = cfg["UNPACK_ONCE"] and (packing.is_packed_along_k or out_features % p == 0)
+    grid = (cdiv(num_rows, cfg["BLOCK_M"]) * cdiv(out_features, cfg["BLOCK_N"]),)
+    _int_linear_kernel[grid](
         x, qweight, zero_term, scales, g_idx if g_idx is not None else qweight,
         bias if bias is not None else scales, out, num_rows, out_features, k, group_size or k,
         x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
-        ZERO_OFFSET=packing.zero_offset, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
-        AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None,
-        ONE_GROUP=g_idx is None and (group_size or k) % cfg["BLOCK_K"] == 0, HAS_MINS=mins is not None,
+        **_layout_args(packing, g_idx, group_size or k, cfg["BLOCK_K"], mins),
         HAS_BIAS=bias is not None, GATED=gated,
-        UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
-        BLOCK_M=max(16, next_power_of_2(num_rows)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), UNPACK_ONCE=unpack_once,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+def _layout_args(packing: IntPacking, g_idx, group_size: int, block_k: int, mins) -> dict:
+    """The constexprs that say how the packed tensors are laid out (int_tiles.weight_tile's)."""
+    assert block_k % packing.pack_factor == 0, f"BLOCK_K {block_k}: a multiple of {packing.pack_factor}"
+    return dict(ZERO_OFFSET=packing.zero_offset, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
+                AWQ_ORDER=packing.fields is not None, HAS_G_IDX=g_idx is not None,
+                ONE_GROUP=g_idx is None and group_size % block_k == 0, HAS_MINS=mins is not None)
+
+
+@triton.jit
+def _int_dequantize_kernel(
+    qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, N, K, group_size, stride_qw, stride_qz, stride_s, stride_o,
+    ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """W [N, K] in out's dtype, a [BLOCK_K, BLOCK_N] tile of W.T a program."""
+    wait_for_prior(PDL)
+    k0 = tl.program_id(0) * BLOCK_K
+    n0 = tl.program_id(1) * BLOCK_N
+    ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    k_mask = ks < K
+    cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = cols < N
+    w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, N, K, stride_qw, stride_qz,
+                    stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                    HAS_MINS, True, BLOCK_K, BLOCK_N)
+    tl.store(out_ptr + cols[None, :] * stride_o + ks[:, None], w.to(out_ptr.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
+
+
+def dequantize_triton(qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
+                      dtype: torch.dtype, mins=None, config: dict | None = None) -> torch.Tensor:
+    """`dequantize_ref`'s W [N, K] in `dtype`, written by one Triton kernel (each packed word read once)."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype}")
+    k, n = _packed_shape(qweight, qzeros, scales, g_idx, group_size, packing, mins)
+    zero_term = _check_packed_launchable(qweight, qzeros, scales, g_idx, mins)
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    if out.numel() == 0:
+        return out
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, **(config or {})}
+    _int_dequantize_kernel[(cdiv(k, cfg["BLOCK_K"]), cdiv(n, cfg["BLOCK_N"]))](
+        qweight, zero_term, scales, g_idx if g_idx is not None else qweight, out, n, k, group_size or k,
+        qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0),
+        **_layout_args(packing, g_idx, group_size or k, cfg["BLOCK_K"], mins),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(qweight.device), num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
+                           bias=None, gated: bool = False, mins=None) -> torch.Tensor:
+    """`linear_int` for many rows: W dequantized into a scratch of x's dtype (`dequantize_triton`), then cuBLAS
+    (and silu_and_mul when gated), as `linear_int_ref` but with W written by one kernel."""
+    _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
+    weight = dequantize_triton(qweight, qzeros, scales, g_idx, group_size, packing, x.dtype, mins)
+    return linear_cublas(x, weight, bias, gated)

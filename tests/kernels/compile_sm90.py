@@ -227,6 +227,46 @@ def compile_fp8() -> None:
     prefill("prefill mistral window bf16 fp8 kv", 4096, 32, 8, 128, torch.bfloat16, window=4096, kv_fp8=True)
 
 
+def int_linear(name, rows, x_features, qweight_shape, qzeros_shape, groups, out_features, packing, group_size=128,
+               act_order=False, mins=False, gated=False):
+    CASE[0] = name
+    zeros = None if mins else empty(*qzeros_shape, dtype=torch.int32)
+    linear_int.linear_int_triton(empty(rows, x_features), empty(*qweight_shape, dtype=torch.int32), zeros,
+                                 empty(groups, out_features, dtype=torch.float16),
+                                 empty(x_features, dtype=torch.int32) if act_order else None, group_size, packing,
+                                 gated=gated, mins=empty(groups, out_features, dtype=torch.float16) if mins else None)
+
+
+def compile_int_gemm() -> None:
+    """The int linear's GEMM tiles (gemm_config, 17 rows and more) for Llama-3-8B's and 70B's layers in each layout
+    family, and the kernel that dequantizes W for cuBLAS."""
+    awq, gptq4, gptq8 = linear_int.AWQ_GEMM, linear_int.gptq_v1(4), linear_int.gptq_v1(8)
+    for rows in (32, 64, 256, 2048):  # each row tile of GEMM_ROW_TILES, and 2048 (the benchmark's largest)
+        int_linear(f"int4 gemm awq qkv, {rows} rows", rows, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32, 6144,
+                   awq)
+        int_linear(f"int4 gemm gptq act-order gate_up + silu, {rows} rows", rows, 4096, (512, 2 * 14336),
+                   (32, 2 * 14336 // 8), 32, 2 * 14336, gptq4, act_order=True, gated=True)
+        int_linear(f"int4 gemm gptq down, {rows} rows", rows, 14336, (14336 // 8, 4096), (112, 4096 // 8), 112,
+                   4096, gptq4)
+    int_linear("int4 gemm awq 70b gate_up + silu, 2048 rows", 2048, 8192, (8192, 2 * 28672 // 8),
+               (64, 2 * 28672 // 8), 64, 2 * 28672, awq, gated=True)
+    int_linear("int8 gemm gptq group 32 o, 128 rows", 128, 4096, (1024, 4096), (128, 4096 // 4), 128, 4096, gptq8,
+               group_size=32)
+    int_linear("int4 gemm gguf q4_1 (mins) qkv, 64 rows", 64, 4096, (512, 6144), None, 128, 6144,
+               linear_int.offset_binary(4), group_size=32, mins=True)
+    for name, qweight, qzeros, groups, n, packing, act_order, mins in [
+            ("awq qkv", (4096, 6144 // 8), (32, 6144 // 8), 32, 6144, awq, False, False),
+            ("gptq act-order gate_up", (512, 2 * 14336), (32, 2 * 14336 // 8), 32, 2 * 14336, gptq4, True, False),
+            ("gguf q4_1 qkv", (512, 6144), None, 128, 6144, linear_int.offset_binary(4), False, True)]:
+        CASE[0] = f"int4 dequantize {name}"
+        linear_int.dequantize_triton(empty(*qweight, dtype=torch.int32),
+                                     None if mins else empty(*qzeros, dtype=torch.int32),
+                                     empty(groups, n, dtype=torch.float16),
+                                     empty(4096, dtype=torch.int32) if act_order else None, 32 if mins else 128,
+                                     packing, torch.bfloat16, mins=empty(groups, n, dtype=torch.float16) if mins
+                                     else None)
+
+
 def main() -> int:
     try:
         decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
@@ -291,6 +331,7 @@ def main() -> int:
             linear_int.linear_int_triton(empty(rows, 4096), empty(512, 6144, dtype=torch.int32), None,
                                          empty(128, 6144, dtype=torch.float16), None, 32,
                                          linear_int.offset_binary(4), mins=empty(128, 6144, dtype=torch.float16))
+        compile_int_gemm()
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]
         sampling.sample_triton(empty(4, 128256, dtype=torch.float32), *rows, torch.zeros(4, dtype=torch.int64))

@@ -109,3 +109,117 @@ def test_triton_mins_match_ref(rows, gated, device, poisoned_allocations):
     for config in CONFIGS:
         torch.testing.assert_close(linear_int_triton(x, **args, gated=gated, config=config), ref, atol=1e-4,
                                    rtol=1e-4)
+
+
+# The GEMM tiles (more than MAX_ROWS rows): every layout, 4 and 8 bits, groups of 32 / 64 / 128 / all of K.
+GEMM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 64, sym=True),
+                ic.Int4Format("gptq", 32, desc_act=True), ic.Int4Format("gptq", -1, sym=True),
+                ic.Int4Format("gptq", 64, bits=8, desc_act=True), ic.Int4Format("gptq", 128, bits=8, sym=True),
+                ic.Int4Format("pack-quantized", 32), ic.Int4Format("pack-quantized", 128, bits=8)]
+# the default (gemm_config), small tiles in groups of 2 row tiles (5 row tiles of 130 rows: a last group of one),
+# and a K tile wider than K (192) with each value loading its own word
+GEMM_CONFIGS = [None, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, UNPACK_ONCE=False)]
+
+
+def in_features_of(fmt: ic.Int4Format) -> int:
+    return 384 if fmt.group_size == 128 else 192  # whole groups; K tiles of 128 and 256 cross K's end at 192
+
+
+@pytest.mark.parametrize("fmt", GEMM_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [17, 130])
+@pytest.mark.parametrize("gated, bias", [(False, True), (True, False)])
+def test_gemm_matches_ref(fmt, rows, gated, bias, device, poisoned_allocations):
+    # 96 output features: partial column tiles; gated, 48 a half, which starts AWQ's up half on a whole int32
+    k = in_features_of(fmt)
+    layer = packed_layer(fmt, 96, k, device)
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(device)
+    b = torch.randn(96, generator=gen).to(device) if bias else None
+    ref = linear_int_ref(x, **layer, bias=b, gated=gated)
+    for config in GEMM_CONFIGS:
+        out = linear_int_triton(x, **layer, bias=b, gated=gated, config=config)
+        assert out.shape == ref.shape == (rows, 48 if gated else 96)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_awq_up_half_off_a_word(device, poisoned_allocations):
+    """A gated AWQ weight whose up half starts inside an int32 (2 x 20 columns): the GEMM tiles fall back to loading
+    a word per value, and still match."""
+    layer = packed_layer(ic.Int4Format("awq", 32), 40, 64, device)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    torch.testing.assert_close(linear_int_triton(x, **layer, gated=True), linear_int_ref(x, **layer, gated=True),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [24, 130])
+def test_gemm_mins_match_ref(rows, device, poisoned_allocations):
+    """GGUF Q4_1's mins in the GEMM tiles (gathered under 64-wide K tiles over groups of 32)."""
+    layer = q4_1_layer(192, 96, device)
+    args = dict(qweight=layer["qweight"], qzeros=None, scales=layer["scales"], g_idx=None, group_size=32,
+                packing=offset_binary(4), mins=layer["mins"])
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(3)).to(device)
+    for gated in (False, True):
+        ref = linear_int_ref(x, **args, gated=gated)
+        for config in GEMM_CONFIGS:
+            torch.testing.assert_close(linear_int_triton(x, **args, gated=gated, config=config), ref, atol=1e-4,
+                                       rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", GEMM_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_kernel_writes_the_reference_weight(fmt, dtype, device, poisoned_allocations):
+    """W written by the dequantizing kernel is dequantize_ref's, exactly; with it cuBLAS computes the reference."""
+    from kernels.linear_int import dequantize_ref, dequantize_triton, linear_int_dequantized
+
+    k = in_features_of(fmt)
+    layer = packed_layer(fmt, 96, k, device)
+    ref = dequantize_ref(**layer, dtype=dtype)
+    interpreted_bf16 = dtype == torch.bfloat16 and device.type == "cpu"  # it truncates float32 to bf16 (a GPU rounds)
+    for config in (None, dict(BLOCK_N=32, BLOCK_K=32)):
+        w = dequantize_triton(**layer, dtype=dtype, config=config)
+        if interpreted_bf16:
+            torch.testing.assert_close(w, ref, atol=0, rtol=2**-7)
+        else:
+            assert torch.equal(w, ref)
+    if not interpreted_bf16:
+        x = torch.randn(33, k, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+        assert torch.equal(linear_int_dequantized(x, **layer, gated=True), linear_int_ref(x, **layer, gated=True))
+
+
+def test_dequantize_kernel_mins(device, poisoned_allocations):
+    from kernels.linear_int import dequantize_ref, dequantize_triton
+
+    layer = q4_1_layer(192, 96, device)
+    args = dict(qweight=layer["qweight"], qzeros=None, scales=layer["scales"], g_idx=None, group_size=32,
+                packing=offset_binary(4), mins=layer["mins"])
+    # a GPU may fuse q * scale + min into one FMA (one rounding, not two): a float32 ulp apart at most
+    torch.testing.assert_close(dequantize_triton(**args, dtype=torch.float32),
+                               dequantize_ref(**args, dtype=torch.float32), atol=1e-6, rtol=1e-6)
+
+
+def test_gemm_config_fits_and_fills_the_gpu():
+    """gemm_config: the smallest row tile holding the rows (128 beyond), tiles for every SM where there are enough
+    columns, stages that fit the 227 KiB an H200 program may use."""
+    from kernels.linear_int import GEMM_ROW_TILES, gemm_config
+
+    cpu = torch.device("cpu")  # the H200's figures stand in (kernels/_triton.py)
+    for rows, block_m in [(17, 32), (64, 64), (65, 128), (2048, 128)]:
+        assert gemm_config(rows, 4096, False, torch.bfloat16, cpu)["BLOCK_M"] == block_m
+    assert GEMM_ROW_TILES[-1] == 128
+    for rows in (32, 256, 2048):
+        for n, gated in [(6144, False), (4096, False), (14336, True), (28672, True)]:
+            c = gemm_config(rows, n, gated, torch.bfloat16, cpu)
+            programs = -(-rows // c["BLOCK_M"]) * -(-n // c["BLOCK_N"])
+            assert programs >= 132 or c["BLOCK_N"] == 32, (rows, n, c)
+            halves = 2 if gated else 1
+            smem = c["num_stages"] * (2 * c["BLOCK_M"] + halves * c["BLOCK_N"]) * c["BLOCK_K"]
+            assert smem + halves * 2 * c["BLOCK_K"] * c["BLOCK_N"] <= 227 * 1024, (rows, n, c)
+
+
+def test_dispatch_threshold_is_an_argument():
+    """Off the GPU every size takes the reference, whatever the threshold (the GPU dispatch is in the docstring)."""
+    layer = packed_layer(ic.Int4Format("gptq", 32), 32, 64, "cpu")
+    x = torch.randn(40, 64)
+    for threshold in (1, 10_000):
+        assert torch.equal(linear_int(x, **layer, dequantize_min_rows=threshold), linear_int_ref(x, **layer))

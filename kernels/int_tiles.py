@@ -1,0 +1,108 @@
+"""The Triton device functions of kernels/linear_int.py: a [BLOCK_K, BLOCK_N] tile of W.T unpacked from its int32
+words and dequantized in registers, and the K loop that feeds such tiles to tl.dot (the layouts are in
+kernels/linear_int.py's docstring).
+
+Two ways to unpack a tile (`UNPACK_ONCE`):
+
+    per element   each of the BLOCK_K x BLOCK_N values loads the int32 holding it (the same word P = 32 / bits
+                  times, from L1) and shifts out its field: any tile, any alignment
+    once          the tile's BLOCK_K x BLOCK_N / P words (AWQ) or BLOCK_K / P x BLOCK_N (GPTQ), each loaded once,
+                  broadcast against the P fields and reshaped to [BLOCK_K, BLOCK_N]: a P-th of the loads and of
+                  the shared memory a pipelined load stages; needs tiles starting on whole words
+"""
+
+from __future__ import annotations
+
+from kernels._triton import tl, triton
+
+
+@triton.jit
+def field_shift(j, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """The shift of value j (of the 32 / BITS an int32 packs): AWQ's nibble (j % 2) * 4 + j // 2 (its order
+    0 2 4 6 1 3 5 7 inverted), else field j."""
+    if AWQ_ORDER:
+        return ((j % 2) * 4 + j // 2) * BITS
+    return j * BITS
+
+
+@triton.jit
+def packed_values(qw_ptr, k0, ks, k_mask, n0, cols, n_mask, n_end, K, stride_qw, BITS: tl.constexpr,
+                  PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, UNPACK_ONCE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BLOCK_K, BLOCK_N]: the unsigned integers of W.T at input features ks = k0 + arange(BLOCK_K) and
+    output features cols = n0 + arange(BLOCK_N) (valid below K and n_end; masked ones read 0). UNPACK_ONCE needs
+    k0 (GPTQ) or n0 and n_end (AWQ) multiples of P, and BLOCK_K / BLOCK_N too."""
+    P: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if UNPACK_ONCE:
+        fields = tl.arange(0, P)
+        if PACKED_ALONG_K:  # [BLOCK_K / P, BLOCK_N] words: input feature P r + j in field j of word row r
+            prow = k0 // P + tl.arange(0, BLOCK_K // P)
+            packed = tl.load(qw_ptr + prow[:, None] * stride_qw + cols[None, :],
+                             mask=(prow < K // P)[:, None] & n_mask[None, :], other=0)
+            q = (packed[:, None, :] >> (fields * BITS)[None, :, None]) & MASK  # [BLOCK_K / P, P, BLOCK_N]
+        else:  # [BLOCK_K, BLOCK_N / P] words: output feature P c + j in field field_shift(j) of word column c
+            pcol = n0 // P + tl.arange(0, BLOCK_N // P)
+            packed = tl.load(qw_ptr + ks[:, None] * stride_qw + pcol[None, :],
+                             mask=k_mask[:, None] & (pcol < n_end // P)[None, :], other=0)
+            q = (packed[:, :, None] >> field_shift(fields, BITS, AWQ_ORDER)[None, None, :]) & MASK  # [K, N / P, P]
+        values = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    else:
+        mask = k_mask[:, None] & n_mask[None, :]
+        if PACKED_ALONG_K:  # GPTQ: qweight [K / P, N]
+            packed = tl.load(qw_ptr + (ks // P)[:, None] * stride_qw + cols[None, :], mask=mask, other=0)
+            values = (packed >> ((ks % P) * BITS)[:, None]) & MASK
+        else:  # AWQ: qweight [K, N / P]
+            packed = tl.load(qw_ptr + ks[:, None] * stride_qw + (cols // P)[None, :], mask=mask, other=0)
+            values = (packed >> field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK
+    return values
+
+
+@triton.jit
+def dequantized(q, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qz, stride_s, group_size,
+                ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: the integers q of W.T at input features ks, output features cols, as
+    (q - zero) * scale, or with HAS_MINS q * scale + min (qz_ptr then holds the mins, float [G, N], not packed
+    zeros). ONE_GROUP: the tile's inputs are one group (no g_idx, BLOCK_K divides group_size), whose zeros and
+    scales are one row of BLOCK_N, not a gather per element."""
+    P: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if ONE_GROUP:  # one row of zeros (or mins) and scales: [BLOCK_N], broadcast over the tile's rows
+        group = tl.min(ks, axis=0) // group_size
+        scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_MINS:
+            low = tl.load(qz_ptr + group * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            zp = tl.load(qz_ptr + group * stride_qz + cols // P, mask=n_mask, other=0)
+            zeros = (((zp >> field_shift(cols % P, BITS, AWQ_ORDER)) & MASK) + ZERO_OFFSET)[None, :]
+    else:  # gathered per element: [BLOCK_K, BLOCK_N]
+        mask = k_mask[:, None] & n_mask[None, :]
+        if HAS_G_IDX:
+            groups = tl.load(g_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+        else:
+            groups = ks // group_size
+        scale = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            low = tl.load(qz_ptr + groups[:, None] * stride_qz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            zp = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :], mask=mask, other=0)
+            zeros = ((zp >> field_shift(cols % P, BITS, AWQ_ORDER)[None, :]) & MASK) + ZERO_OFFSET
+    if HAS_MINS:  # if / else, not an early return: the compiler would still visit what follows it
+        w = q.to(tl.float32) * scale + low
+    else:
+        w = (q - zeros).to(tl.float32) * scale
+    return w
+
+
+@triton.jit
+def weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, n_end, K, stride_qw, stride_qz,
+                stride_s, group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
+                AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+                UNPACK_ONCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: W.T dequantized at input features ks, output features cols (`packed_values`,
+    then `dequantized`)."""
+    q = packed_values(qw_ptr, k0, ks, k_mask, n0, cols, n_mask, n_end, K, stride_qw, BITS, PACKED_ALONG_K,
+                      AWQ_ORDER, UNPACK_ONCE, BLOCK_K, BLOCK_N)
+    return dequantized(q, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qz, stride_s, group_size,
+                       ZERO_OFFSET, BITS, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS)
