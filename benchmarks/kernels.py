@@ -3,6 +3,7 @@
     python -m benchmarks.kernels --output-json kernels.json            # on a GPU (about 2-3 minutes on an H200)
     python -m benchmarks.kernels --check                               # verify each kernel against its ref first
     python -m benchmarks.kernels --smoke                               # CPU, tiny sizes, torch references only
+    python -m benchmarks.kernels --only int4 --cuda-graph --output-json int4.json   # int4 linears (kernels_int.py)
 
 Decode attention is memory-bound: it is scored by the K/V bytes it must read over its time, against the
 4.3 TB/s copy ceiling. Its K/V is read cold, as in a model, where the other layers' weights pass through the
@@ -11,7 +12,8 @@ Decode attention is memory-bound: it is scored by the K/V bytes it must read ove
 kernel can reach at that size. Prefill attention is scored in causal FLOPs (2 * 2 * T * T / 2 * heads * head_dim)
 against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written, the decode-sized
 linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights; the fused MoE (`--only moe`,
-benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference. Torch's
+benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference; the int4 linears (`--only
+int4`, benchmarks/kernels_int.py) in weight bytes and FLOPs both, against bf16 cuBLAS. Torch's
 scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
 baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
 recorded, and the run goes on.
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
+from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
 from kernels._triton import cdiv, tl, triton
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -139,19 +142,27 @@ class Runner:
             torch.cuda.empty_cache()
 
     def _record(self, kernel, case, impl, ms, work, baseline):
+        # work["impl_bytes"]: the bytes of impls that read other data than the rest (a bf16 weight beside int4)
+        work = {k: v for k, v in work.items() if k != "impl_bytes"} | (
+            {"bytes": work["impl_bytes"][impl]} if impl in work.get("impl_bytes", {}) else {})
         if "fp8_flops" in work:  # FP8 tensor cores: twice the bf16 rate
             rate, ceiling, unit = work["fp8_flops"] / (ms * 1e-3), 2 * BF16_FLOPS_PER_S, "TFLOP/s"
-        elif "flops" in work:
-            rate, ceiling, unit = work["flops"] / (ms * 1e-3), BF16_FLOPS_PER_S, "TFLOP/s"
-        else:
+        elif "bytes" in work:  # with "flops" too, both are reported: bandwidth first
             rate, ceiling, unit = work["bytes"] / (ms * 1e-3), COPY_BYTES_PER_S, "GB/s"
+        else:
+            rate, ceiling, unit = work["flops"] / (ms * 1e-3), BF16_FLOPS_PER_S, "TFLOP/s"
         scaled = rate / (1e12 if unit == "TFLOP/s" else 1e9)
         row = dict(kernel=kernel, case=case, impl=impl, ms=ms, unit=unit, achieved=scaled,
                    fraction_of_ceiling=rate / ceiling, **work)
+        flop_rate = ""
+        if unit == "GB/s" and "flops" in work:
+            row |= dict(tflop_per_s=work["flops"] / (ms * 1e-3) / 1e12,
+                        fraction_of_bf16_peak=work["flops"] / (ms * 1e-3) / BF16_FLOPS_PER_S)
+            flop_rate = f" {row['tflop_per_s']:>7.1f} TFLOP/s {100 * row['fraction_of_bf16_peak']:>5.1f}%"
         self.results.append(row)
         vs = f"  ({baseline[1] / ms:.2f}x {baseline[0]})" if baseline else ""
         print(f"{kernel:<16} {case:<24} {impl:<21} {ms * 1e3:>8.1f}us {scaled:>9.1f} {unit:<7}"
-              f"{100 * rate / ceiling:>8.1f}%{vs}")
+              f"{100 * rate / ceiling:>8.1f}%{flop_rate}{vs}")
 
 
 def paged_kv(num_tokens_per_seq: int, num_seqs: int, cfg: dict, device: torch.device):
@@ -510,6 +521,7 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
     ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
+OPT_IN_GROUPS = ("int4",)  # run when --only names them (int4: about 2 more minutes)
 NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "fp8 linear",
                    "fp8 gemm", "fp8 kv decode", "tune fp8 linear")
 
@@ -539,9 +551,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
-    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "fp8"],
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "fp8", "int4"],
                         action="append",
-                        help="run only these groups (repeatable)")
+                        help="run only these groups (repeatable); int4 runs only when named")
+    parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
+                        help="--only int4: the packed layouts to time (AWQ, GPTQ symmetric, GPTQ act-order; group "
+                             "128)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
                         "--only decode / prefill / linear / moe)")
@@ -564,7 +579,9 @@ def main(argv=None) -> int:
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
     moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
-              "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8}
+              "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,
+              "int4": lambda runner, cfg: bench_int4(runner, SMOKE_INT_MODELS if args.smoke else INT_MODELS,
+                                                     args.int_layouts)}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
@@ -572,7 +589,7 @@ def main(argv=None) -> int:
                   "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8}
     start = time.perf_counter()
     for group, bench in groups.items():
-        if not args.only or group in args.only:
+        if (not args.only and group not in OPT_IN_GROUPS) or group in (args.only or ()):
             try:
                 bench(runner, cfg)
             except Exception as exc:  # noqa: BLE001 - setup outside a case failed: report it, go on

@@ -223,3 +223,23 @@ def test_dispatch_threshold_is_an_argument():
     x = torch.randn(40, 64)
     for threshold in (1, 10_000):
         assert torch.equal(linear_int(x, **layer, dequantize_min_rows=threshold), linear_int_ref(x, **layer))
+
+
+def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
+    """benchmarks/kernels_int.py at toy sizes (its GPU run is the lead's): every path builds, matches the reference
+    under --check and is timed (once here), with both rates in its rows and the crossing printed."""
+    import benchmarks.kernels as bench
+    from benchmarks import kernels_int
+
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device: (fn(), 1.0)[1])
+    runner = bench.Runner(device, check=True, use_triton=True)
+    kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act"], rows_list=[2, 20])
+    assert not runner.failures, runner.failures
+    impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
+    assert ("int4 awq toy gate_up", "rows 2", "decode tiles") in impls
+    assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
+                                                                     "dequant+cuBLAS")} <= impls
+    bf16, gemm = (next(r for r in runner.results if r["kernel"] == "int4 awq toy o" and r["case"] == "rows 20"
+                       and r["impl"] == impl) for impl in ("bf16 cuBLAS", "gemm tiles"))
+    assert bf16["bytes"] == 128 * 128 * 2 and gemm["bytes"] == 128 * 128 // 2 + 128 * 2 + 128 // 2
+    assert gemm["tflop_per_s"] == 2 * 20 * 128 * 128 / 1e-3 / 1e12

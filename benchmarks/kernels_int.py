@@ -1,0 +1,163 @@
+"""`python -m benchmarks.kernels --only int4`: the int4 linear's paths (kernels/linear_int.py) against bf16 cuBLAS,
+on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows.
+
+    bf16 cuBLAS      torch.matmul (F.linear) on the bf16 weight, then silu_and_mul for gate_up: the baseline
+    decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows)
+    gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order)
+    dequant+cuBLAS   `linear_int_dequantized`: W dequantized by one kernel into a bf16 scratch, then cuBLAS
+
+Each row gives the time of one layer's call, GB/s of the weight bytes that path reads (the packed int32s, scales
+and zero points; bf16 cuBLAS its bf16 weight) against the 4.3 TB/s copy ceiling, and TFLOP/s (2 x rows x N x K)
+against 790 dense bf16. A timed call runs COLD_CHAIN_BYTES of packed weights' copies of the layer (each read from
+memory, as in a model: the L2 holds 50 MB), so a decode-sized call is not a launch's latency alone; --cuda-graph
+also takes the host's launch cost out, as the engine's decode graphs do. The summary prints, for each layer, from
+how many rows dequant+cuBLAS beats the GEMM tiles: kernels/linear_int.py's DEQUANTIZE_MIN_ROWS should be there.
+About 2 minutes on an H200 (`--int-layouts awq gptq-act` doubles it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.linear import linear_cublas
+from kernels.linear_int import (
+    AWQ_GEMM,
+    decode_config,
+    dequantize_ref,
+    dequantize_triton,
+    gemm_config,
+    gptq_v1,
+    linear_int_dequantized,
+    linear_int_ref,
+    linear_int_triton,
+)
+
+INT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
+DECODE_TILES_UP_TO = 64  # rows: one row tile of next_power_of_2(rows) beyond this would not fit shared memory
+COLD_CHAIN_BYTES = 64 * 2**20  # packed weight bytes per timed call (at most 8 copies of a layer)
+GROUP_SIZE = 128
+INT_MODELS = {"8b": dict(hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, inter=14336),
+              "70b": dict(hidden=8192, num_heads=64, num_kv_heads=8, head_dim=128, inter=28672)}
+SMOKE_INT_MODELS = {"toy": dict(hidden=128, num_heads=8, num_kv_heads=2, head_dim=16, inter=128)}  # K: 128s
+# layout -> (packing, zero points drawn at random (AWQ) or mid-range (GPTQ sym), act-order g_idx)
+INT_LAYOUTS = {"awq": (AWQ_GEMM, True, False), "gptq": (gptq_v1(4), False, False),
+               "gptq-act": (gptq_v1(4), False, True)}
+
+
+def packed_layer(out_features: int, in_features: int, layout: str, device) -> dict:
+    """A random int4 layer drawn packed (no float weight): linear_int's keyword arguments."""
+    packing, random_zeros, act_order = INT_LAYOUTS[layout]
+    p, groups = packing.pack_factor, in_features // GROUP_SIZE
+
+    def words(*shape):
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device)
+
+    qweight = words(in_features // p, out_features) if packing.is_packed_along_k else words(in_features,
+                                                                                          out_features // p)
+    if random_zeros:
+        qzeros = words(groups, out_features // p)
+    else:  # every field 8 (GPTQ stores 7: its v1 off-by-one)
+        stored = 8 - packing.zero_offset
+        word = sum(stored << (4 * i) for i in range(8))
+        qzeros = torch.full((groups, out_features // p), word - (1 << 32) if word >= 1 << 31 else word,
+                            dtype=torch.int32, device=device)
+    # scales giving W a standard deviation near in_features ** -0.5 (uniform integers: 4.6 steps)
+    scales = (torch.rand(groups, out_features, device=device) + 0.5) * (in_features ** -0.5 / 4.6)
+    g_idx = (torch.randperm(in_features, device=device) // GROUP_SIZE).int() if act_order else None
+    return dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx, group_size=GROUP_SIZE,
+                packing=packing)
+
+
+def packed_bytes(layer: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in (layer["qweight"], layer["qzeros"], layer["scales"],
+                                                     layer["g_idx"]) if t is not None)
+
+
+def linears(model: dict) -> dict:
+    from benchmarks.kernels import llama_linears
+
+    return llama_linears(model)
+
+
+def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Tensor, gated: bool,
+           use_triton: bool) -> dict:
+    """name -> fn(copy index) -> output, for the paths this many rows can take."""
+    impls = {"bf16 cuBLAS": lambda i: linear_cublas(x, bf16[i], gated=gated)}
+    if not use_triton:  # CPU smoke: the torch reference stands in for the kernels
+        impls["torch ref"] = lambda i: linear_int_ref(x, **copies[i], gated=gated)
+        return impls
+    n = bf16[0].shape[0] // (2 if gated else 1)
+    if rows <= DECODE_TILES_UP_TO:
+        impls["decode tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=decode_config(rows))
+    gemm = gemm_config(rows, n, gated, x.dtype, x.device)
+    impls["gemm tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=gemm)
+    impls["dequant+cuBLAS"] = lambda i: linear_int_dequantized(x, **copies[i], gated=gated)
+    return impls
+
+
+def int_layer_cases(runner, name: str, out_features: int, in_features: int, gated: bool, layout: str,
+                    rows_list: list[int]):
+    """One layer at each row count: its copies drawn once, each impl timed over all of them in a call."""
+    from benchmarks.kernels import max_error
+
+    device = runner.device
+    copies = [packed_layer(out_features, in_features, layout, device)]
+    while len(copies) < 8 and len(copies) * packed_bytes(copies[0]) < COLD_CHAIN_BYTES and device.type == "cuda":
+        copies.append(packed_layer(out_features, in_features, layout, device))
+    dequantize = dequantize_triton if runner.use_triton else dequantize_ref
+    bf16 = [dequantize(**c, dtype=torch.bfloat16) for c in copies]
+    int_bytes, bf16_bytes = packed_bytes(copies[0]) * len(copies), bf16[0].numel() * 2 * len(copies)
+    for rows in rows_list:
+
+        def build(rows=rows):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+            impls = _impls(rows, copies, bf16, x, gated, runner.use_triton)
+            timed = {impl: _chain(fn, len(copies)) for impl, fn in impls.items()}
+
+            def check():
+                ref = linear_int_ref(x, **copies[0], gated=gated).float()
+                return max(max_error(fn(0), ref, 2e-2 * ref.abs().max().item()) for fn in impls.values())
+
+            work = dict(bytes=int_bytes, flops=2 * rows * out_features * in_features * len(copies),
+                        impl_bytes={"bf16 cuBLAS": bf16_bytes}, copies=len(copies))
+            return timed, work, check
+
+        runner.case(f"int4 {name}", f"rows {rows}", build)
+    del copies, bf16
+
+
+def _chain(fn, copies: int):
+    def run():
+        for i in range(copies):
+            fn(i)
+    return run
+
+
+def bench_int4(runner, models: dict, layouts: list[str], rows_list: list[int] | None = None):
+    for layout in layouts:
+        for model_name, model in models.items():
+            for op, (out_features, in_features, gated) in linears(model).items():
+                name = f"{layout} {model_name} {op.split('+')[0]}"
+                int_layer_cases(runner, name, out_features, in_features, gated, layout, rows_list or INT_ROWS)
+    print_crossings(runner.results)
+
+
+def print_crossings(results: list[dict]) -> None:
+    """For each layer: the fewest rows from which dequant+cuBLAS is faster than the GEMM tiles at every larger
+    count measured, and the best int4 path against bf16 cuBLAS at 1 and 2048 rows."""
+    times: dict[str, dict[int, dict[str, float]]] = {}
+    for r in results:
+        if r["kernel"].startswith("int4 "):
+            times.setdefault(r["kernel"], {}).setdefault(int(r["case"].split()[1]), {})[r["impl"]] = r["ms"]
+    for kernel, by_rows in times.items():
+        counts = sorted(m for m, t in by_rows.items() if "gemm tiles" in t and "dequant+cuBLAS" in t)
+        if not counts:
+            continue
+        crossing = next((m for i, m in enumerate(counts)
+                         if all(by_rows[n]["dequant+cuBLAS"] < by_rows[n]["gemm tiles"] for n in counts[i:])), None)
+        speedups = []
+        for m in (counts[0], counts[-1]):
+            best = min((ms, impl) for impl, ms in by_rows[m].items() if impl != "bf16 cuBLAS")
+            speedups.append(f"{m} rows: {best[1]} {by_rows[m]['bf16 cuBLAS'] / best[0]:.2f}x bf16 cuBLAS")
+        where = f"from {crossing} rows" if crossing is not None else "never, up to the rows measured"
+        print(f"{kernel}: dequant+cuBLAS beats the GEMM tiles {where}; " + "; ".join(speedups))
