@@ -2,7 +2,8 @@
 on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows.
 
     bf16 cuBLAS      torch.matmul (F.linear) on the bf16 weight, then silu_and_mul for gate_up: the baseline
-    decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows)
+    decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows); and
+                     up to MAX_ROWS "decode tiles, once": the same loading each packed word once (UNPACK_ONCE)
     gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order)
     dequant+cuBLAS   `linear_int_dequantized`: W dequantized by one kernel into a bf16 scratch, then cuBLAS
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import linear_cublas
+from kernels.linear import MAX_ROWS, linear_cublas
 from kernels.linear_int import (
     AWQ_GEMM,
     decode_config,
@@ -89,6 +90,9 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
     n = bf16[0].shape[0] // (2 if gated else 1)
     if rows <= DECODE_TILES_UP_TO:
         impls["decode tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=decode_config(rows))
+    if rows <= MAX_ROWS:  # the decode tiles loading each packed word once, as the GEMM tiles do
+        once = decode_config(rows) | {"UNPACK_ONCE": True}
+        impls["decode tiles, once"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=once)
     gemm = gemm_config(rows, n, gated, x.dtype, x.device)
     impls["gemm tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=gemm)
     impls["dequant+cuBLAS"] = lambda i: linear_int_dequantized(x, **copies[i], gated=gated)
@@ -123,7 +127,6 @@ def int_layer_cases(runner, name: str, out_features: int, in_features: int, gate
             return timed, work, check
 
         runner.case(f"int4 {name}", f"rows {rows}", build)
-    del copies, bf16
 
 
 def _chain(fn, copies: int):

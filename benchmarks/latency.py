@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> dict:
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
-    model_dir, load_format = model_or_preset(args.model, args.preset)
+    model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     config = engine_args(args, model=model_dir, load_format=load_format,
                          enable_prefix_caching=False).create_engine_config()

@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> dict:
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
-    model_dir, load_format = model_or_preset(args.model, args.preset)
+    model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
     rows = []
     for gib in args.swap_spaces or [0.0, args.swap_space or 16.0]:
         config = engine_args(args, model=model_dir, load_format=load_format, swap_space=gib).create_engine_config()

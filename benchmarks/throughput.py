@@ -150,8 +150,8 @@ def main(args: argparse.Namespace) -> dict:
     import os
 
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
-    model_dir, load_format = model_or_preset(args.model, args.preset)
-    if load_format != "random":  # a model name as users type it; none: the tiny model (a quick comparison)
+    model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
+    if not args.preset:  # a model name as users type it; none: the tiny model (a quick comparison)
         from checkpoints.source import resolve_model
 
         model_dir = resolve_model(model_dir or "tiny")

@@ -62,8 +62,8 @@ def preset_dir(name: str) -> str:
     return path
 
 
-def model_or_preset(model: str | None, preset: str | None) -> tuple[str | None, str]:
-    """(model dir, load_format): a preset means random weights."""
+def model_or_preset(model: str | None, preset: str | None, load_format: str = "auto") -> tuple[str | None, str]:
+    """(model dir, load_format): a preset means random weights; a model, `load_format` (its own, or "random")."""
     if preset:
         return preset_dir(preset), "random"
-    return model, "auto"
+    return model, load_format

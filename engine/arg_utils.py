@@ -54,7 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                                                               "the tokenizer's")
     parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq", "gguf"],
                         help="fp8: FP8 weights (per output channel) and activations (per token), quantized at load; "
-                             "awq / gptq: name the checkpoint's own int4 method (read from its config anyway); "
+                             "awq / gptq: name the checkpoint's own int4 method (read from its config anyway; "
+                             "with --preset or --load-format random, a default layout: AWQ or GPTQ 4 bits, group "
+                             "128, drawn packed); "
                              "gguf: a .gguf model's Q4_0 / Q8_0 linears served from their blocks, not dequantized")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")

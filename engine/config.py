@@ -34,7 +34,8 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to `model` (for a GGUF file: a directory built from its metadata)
     chat_template: str | None = None  # replaces the tokenizer's chat template (the template's text)
     quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none);
-    # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway;
+    # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway (random
+    # weights without one: a default int4 layout, engine/quantization.py RANDOM_INT_CONFIGS);
     # "gguf": a .gguf model's Q4_0 / Q8_0 linears served from their blocks (engine/quantization.py)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
@@ -85,7 +86,7 @@ class ModelConfig:
     def quant_config(self) -> QuantConfig | None:
         """The scheme of the linear layers (FP8, AWQ, GPTQ; None: unquantized); ValueError if the checkpoint's is
         unsupported."""
-        return resolve_quantization(self.quantization, self.hf_config)
+        return resolve_quantization(self.quantization, self.hf_config, self.load_format == "random")
 
     @property
     def tokenizer_path(self) -> str:

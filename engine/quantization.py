@@ -20,6 +20,11 @@ model's dtype):
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
         `weight_g_idx` or none; no input_activations
 
+With random weights (load_format "random", a `--preset`) and no quantization_config, quantization="awq" or "gptq"
+takes a default config (RANDOM_INT_CONFIGS: AWQ 4 bits, group 128, zero points; GPTQ 4 bits, group 128, symmetric,
+no act-order) and the int layers draw their integers packed: benchmarks of real-sized int4 models without a
+checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
+
 quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 are served from their own
 blocks, each 32 weights a group of an int layer of their type (checkpoints/gguf.py repacks them exactly; Q4_1
 with `mins` instead of zero points); linears of another type (Q5_0/1, k-quants), and fused q/k/v or gate/up
@@ -49,6 +54,13 @@ INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
 GGUF_INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly: bits
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
+# quantization="awq" / "gptq" with random weights and no quantization_config (`--preset llama-3-8b --quantization
+# awq`): the layout most hub checkpoints have, as the tools write it; the int layers draw their integers packed
+RANDOM_INT_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+             "checkpoint_format": "gptq"},
+}
 
 
 @dataclass(frozen=True)
@@ -98,17 +110,23 @@ class QuantConfig:
         return False
 
 
-def resolve_quantization(quantization: str | None, hf_config: dict) -> QuantConfig | None:
-    """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported."""
+def resolve_quantization(quantization: str | None, hf_config: dict,
+                         is_random_weights: bool = False) -> QuantConfig | None:
+    """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported.
+    `is_random_weights` (load_format "random", a preset): "awq" / "gptq" without a quantization_config take
+    RANDOM_INT_CONFIGS's."""
     if quantization not in QUANTIZATIONS:
         raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "gguf":
         return _gguf(hf_config)
     qc = hf_config.get("quantization_config")
     if not qc:
+        if quantization in ("awq", "gptq") and is_random_weights:
+            return _int_checkpoint(quantization, quantization, RANDOM_INT_CONFIGS[quantization], hf_config)
         if quantization in ("awq", "gptq"):
             raise ValueError(f"quantization={quantization!r}: the checkpoint has no quantization_config (an "
-                             f"{quantization.upper()} checkpoint is read as stored, never made at load)")
+                             f"{quantization.upper()} checkpoint is read as stored, never made at load; random "
+                             "weights, load_format='random' or a preset, are drawn packed in a default layout)")
         return QuantConfig("fp8", is_checkpoint_fp8=False) if quantization == "fp8" else None
     method = qc.get("quant_method")
     if method == "compressed-tensors" and _compressed_tensors_format(qc) == "pack-quantized":

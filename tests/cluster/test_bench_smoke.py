@@ -38,6 +38,22 @@ def test_bench_latency_fp8_reports_its_pool(tmp_path):
     assert fp8["results"][0]["decode_ms_per_token"] > 0
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_bench_latency_int4_random_weights(tmp_path, method):
+    """`pagoda bench latency --preset llama-3-8b --quantization awq` at the tiny model's size: random weights and no
+    quantization_config give the default int4 layout (group 128: the tiny model widened to K of 128 and 256),
+    drawn packed, and the benchmark runs and says what it ran."""
+    from checkpoints.tiny import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"), "llama", config_overrides={"hidden_size": 128,
+                                                                                "intermediate_size": 256})
+    result = _run(tmp_path, "bench", "latency", "--model", model, "--load-format", "random", "--quantization",
+                  method, "--device", "cpu", "--batch-sizes", "1", "2", "--prompt-lens", "8", "--decode-steps", "2")
+    assert result["quantization"] == method
+    assert [(r["batch"], r["min_running"]) for r in result["results"]] == [(1, 1), (2, 2)]
+    assert all(r["decode_ms_per_token"] > 0 for r in result["results"])
+
+
 def test_bench_multi_turn_finds_evicted_histories_on_the_host(tmp_path):
     """Six conversations of three turns through a 96-token device pool: with the host tier their histories, evicted
     from the device, are found on the host; without it they are computed again. Every turn is answered either way."""

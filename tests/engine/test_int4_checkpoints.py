@@ -194,3 +194,39 @@ def test_random_weights_are_drawn_packed(int4, fmt):
     give the dequantized weight the initializer's standard deviation (0.3 for the tiny model); it generates."""
     dst, _, _ = int4(fmt)
     generate(dst, inspect=assert_random_packed_weights, load_format="random")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_random_weights_take_a_default_int4_layout(int4, method):
+    """`--preset ... --quantization awq|gptq`: random weights and no quantization_config take RANDOM_INT_CONFIGS' layout
+    (4 bits, group 128; AWQ's zero points, GPTQ symmetric in order), drawn packed; the model generates. A checkpoint's
+    own weights without a quantization_config are still refused, and so is a mixture-of-experts model."""
+    from engine.config import ModelConfig
+
+    config = resolve_quantization(method, {}, is_random_weights=True)
+    assert (config.method, config.bits, config.group_size, config.desc_act) == (method, 4, 128, False)
+
+    def inspect(llm):
+        assert_random_packed_weights(llm)
+        layer = llm.engine.executor.worker.model.model.layers[0].mlp.down_proj  # K = 256: two groups of 128
+        assert layer.quant_config == config and tuple(layer.scales.shape) == (2, 128)
+        assert torch.equal(unpack_zeros(layer.qzeros, layer.packing), torch.full((2, 128), 8, dtype=torch.int32))
+
+    generate(int4.tiny_float, inspect=inspect, load_format="random", quantization=method)
+    with pytest.raises(ValueError, match="no quantization_config"):
+        ModelConfig.from_path(int4.tiny_float, quantization=method)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        resolve_quantization(method, {"num_local_experts": 8}, is_random_weights=True)
+
+
+def test_g_idx_out_of_order_needs_desc_act(int4, tmp_path):
+    """Without act-order the layers skip g_idx (k // group_size: a tile's zeros and scales are one row), so a
+    checkpoint whose g_idx is shuffled but says desc_act false is refused at load, not served wrong."""
+    import shutil
+
+    dst, _, _ = int4(ic.Int4Format("gptq", 32, sym=False, desc_act=True))
+    mislabelled = str(tmp_path / "mislabelled")
+    shutil.copytree(dst, mislabelled)
+    ic.set_quantization_config(mislabelled, ic.Int4Format("gptq", 32, sym=False).quantization_config())
+    with pytest.raises(ValueError, match="desc_act false, but g_idx"):
+        generate(mislabelled)

@@ -236,7 +236,7 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act"], rows_list=[2, 20])
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
-    assert ("int4 awq toy gate_up", "rows 2", "decode tiles") in impls
+    assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("decode tiles", "decode tiles, once")} <= impls
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
                                                                      "dequant+cuBLAS")} <= impls
     bf16, gemm = (next(r for r in runner.results if r["kernel"] == "int4 awq toy o" and r["case"] == "rows 20"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, offset_binary
+from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, group_index, offset_binary
 from kernels.linear_int import linear_int as linear_int_kernel
 
 
@@ -124,9 +124,12 @@ def _random_scale(std: float, bits: int) -> float:
 
 
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-    """The layer's x [T, K_rank] @ W.T (+ bias) -> [T, N_rank] (gated: [T, N_rank / 2])."""
-    return linear_int_kernel(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.group_size,
-                             layer.packing, bias, gated, layer.mins)
+    """The layer's x [T, K_rank] @ W.T (+ bias) -> [T, N_rank] (gated: [T, N_rank / 2]). Without act-order a GPTQ
+    g_idx is k // group_size (checked at load): the kernels then read a group's zeros and scales once a tile
+    instead of gathering them per element."""
+    g_idx = layer.g_idx if layer.quant_config.desc_act else None
+    return linear_int_kernel(x, layer.qweight, layer.qzeros, layer.scales, g_idx, layer.group_size, layer.packing,
+                             bias, gated, layer.mins)
 
 
 def _loader(layer):
@@ -166,6 +169,10 @@ def _load_g_idx(layer, param: nn.Parameter, part: torch.Tensor, shard_id) -> Non
     if part.numel() and (int(part.min()) < 0 or int(part.max()) >= layer.scales.shape[0]):
         raise ValueError(f"g_idx names groups outside this rank's {layer.scales.shape[0]} (a g_idx out of "
                          "order needs desc_act true in quantization_config)")
+    in_order = group_index(part.shape[0], layer.group_size, part.device)
+    if not layer.quant_config.desc_act and not torch.equal(part, in_order):
+        raise ValueError("quantization_config: desc_act false, but g_idx is not input feature // group_size (a g_idx "
+                         "out of order needs desc_act true)")
     loaded_parts = getattr(layer, "g_idx_loaded", set())
     if loaded_parts and not torch.equal(param.data, part.to(param.device)):
         raise ValueError(f"the fused parts of a layer have different g_idx ({sorted(loaded_parts, key=str)} and "
