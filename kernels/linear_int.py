@@ -183,7 +183,7 @@ def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a batch's rows pick no new variant (1 and multiples of 16 would)
 def _int_linear_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K, group_size,
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col,

@@ -248,6 +248,7 @@ def compile_int_gemm() -> None:
                    (32, 2 * 14336 // 8), 32, 2 * 14336, gptq4, act_order=True, gated=True)
         int_linear(f"int4 gemm gptq down, {rows} rows", rows, 14336, (14336 // 8, 4096), (112, 4096 // 8), 112,
                    4096, gptq4)
+    int_linear("int4 gemm awq qkv, 200 rows", 200, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32, 6144, awq)
     int_linear("int4 gemm awq 70b gate_up + silu, 2048 rows", 2048, 8192, (8192, 2 * 28672 // 8),
                (64, 2 * 28672 // 8), 64, 2 * 28672, awq, gated=True)
     int_linear("int8 gemm gptq group 32 o, 128 rows", 128, 4096, (1024, 4096), (128, 4096 // 4), 128, 4096, gptq8,

@@ -54,6 +54,9 @@ def test_batch_shape_compiles_no_new_variant(compiled):
     while requests wait): two batch shapes, one kernel."""
     by_case = {row["case"]: row["hash"] for row in compiled}
     assert by_case["prefill llama3-8b bf16 16 seqs"] == by_case["prefill llama3-8b bf16"]
+    # the int linear: 1 and 16 rows share the decode tiles, 200 and 256 rows the GEMM tiles (gemm_config's)
+    assert by_case["int4 linear awq qkv, 1 rows"] == by_case["int4 linear awq qkv, 16 rows"]
+    assert by_case["int4 gemm awq qkv, 200 rows"] == by_case["int4 gemm awq qkv, 256 rows"]
 
 
 def test_no_register_spills_and_shared_memory_fits(compiled):
