@@ -10,6 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from deploy import serve_env
 from tests.procs import alive, descendants, environ, kill
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ class ServeProcess:
     private directory goes). Kills only what it started."""
 
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None, tmpdir: str | None = None):
-        self.port = port
+        self.port, self.tmpdir = port, tmpdir
         self.ray_tmp = tempfile.mkdtemp(prefix="pgcli", dir="/tmp")  # short: Ray's socket paths live under it
         # Not the session cluster's settings (its HAProxy's ports among them): the CLI chooses its own.
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SERVE_", "PAGODA_HAPROXY"))}
@@ -76,6 +77,9 @@ class ServeProcess:
             self.proc.wait(timeout=30)
         kill(alive(self.tree))  # only processes this test started
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        # a CLI killed outright could not remove its HAProxy directory: it is marked with the CLI, now gone
+        for parent in {self.tmpdir or tempfile.gettempdir(), "/tmp"}:
+            serve_env.remove_abandoned_dirs(parent)
 
     def __enter__(self):
         return self
