@@ -25,11 +25,12 @@ takes a default config (RANDOM_INT_CONFIGS: AWQ 4 bits, group 128, zero points; 
 no act-order) and the int layers draw their integers packed: benchmarks of real-sized int4 models without a
 checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
 
-quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 are served from their own
-blocks, each 32 weights a group of an int layer of their type (checkpoints/gguf.py repacks them exactly; Q4_1
-with `mins` instead of zero points); linears of another type (Q5_0/1, k-quants), and fused q/k/v or gate/up
-whose parts differ in type, are dequantized at load as without it (a warning says so). Without
-quantization="gguf" a GGUF file is dequantized at load.
+quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K are
+served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an int layer of their type
+(checkpoints/gguf_types.py: 4 bits, or 8 holding 5- and 6-bit values; a zero point or an additive minimum; fp16 or
+float32 scales; checkpoints/gguf_blocks.py repacks them exactly); linears of another type (F16, Q2_K, Q3_K, ...),
+and fused q/k/v or gate/up whose parts differ in type, are dequantized at load as without it (a warning says so).
+Without quantization="gguf" a GGUF file is dequantized at load.
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -45,13 +46,13 @@ import logging
 import re
 from dataclasses import dataclass
 
+from checkpoints.gguf_types import INT_LAYOUTS as GGUF_INT_LAYOUTS
 from engine.errors import ParamError
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
 INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
-GGUF_INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly: bits
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 # quantization="awq" / "gptq" with random weights and no quantization_config (`--preset llama-3-8b --quantization
@@ -73,7 +74,9 @@ class QuantConfig:
     in int32, a scale and a zero point per group of `group_size` input features (None: one group over all of
     them), `desc_act`: act-order, each input feature's group read from the checkpoint's g_idx;
     `has_zero_points` False: a symmetric checkpoint stores none (the zero is 2^(bits - 1) of the stored unsigned
-    integers); `has_mins`: GGUF Q4_1's additive minimum per group instead (w = q * scale + min)."""
+    integers); `has_mins`: GGUF's additive minimum per group instead (w = q * scale + min); `scale_dtype`: the
+    scales' (and minimums') dtype, "float32" where fp16 would round them (compressed-tensors' bf16, GGUF k-quants'
+    products)."""
 
     method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq" | "pack-quantized"
     is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
@@ -87,6 +90,7 @@ class QuantConfig:
     desc_act: bool = False
     has_zero_points: bool = True
     has_mins: bool = False
+    scale_dtype: str = "float16"
 
     @property
     def is_packed_int(self) -> bool:
@@ -158,21 +162,26 @@ def _compressed_tensors_format(qc: dict) -> str | None:
 
 
 def _gguf(hf_config: dict) -> QuantConfig | None:
-    """Int layers for a GGUF file's Q4_0 / Q4_1 / Q8_0 decoder linears (`gguf_linear_types`: ModelConfig.from_path
-    reads them from the file), or None (dequantized at load) when it has none. The config is the first type's;
-    the worker gives each linear its own (workers/weights.py `gguf_int_layers`)."""
+    """Int layers for a GGUF file's servable decoder linears (`gguf_linear_types`: ModelConfig.from_path reads them
+    from the file), or None (dequantized at load) when it has none. The config is the first type's; the worker
+    gives each linear its own (workers/weights.py `gguf_int_layers`)."""
     types = hf_config.get("gguf_linear_types")
     if types is None:
         raise ValueError("quantization='gguf' serves a .gguf model's own blocks; this model is not a GGUF file")
-    served = [t for t in types if t in GGUF_INT_TYPES]
+    served = [t for t in types if t in GGUF_INT_LAYOUTS]
     if len(served) != len(types):
         logger.warning("quantization='gguf': the decoder's linear weights are %s; those of %s (and fused q/k/v or "
                        "gate/up whose parts differ in type) are dequantized at load", "/".join(types) or "none",
                        "/".join(t for t in types if t not in served))
-    if not served:
-        return None
-    return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[served[0]],
-                       group_size=32, has_zero_points=False, has_mins=served[0] == "Q4_1")
+    return gguf_quant_config(served[0]) if served else None
+
+
+def gguf_quant_config(qtype: str) -> QuantConfig:
+    """The int layer of a GGUF block type (checkpoints/gguf_types.py: how it holds the blocks exactly)."""
+    layout = GGUF_INT_LAYOUTS[qtype]
+    return QuantConfig("gguf", False, weight="group", activation="none", bits=layout.bits,
+                       group_size=layout.group_size, has_zero_points=False, has_mins=layout.has_mins,
+                       scale_dtype=layout.scale_dtype)
 
 
 def has_experts(hf_config: dict) -> bool:
@@ -342,4 +351,5 @@ def _pack_quantized(qc: dict) -> QuantConfig:
     group_size = _int_group_size("pack-quantized", w, allow_one_group=False) if strategy == "group" else None
     return QuantConfig("pack-quantized", False, weight="group", activation="none", bits=w["num_bits"],
                        group_size=group_size, desc_act=ACT_ORDERS[actorder] and group_size is not None,
-                       ignored=tuple(qc.get("ignore") or ()), has_zero_points=not w["symmetric"])
+                       ignored=tuple(qc.get("ignore") or ()), has_zero_points=not w["symmetric"],
+                       scale_dtype="float32")  # bf16 or fp16 scales, kept exactly

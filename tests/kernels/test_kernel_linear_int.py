@@ -243,3 +243,39 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
                        and r["impl"] == impl) for impl in ("bf16 cuBLAS", "gemm tiles"))
     assert bf16["bytes"] == 128 * 128 * 2 and gemm["bytes"] == 128 * 128 // 2 + 128 * 2 + 128 // 2
     assert gemm["tflop_per_s"] == 2 * 20 * 128 * 128 / 1e-3 / 1e12
+
+
+def gguf_layer(qtype: str, out_features: int, in_features: int, device) -> dict:
+    """A GGUF type's int layer (checkpoints/gguf_types.py) from random blocks, decoded as checkpoints/gguf_blocks.py
+    decodes a file's: 8-bit fields for 5- and 6-bit values, groups of 16 (Q6_K), float32 scales and mins
+    (k-quants)."""
+    from checkpoints.gguf_blocks import decode_blocks, pack_along_k
+    from checkpoints.gguf_types import INT_LAYOUTS
+    from tests.engine.test_gguf_int import _random_blocks
+
+    layout = INT_LAYOUTS[qtype]
+    block = 256 if qtype.endswith("_K") else 32
+    q, scales, mins = decode_blocks(qtype, _random_blocks(qtype, out_features, in_features // block, seed=4))
+    p = 32 // layout.bits
+    zeros = None
+    if not layout.has_mins:
+        zeros = torch.full((scales.shape[1], out_features // p), 0x80808080 - (1 << 32) if layout.bits == 8
+                           else -2004318072, dtype=torch.int32).to(device)
+    return dict(qweight=pack_along_k(q, layout.bits).t().contiguous().to(device), qzeros=zeros,
+                scales=torch.from_numpy(scales).t().contiguous().to(device), g_idx=None,
+                group_size=layout.group_size, packing=offset_binary(layout.bits),
+                mins=None if mins is None else torch.from_numpy(mins).t().contiguous().to(device))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_gguf_layouts_match_ref(qtype, gated, device, poisoned_allocations):
+    """Q6_K's groups of 16 (at BLOCK_K 16 one group a tile, else gathered), float32 scales and mins, 8-bit fields
+    with mins: the kernel's result is the reference's (to float32 summation order: random blocks give weights up
+    to ~30, outputs in the thousands)."""
+    layer = gguf_layer(qtype, 96, 512, device)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(device)
+    ref = linear_int_ref(x, **layer, gated=gated)
+    for config in CONFIGS + [dict(BLOCK_N=32, BLOCK_K=16)]:
+        torch.testing.assert_close(linear_int_triton(x, **layer, gated=gated, config=config), ref,
+                                   atol=1e-6 * ref.abs().max().item(), rtol=1e-4)
