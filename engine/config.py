@@ -36,7 +36,8 @@ class ModelConfig:
     quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none);
     # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway (random
     # weights without one: a default int4 layout, engine/quantization.py RANDOM_INT_CONFIGS);
-    # "gguf": a .gguf model's Q4_0 / Q8_0 linears served from their blocks (engine/quantization.py)
+    # "gguf": a .gguf model's linears served from their blocks (engine/quantization.py; EngineArgs picks it for a
+    # .gguf on a GPU); "none": a .gguf dequantized at load
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
@@ -226,7 +227,8 @@ class EngineArgs:
     use_ray: bool = False
     stream_interval_s: float = 0.0
     chat_template: str | None = None  # a file, or the template's text: replaces the tokenizer's
-    quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8)
+    quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8); None: the
+    # checkpoint's own ("gguf" for a .gguf on a GPU: create_engine_config); "none": a .gguf dequantized at load
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV pool
     swap_space: float = 0.0  # GiB of host memory per rank for the host KV tier (vLLM's name); 0: none
     num_host_kv_blocks: int | None = None  # the host tier's size in blocks instead (tests)
@@ -261,21 +263,38 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """`model` is any name checkpoints.source.resolve_model takes (None: the built-in SmolLM2)."""
-        # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
-        # `import engine.config`, which every process pays, the ingress's too
-        from checkpoints.source import resolve_model
         from engine.sampling_params import default_sampling_overrides
         from engine.tokenizer import read_chat_template
 
-        model_config = ModelConfig.from_path(resolve_model(self.model), dtype=self.dtype,
-                                             max_model_len=self.max_model_len or 0, load_format=self.load_format,
-                                             seed=self.seed, tokenizer=self.tokenizer,
+        path, quantization = self._checkpoint_and_quantization()
+        model_config = ModelConfig.from_path(path, dtype=self.dtype, max_model_len=self.max_model_len or 0,
+                                             load_format=self.load_format, seed=self.seed, tokenizer=self.tokenizer,
                                              chat_template=read_chat_template(self.chat_template),
-                                             quantization=self.quantization)
+                                             quantization=quantization)
         default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
         cache, scheduler, parallel = self._parts()
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s)
+
+    def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
+        """The checkpoint to load and its quantization. Given none, a .gguf model on a GPU serves its decoder
+        linears from their own blocks ("gguf": a quarter to a half of a bf16 weight's bytes read per token), and
+        the built-in SmolLM2 loads from its Q4_1 file rather than its float32 conversion; on CPU a GGUF is
+        dequantized at load (the int layers' torch reference would dequantize every weight at every step, slower
+        than float weights). quantization="none" dequantizes on a GPU too. The device is this process's view
+        ("auto": a GPU visible here; the Serve app resolves it for the replica's placement before)."""
+        # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
+        # `import engine.config`, which every process pays, the ingress's too
+        from checkpoints.source import resolve_model
+
+        if self.quantization is not None:
+            return resolve_model(self.model), self.quantization
+        if self.model is None and resolve_device(self.device) == "cuda":
+            from checkpoints.builtin import default_gguf_path
+
+            return default_gguf_path(), "gguf"
+        path = resolve_model(self.model)
+        return path, "gguf" if path.endswith(".gguf") and resolve_device(self.device) == "cuda" else None
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}

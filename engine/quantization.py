@@ -30,7 +30,8 @@ served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an 
 (checkpoints/gguf_types.py: 4 bits, or 8 holding 5- and 6-bit values; a zero point or an additive minimum; fp16 or
 float32 scales; checkpoints/gguf_blocks.py repacks them exactly); linears of another type (F16, Q2_K, Q3_K, ...),
 and fused q/k/v or gate/up whose parts differ in type, are dequantized at load as without it (a warning says so).
-Without quantization="gguf" a GGUF file is dequantized at load.
+Without it (None, or "none") a GGUF file is dequantized at load; EngineArgs gives a .gguf model on a GPU
+quantization="gguf" unless told otherwise (engine/config.py).
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -51,7 +52,7 @@ from engine.errors import ParamError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = (None, "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
+QUANTIZATIONS = (None, "none", "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
 INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -116,7 +117,7 @@ class QuantConfig:
 
 def resolve_quantization(quantization: str | None, hf_config: dict,
                          is_random_weights: bool = False) -> QuantConfig | None:
-    """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported.
+    """The scheme for this checkpoint and the user's `quantization` (QUANTIZATIONS); ValueError if unsupported.
     `is_random_weights` (load_format "random", a preset): "awq" / "gptq" without a quantization_config take
     RANDOM_INT_CONFIGS's."""
     if quantization not in QUANTIZATIONS:
@@ -124,6 +125,11 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
     if quantization == "gguf":
         return _gguf(hf_config)
     qc = hf_config.get("quantization_config")
+    if quantization == "none":  # a .gguf dequantized at load even on a GPU; an unquantized checkpoint as it is
+        if qc:
+            raise ValueError(f"quantization='none': the checkpoint is quantized (quant_method "
+                             f"{qc.get('quant_method')!r}) and is read as stored")
+        return None
     if not qc:
         if quantization in ("awq", "gptq") and is_random_weights:
             return _int_checkpoint(quantization, quantization, RANDOM_INT_CONFIGS[quantization], hf_config)

@@ -15,7 +15,7 @@ import torch
 from checkpoints.gguf_types import INT_LAYOUTS
 from engine.quantization import resolve_quantization
 from kernels.linear_int import dequantize_ref, offset_binary
-from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate
+from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate, int4_factory
 from tests.gguf_files import write_gguf
 from tests.gguf_kquants import QUANTIZERS as K_QUANTS
 
@@ -238,3 +238,33 @@ def test_random_weights_with_mins(ggufs):
         assert layer.mins is not None and abs(w.mean().item() + step / 2) < 1e-3 and abs(w.std().item() - 0.02) < 2e-3
 
     generate(path, inspect=check, load_format="random", quantization="gguf")
+
+
+def test_a_gguf_on_a_gpu_is_served_from_its_blocks_by_default(ggufs, tmp_path_factory):
+    """EngineArgs without quantization: a .gguf on a GPU gets "gguf" (the built-in SmolLM2 its Q4_1 file, not the
+    float32 conversion), on CPU none (dequantized at load); quantization="none" dequantizes on a GPU too, and is
+    refused for a checkpoint that is quantized. Only the config is made ("cuda" is not checked until a worker
+    starts), so this runs here."""
+    from checkpoints.builtin import default_gguf_path
+    from engine.config import EngineArgs
+    from tests import int4_checkpoints as ic
+
+    def model_config(**kwargs):
+        return EngineArgs(**kwargs).create_engine_config().model
+
+    path = ggufs("llama", "Q4_K")
+    on_gpu = model_config(model=path, device="cuda")
+    assert on_gpu.quantization == "gguf" and on_gpu.quant_config.method == "gguf"
+    assert model_config(model=path, device="cpu").quant_config is None
+    assert model_config(model=path, device="cuda", quantization="none").quant_config is None
+    assert model_config(model=path, device="cuda", quantization="fp8").quant_config.method == "fp8"
+    builtin = model_config(device="cuda")
+    assert builtin.model == default_gguf_path() and builtin.quant_config.has_mins
+    converted = model_config(device="cpu")
+    assert not converted.is_gguf and converted.quant_config is None
+    tiny = model_config(model="tiny", device="cuda")
+    assert tiny.quantization is None and tiny.quant_config is None
+    awq, _, _ = int4_factory(tmp_path_factory)(ic.Int4Format("awq", 32))
+    assert model_config(model=awq, device="cuda").quant_config.method == "awq"
+    with pytest.raises(ValueError, match="quantization='none'.*awq"):
+        model_config(model=awq, quantization="none")
