@@ -69,6 +69,7 @@ class ModelConfig:
             hf_config = _read_json(os.path.join(model, "config.json"))
             if hf_config is None:
                 raise ParamError("model", f"{model!r} is not a checkpoint directory (no config.json)")
+            hf_config = with_quantize_config(hf_config, _read_json(os.path.join(model, "quantize_config.json")))
             generation_config = _read_json(os.path.join(model, "generation_config.json")) or {}
         config = cls(model=model, hf_config=hf_config, generation_config=generation_config, **kwargs)
         limit = model_context_length(hf_config)
@@ -117,6 +118,21 @@ def model_context_length(hf_config: dict) -> int:
         base = int(scaling.get("original_max_position_embeddings") or limit)
         limit = max(limit, int(base * float(scaling.get("factor", 1.0))))
     return limit
+
+
+def with_quantize_config(hf_config: dict, quantize_config: dict | None) -> dict:
+    """GPTQ tools write quantize_config.json beside config.json (AutoGPTQ's older versions only it): its fields
+    fill what config.json's quantization_config of the same method lacks, checkpoint_format above all (v2's zero
+    points read as v1's would be off by one)."""
+    if not quantize_config:
+        return hf_config
+    extra = {"quant_method": "gptq", **quantize_config}  # AutoGPTQ's file names no method: it is GPTQ's
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return {**hf_config, "quantization_config": extra}
+    if qc.get("quant_method") != extra["quant_method"]:
+        return hf_config
+    return {**hf_config, "quantization_config": {**extra, **qc}}
 
 
 def _read_json(path: str) -> dict | None:

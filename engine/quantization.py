@@ -13,8 +13,9 @@ checkpoint's `quantization_config` (pure Python: the engine validates it before 
 Weight-only integer checkpoints, read as stored (workers/layers/quantization_int.py; activations stay in the
 model's dtype):
     quant_method "awq", version "gemm" (AutoAWQ): 4 bits, zero_point true, group_size 32 / 64 / 128
-    quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing): bits 4 or 8, sym true
-        or false, desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
+    quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing, or GPTQModel's
+        "gptq_v2", zero points stored without v1's minus one; pack_dtype int32): bits 4 or 8, sym true or false,
+        desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
     quant_method "compressed-tensors", format "pack-quantized" (llm-compressor's W4A16 / W8A16; method
         "pack-quantized" here): one config group, weights type "int", num_bits 4 or 8, symmetric (no zero points)
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
@@ -92,6 +93,7 @@ class QuantConfig:
     has_zero_points: bool = True
     has_mins: bool = False
     scale_dtype: str = "float16"
+    checkpoint_format: str | None = None  # GPTQ's: "gptq" (v1: zero points stored minus one) or "gptq_v2"
 
     @property
     def is_packed_int(self) -> bool:
@@ -266,6 +268,8 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
         raise ValueError(f"quantization_config: a {method} checkpoint of Phi-3 (fused qkv_proj / gate_up_proj "
                          "tensors) is not supported yet")
     config = {"awq": _awq, "gptq": _gptq, "pack-quantized": _pack_quantized}[method](qc)
+    if method == "pack-quantized":
+        _check_whole_int32s(config, hf_config)
     kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
     if kept:
         raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore naming decoder modules "
@@ -300,9 +304,15 @@ def _awq(qc: dict) -> QuantConfig:
 
 def _gptq(qc: dict) -> QuantConfig:
     fmt = qc.get("checkpoint_format", "gptq")
-    if fmt != "gptq":
-        raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported (only 'gptq', "
-                         "the v1 packing AutoGPTQ and GPTQModel save)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported ('gptq', the v1 "
+                         "packing AutoGPTQ and GPTQModel save, or 'gptq_v2')")
+    if qc.get("is_marlin_format"):
+        raise ValueError("quantization_config: gptq is_marlin_format true (AutoGPTQ's Marlin repacking) is not "
+                         "supported")
+    if qc.get("pack_dtype", "int32") != "int32":
+        raise ValueError(f"quantization_config: gptq pack_dtype {qc.get('pack_dtype')!r} is not supported "
+                         "('int32')")
     bits = qc.get("bits")
     if bits not in (4, 8):
         raise ValueError(f"quantization_config: gptq bits {bits!r} is not supported (4 or 8)")
@@ -316,7 +326,33 @@ def _gptq(qc: dict) -> QuantConfig:
     return QuantConfig("gptq", False, weight="group", activation="none", bits=bits,
                        group_size=_int_group_size("gptq", qc, allow_one_group=True),
                        desc_act=bool(qc.get("desc_act", False)),
-                       ignored=tuple(qc.get("modules_to_not_convert") or ()))
+                       ignored=tuple(qc.get("modules_to_not_convert") or ()), checkpoint_format=fmt)
+
+
+def decoder_linear_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
+    """Each decoder linear's weight [N, K] from config.json (the Llama family's names); {} when it lacks a field."""
+    try:
+        hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+        head_dim = int(hf_config.get("head_dim") or hidden // heads)
+        inter = int(hf_config["intermediate_size"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+            "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter)}
+
+
+def _check_whole_int32s(config: QuantConfig, hf_config: dict) -> None:
+    """compressed-tensors packs each row of K values into ceil(K * bits / 32) int32s, padding the last one; the int
+    layers read whole int32s of 32 / bits values: a K that does not fill them is a ValueError naming the tensor."""
+    p = config.pack_factor
+    for name, (n, k) in decoder_linear_shapes(hf_config).items():
+        if k % p:
+            raise ValueError(f"quantization_config: pack-quantized model.layers.*.{name}.weight_packed: its weight "
+                             f"[{n}, {k}] has K = {k} input features, not a multiple of the {p} {config.bits}-bit "
+                             "values an int32 holds (the checkpoint pads each row's last int32; not supported)")
 
 
 ACT_ORDERS = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}

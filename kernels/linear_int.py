@@ -103,7 +103,7 @@ def gptq_v1(bits: int) -> IntPacking:
 
 def offset_binary(bits: int) -> IntPacking:
     """Signed integers stored as q + 2^(bits - 1), packed along K in order (compressed-tensors' pack_to_int32,
-    and GGUF Q4_0 / Q8_0 repacked at load), zero points as stored: GPTQ's layout without its off-by-one."""
+    GGUF blocks repacked at load), zero points as stored: GPTQ's layout without v1's off-by-one (GPTQ v2's)."""
     return IntPacking(bits=bits, is_packed_along_k=True, fields=None, zero_offset=0)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.quantization import resolve_quantization
-from kernels.linear_int import AWQ_GEMM, gptq_v1, unpack_weight, unpack_zeros
+from kernels.linear_int import AWQ_GEMM, gptq_v1, offset_binary, unpack_weight, unpack_zeros
 from pagoda import LLM, SamplingParams
 from tests import int4_checkpoints as ic
 from tests.prompts import PARITY_PROMPTS
@@ -22,7 +22,9 @@ MAX_NEW = 8
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 32, sym=True),
            ic.Int4Format("gptq", 128, sym=False), ic.Int4Format("gptq", 32, sym=False, desc_act=True),
-           ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True)]
+           ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True),
+           ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"),
+           ic.Int4Format("gptq", 64, bits=8, sym=True, checkpoint_format="gptq_v2")]
 
 
 def int4_factory(tmp_path_factory):
@@ -83,6 +85,11 @@ def test_packing_as_the_tools_pack_it():
     assert unpack_weight(torch.tensor([[0x75316420]], dtype=torch.int32), AWQ_GEMM).tolist() == [list(range(8))]
     assert unpack_weight(torch.tensor([[0x76543210]], dtype=torch.int32), gptq_v1(4)).flatten().tolist() \
         == list(range(8))
+    zeros = ic.Quantized(values[:, None], values[None, :], torch.ones(1, 8).half(), torch.zeros(8, dtype=torch.int32))
+    assert ic.pack_gptq(zeros, 4)["qzeros"].item() == 0x6543210F  # v1: zero - 1 (a zero of 0 wraps to 15)
+    assert ic.pack_gptq(zeros, 4, v2=True)["qzeros"].item() == 0x76543210  # v2: as they are
+    assert unpack_zeros(torch.tensor([[0x76543210]], dtype=torch.int32), offset_binary(4)).tolist() \
+        == [list(range(8))]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -91,7 +98,7 @@ def test_unpacking_gives_back_the_integers(int4, fmt):
 
     dst, _, layers = int4(fmt)
     tensors = load_file(f"{dst}/model.safetensors")
-    packing = AWQ_GEMM if fmt.method == "awq" else gptq_v1(fmt.bits)
+    packing = AWQ_GEMM if fmt.method == "awq" else offset_binary(fmt.bits) if fmt.is_gptq_v2 else gptq_v1(fmt.bits)
     for module, qz in layers.items():
         assert tensors[f"{module}.qweight"].dtype == torch.int32
         assert torch.equal(unpack_weight(tensors[f"{module}.qweight"], packing), qz.q)
@@ -136,7 +143,8 @@ def test_unsupported_awq_variants_are_refused(change, field):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"bits": 3}, "gptq bits 3"), ({"bits": 2}, "gptq bits 2"), ({"checkpoint_format": "gptq_v2"}, "gptq_v2"),
+    ({"bits": 3}, "gptq bits 3"), ({"bits": 2}, "gptq bits 2"), ({"pack_dtype": "int64"}, "pack_dtype 'int64'"),
+    ({"is_marlin_format": True}, "is_marlin_format"), ({"checkpoint_format": "gptq_v3"}, "'gptq_v3'"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"), ({"group_size": 256}, "group_size 256"),
     ({"lm_head": True}, "lm_head"), ({"dynamic": {"-:.*down.*": {}}}, "dynamic"), ({"sym": None}, "sym None")])
 def test_unsupported_gptq_variants_are_refused(change, field):
@@ -160,6 +168,38 @@ def test_refused_models_and_mismatches():
     gptq = resolve_quantization(None, {"quantization_config": ic.Int4Format("gptq", -1, desc_act=True)
                                        .quantization_config()})
     assert (gptq.group_size, gptq.desc_act, gptq.pack_factor) == (None, True, 8)
+
+
+def test_gptq_v2_read_from_quantize_config(int4, tmp_path):
+    """GPTQ tools write quantize_config.json too: a v2 checkpoint whose config.json's quantization_config does not
+    name its format, or which has none (AutoGPTQ's older saves), is read as that file says. Read as v1, every zero
+    point would be off by one: the outputs would differ."""
+    import json
+    import os
+    import shutil
+
+    dst, oracle, _ = int4(ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"))
+    reference = generate(oracle)
+    for name, keep in (("no-format", lambda qc: {k: v for k, v in qc.items() if k != "checkpoint_format"}),
+                       ("no-config", None)):
+        copy = shutil.copytree(dst, tmp_path / name)
+        with open(copy / "config.json") as f:
+            config = json.load(f)
+        qc = config.pop("quantization_config")
+        if keep is not None:
+            config["quantization_config"] = keep(qc)
+        with open(copy / "config.json", "w") as f:
+            json.dump(config, f)
+        assert_same(reference, generate(str(copy), inspect=_assert_v2))
+    os.remove(tmp_path / "no-format" / "quantize_config.json")  # now nothing says v2: read as v1, it differs
+    as_v1 = generate(str(tmp_path / "no-format"))
+    assert any(abs(a.outputs[0].logprobs[0][t] - b.outputs[0].logprobs[0].get(t, 0.0)) > 1e-3
+               for a, b in zip(reference, as_v1) for t in a.outputs[0].logprobs[0])
+
+
+def _assert_v2(llm) -> None:
+    layer = llm.engine.executor.worker.model.model.layers[0].mlp.down_proj
+    assert layer.quant_config.checkpoint_format == "gptq_v2" and layer.packing == offset_binary(4)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])

@@ -40,7 +40,9 @@ from kernels.linear_int import linear_int as linear_int_kernel
 def packing_of(config: QuantConfig) -> IntPacking:
     if config.method == "awq":
         return AWQ_GEMM
-    return gptq_v1(config.bits) if config.method == "gptq" else offset_binary(config.bits)
+    if config.method == "gptq" and config.checkpoint_format != "gptq_v2":
+        return gptq_v1(config.bits)
+    return offset_binary(config.bits)  # GPTQ v2: v1's layout, zero points as they are
 
 
 def _mid_range_zeros(shape, packing: IntPacking, device) -> torch.Tensor:
