@@ -264,9 +264,6 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
         raise ValueError(f"quantization_config: a {method} checkpoint of a mixture-of-experts model "
                          f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported yet: the fused "
                          "MoE kernel takes no int4 experts")
-    if "Phi3ForCausalLM" in (hf_config.get("architectures") or []):
-        raise ValueError(f"quantization_config: a {method} checkpoint of Phi-3 (fused qkv_proj / gate_up_proj "
-                         "tensors) is not supported yet")
     config = {"awq": _awq, "gptq": _gptq, "pack-quantized": _pack_quantized}[method](qc)
     if method == "pack-quantized":
         _check_whole_int32s(config, hf_config)

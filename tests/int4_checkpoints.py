@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
 
 

@@ -61,3 +61,16 @@ def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp
 
     outs = generate(path, inspect=check, tensor_parallel_size=2, quantization="gguf", **STRESS_INT4)
     assert_same(generate(path), outs)
+
+
+def test_tp2_phi3_fused_awq_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj packed as one AWQ linear each: every rank takes its q, k, v (16 of
+    k's and v's 32 rows: 2 packed int32 columns) and gate, up slices of the packed columns."""
+    from checkpoints.tiny import make_tiny_model
+    from tests.engine.test_int4_checkpoints import PHI3_SHAPE
+
+    tiny = make_tiny_model(str(tmp_path / "float"), "phi3", seed=6, config_overrides=PHI3_SHAPE)
+    fmt = ic.Int4Format("awq", 32)
+    dst, oracle = str(tmp_path / fmt.name), str(tmp_path / f"{fmt.name}-oracle")
+    ic.write_int4_checkpoint(tiny, dst, oracle, fmt)
+    assert_same(generate(oracle), generate(dst, tensor_parallel_size=2, **STRESS_INT4))

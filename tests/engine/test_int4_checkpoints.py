@@ -157,8 +157,6 @@ def test_refused_models_and_mismatches():
     awq = ic.Int4Format("awq").quantization_config()
     with pytest.raises(ValueError, match="mixture-of-experts"):
         resolve_quantization(None, {"quantization_config": awq, "num_local_experts": 8})
-    with pytest.raises(ValueError, match="Phi-3"):
-        resolve_quantization(None, {"quantization_config": awq, "architectures": ["Phi3ForCausalLM"]})
     with pytest.raises(ValueError, match="does not match"):
         resolve_quantization("gptq", {"quantization_config": awq})
     with pytest.raises(ValueError, match="no quantization_config"):
@@ -270,3 +268,36 @@ def test_g_idx_out_of_order_needs_desc_act(int4, tmp_path):
     ic.set_quantization_config(mislabelled, ic.Int4Format("gptq", 32, sym=False).quantization_config())
     with pytest.raises(ValueError, match="desc_act false, but g_idx"):
         generate(mislabelled)
+
+
+PHI3_SHAPE = {**SHAPE, "num_attention_heads": 8}  # head_dim 16, the tiny longrope factors' length
+
+
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, desc_act=True),
+                                 ic.Int4Format("gptq", 64, bits=8, sym=True, checkpoint_format="gptq_v2"),
+                                 ic.Int4Format("pack-quantized", 32, sym=False, desc_act=True)],
+                         ids=lambda f: f.name)
+def test_phi3_fused_tensors_match_transformers(tmp_path_factory, fmt):
+    """Phi-3 stores qkv_proj and gate_up_proj fused, and the tools pack each as one linear: the layer takes each
+    part's N range of the packed tensors (AWQ's packed columns, GPTQ's columns, compressed-tensors' rows). Against
+    transformers on the dequantized float32 checkpoint: prompt and output logprobs within 1e-4, greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints.tiny import make_tiny_model
+    from tests.hf_oracle import assert_matches_hf
+
+    root = tmp_path_factory.mktemp("phi3-int")
+    tiny = make_tiny_model(str(root / "float"), "phi3", seed=6, config_overrides=PHI3_SHAPE)
+    dst, oracle = str(root / fmt.name), str(root / f"{fmt.name}-oracle")
+    layers = ic.write_int4_checkpoint(tiny, dst, oracle, fmt)
+    assert "model.layers.0.self_attn.qkv_proj" in layers and "model.layers.0.mlp.gate_up_proj" in layers
+    llm = LLM(model=dst, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    try:
+        outs = llm.generate(PARITY_PROMPTS[:4], params, use_tqdm=False)
+        assert_holds_packed_weights(llm)
+    finally:
+        llm.shutdown()
+    hf_model = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    for out in outs:
+        assert_matches_hf(hf_model, out, num_top=2, atol=1e-4)
