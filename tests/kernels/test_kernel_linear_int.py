@@ -267,15 +267,35 @@ def gguf_layer(qtype: str, out_features: int, in_features: int, device) -> dict:
                 mins=None if mins is None else torch.from_numpy(mins).t().contiguous().to(device))
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"])
+GGUF_TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"]
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [3, 40])
 @pytest.mark.parametrize("gated", [False, True])
-def test_triton_gguf_layouts_match_ref(qtype, gated, device, poisoned_allocations):
+def test_triton_gguf_layouts_match_ref(qtype, rows, gated, device, poisoned_allocations):
     """Q6_K's groups of 16 (at BLOCK_K 16 one group a tile, else gathered), float32 scales and mins, 8-bit fields
-    with mins: the kernel's result is the reference's (to float32 summation order: random blocks give weights up
-    to ~30, outputs in the thousands)."""
+    with mins, in the decode tiles (3 rows) and the GEMM tiles (40): the kernel's result is the reference's (to
+    float32 summation order: random blocks give weights up to ~30, outputs in the thousands)."""
     layer = gguf_layer(qtype, 96, 512, device)
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(device)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)).to(device)
     ref = linear_int_ref(x, **layer, gated=gated)
-    for config in CONFIGS + [dict(BLOCK_N=32, BLOCK_K=16)]:
+    configs = (CONFIGS + [dict(BLOCK_N=32, BLOCK_K=16)] if rows <= 16
+               else GEMM_CONFIGS + [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=1)])
+    for config in configs:
         torch.testing.assert_close(linear_int_triton(x, **layer, gated=gated, config=config), ref,
                                    atol=1e-6 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_dequantize_kernel_gguf_layouts_exactly(qtype, device, poisoned_allocations):
+    """The dequantizing kernel writes the reference's W bit for bit for GGUF layouts, mins included: their integer
+    times scale is exact in float32, so a GPU's fused multiply-add rounds as the reference's two operations do."""
+    from kernels.linear_int import dequantize_ref, dequantize_triton
+
+    layer = gguf_layer(qtype, 96, 512, device)
+    for dtype in (torch.float32, torch.float16):
+        ref = dequantize_ref(**layer, dtype=dtype)
+        bits = torch.int16 if dtype == torch.float16 else torch.int32  # equal bits: -0.0 is not 0.0
+        for config in (None, dict(BLOCK_N=32, BLOCK_K=16)):
+            assert torch.equal(dequantize_triton(**layer, dtype=dtype, config=config).view(bits), ref.view(bits))
