@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> dict:
                        "min_running", "preemptions", "mask_ms_per_step"])
     result = {"benchmark": "latency", "device": device_name(),
               "model": args.preset or args.model or "smollm2-135m-instruct",
-              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "quantization": config.model.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers, "results": rows}
     write_json(args.output_json, result)
     return result

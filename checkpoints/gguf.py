@@ -13,18 +13,9 @@ rank thus dequantizes only its shard, as it reads only its slice of a safetensor
 llama.cpp stores the q and k projections of Llama models with each head's rows interleaved for its rotary layout
 (pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...); the slices undo that with a row permutation, read lazily like the rest.
 
-With quantization="gguf", a decoder linear stored Q4_0, Q4_1 or Q8_0 is served from its own blocks instead: each
-block of 32 weights is one group of an int layer (workers/layers/quantization_int.py), repacked exactly:
-
-    Q4_0 block: d fp16, 16 bytes qs; weight j = d * ((qs[j] & 15) - 8), weight j + 16 = d * ((qs[j] >> 4) - 8)
-    Q4_1 block: d fp16, m fp16, qs;  weight j = d * (qs[j] & 15) + m, weight j + 16 = d * (qs[j] >> 4) + m
-    Q8_0 block: d fp16, 32 int8 q;   weight j = d * q[j]
-    ->  qweight int32 [N, K / p]: the unsigned q (Q8_0's q + 128) of inputs p c .. p c + p - 1 in fields 0..p-1
-        scales  fp16  [N, K / 32]: d;   zero 8 (Q4_0) or 128 (Q8_0)   (kernels.linear_int.offset_binary)
-        mins    fp16  [N, K / 32]: m (Q4_1, which has no zero point)
-
-the same layout as compressed-tensors' pack-quantized, N first; `GGUFIntSlice` repacks only the rows and blocks a
-rank asks for. (Q5_0/1 and the k-quants are still dequantized at load.)
+With quantization="gguf", a decoder linear stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K is served from
+its own blocks instead: `GGUFIntSlice` (checkpoints/gguf_blocks.py) repacks the rows and blocks a rank asks for
+into an int layer's qweight / scales / mins, exactly (checkpoints/gguf_types.py: each type's layout).
 """
 
 from __future__ import annotations
@@ -38,12 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from checkpoints.gguf_blocks import GGUFIntSlice
+from checkpoints.gguf_types import INT_LAYOUTS
 from checkpoints.source import build_once, cache_root
 
 # Types `gguf.quants.dequantize` handles and that Pagoda has checked; any other type is an error naming it.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
-INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # served as int layers with quantization="gguf": bits
 _LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes q/k rows for these architectures only
@@ -172,8 +164,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 def iterate_gguf_weights(path: str, hf_config: dict | None = None,
                          int_modules: Container[str] = ()) -> Iterator[tuple[str, GGUFSlice | GGUFIntSlice]]:
     """(Hugging Face name, lazy slice) for every tensor of the file, as `weights.iterate_weights` yields them;
-    a Q4_0 / Q4_1 / Q8_0 linear of `int_modules` (Hugging Face module names) as its `qweight`, `scales` (and
-    Q4_1's `mins`) blocks (`GGUFIntSlice`), not dequantized."""
+    a served linear of `int_modules` (Hugging Face module names) as its `qweight`, `scales` (and `mins`) blocks
+    (`GGUFIntSlice`), not dequantized."""
     reader = open_gguf(path)
     hf_config = hf_config or gguf_hf_config(reader)
     head_dim = hf_config["head_dim"]
@@ -185,8 +177,9 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
             rows = qk_row_order(int(tensor.shape[-1]), head_dim)
         sliced = GGUFSlice(tensor, rows)
         module = name[: -len(".weight")]
-        if module in int_modules and _is_linear_weight(tensor.name) and tensor.tensor_type.name in INT_TYPES:
-            parts = ("qweight", "scales", "mins") if tensor.tensor_type.name == "Q4_1" else ("qweight", "scales")
+        layout = INT_LAYOUTS.get(tensor.tensor_type.name)
+        if module in int_modules and _is_linear_weight(tensor.name) and layout is not None:
+            parts = ("qweight", "scales", "mins") if layout.has_mins else ("qweight", "scales")
             for part in parts:
                 yield f"{module}.{part}", GGUFIntSlice(sliced, part)
         else:
@@ -250,49 +243,6 @@ class GGUFSlice:
         from gguf.quants import dequantize
 
         return dequantize(raw, self.qtype)
-
-
-class GGUFIntSlice:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks as an int layer's `qweight` int32 [N, K / p], `scales` or `mins` fp16
-    [N, K / 32] (see the module docstring), read like a safetensors slice: `[a:b]` rows, `[a:b, c:d]` rows and packed
-    columns on block boundaries. Only the rows and blocks asked for are read and repacked."""
-
-    BLOCK = 32
-
-    def __init__(self, base: GGUFSlice, part: str):
-        assert base.qtype.name in INT_TYPES and base.block_size == self.BLOCK, base.qtype.name
-        self.base, self.part, self.bits = base, part, INT_TYPES[base.qtype.name]
-        rows, cols = base.shape
-        self.per_column = 32 // self.bits if part == "qweight" else self.BLOCK  # weights per column of this part
-        self.num_halves = 2 if base.qtype.name == "Q4_1" else 1  # fp16s before the codes: d (and m)
-        self.shape = (rows, cols // self.per_column)
-
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
-
-    def __getitem__(self, key) -> torch.Tensor:
-        rows, cols = (key, slice(None)) if not isinstance(key, tuple) else (key + (slice(None),))[:2]
-        start, stop, _ = cols.indices(self.shape[1])
-        first, last = start * self.per_column, stop * self.per_column  # weights
-        if first % self.BLOCK or last % self.BLOCK:
-            raise ValueError(f"GGUF tensor {self.base.name!r}: columns [{first}, {last}) are not whole blocks of 32")
-        size = self.base.type_size
-        raw = self.base._rows(rows)[:, first // self.BLOCK * size: last // self.BLOCK * size]
-        blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes]
-        if self.part != "qweight":  # d, or Q4_1's m after it
-            at = 0 if self.part == "scales" else 2
-            return torch.from_numpy(blocks[:, :, at:at + 2].copy().view(np.float16).reshape(raw.shape[0], -1))
-        codes = blocks[:, :, 2 * self.num_halves:]
-        if self.bits == 4:  # low nibbles are weights 0..15 of the block, high nibbles 16..31
-            q = np.concatenate([codes & 15, codes >> 4], axis=2)
-        else:  # int8 -> unsigned q + 128
-            q = codes ^ np.uint8(0x80)
-        p = 32 // self.bits
-        q = q.reshape(raw.shape[0], -1, p).astype(np.uint32)  # [rows, int32s, p]: consecutive inputs
-        words = np.zeros(q.shape[:2], dtype=np.uint32)
-        for field in range(p):
-            words |= q[:, :, field] << np.uint32(self.bits * field)
-        return torch.from_numpy(words.view(np.int32))
 
 
 def _as_tensor(values: np.ndarray) -> torch.Tensor:

@@ -52,12 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="refused: Pagoda runs only its own model code (see the README's model list)")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) that replaces "
                                                               "the tokenizer's")
-    parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq", "gguf"],
+    parser.add_argument("--quantization", default=None, choices=["fp8", "awq", "gptq", "gguf", "none"],
                         help="fp8: FP8 weights (per output channel) and activations (per token), quantized at load; "
                              "awq / gptq: name the checkpoint's own int4 method (read from its config anyway; "
                              "with --preset or --load-format random, a default layout: AWQ or GPTQ 4 bits, group "
                              "128, drawn packed); "
-                             "gguf: a .gguf model's Q4_0 / Q8_0 linears served from their blocks, not dequantized")
+                             "gguf: a .gguf model's linears served from their blocks, not dequantized (the default "
+                             "for a .gguf on a GPU); none: a .gguf dequantized at load (the default on CPU)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
 

@@ -36,7 +36,8 @@ class ModelConfig:
     quantization: str | None = None  # "fp8": FP8 linear layers quantized at load (an FP8 checkpoint needs none);
     # "awq" / "gptq": only names an int checkpoint's own method, which its quantization_config gives anyway (random
     # weights without one: a default int4 layout, engine/quantization.py RANDOM_INT_CONFIGS);
-    # "gguf": a .gguf model's Q4_0 / Q8_0 linears served from their blocks (engine/quantization.py)
+    # "gguf": a .gguf model's linears served from their blocks (engine/quantization.py; EngineArgs picks it for a
+    # .gguf on a GPU); "none": a .gguf dequantized at load
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # config.json as loaded
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)  # generation_config.json
 
@@ -68,6 +69,7 @@ class ModelConfig:
             hf_config = _read_json(os.path.join(model, "config.json"))
             if hf_config is None:
                 raise ParamError("model", f"{model!r} is not a checkpoint directory (no config.json)")
+            hf_config = with_quantize_config(hf_config, _read_json(os.path.join(model, "quantize_config.json")))
             generation_config = _read_json(os.path.join(model, "generation_config.json")) or {}
         config = cls(model=model, hf_config=hf_config, generation_config=generation_config, **kwargs)
         limit = model_context_length(hf_config)
@@ -116,6 +118,21 @@ def model_context_length(hf_config: dict) -> int:
         base = int(scaling.get("original_max_position_embeddings") or limit)
         limit = max(limit, int(base * float(scaling.get("factor", 1.0))))
     return limit
+
+
+def with_quantize_config(hf_config: dict, quantize_config: dict | None) -> dict:
+    """GPTQ tools write quantize_config.json beside config.json (AutoGPTQ's older versions only it): its fields
+    fill what config.json's quantization_config of the same method lacks, checkpoint_format above all (v2's zero
+    points read as v1's would be off by one)."""
+    if not quantize_config:
+        return hf_config
+    extra = {"quant_method": "gptq", **quantize_config}  # AutoGPTQ's file names no method: it is GPTQ's
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return {**hf_config, "quantization_config": extra}
+    if qc.get("quant_method") != extra["quant_method"]:
+        return hf_config
+    return {**hf_config, "quantization_config": {**extra, **qc}}
 
 
 def _read_json(path: str) -> dict | None:
@@ -226,7 +243,8 @@ class EngineArgs:
     use_ray: bool = False
     stream_interval_s: float = 0.0
     chat_template: str | None = None  # a file, or the template's text: replaces the tokenizer's
-    quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8)
+    quantization: str | None = None  # "fp8": FP8 linear layers, quantized at load (docs: README, FP8); None: the
+    # checkpoint's own ("gguf" for a .gguf on a GPU: create_engine_config); "none": a .gguf dequantized at load
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV pool
     swap_space: float = 0.0  # GiB of host memory per rank for the host KV tier (vLLM's name); 0: none
     num_host_kv_blocks: int | None = None  # the host tier's size in blocks instead (tests)
@@ -261,21 +279,38 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """`model` is any name checkpoints.source.resolve_model takes (None: the built-in SmolLM2)."""
-        # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
-        # `import engine.config`, which every process pays, the ingress's too
-        from checkpoints.source import resolve_model
         from engine.sampling_params import default_sampling_overrides
         from engine.tokenizer import read_chat_template
 
-        model_config = ModelConfig.from_path(resolve_model(self.model), dtype=self.dtype,
-                                             max_model_len=self.max_model_len or 0, load_format=self.load_format,
-                                             seed=self.seed, tokenizer=self.tokenizer,
+        path, quantization = self._checkpoint_and_quantization()
+        model_config = ModelConfig.from_path(path, dtype=self.dtype, max_model_len=self.max_model_len or 0,
+                                             load_format=self.load_format, seed=self.seed, tokenizer=self.tokenizer,
                                              chat_template=read_chat_template(self.chat_template),
-                                             quantization=self.quantization)
+                                             quantization=quantization)
         default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
         cache, scheduler, parallel = self._parts()
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s)
+
+    def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
+        """The checkpoint to load and its quantization. Given none, a .gguf model on a GPU serves its decoder
+        linears from their own blocks ("gguf": a quarter to a half of a bf16 weight's bytes read per token), and
+        the built-in SmolLM2 loads from its Q4_1 file rather than its float32 conversion; on CPU a GGUF is
+        dequantized at load (the int layers' torch reference would dequantize every weight at every step, slower
+        than float weights). quantization="none" dequantizes on a GPU too. The device is this process's view
+        ("auto": a GPU visible here; the Serve app resolves it for the replica's placement before)."""
+        # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
+        # `import engine.config`, which every process pays, the ingress's too
+        from checkpoints.source import resolve_model
+
+        if self.quantization is not None:
+            return resolve_model(self.model), self.quantization
+        if self.model is None and resolve_device(self.device) == "cuda":
+            from checkpoints.builtin import default_gguf_path
+
+            return default_gguf_path(), "gguf"
+        path = resolve_model(self.model)
+        return path, "gguf" if path.endswith(".gguf") and resolve_device(self.device) == "cuda" else None
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}

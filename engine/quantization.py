@@ -13,8 +13,9 @@ checkpoint's `quantization_config` (pure Python: the engine validates it before 
 Weight-only integer checkpoints, read as stored (workers/layers/quantization_int.py; activations stay in the
 model's dtype):
     quant_method "awq", version "gemm" (AutoAWQ): 4 bits, zero_point true, group_size 32 / 64 / 128
-    quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing): bits 4 or 8, sym true
-        or false, desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
+    quant_method "gptq" (AutoGPTQ / GPTQModel, checkpoint_format "gptq", the v1 packing, or GPTQModel's
+        "gptq_v2", zero points stored without v1's minus one; pack_dtype int32): bits 4 or 8, sym true or false,
+        desc_act with g_idx or not, group_size 32 / 64 / 128 or -1 (one group over all of K)
     quant_method "compressed-tensors", format "pack-quantized" (llm-compressor's W4A16 / W8A16; method
         "pack-quantized" here): one config group, weights type "int", num_bits 4 or 8, symmetric (no zero points)
         or not (`weight_zero_point`), strategy "group" (32 / 64 / 128) or "channel", actorder "group" with
@@ -25,11 +26,13 @@ takes a default config (RANDOM_INT_CONFIGS: AWQ 4 bits, group 128, zero points; 
 no act-order) and the int layers draw their integers packed: benchmarks of real-sized int4 models without a
 checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
 
-quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1 or Q8_0 are served from their own
-blocks, each 32 weights a group of an int layer of their type (checkpoints/gguf.py repacks them exactly; Q4_1
-with `mins` instead of zero points); linears of another type (Q5_0/1, k-quants), and fused q/k/v or gate/up
-whose parts differ in type, are dequantized at load as without it (a warning says so). Without
-quantization="gguf" a GGUF file is dequantized at load.
+quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K are
+served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an int layer of their type
+(checkpoints/gguf_types.py: 4 bits, or 8 holding 5- and 6-bit values; a zero point or an additive minimum; fp16 or
+float32 scales; checkpoints/gguf_blocks.py repacks them exactly); linears of another type (F16, Q2_K, Q3_K, ...),
+and fused q/k/v or gate/up whose parts differ in type, are dequantized at load as without it (a warning says so).
+Without it (None, or "none") a GGUF file is dequantized at load; EngineArgs gives a .gguf model on a GPU
+quantization="gguf" unless told otherwise (engine/config.py).
 
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
@@ -45,13 +48,13 @@ import logging
 import re
 from dataclasses import dataclass
 
+from checkpoints.gguf_types import INT_LAYOUTS as GGUF_INT_LAYOUTS
 from engine.errors import ParamError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = (None, "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
+QUANTIZATIONS = (None, "none", "fp8", "awq", "gptq", "gguf")  # "awq" / "gptq" only name the checkpoint's own method
 INT_METHODS = ("awq", "gptq", "pack-quantized", "gguf")
-GGUF_INT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types an int layer serves exactly: bits
 INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 # quantization="awq" / "gptq" with random weights and no quantization_config (`--preset llama-3-8b --quantization
@@ -73,7 +76,9 @@ class QuantConfig:
     in int32, a scale and a zero point per group of `group_size` input features (None: one group over all of
     them), `desc_act`: act-order, each input feature's group read from the checkpoint's g_idx;
     `has_zero_points` False: a symmetric checkpoint stores none (the zero is 2^(bits - 1) of the stored unsigned
-    integers); `has_mins`: GGUF Q4_1's additive minimum per group instead (w = q * scale + min)."""
+    integers); `has_mins`: GGUF's additive minimum per group instead (w = q * scale + min); `scale_dtype`: the
+    scales' (and minimums') dtype, "float32" where fp16 would round them (compressed-tensors' bf16, GGUF k-quants'
+    products)."""
 
     method: str  # "fp8" (online, or an FP8 checkpoint) | "compressed-tensors" | "awq" | "gptq" | "pack-quantized"
     is_checkpoint_fp8: bool  # the checkpoint stores float8 weights and their scales
@@ -87,6 +92,8 @@ class QuantConfig:
     desc_act: bool = False
     has_zero_points: bool = True
     has_mins: bool = False
+    scale_dtype: str = "float16"
+    checkpoint_format: str | None = None  # GPTQ's: "gptq" (v1: zero points stored minus one) or "gptq_v2"
 
     @property
     def is_packed_int(self) -> bool:
@@ -112,7 +119,7 @@ class QuantConfig:
 
 def resolve_quantization(quantization: str | None, hf_config: dict,
                          is_random_weights: bool = False) -> QuantConfig | None:
-    """The scheme for this checkpoint and the user's `quantization` (None or "fp8"); ValueError if unsupported.
+    """The scheme for this checkpoint and the user's `quantization` (QUANTIZATIONS); ValueError if unsupported.
     `is_random_weights` (load_format "random", a preset): "awq" / "gptq" without a quantization_config take
     RANDOM_INT_CONFIGS's."""
     if quantization not in QUANTIZATIONS:
@@ -120,6 +127,11 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
     if quantization == "gguf":
         return _gguf(hf_config)
     qc = hf_config.get("quantization_config")
+    if quantization == "none":  # a .gguf dequantized at load even on a GPU; an unquantized checkpoint as it is
+        if qc:
+            raise ValueError(f"quantization='none': the checkpoint is quantized (quant_method "
+                             f"{qc.get('quant_method')!r}) and is read as stored")
+        return None
     if not qc:
         if quantization in ("awq", "gptq") and is_random_weights:
             return _int_checkpoint(quantization, quantization, RANDOM_INT_CONFIGS[quantization], hf_config)
@@ -158,21 +170,26 @@ def _compressed_tensors_format(qc: dict) -> str | None:
 
 
 def _gguf(hf_config: dict) -> QuantConfig | None:
-    """Int layers for a GGUF file's Q4_0 / Q4_1 / Q8_0 decoder linears (`gguf_linear_types`: ModelConfig.from_path
-    reads them from the file), or None (dequantized at load) when it has none. The config is the first type's;
-    the worker gives each linear its own (workers/weights.py `gguf_int_layers`)."""
+    """Int layers for a GGUF file's servable decoder linears (`gguf_linear_types`: ModelConfig.from_path reads them
+    from the file), or None (dequantized at load) when it has none. The config is the first type's; the worker
+    gives each linear its own (workers/weights.py `gguf_int_layers`)."""
     types = hf_config.get("gguf_linear_types")
     if types is None:
         raise ValueError("quantization='gguf' serves a .gguf model's own blocks; this model is not a GGUF file")
-    served = [t for t in types if t in GGUF_INT_TYPES]
+    served = [t for t in types if t in GGUF_INT_LAYOUTS]
     if len(served) != len(types):
         logger.warning("quantization='gguf': the decoder's linear weights are %s; those of %s (and fused q/k/v or "
                        "gate/up whose parts differ in type) are dequantized at load", "/".join(types) or "none",
                        "/".join(t for t in types if t not in served))
-    if not served:
-        return None
-    return QuantConfig("gguf", False, weight="group", activation="none", bits=GGUF_INT_TYPES[served[0]],
-                       group_size=32, has_zero_points=False, has_mins=served[0] == "Q4_1")
+    return gguf_quant_config(served[0]) if served else None
+
+
+def gguf_quant_config(qtype: str) -> QuantConfig:
+    """The int layer of a GGUF block type (checkpoints/gguf_types.py: how it holds the blocks exactly)."""
+    layout = GGUF_INT_LAYOUTS[qtype]
+    return QuantConfig("gguf", False, weight="group", activation="none", bits=layout.bits,
+                       group_size=layout.group_size, has_zero_points=False, has_mins=layout.has_mins,
+                       scale_dtype=layout.scale_dtype)
 
 
 def has_experts(hf_config: dict) -> bool:
@@ -247,10 +264,9 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
         raise ValueError(f"quantization_config: a {method} checkpoint of a mixture-of-experts model "
                          f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported yet: the fused "
                          "MoE kernel takes no int4 experts")
-    if "Phi3ForCausalLM" in (hf_config.get("architectures") or []):
-        raise ValueError(f"quantization_config: a {method} checkpoint of Phi-3 (fused qkv_proj / gate_up_proj "
-                         "tensors) is not supported yet")
     config = {"awq": _awq, "gptq": _gptq, "pack-quantized": _pack_quantized}[method](qc)
+    if method == "pack-quantized":
+        _check_whole_int32s(config, hf_config)
     kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
     if kept:
         raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore naming decoder modules "
@@ -285,9 +301,15 @@ def _awq(qc: dict) -> QuantConfig:
 
 def _gptq(qc: dict) -> QuantConfig:
     fmt = qc.get("checkpoint_format", "gptq")
-    if fmt != "gptq":
-        raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported (only 'gptq', "
-                         "the v1 packing AutoGPTQ and GPTQModel save)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported ('gptq', the v1 "
+                         "packing AutoGPTQ and GPTQModel save, or 'gptq_v2')")
+    if qc.get("is_marlin_format"):
+        raise ValueError("quantization_config: gptq is_marlin_format true (AutoGPTQ's Marlin repacking) is not "
+                         "supported")
+    if qc.get("pack_dtype", "int32") != "int32":
+        raise ValueError(f"quantization_config: gptq pack_dtype {qc.get('pack_dtype')!r} is not supported "
+                         "('int32')")
     bits = qc.get("bits")
     if bits not in (4, 8):
         raise ValueError(f"quantization_config: gptq bits {bits!r} is not supported (4 or 8)")
@@ -301,7 +323,33 @@ def _gptq(qc: dict) -> QuantConfig:
     return QuantConfig("gptq", False, weight="group", activation="none", bits=bits,
                        group_size=_int_group_size("gptq", qc, allow_one_group=True),
                        desc_act=bool(qc.get("desc_act", False)),
-                       ignored=tuple(qc.get("modules_to_not_convert") or ()))
+                       ignored=tuple(qc.get("modules_to_not_convert") or ()), checkpoint_format=fmt)
+
+
+def decoder_linear_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
+    """Each decoder linear's weight [N, K] from config.json (the Llama family's names); {} when it lacks a field."""
+    try:
+        hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+        head_dim = int(hf_config.get("head_dim") or hidden // heads)
+        inter = int(hf_config["intermediate_size"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+            "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter)}
+
+
+def _check_whole_int32s(config: QuantConfig, hf_config: dict) -> None:
+    """compressed-tensors packs each row of K values into ceil(K * bits / 32) int32s, padding the last one; the int
+    layers read whole int32s of 32 / bits values: a K that does not fill them is a ValueError naming the tensor."""
+    p = config.pack_factor
+    for name, (n, k) in decoder_linear_shapes(hf_config).items():
+        if k % p:
+            raise ValueError(f"quantization_config: pack-quantized model.layers.*.{name}.weight_packed: its weight "
+                             f"[{n}, {k}] has K = {k} input features, not a multiple of the {p} {config.bits}-bit "
+                             "values an int32 holds (the checkpoint pads each row's last int32; not supported)")
 
 
 ACT_ORDERS = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
@@ -342,4 +390,5 @@ def _pack_quantized(qc: dict) -> QuantConfig:
     group_size = _int_group_size("pack-quantized", w, allow_one_group=False) if strategy == "group" else None
     return QuantConfig("pack-quantized", False, weight="group", activation="none", bits=w["num_bits"],
                        group_size=group_size, desc_act=ACT_ORDERS[actorder] and group_size is not None,
-                       ignored=tuple(qc.get("ignore") or ()), has_zero_points=not w["symmetric"])
+                       ignored=tuple(qc.get("ignore") or ()), has_zero_points=not w["symmetric"],
+                       scale_dtype="float32")  # bf16 or fp16 scales, kept exactly

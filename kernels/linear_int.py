@@ -13,7 +13,8 @@ dequantized on the fly.
     group of input feature k: k // group_size       g_idx   int32 [K]: input feature k's group (act-order)
 
     W[n, k] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]        y = x @ W.T
-    or, with `mins` [G, N] in place of qzeros (GGUF Q4_1):  W[n, k] = q[k, n] * scale[g(k), n] + min[g(k), n]
+    or, with `mins` [G, N] in place of qzeros (GGUF Q4_1 / Q5_1 / Q4_K / Q5_K):  W[n, k] = q * scale + min
+    (scales and mins fp16, bf16 or float32; GGUF's groups of 16 or 32: checkpoints/gguf_types.py)
 
 `dequantize_ref` writes W [N, K] in the activations' dtype (computed in float32: (q - zero) * scale is exact there
 for fp16 scales), and `linear_int_ref` hands it to `kernels.linear.linear`, so an int layer computes what an
@@ -102,7 +103,7 @@ def gptq_v1(bits: int) -> IntPacking:
 
 def offset_binary(bits: int) -> IntPacking:
     """Signed integers stored as q + 2^(bits - 1), packed along K in order (compressed-tensors' pack_to_int32,
-    and GGUF Q4_0 / Q8_0 repacked at load), zero points as stored: GPTQ's layout without its off-by-one."""
+    GGUF blocks repacked at load), zero points as stored: GPTQ's layout without v1's off-by-one (GPTQ v2's)."""
     return IntPacking(bits=bits, is_packed_along_k=True, fields=None, zero_offset=0)
 
 
@@ -139,8 +140,8 @@ def group_index(num_in_features: int, group_size: int | None, device) -> torch.T
 def dequantize_ref(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
                    g_idx: torch.Tensor | None, group_size: int | None, packing: IntPacking, dtype: torch.dtype,
                    mins: torch.Tensor | None = None) -> torch.Tensor:
-    """W [N, K] in `dtype` (see the module docstring); g_idx None: k // group_size. `mins` [G, N] (GGUF Q4_1)
-    instead of zero points: W = q * scale + min, rounded once in float32 as gguf's dequantization rounds it."""
+    """W [N, K] in `dtype` (see the module docstring); g_idx None: k // group_size. `mins` [G, N] (GGUF) instead
+    of zero points: W = q * scale + min, rounded once in float32 as gguf's dequantization rounds it."""
     q = unpack_weight(qweight, packing)  # [K, N]
     groups = (g_idx if g_idx is not None else group_index(q.shape[0], group_size, q.device)).long()  # [K]
     if mins is not None:

@@ -10,6 +10,8 @@ import os
 import numpy as np
 from safetensors.numpy import load_file
 
+from tests import gguf_kquants as kquants
+
 ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
@@ -21,7 +23,9 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | None = None,
                tensor_types: dict[str, str] | None = None) -> str:
     """A GGUF file of the checkpoint in hf_dir: 2-D weights in `qtype` (`tensor_types`: GGUF tensor name -> its
-    own type, as llama.cpp's mixes give some tensors more bits), norms and biases in F32."""
+    own type, as llama.cpp's mixes give some tensors more bits), norms and biases in F32. The k-quants (Q4_K,
+    Q5_K, Q6_K; rows of whole 256-weight super-blocks) come from tests/gguf_kquants.py, the rest from gguf's
+    quantizers."""
     import gguf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -52,7 +56,11 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if w.ndim == 2:
             own = gguf.GGMLQuantizationType[(tensor_types or {}).get(gguf_name, qtype)]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w.astype(np.float32), own), raw_dtype=own)
+            if own.name in kquants.QUANTIZERS:  # gguf has no quantizer for these
+                data = kquants.quantize(w.astype(np.float32), own.name)
+            else:
+                data = gguf.quants.quantize(w.astype(np.float32), own)
+            writer.add_tensor(gguf_name, data, raw_dtype=own)
         else:
             writer.add_tensor(gguf_name, w.astype(np.float32))
     writer.write_header_to_file()

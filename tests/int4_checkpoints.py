@@ -11,7 +11,9 @@ The packing, restated from the tools (not from Pagoda's unpacking, which the tes
 - AutoGPTQ / GPTQModel, the v1 format (qlinear_cuda_old.py's pack): qweight int32 [K / p, N] (p = 32 / bits),
   row r holding input features p r + j in field j (bits j up); qzeros int32 [K / g, N / p], the zero points
   minus one packed along N in the same sequential order; scales fp16 [K / g, N]; g_idx int32 [K]. The weight
-  columns stay in the model's order under act-order: g_idx says each input feature's group.
+  columns stay in the model's order under act-order: g_idx says each input feature's group. GPTQModel's
+  `checkpoint_format: "gptq_v2"` stores the zero points as they are (its v1 -> v2 conversion adds 1 to every
+  field), so a zero of 0 is stored too; both tools also write quantize_config.json beside config.json.
 - compressed-tensors, format "pack-quantized" (llm-compressor's W4A16 / W8A16; compressed_tensors'
   PackedQuantizationCompressor and pack_to_int32): the signed integers q - 2^(bits-1) as [N, K], stored plus
   2^(bits-1) (unsigned) and packed along K in order: weight_packed int32 [N, K / p], input feature p c + j in field
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
 
 
@@ -46,12 +49,18 @@ class Int4Format:
     bits: int = 4
     sym: bool = False
     desc_act: bool = False
+    checkpoint_format: str = "gptq"  # GPTQ's: "gptq" (v1) or "gptq_v2"
 
     @property
     def name(self) -> str:
         sym = ("-sym" if self.sym else "-asym") if self.method != "awq" else ""
         method = "ct" if self.method == "pack-quantized" else self.method
-        return f"{method}{self.bits}-g{self.group_size}{sym}{'-act' if self.desc_act else ''}"
+        v2 = "-v2" if self.is_gptq_v2 else ""
+        return f"{method}{self.bits}-g{self.group_size}{sym}{'-act' if self.desc_act else ''}{v2}"
+
+    @property
+    def is_gptq_v2(self) -> bool:
+        return self.method == "gptq" and self.checkpoint_format == "gptq_v2"
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -73,6 +82,11 @@ class Int4Format:
         if self.method == "awq":  # as AutoAWQ writes it (transformers' AwqConfig.to_dict, trimmed)
             return {"quant_method": "awq", "bits": self.bits, "group_size": self.group_size, "zero_point": True,
                     "version": "gemm", "modules_to_not_convert": None}
+        if self.is_gptq_v2:  # as GPTQModel writes it (QuantizeConfig.to_dict, trimmed)
+            return {"bits": self.bits, "dynamic": None, "group_size": self.group_size, "desc_act": self.desc_act,
+                    "sym": self.sym, "lm_head": False, "quant_method": "gptq", "checkpoint_format": "gptq_v2",
+                    "pack_dtype": "int32", "meta": {"quantizer": ["gptqmodel:2.2.0"], "damp_percent": 0.05,
+                                                    "true_sequential": True, "static_groups": False}}
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
                 "sym": self.sym, "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
                 "checkpoint_format": "gptq", "model_name_or_path": None, "model_file_base_name": None}
@@ -111,8 +125,8 @@ def quantize(w: torch.Tensor, fmt: Int4Format, order: torch.Tensor | None = None
     scales = ((hi - lo) / maxq).clamp(min=1e-6).to(fmt.scale_dtype)
     if fmt.sym:
         zeros = torch.full_like(scales, (maxq + 1) // 2, dtype=torch.int32)
-    else:  # GPTQ v1 cannot store a zero of 0 (it keeps zero - 1): 1..maxq; AWQ the same range, harmlessly
-        zeros = torch.round(-lo / scales.float()).clamp(1, maxq).to(torch.int32)
+    else:  # GPTQ v1 cannot store a zero of 0 (it keeps zero - 1): 1..maxq; AWQ the same range, harmlessly; v2 0..
+        zeros = torch.round(-lo / scales.float()).clamp(0 if fmt.is_gptq_v2 else 1, maxq).to(torch.int32)
     wk = w.float().t()  # [K, N]
     gk = g_idx.long()
     q = torch.round(wk / scales[gk].float() + zeros[gk]).clamp(0, maxq).to(torch.int32)
@@ -121,9 +135,12 @@ def quantize(w: torch.Tensor, fmt: Int4Format, order: torch.Tensor | None = None
 
 def _packed(values: np.ndarray, axis: int, bits: int, order) -> torch.Tensor:
     """uint32 packing of `values` (unsigned, < 2^bits) along `axis`: int32 i holds value order[f] of its run in
-    field f; returned as the int32 the tools save."""
+    field f; returned as the int32 the tools save. A length that is not a multiple of the 32 / bits values an
+    int32 holds is padded with zeros (compressed-tensors' pack_to_int32: ceil(len * bits / 32) int32s)."""
     v = np.moveaxis(values.astype(np.uint32), axis, 0)
     p = 32 // bits
+    if v.shape[0] % p:
+        v = np.concatenate([v, np.zeros((p - v.shape[0] % p,) + v.shape[1:], dtype=np.uint32)])
     out = np.zeros((v.shape[0] // p,) + v.shape[1:], dtype=np.uint32)
     for field, j in enumerate(order):
         out |= v[j::p] << np.uint32(bits * field)
@@ -135,9 +152,9 @@ def pack_awq(qz: Quantized) -> dict[str, torch.Tensor]:
             "qzeros": _packed(qz.zeros.numpy(), 1, 4, AWQ_PACK_ORDER), "scales": qz.scales}
 
 
-def pack_gptq(qz: Quantized, bits: int) -> dict[str, torch.Tensor]:
+def pack_gptq(qz: Quantized, bits: int, v2: bool = False) -> dict[str, torch.Tensor]:
     seq = range(32 // bits)
-    stored = (qz.zeros - 1).numpy().astype(np.int64) & ((1 << bits) - 1)  # v1: zero - 1
+    stored = (qz.zeros - (0 if v2 else 1)).numpy().astype(np.int64) & ((1 << bits) - 1)  # v1: zero - 1
     return {"qweight": _packed(qz.q.numpy(), 0, bits, seq), "qzeros": _packed(stored, 1, bits, seq),
             "scales": qz.scales, "g_idx": qz.g_idx}
 
@@ -160,7 +177,7 @@ def pack(qz: Quantized, fmt: Int4Format) -> dict[str, torch.Tensor]:
     if fmt.method == "awq":
         return pack_awq(qz)
     if fmt.method == "gptq":
-        return pack_gptq(qz, fmt.bits)
+        return pack_gptq(qz, fmt.bits, fmt.is_gptq_v2)
     return pack_compressed_tensors(qz, fmt.bits, fmt.sym, fmt.desc_act)
 
 
@@ -198,6 +215,9 @@ def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
         save_file(state, os.path.join(path, "model.safetensors"))
         if qc is not None:
             set_quantization_config(path, qc)
+        if qc is not None and fmt.method == "gptq":
+            with open(os.path.join(path, "quantize_config.json"), "w") as f:
+                json.dump(qc, f, indent=2)
     return layers
 
 

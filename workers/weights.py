@@ -11,14 +11,13 @@ import glob
 import json
 import logging
 import os
-from dataclasses import replace
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.quantization import GGUF_INT_TYPES, QuantConfig
+from engine.quantization import GGUF_INT_LAYOUTS, QuantConfig, gguf_quant_config
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, remake_weight
 from workers.layers.moe import FusedMoE
 from workers.layers.quantization import quantized_layers
@@ -76,11 +75,11 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         if model_dir.endswith(".gguf"):
             from checkpoints.gguf import iterate_gguf_weights, linear_module_types, open_gguf
 
-            # dequantized (FP8 quantizes them online), or Q4_0 / Q4_1 / Q8_0 linears as int blocks ("gguf")
+            # dequantized (FP8 quantizes them online), or the linears as int blocks ("gguf")
             int_modules: set[str] = set()
             if quant_config is not None and quant_config.method == "gguf":
                 types = linear_module_types(open_gguf(model_dir))
-                int_modules = gguf_int_layers(model, types, quant_config, dtype)
+                int_modules = gguf_int_layers(model, types, dtype)
             weights = iterate_gguf_weights(model_dir, hf_config, int_modules)
         else:
             weights = iterate_weights(model_dir)
@@ -93,10 +92,10 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def gguf_int_layers(model: nn.Module, types: dict[str, str], config: QuantConfig, dtype) -> set[str]:
-    """Gives each decoder linear the int layer its GGUF parts' one type allows (Q4_0 / Q8_0: offset integers,
-    Q4_1: with mins), or a float weight (parts of another type, or of different types: q/k/v and gate/up are
-    one matmul); returns the checkpoint modules (q_proj, ...) served as int blocks."""
+def gguf_int_layers(model: nn.Module, types: dict[str, str], dtype) -> set[str]:
+    """Gives each decoder linear the int layer its GGUF parts' one type allows (checkpoints/gguf_types.py: bits,
+    group, zero point or mins, scale dtype), or a float weight (parts of a type not served, or of different
+    types: q/k/v and gate/up are one matmul); returns the checkpoint modules (q_proj, ...) served as int blocks."""
     int_modules: set[str] = set()
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or not name.startswith("model.layers."):
@@ -105,8 +104,7 @@ def gguf_int_layers(model: nn.Module, types: dict[str, str], config: QuantConfig
         parts = [f"{prefix}.{part}" for part in _FUSED_PARTS.get(leaf, (leaf,))]
         part_types = {types.get(part) for part in parts}
         qtype = part_types.pop() if len(part_types) == 1 else None
-        wanted = (replace(config, bits=GGUF_INT_TYPES[qtype], has_mins=qtype == "Q4_1")
-                  if qtype in GGUF_INT_TYPES else None)
+        wanted = gguf_quant_config(qtype) if qtype is not None and qtype in GGUF_INT_LAYOUTS else None
         if wanted != module.quant_config:
             remake_weight(module, wanted, dtype)
         if wanted is not None:

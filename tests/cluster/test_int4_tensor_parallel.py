@@ -10,7 +10,7 @@ import pytest
 
 from tests import int4_checkpoints as ic
 from tests.cluster.test_tensor_parallel import STRESS
-from tests.engine.test_gguf_int import gguf_factory
+from tests.engine.test_gguf_int import Q4_K_M, gguf_factory
 from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory
 
 STRESS_INT4 = {**STRESS, "num_kv_blocks": 16}  # the parity prompts preempt in 16 blocks of 4 tokens, not in 24
@@ -47,11 +47,11 @@ def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkp
 MIXED = (("blk.0.attn_v.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q8_0"), ("blk.1.attn_output.weight", "Q4_1"))
 
 
-@pytest.mark.parametrize("qtype, types", [("Q4_0", ()), ("Q4_1", ()), ("Q8_0", ()), ("Q4_0", MIXED)],
-                         ids=["Q4_0", "Q4_1", "Q8_0", "mixed"])
+@pytest.mark.parametrize("qtype, types", [("Q4_0", ()), ("Q4_1", ()), ("Q8_0", ()), ("Q4_0", MIXED),
+                                          ("Q4_K", Q4_K_M)], ids=["Q4_0", "Q4_1", "Q8_0", "mixed", "k-quants"])
 def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype, types):
-    """quantization="gguf": each rank repacks only its rows and column blocks of the Q4_0 / Q4_1 / Q8_0 linears
-    (in a mixed file, each linear as its type allows)."""
+    """quantization="gguf": each rank repacks only its rows and column groups of the served linears (in a mixed
+    file, each linear as its type allows; a k-quant's o_proj rank reads half a 256-weight super-block)."""
     path = gguf_factory(tmp_path_factory)("llama", qtype, types)
 
     def check(llm):
@@ -61,3 +61,16 @@ def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp
 
     outs = generate(path, inspect=check, tensor_parallel_size=2, quantization="gguf", **STRESS_INT4)
     assert_same(generate(path), outs)
+
+
+def test_tp2_phi3_fused_awq_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj packed as one AWQ linear each: every rank takes its q, k, v (16 of
+    k's and v's 32 rows: 2 packed int32 columns) and gate, up slices of the packed columns."""
+    from checkpoints.tiny import make_tiny_model
+    from tests.engine.test_int4_checkpoints import PHI3_SHAPE
+
+    tiny = make_tiny_model(str(tmp_path / "float"), "phi3", seed=6, config_overrides=PHI3_SHAPE)
+    fmt = ic.Int4Format("awq", 32)
+    dst, oracle = str(tmp_path / fmt.name), str(tmp_path / f"{fmt.name}-oracle")
+    ic.write_int4_checkpoint(tiny, dst, oracle, fmt)
+    assert_same(generate(oracle), generate(dst, tensor_parallel_size=2, **STRESS_INT4))

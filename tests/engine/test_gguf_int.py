@@ -1,8 +1,9 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 linears served from their own blocks (quantization="gguf"): each block of 32 weights is a
-group of an int layer (Q4_1: with an additive minimum instead of a zero point), repacked exactly at load
-(checkpoints/gguf.py GGUFIntSlice). The files are written with the gguf package's own quantizers
-(tests/gguf_files.py); the oracle is Pagoda on the same file without quantization="gguf", which dequantizes it to
-float32 at load: tokens equal, logprobs within 1e-4.
+"""GGUF linears served from their own blocks (quantization="gguf"): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants
+Q4_K, Q5_K, Q6_K, each group of 32 (Q6_K: 16) weights a group of an int layer, repacked exactly at load
+(checkpoints/gguf_blocks.py, layouts in checkpoints/gguf_types.py). The files are written with the gguf package's
+own quantizers (the k-quants, which it does not write, by tests/gguf_kquants.py in ggml's block layout); the oracle
+is gguf's own dequantization: bit for bit for the repacked tensors, and Pagoda on the same file without
+quantization="gguf" (dequantized to float32 at load) for whole models: tokens equal, logprobs within 1e-4.
 """
 
 import functools
@@ -11,26 +12,32 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints.gguf_types import INT_LAYOUTS
 from engine.quantization import resolve_quantization
 from kernels.linear_int import dequantize_ref, offset_binary
-from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate
+from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate, int4_factory
 from tests.gguf_files import write_gguf
+from tests.gguf_kquants import QUANTIZERS as K_QUANTS
+
+WIDE = {"hidden_size": 256, "intermediate_size": 512}  # k-quant rows are whole super-blocks of 256
 
 
 def gguf_factory(tmp_path_factory):
-    """(arch, qtype, tensor_types) -> a GGUF file of a tiny model (hidden 128, intermediate 256), written once."""
+    """(arch, qtype, tensor_types) -> a GGUF file of a tiny model (hidden 128, intermediate 256; 256 and 512 when a
+    type is a k-quant), written once."""
     from checkpoints.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("gguf-int")
 
     @functools.lru_cache(maxsize=None)
-    def tiny(arch: str) -> str:
-        return make_tiny_model(str(root / arch), arch, seed=5, config_overrides=SHAPE)
+    def tiny(arch: str, wide: bool) -> str:
+        return make_tiny_model(str(root / f"{arch}-{wide}"), arch, seed=5, config_overrides=WIDE if wide else SHAPE)
 
     @functools.lru_cache(maxsize=None)
     def path(arch: str, qtype: str, tensor_types: tuple = ()) -> str:
         name = f"{arch}-{qtype}-{'-'.join(f'{k}.{v}' for k, v in tensor_types)}.gguf"
-        return write_gguf(tiny(arch), str(root / name), qtype, tensor_types=dict(tensor_types))
+        wide = any(t in K_QUANTS for t in (qtype, *(v for _, v in tensor_types)))
+        return write_gguf(tiny(arch, wide), str(root / name), qtype, tensor_types=dict(tensor_types))
 
     return path
 
@@ -40,64 +47,93 @@ def ggufs(tmp_path_factory):
     return gguf_factory(tmp_path_factory)
 
 
-def assert_int_layers(bits: int, has_mins: bool = False):
+def assert_layout(linear, qtype: str) -> None:
+    """`linear` holds `qtype`'s blocks as checkpoints/gguf_types.py says."""
+    layout = INT_LAYOUTS[qtype]
+    assert linear.weight is None and linear.qweight.dtype == torch.int32, qtype
+    assert linear.packing == offset_binary(layout.bits) and linear.group_size == layout.group_size, qtype
+    assert (linear.mins is not None) == layout.has_mins and (linear.qzeros is None) == layout.has_mins, qtype
+    assert linear.scales.dtype == getattr(torch, layout.scale_dtype), qtype
+
+
+def assert_int_layers(qtype: str):
     def check(llm):
         layer = llm.engine.executor.worker.model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
-            assert linear.weight is None and linear.qweight.dtype == torch.int32
-            assert linear.packing == offset_binary(bits) and linear.group_size == 32
-            assert (linear.mins is not None) == has_mins and (linear.qzeros is None) == has_mins
+            assert_layout(linear, qtype)
     return check
 
 
-@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"),
-                                         ("qwen2", "Q4_1")])
+@pytest.mark.parametrize("arch, qtype", [("llama", t) for t in INT_LAYOUTS] + [("qwen2", "Q4_0"), ("qwen2", "Q4_1"),
+                                                                              ("qwen2", "Q5_K")])
 def test_tokens_and_logprobs_equal_the_dequantized_file(ggufs, arch, qtype):
-    """Llama's permuted q/k rows, Qwen2's biases and tied embeddings; the embeddings stay dequantized."""
+    """Every served type; Llama's permuted q/k rows, Qwen2's biases and tied embeddings; the embeddings stay
+    dequantized."""
     path = ggufs(arch, qtype)
-    bits = 8 if qtype == "Q8_0" else 4
-    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(bits, qtype == "Q4_1")))
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(qtype)))
 
 
 def test_the_builtin_smollm2_from_its_q4_1_blocks():
     """The built-in model's file (linears Q4_1, embeddings Q8_0) served from its blocks equals the same file
-    dequantized at load (what the built-in model serves by default, converted to float32)."""
+    dequantized at load (what the built-in model serves by default on CPU, converted to float32)."""
     from checkpoints.builtin import default_gguf_path
 
     path = default_gguf_path()
-    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(4, has_mins=True)))
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers("Q4_1")))
 
 
 def test_an_lm_head_of_another_type_leaves_the_linears_int(ggufs):
-    """llama.cpp's Q4_0 files keep output.weight in more bits (Q6_K; Q8_0 here: gguf's Python quantizers write
-    no k-quants): the LM head is dequantized, the linears are int."""
-    path = ggufs("llama", "Q4_0", (("output.weight", "Q8_0"),))
-    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(4)))
+    """llama.cpp's Q4_0 files keep output.weight in Q6_K: the LM head is dequantized, the linears are int."""
+    path = ggufs("llama", "Q4_0", (("output.weight", "Q6_K"),))
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers("Q4_0")))
+
+
+def _assert_mixed(expected: dict):
+    """(layer, module) -> the GGUF type it serves, or None for a float weight."""
+    def check(llm):
+        layers = llm.engine.executor.worker.model.model.layers
+        for (index, name), qtype in expected.items():
+            linear = layers[index].get_submodule(name)
+            if qtype is None:
+                assert linear.weight.dtype == torch.float32 and linear.quant_config is None, (index, name)
+            else:
+                assert_layout(linear, qtype)
+    return check
 
 
 def test_each_linear_as_its_type_allows(ggufs):
     """A file of mixed types: layer 0's attn_v in Q5_0 beside Q4_0 q/k (one fused matmul of two types: dequantized),
-    its ffn_down in Q8_0 (8-bit int), layer 1's q/k/v all Q8_0 (8-bit int) and its attn_output Q4_1 (mins); the
-    rest Q4_0."""
+    its ffn_down in Q8_0, layer 1's q/k/v all Q8_0 and its attn_output Q4_1; the rest Q4_0."""
     path = ggufs("llama", "Q4_0", (("blk.0.attn_v.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q8_0"),
                                    ("blk.1.attn_q.weight", "Q8_0"), ("blk.1.attn_k.weight", "Q8_0"),
                                    ("blk.1.attn_v.weight", "Q8_0"), ("blk.1.attn_output.weight", "Q4_1")))
+    check = _assert_mixed({(0, "self_attn.qkv_proj"): None, (0, "self_attn.o_proj"): "Q4_0",
+                           (0, "mlp.down_proj"): "Q8_0", (0, "mlp.gate_up_proj"): "Q4_0",
+                           (1, "self_attn.qkv_proj"): "Q8_0", (1, "self_attn.o_proj"): "Q4_1",
+                           (1, "mlp.down_proj"): "Q4_0"})
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=check))
 
-    def check(llm):
-        layers = llm.engine.executor.worker.model.model.layers
-        assert layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-        for linear, bits, has_mins in ((layers[0].self_attn.o_proj, 4, False), (layers[0].mlp.down_proj, 8, False),
-                                       (layers[0].mlp.gate_up_proj, 4, False), (layers[1].self_attn.qkv_proj, 8, False),
-                                       (layers[1].self_attn.o_proj, 4, True), (layers[1].mlp.down_proj, 4, False)):
-            assert linear.weight is None and linear.packing == offset_binary(bits)
-            assert (linear.mins is not None) == has_mins
 
+Q4_K_M = (("blk.0.attn_v.weight", "Q6_K"), ("blk.0.ffn_down.weight", "Q6_K"), ("blk.1.attn_q.weight", "Q5_K"),
+          ("blk.1.attn_k.weight", "Q5_K"), ("blk.1.attn_v.weight", "Q5_K"), ("blk.1.attn_output.weight", "Q5_1"),
+          ("blk.1.ffn_gate.weight", "Q6_K"), ("blk.1.ffn_up.weight", "Q6_K"), ("output.weight", "Q6_K"))
+
+
+def test_a_k_quant_mix(ggufs):
+    """As llama.cpp's Q4_K_M mixes them: Q4_K, with attn_v and ffn_down in Q6_K (layer 0's attn_v beside Q4_K
+    q/k: dequantized) and the LM head Q6_K; here also layer 1's q/k/v Q5_K, its gate/up Q6_K (groups of 16) and
+    attn_output Q5_1."""
+    path = ggufs("llama", "Q4_K", Q4_K_M)
+    check = _assert_mixed({(0, "self_attn.qkv_proj"): None, (0, "self_attn.o_proj"): "Q4_K",
+                           (0, "mlp.gate_up_proj"): "Q4_K", (0, "mlp.down_proj"): "Q6_K",
+                           (1, "self_attn.qkv_proj"): "Q5_K", (1, "self_attn.o_proj"): "Q5_1",
+                           (1, "mlp.gate_up_proj"): "Q6_K", (1, "mlp.down_proj"): "Q4_K"})
     assert_same(generate(path), generate(path, quantization="gguf", inspect=check))
 
 
 def test_no_servable_linear_loads_dequantized(ggufs):
-    path = ggufs("llama", "Q5_0")
+    path = ggufs("llama", "F16")
 
     def floats(llm):
         assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
@@ -105,31 +141,71 @@ def test_no_servable_linear_loads_dequantized(ggufs):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=floats))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def _dequantized(qweight, scales, mins, qtype: str) -> torch.Tensor:
+    """The int layer's float32 W [N, K] of N-first parts (qweight [N, K / p], scales / mins [N, G])."""
+    layout = INT_LAYOUTS[qtype]
+    p = 32 // layout.bits
+    zeros = None
+    if not layout.has_mins:
+        zeros = torch.full((scales.shape[1], scales.shape[0] // p), _mid_word(layout.bits), dtype=torch.int32)
+    return dequantize_ref(qweight.t().contiguous(), zeros, scales.t().contiguous(), None, layout.group_size,
+                          offset_binary(layout.bits), torch.float32, None if mins is None else mins.t().contiguous())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # equal bits: -0.0 is not 0.0
+
+
+@pytest.mark.parametrize("qtype", list(INT_LAYOUTS))
 def test_repacked_blocks_dequantize_as_gguf_does(ggufs, qtype):
-    """Rows (in Hugging Face order) and column blocks of qweight / scales give gguf's own dequantization, bit for
-    bit, for the whole tensor and for a rank's slice."""
+    """Rows (in Hugging Face order) and column groups of qweight / scales (/ mins) give gguf's own dequantization,
+    bit for bit, for the whole tensor and for a rank's slice (inside and across a k-quant's super-blocks)."""
     from checkpoints.gguf import iterate_gguf_weights, linear_module_types, open_gguf
 
     path = ggufs("llama", qtype)
-    bits = 8 if qtype == "Q8_0" else 4
-    p = 32 // bits
+    layout = INT_LAYOUTS[qtype]
+    p, g = 32 // layout.bits, layout.group_size
     weights = dict(iterate_gguf_weights(path, int_modules=set(linear_module_types(open_gguf(path)))))
     floats = dict(iterate_gguf_weights(path))
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         qweight, scales, w = weights[f"{module}.qweight"], weights[f"{module}.scales"], floats[f"{module}.weight"]
+        mins = weights.get(f"{module}.mins")
         n, k = w.get_shape()
-        assert qweight.get_shape() == [n, k // p] and scales.get_shape() == [n, k // 32]
-        for rows, cols in ((slice(None), slice(None)), (slice(16, 48), slice(32, 96))):
-            q_cols = slice(cols.start // p, cols.stop // p) if cols.start is not None else cols
-            s_cols = slice(cols.start // 32, cols.stop // 32) if cols.start is not None else cols
-            qw, sc = qweight[rows, q_cols], scales[rows, s_cols]
-            assert qw.dtype == torch.int32 and sc.dtype == torch.float16
-            zeros = torch.full((sc.shape[1], sc.shape[0] // p), _mid_word(bits), dtype=torch.int32)
-            mins = weights[f"{module}.mins"][rows, s_cols].t().contiguous() if qtype == "Q4_1" else None
-            got = dequantize_ref(qw.t().contiguous(), None if qtype == "Q4_1" else zeros, sc.t().contiguous(), None,
-                                 32, offset_binary(bits), torch.float32, mins)
-            assert torch.equal(got, w[rows, cols])
+        assert qweight.get_shape() == [n, k // p] and scales.get_shape() == [n, k // g]
+        assert (mins is not None) == layout.has_mins
+        for rows, (first, last) in ((slice(None), (0, k)), (slice(16, 48), (k // 2 - 32, k // 2 + 32))):
+            qw, sc = qweight[rows, first // p: last // p], scales[rows, first // g: last // g]
+            mn = mins[rows, first // g: last // g] if mins is not None else None
+            assert qw.dtype == torch.int32 and sc.dtype == getattr(torch, layout.scale_dtype)
+            assert torch.equal(_bits(_dequantized(qw, sc, mn, qtype)), _bits(w[rows, first:last]))
+
+
+def _random_blocks(qtype: str, rows: int, num_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random bytes [rows, num_blocks, type_size], the fp16 d (dmin, m) finite: every bit pattern of the codes
+    and scales (negative Q6_K scales, the top bits of the k-quants' six-bit scales)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, (rows, num_blocks, size), dtype=np.uint8)
+    halves = {"Q6_K": (208,), "Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,)}.get(qtype, (0, 2))
+    for at in halves:
+        blocks[:, :, at:at + 2] = (rng.standard_normal((rows, num_blocks, 1)) / 64).astype(np.float16).view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("qtype", list(INT_LAYOUTS))
+def test_random_blocks_decode_as_gguf_does(qtype):
+    import gguf
+
+    from checkpoints.gguf_blocks import decode_blocks, pack_along_k
+
+    blocks = _random_blocks(qtype, 8, 3)
+    want = gguf.quants.dequantize(blocks.reshape(8, -1), gguf.GGMLQuantizationType[qtype])
+    q, scales, mins = decode_blocks(qtype, blocks)
+    got = _dequantized(pack_along_k(q, INT_LAYOUTS[qtype].bits), torch.from_numpy(scales),
+                       None if mins is None else torch.from_numpy(mins), qtype)
+    assert torch.equal(_bits(got), _bits(torch.from_numpy(want)))
 
 
 def _mid_word(bits: int) -> int:
@@ -140,11 +216,13 @@ def _mid_word(bits: int) -> int:
 def test_refusals_and_fallbacks():
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", {"architectures": ["LlamaForCausalLM"]})
-    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q5_0", "Q6_K"]}) is None  # dequantized at load
-    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_0", "Q5_0", "Q8_0"]}).method == "gguf"
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["F16", "Q3_K"]}) is None  # dequantized at load
+    assert resolve_quantization("gguf", {"gguf_linear_types": ["Q3_K", "Q5_0", "Q8_0"]}).method == "gguf"
     assert resolve_quantization("gguf", {"gguf_linear_types": ["Q4_1"]}).has_mins
     config = resolve_quantization("gguf", {"gguf_linear_types": ["Q8_0"]})
     assert (config.method, config.bits, config.group_size, config.has_zero_points) == ("gguf", 8, 32, False)
+    config = resolve_quantization("gguf", {"gguf_linear_types": ["Q6_K"]})
+    assert (config.bits, config.group_size, config.has_mins, config.scale_dtype) == (8, 16, False, "float32")
     assert np.int32(_mid_word(4)) == np.int32(-2004318072)  # 0x88888888
 
 
@@ -160,3 +238,33 @@ def test_random_weights_with_mins(ggufs):
         assert layer.mins is not None and abs(w.mean().item() + step / 2) < 1e-3 and abs(w.std().item() - 0.02) < 2e-3
 
     generate(path, inspect=check, load_format="random", quantization="gguf")
+
+
+def test_a_gguf_on_a_gpu_is_served_from_its_blocks_by_default(ggufs, tmp_path_factory):
+    """EngineArgs without quantization: a .gguf on a GPU gets "gguf" (the built-in SmolLM2 its Q4_1 file, not the
+    float32 conversion), on CPU none (dequantized at load); quantization="none" dequantizes on a GPU too, and is
+    refused for a checkpoint that is quantized. Only the config is made ("cuda" is not checked until a worker
+    starts), so this runs here."""
+    from checkpoints.builtin import default_gguf_path
+    from engine.config import EngineArgs
+    from tests import int4_checkpoints as ic
+
+    def model_config(**kwargs):
+        return EngineArgs(**kwargs).create_engine_config().model
+
+    path = ggufs("llama", "Q4_K")
+    on_gpu = model_config(model=path, device="cuda")
+    assert on_gpu.quantization == "gguf" and on_gpu.quant_config.method == "gguf"
+    assert model_config(model=path, device="cpu").quant_config is None
+    assert model_config(model=path, device="cuda", quantization="none").quant_config is None
+    assert model_config(model=path, device="cuda", quantization="fp8").quant_config.method == "fp8"
+    builtin = model_config(device="cuda")
+    assert builtin.model == default_gguf_path() and builtin.quant_config.has_mins
+    converted = model_config(device="cpu")
+    assert not converted.is_gguf and converted.quant_config is None
+    tiny = model_config(model="tiny", device="cuda")
+    assert tiny.quantization is None and tiny.quant_config is None
+    awq, _, _ = int4_factory(tmp_path_factory)(ic.Int4Format("awq", 32))
+    assert model_config(model=awq, device="cuda").quant_config.method == "awq"
+    with pytest.raises(ValueError, match="quantization='none'.*awq"):
+        model_config(model=awq, quantization="none")

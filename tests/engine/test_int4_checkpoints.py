@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.quantization import resolve_quantization
-from kernels.linear_int import AWQ_GEMM, gptq_v1, unpack_weight, unpack_zeros
+from kernels.linear_int import AWQ_GEMM, gptq_v1, offset_binary, unpack_weight, unpack_zeros
 from pagoda import LLM, SamplingParams
 from tests import int4_checkpoints as ic
 from tests.prompts import PARITY_PROMPTS
@@ -22,7 +22,9 @@ MAX_NEW = 8
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 32, sym=True),
            ic.Int4Format("gptq", 128, sym=False), ic.Int4Format("gptq", 32, sym=False, desc_act=True),
-           ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True)]
+           ic.Int4Format("gptq", -1, sym=True), ic.Int4Format("gptq", 64, bits=8, sym=False, desc_act=True),
+           ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"),
+           ic.Int4Format("gptq", 64, bits=8, sym=True, checkpoint_format="gptq_v2")]
 
 
 def int4_factory(tmp_path_factory):
@@ -83,6 +85,11 @@ def test_packing_as_the_tools_pack_it():
     assert unpack_weight(torch.tensor([[0x75316420]], dtype=torch.int32), AWQ_GEMM).tolist() == [list(range(8))]
     assert unpack_weight(torch.tensor([[0x76543210]], dtype=torch.int32), gptq_v1(4)).flatten().tolist() \
         == list(range(8))
+    zeros = ic.Quantized(values[:, None], values[None, :], torch.ones(1, 8).half(), torch.zeros(8, dtype=torch.int32))
+    assert ic.pack_gptq(zeros, 4)["qzeros"].item() == 0x6543210F  # v1: zero - 1 (a zero of 0 wraps to 15)
+    assert ic.pack_gptq(zeros, 4, v2=True)["qzeros"].item() == 0x76543210  # v2: as they are
+    assert unpack_zeros(torch.tensor([[0x76543210]], dtype=torch.int32), offset_binary(4)).tolist() \
+        == [list(range(8))]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -91,7 +98,7 @@ def test_unpacking_gives_back_the_integers(int4, fmt):
 
     dst, _, layers = int4(fmt)
     tensors = load_file(f"{dst}/model.safetensors")
-    packing = AWQ_GEMM if fmt.method == "awq" else gptq_v1(fmt.bits)
+    packing = AWQ_GEMM if fmt.method == "awq" else offset_binary(fmt.bits) if fmt.is_gptq_v2 else gptq_v1(fmt.bits)
     for module, qz in layers.items():
         assert tensors[f"{module}.qweight"].dtype == torch.int32
         assert torch.equal(unpack_weight(tensors[f"{module}.qweight"], packing), qz.q)
@@ -136,7 +143,8 @@ def test_unsupported_awq_variants_are_refused(change, field):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"bits": 3}, "gptq bits 3"), ({"bits": 2}, "gptq bits 2"), ({"checkpoint_format": "gptq_v2"}, "gptq_v2"),
+    ({"bits": 3}, "gptq bits 3"), ({"bits": 2}, "gptq bits 2"), ({"pack_dtype": "int64"}, "pack_dtype 'int64'"),
+    ({"is_marlin_format": True}, "is_marlin_format"), ({"checkpoint_format": "gptq_v3"}, "'gptq_v3'"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"), ({"group_size": 256}, "group_size 256"),
     ({"lm_head": True}, "lm_head"), ({"dynamic": {"-:.*down.*": {}}}, "dynamic"), ({"sym": None}, "sym None")])
 def test_unsupported_gptq_variants_are_refused(change, field):
@@ -149,8 +157,6 @@ def test_refused_models_and_mismatches():
     awq = ic.Int4Format("awq").quantization_config()
     with pytest.raises(ValueError, match="mixture-of-experts"):
         resolve_quantization(None, {"quantization_config": awq, "num_local_experts": 8})
-    with pytest.raises(ValueError, match="Phi-3"):
-        resolve_quantization(None, {"quantization_config": awq, "architectures": ["Phi3ForCausalLM"]})
     with pytest.raises(ValueError, match="does not match"):
         resolve_quantization("gptq", {"quantization_config": awq})
     with pytest.raises(ValueError, match="no quantization_config"):
@@ -160,6 +166,38 @@ def test_refused_models_and_mismatches():
     gptq = resolve_quantization(None, {"quantization_config": ic.Int4Format("gptq", -1, desc_act=True)
                                        .quantization_config()})
     assert (gptq.group_size, gptq.desc_act, gptq.pack_factor) == (None, True, 8)
+
+
+def test_gptq_v2_read_from_quantize_config(int4, tmp_path):
+    """GPTQ tools write quantize_config.json too: a v2 checkpoint whose config.json's quantization_config does not
+    name its format, or which has none (AutoGPTQ's older saves), is read as that file says. Read as v1, every zero
+    point would be off by one: the outputs would differ."""
+    import json
+    import os
+    import shutil
+
+    dst, oracle, _ = int4(ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"))
+    reference = generate(oracle)
+    for name, keep in (("no-format", lambda qc: {k: v for k, v in qc.items() if k != "checkpoint_format"}),
+                       ("no-config", None)):
+        copy = shutil.copytree(dst, tmp_path / name)
+        with open(copy / "config.json") as f:
+            config = json.load(f)
+        qc = config.pop("quantization_config")
+        if keep is not None:
+            config["quantization_config"] = keep(qc)
+        with open(copy / "config.json", "w") as f:
+            json.dump(config, f)
+        assert_same(reference, generate(str(copy), inspect=_assert_v2))
+    os.remove(tmp_path / "no-format" / "quantize_config.json")  # now nothing says v2: read as v1, it differs
+    as_v1 = generate(str(tmp_path / "no-format"))
+    assert any(abs(a.outputs[0].logprobs[0][t] - b.outputs[0].logprobs[0].get(t, 0.0)) > 1e-3
+               for a, b in zip(reference, as_v1) for t in a.outputs[0].logprobs[0])
+
+
+def _assert_v2(llm) -> None:
+    layer = llm.engine.executor.worker.model.model.layers[0].mlp.down_proj
+    assert layer.quant_config.checkpoint_format == "gptq_v2" and layer.packing == offset_binary(4)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
@@ -230,3 +268,36 @@ def test_g_idx_out_of_order_needs_desc_act(int4, tmp_path):
     ic.set_quantization_config(mislabelled, ic.Int4Format("gptq", 32, sym=False).quantization_config())
     with pytest.raises(ValueError, match="desc_act false, but g_idx"):
         generate(mislabelled)
+
+
+PHI3_SHAPE = {**SHAPE, "num_attention_heads": 8}  # head_dim 16, the tiny longrope factors' length
+
+
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, desc_act=True),
+                                 ic.Int4Format("gptq", 64, bits=8, sym=True, checkpoint_format="gptq_v2"),
+                                 ic.Int4Format("pack-quantized", 32, sym=False, desc_act=True)],
+                         ids=lambda f: f.name)
+def test_phi3_fused_tensors_match_transformers(tmp_path_factory, fmt):
+    """Phi-3 stores qkv_proj and gate_up_proj fused, and the tools pack each as one linear: the layer takes each
+    part's N range of the packed tensors (AWQ's packed columns, GPTQ's columns, compressed-tensors' rows). Against
+    transformers on the dequantized float32 checkpoint: prompt and output logprobs within 1e-4, greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints.tiny import make_tiny_model
+    from tests.hf_oracle import assert_matches_hf
+
+    root = tmp_path_factory.mktemp("phi3-int")
+    tiny = make_tiny_model(str(root / "float"), "phi3", seed=6, config_overrides=PHI3_SHAPE)
+    dst, oracle = str(root / fmt.name), str(root / f"{fmt.name}-oracle")
+    layers = ic.write_int4_checkpoint(tiny, dst, oracle, fmt)
+    assert "model.layers.0.self_attn.qkv_proj" in layers and "model.layers.0.mlp.gate_up_proj" in layers
+    llm = LLM(model=dst, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    try:
+        outs = llm.generate(PARITY_PROMPTS[:4], params, use_tqdm=False)
+        assert_holds_packed_weights(llm)
+    finally:
+        llm.shutdown()
+    hf_model = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    for out in outs:
+        assert_matches_hf(hf_model, out, num_top=2, atol=1e-4)

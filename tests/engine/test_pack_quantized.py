@@ -133,3 +133,21 @@ def test_random_weights_are_drawn_packed(ct, fmt):
     symmetric buffer), scales giving the dequantized weight the initializer's standard deviation (0.3)."""
     dst, _, _ = ct(fmt)
     generate(dst, inspect=assert_random_packed_weights, load_format="random")
+
+
+def test_a_k_that_does_not_fill_int32s_is_refused(tmp_path):
+    """intermediate_size 252: down_proj's rows are 31.5 int32s of 4-bit values, which compressed-tensors pads to 32
+    (tests/int4_checkpoints.py pads as it does); refused when the engine reads the config, naming the tensor."""
+    from checkpoints.tiny import make_tiny_model
+    from pagoda import LLM
+
+    qc = ic.Int4Format("pack-quantized", -1, sym=True).quantization_config()
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight_packed: its weight \[128, 252\]"):
+        resolve_quantization(None, {"quantization_config": qc, "hidden_size": 128, "num_attention_heads": 4,
+                                    "intermediate_size": 252})
+    tiny = make_tiny_model(str(tmp_path / "float"), "llama", seed=3,
+                           config_overrides={"hidden_size": 128, "intermediate_size": 252})
+    fmt = ic.Int4Format("pack-quantized", -1, sym=True)
+    ic.write_int4_checkpoint(tiny, str(tmp_path / "ct"), str(tmp_path / "oracle"), fmt)
+    with pytest.raises(ValueError, match="K = 252 input features, not a multiple of the 8 4-bit values"):
+        LLM(model=str(tmp_path / "ct"), dtype="float32", device="cpu", num_kv_blocks=16)

@@ -1,6 +1,7 @@
-"""The real default model on a CUDA GPU with the Triton kernels: the answer in the serving dtype (bf16), prompt
-logprobs and output logprobs against transformers in float32 (CUDA graphs, overlapped steps, chunked prefill),
-the GGUF file loaded directly, and tensor parallelism over 3 GPUs from the GGUF (SmolLM2 has 9 heads, 3 KV heads)."""
+"""The real default model on a CUDA GPU with the Triton kernels: the answer in the serving dtype (bf16; from its
+Q4_1 blocks, the default on a GPU), prompt logprobs and output logprobs against transformers in float32 (CUDA
+graphs, overlapped steps, chunked prefill), the GGUF file loaded directly (from its blocks and dequantized), and
+tensor parallelism over 3 GPUs from the GGUF (SmolLM2 has 9 heads, 3 KV heads)."""
 
 import pytest
 import torch
@@ -23,18 +24,23 @@ SCORED = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, prompt_lo
 def test_default_model_answers_in_bf16_with_cuda_graphs():
     llm = LLM(num_kv_blocks=512)  # no model: SmolLM2; auto dtype on a GPU: bfloat16
     assert llm.engine.executor.describe()[0]["cuda_graphs"]
+    assert llm.engine.config.model.quantization == "gguf"  # on a GPU: served from its Q4_1 blocks
     out = llm.chat(QUESTION, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
     llm.shutdown()
 
 
-@pytest.mark.parametrize("model", ["converted", "gguf"])
+@pytest.mark.parametrize("model", ["converted", "gguf", "gguf-dequantized"])
 def test_logprobs_match_transformers_in_float32(real_model_dir, model):
+    """The GGUF file on a GPU: from its Q4_1 blocks (the default there; the int kernel for decode, the reference
+    for chunks) or dequantized at load (quantization "none"); transformers reads the converted checkpoint."""
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = real_model_dir if model == "converted" else default_gguf_path()
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=512, max_num_batched_tokens=64)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=512, max_num_batched_tokens=64,
+              quantization="none" if model == "gguf-dequantized" else None)
+    assert llm.engine.config.model.quantization == {"gguf": "gguf", "gguf-dequantized": "none"}.get(model)
     outs = llm.generate(PROMPTS, SCORED, use_tqdm=False)
     llm.engine.check_integrity()
     llm.shutdown()

@@ -332,6 +332,10 @@ def main() -> int:
             linear_int.linear_int_triton(empty(rows, 4096), empty(512, 6144, dtype=torch.int32), None,
                                          empty(128, 6144, dtype=torch.float16), None, 32,
                                          linear_int.offset_binary(4), mins=empty(128, 6144, dtype=torch.float16))
+            CASE[0] = f"int8 linear gguf q6_k (groups of 16, float32 scales) down, {rows} rows"
+            linear_int.linear_int_triton(empty(rows, 14336), empty(14336 // 4, 4096, dtype=torch.int32),
+                                         empty(896, 4096 // 4, dtype=torch.int32),
+                                         empty(896, 4096, dtype=torch.float32), None, 16, linear_int.offset_binary(8))
         compile_int_gemm()
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]

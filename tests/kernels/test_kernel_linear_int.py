@@ -243,3 +243,59 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
                        and r["impl"] == impl) for impl in ("bf16 cuBLAS", "gemm tiles"))
     assert bf16["bytes"] == 128 * 128 * 2 and gemm["bytes"] == 128 * 128 // 2 + 128 * 2 + 128 // 2
     assert gemm["tflop_per_s"] == 2 * 20 * 128 * 128 / 1e-3 / 1e12
+
+
+def gguf_layer(qtype: str, out_features: int, in_features: int, device) -> dict:
+    """A GGUF type's int layer (checkpoints/gguf_types.py) from random blocks, decoded as checkpoints/gguf_blocks.py
+    decodes a file's: 8-bit fields for 5- and 6-bit values, groups of 16 (Q6_K), float32 scales and mins
+    (k-quants)."""
+    from checkpoints.gguf_blocks import decode_blocks, pack_along_k
+    from checkpoints.gguf_types import INT_LAYOUTS
+    from tests.engine.test_gguf_int import _random_blocks
+
+    layout = INT_LAYOUTS[qtype]
+    block = 256 if qtype.endswith("_K") else 32
+    q, scales, mins = decode_blocks(qtype, _random_blocks(qtype, out_features, in_features // block, seed=4))
+    p = 32 // layout.bits
+    zeros = None
+    if not layout.has_mins:
+        zeros = torch.full((scales.shape[1], out_features // p), 0x80808080 - (1 << 32) if layout.bits == 8
+                           else -2004318072, dtype=torch.int32).to(device)
+    return dict(qweight=pack_along_k(q, layout.bits).t().contiguous().to(device), qzeros=zeros,
+                scales=torch.from_numpy(scales).t().contiguous().to(device), g_idx=None,
+                group_size=layout.group_size, packing=offset_binary(layout.bits),
+                mins=None if mins is None else torch.from_numpy(mins).t().contiguous().to(device))
+
+
+GGUF_TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"]
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [3, 40])
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_gguf_layouts_match_ref(qtype, rows, gated, device, poisoned_allocations):
+    """Q6_K's groups of 16 (at BLOCK_K 16 one group a tile, else gathered), float32 scales and mins, 8-bit fields
+    with mins, in the decode tiles (3 rows) and the GEMM tiles (40): the kernel's result is the reference's (to
+    float32 summation order: random blocks give weights up to ~30, outputs in the thousands)."""
+    layer = gguf_layer(qtype, 96, 512, device)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)).to(device)
+    ref = linear_int_ref(x, **layer, gated=gated)
+    configs = (CONFIGS + [dict(BLOCK_N=32, BLOCK_K=16)] if rows <= 16
+               else GEMM_CONFIGS + [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=1)])
+    for config in configs:
+        torch.testing.assert_close(linear_int_triton(x, **layer, gated=gated, config=config), ref,
+                                   atol=1e-6 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_dequantize_kernel_gguf_layouts_exactly(qtype, device, poisoned_allocations):
+    """The dequantizing kernel writes the reference's W bit for bit for GGUF layouts, mins included: their integer
+    times scale is exact in float32, so a GPU's fused multiply-add rounds as the reference's two operations do."""
+    from kernels.linear_int import dequantize_ref, dequantize_triton
+
+    layer = gguf_layer(qtype, 96, 512, device)
+    for dtype in (torch.float32, torch.float16):
+        ref = dequantize_ref(**layer, dtype=dtype)
+        bits = torch.int16 if dtype == torch.float16 else torch.int32  # equal bits: -0.0 is not 0.0
+        for config in (None, dict(BLOCK_N=32, BLOCK_K=16)):
+            assert torch.equal(dequantize_triton(**layer, dtype=dtype, config=config).view(bits), ref.view(bits))

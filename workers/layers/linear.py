@@ -257,7 +257,7 @@ def remake_weight(layer: nn.Module, config: QuantConfig | None, dtype) -> None:
     the one it was built with, before loading: a GGUF file's linears each take what their own type allows."""
     device = next(p.device for p in layer.parameters(recurse=False))
     for name in _WEIGHT_TENSORS:
-        if name in layer._parameters or name in layer._buffers:
+        if name in layer._parameters or name in layer._buffers or name in layer.__dict__:  # also a plain None
             delattr(layer, name)
     is_k_split = isinstance(layer, RowParallelLinear)
     rows, cols = ((layer.out_features, layer.in_features_per_rank) if is_k_split

@@ -1,5 +1,5 @@
-"""Weight-only integer linear layers (AWQ, GPTQ, compressed-tensors pack-quantized, GGUF Q4_0 / Q8_0): what such
-a tensor-parallel layer holds and how its shards load.
+"""Weight-only integer linear layers (AWQ, GPTQ, compressed-tensors pack-quantized, GGUF blocks): what such a
+tensor-parallel layer holds and how its shards load.
 
 Built inside `quantized_layers(config)` with an int QuantConfig, every ColumnParallel / MergedColumn / QKV
 / RowParallel linear holds this rank's slice of the checkpoint's tensors, as stored (kernels/linear_int.py has
@@ -7,14 +7,15 @@ the layouts), under AWQ's and GPTQ's names:
 
     qweight  int32  AWQ [K_rank, N_rank / 8]     GPTQ [K_rank / p, N_rank]      (p = 32 / bits)
     qzeros   int32  [G_rank, N_rank / p]         (a buffer of 2^(bits - 1) when the checkpoint stores none)
-    scales   fp16   [G_rank, N_rank]             (float32 for compressed-tensors: its bf16 or fp16, exactly)
+    scales   fp16   [G_rank, N_rank]             (float32 where fp16 would round them: QuantConfig.scale_dtype)
     g_idx    int32  [K_rank] (GPTQ, act-order compressed-tensors): each input feature's group among G_rank
 
 compressed-tensors stores the transposes, N first (weight_packed [N, K / p], weight_scale [N, G],
 weight_zero_point [N / p, G], packed along N): the same int32 words, so a rank indexes its [N, K] slice of them
-and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above. GGUF Q4_0 /
-Q8_0 blocks (quantization="gguf") arrive in that N-first layout too, repacked by checkpoints/gguf.py, with fp16
-scales and no zero points; Q4_1's with `mins` fp16 [G_rank, N_rank] in place of qzeros (w = q * scale + min).
+and copies it transposed (`is_n_major`); workers/weights.py renames the tensors to the names above. GGUF blocks
+(quantization="gguf") arrive in that N-first layout too, repacked by checkpoints/gguf_blocks.py, with no zero
+points (a mid-range buffer) or with `mins` [G_rank, N_rank] in place of qzeros (w = q * scale + min), groups of
+32 or 16 (checkpoints/gguf_types.py).
 
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
@@ -39,7 +40,9 @@ from kernels.linear_int import linear_int as linear_int_kernel
 def packing_of(config: QuantConfig) -> IntPacking:
     if config.method == "awq":
         return AWQ_GEMM
-    return gptq_v1(config.bits) if config.method == "gptq" else offset_binary(config.bits)
+    if config.method == "gptq" and config.checkpoint_format != "gptq_v2":
+        return gptq_v1(config.bits)
+    return offset_binary(config.bits)  # GPTQ v2: v1's layout, zero points as they are
 
 
 def _mid_range_zeros(shape, packing: IntPacking, device) -> torch.Tensor:
@@ -81,14 +84,14 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     loader = _loader(layer)
     layer.qweight = _param(qweight_shape, torch.int32, device, loader)
     layer.mins = None
-    if config.has_mins:  # GGUF Q4_1: w = q * scale + min
+    scale_dtype = {"float16": torch.float16, "float32": torch.float32}[config.scale_dtype]
+    if config.has_mins:  # GGUF Q4_1 / Q5_1 / Q4_K / Q5_K: w = q * scale + min
         layer.qzeros = None
-        layer.mins = _param((num_groups, rows), torch.float16, device, loader)
+        layer.mins = _param((num_groups, rows), scale_dtype, device, loader)
     elif config.has_zero_points:
         layer.qzeros = _param((num_groups, rows // p), torch.int32, device, loader)
     else:
         layer.register_buffer("qzeros", _mid_range_zeros((num_groups, rows // p), packing, device))
-    scale_dtype = torch.float32 if config.method == "pack-quantized" else torch.float16  # GGUF's d: fp16
     layer.scales = _param((num_groups, rows), scale_dtype, device, loader)
     has_g_idx = config.method == "gptq" or config.desc_act
     layer.g_idx = _param((cols,), torch.int32, device, loader) if has_g_idx else None
