@@ -57,8 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "awq / gptq: name the checkpoint's own int4 method (read from its config anyway; "
                              "with --preset or --load-format random, a default layout: AWQ or GPTQ 4 bits, group "
                              "128, drawn packed); "
-                             "gguf: a .gguf model's linears served from their blocks, not dequantized (the default "
-                             "for a .gguf on a GPU); none: a .gguf dequantized at load (the default on CPU)")
+                             "gguf: a .gguf model's linears served from their blocks, not dequantized; none: a .gguf "
+                             "dequantized at load (the default)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
 

@@ -293,25 +293,32 @@ class EngineArgs:
                             parallel, self.stream_interval_s)
 
     def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
-        """The checkpoint to load and its quantization. Given none, a .gguf model on a GPU serves its decoder
-        linears from their own blocks ("gguf": a quarter to a half of a bf16 weight's bytes read per token), and
-        the built-in SmolLM2 loads from its Q4_1 file rather than its float32 conversion; on CPU a GGUF is
-        dequantized at load (the int layers' torch reference would dequantize every weight at every step, slower
-        than float weights). quantization="none" dequantizes on a GPU too. The device is this process's view
-        ("auto": a GPU visible here; the Serve app resolves it for the replica's placement before)."""
+        """The checkpoint to load and its quantization. Given none: with GGUF_BLOCKS_BY_DEFAULT_ON_GPU, a .gguf
+        model on a GPU serves its decoder linears from their own blocks ("gguf": a quarter to a half of a bf16
+        weight's bytes read per token) and the built-in SmolLM2 loads from its Q4_1 file rather than its float32
+        conversion; otherwise, and always on CPU, a GGUF is dequantized at load (the int layers' torch reference
+        would dequantize every weight at every step, slower than float weights). quantization="none" dequantizes
+        too. The device is this process's view ("auto": a GPU visible here; the Serve app resolves it for the
+        replica's placement before)."""
         # lazy, not upward: checkpoints is a leaf, but its imports (tempfile, shutil, ...) would double the time of
         # `import engine.config`, which every process pays, the ingress's too
         from checkpoints.source import resolve_model
 
         if self.quantization is not None:
             return resolve_model(self.model), self.quantization
-        if self.model is None and resolve_device(self.device) == "cuda":
+        on_gpu = GGUF_BLOCKS_BY_DEFAULT_ON_GPU and resolve_device(self.device) == "cuda"
+        if self.model is None and on_gpu:
             from checkpoints.builtin import default_gguf_path
 
             return default_gguf_path(), "gguf"
         path = resolve_model(self.model)
-        return path, "gguf" if path.endswith(".gguf") and resolve_device(self.device) == "cuda" else None
+        return path, "gguf" if path.endswith(".gguf") and on_gpu else None
 
+
+# Whether a .gguf model on a GPU is served from its own blocks when no quantization is given. Off until the int
+# kernels beat dequantized bf16 there: their first H200 run streamed 0.4-7% of copy bandwidth (8B AWQ at batch 1:
+# 202 ms/token against bf16's 4.3; benchmarks/results/h200-kernels-int4-first.txt). `--quantization gguf` asks.
+GGUF_BLOCKS_BY_DEFAULT_ON_GPU = False
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -240,14 +240,29 @@ def test_random_weights_with_mins(ggufs):
     generate(path, inspect=check, load_format="random", quantization="gguf")
 
 
-def test_a_gguf_on_a_gpu_is_served_from_its_blocks_by_default(ggufs, tmp_path_factory):
-    """EngineArgs without quantization: a .gguf on a GPU gets "gguf" (the built-in SmolLM2 its Q4_1 file, not the
-    float32 conversion), on CPU none (dequantized at load); quantization="none" dequantizes on a GPU too, and is
-    refused for a checkpoint that is quantized. Only the config is made ("cuda" is not checked until a worker
-    starts), so this runs here."""
+def test_a_gguf_on_a_gpu_is_dequantized_by_default_until_the_kernels_are_faster(ggufs):
+    """Today's default (engine.config.GGUF_BLOCKS_BY_DEFAULT_ON_GPU off: the int kernels' first H200 run was far
+    slower than bf16): a .gguf on a GPU is dequantized at load unless --quantization gguf asks for its blocks."""
+    from engine.config import GGUF_BLOCKS_BY_DEFAULT_ON_GPU, EngineArgs
+
+    assert not GGUF_BLOCKS_BY_DEFAULT_ON_GPU
+    path = ggufs("llama", "Q4_K")
+    assert EngineArgs(model=path, device="cuda").create_engine_config().model.quant_config is None
+    asked = EngineArgs(model=path, device="cuda", quantization="gguf").create_engine_config().model
+    assert asked.quant_config.method == "gguf"
+
+
+def test_a_gguf_on_a_gpu_is_served_from_its_blocks_by_default(ggufs, tmp_path_factory, monkeypatch):
+    """With GGUF_BLOCKS_BY_DEFAULT_ON_GPU on, EngineArgs without quantization: a .gguf on a GPU gets "gguf" (the
+    built-in SmolLM2 its Q4_1 file, not the float32 conversion), on CPU none (dequantized at load);
+    quantization="none" dequantizes on a GPU too, and is refused for a checkpoint that is quantized. Only the config
+    is made ("cuda" is not checked until a worker starts), so this runs here."""
     from checkpoints.builtin import default_gguf_path
+    from engine import config
     from engine.config import EngineArgs
     from tests import int4_checkpoints as ic
+
+    monkeypatch.setattr(config, "GGUF_BLOCKS_BY_DEFAULT_ON_GPU", True)  # the default once the kernels are faster
 
     def model_config(**kwargs):
         return EngineArgs(**kwargs).create_engine_config().model

@@ -24,7 +24,7 @@ SCORED = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, prompt_lo
 def test_default_model_answers_in_bf16_with_cuda_graphs():
     llm = LLM(num_kv_blocks=512)  # no model: SmolLM2; auto dtype on a GPU: bfloat16
     assert llm.engine.executor.describe()[0]["cuda_graphs"]
-    assert llm.engine.config.model.quantization == "gguf"  # on a GPU: served from its Q4_1 blocks
+    assert llm.engine.config.model.quantization is None  # dequantized (engine.config.GGUF_BLOCKS_BY_DEFAULT_ON_GPU)
     out = llm.chat(QUESTION, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
     llm.shutdown()
@@ -32,14 +32,14 @@ def test_default_model_answers_in_bf16_with_cuda_graphs():
 
 @pytest.mark.parametrize("model", ["converted", "gguf", "gguf-dequantized"])
 def test_logprobs_match_transformers_in_float32(real_model_dir, model):
-    """The GGUF file on a GPU: from its Q4_1 blocks (the default there; the int kernel for decode, the reference
-    for chunks) or dequantized at load (quantization "none"); transformers reads the converted checkpoint."""
+    """The GGUF file on a GPU: from its Q4_1 blocks (quantization "gguf"; the int kernels) or dequantized at load
+    (quantization "none"); transformers reads the converted checkpoint."""
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = real_model_dir if model == "converted" else default_gguf_path()
     llm = LLM(model=path, dtype="float32", num_kv_blocks=512, max_num_batched_tokens=64,
-              quantization="none" if model == "gguf-dequantized" else None)
+              quantization={"gguf": "gguf", "gguf-dequantized": "none"}.get(model))
     assert llm.engine.config.model.quantization == {"gguf": "gguf", "gguf-dequantized": "none"}.get(model)
     outs = llm.generate(PROMPTS, SCORED, use_tqdm=False)
     llm.engine.check_integrity()
