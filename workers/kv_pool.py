@@ -28,9 +28,19 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> KVCaches:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    """One allocation [num_layers, 2, num_blocks, block_size, heads, head_dim] whose [layer, 0] / [layer, 1] are
+    the layers' K and V: a move of blocks between tiers gathers every layer's rows of them in one kernel."""
+    buffer = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    return [(buffer[i, 0], buffer[i, 1]) for i in range(num_layers)]
+
+
+def kv_buffer(caches: KVCaches) -> torch.Tensor:
+    """The one allocation behind caches from `allocate_kv_caches`, [num_layers, 2, num_blocks, ...]."""
+    base = caches[0][0]._base
+    if base is None or base.dim() != 6 or any(t._base is not base for kv in caches for t in kv) or \
+            base.shape[:2] != (len(caches), 2):
+        raise ValueError("the KV caches are not one allocation of allocate_kv_caches")
+    return base
 
 
 def num_blocks_cpu(cap_bytes: int, block_bytes: int) -> int:
@@ -74,18 +84,21 @@ def num_host_blocks(cache: CacheConfig, block_bytes: int) -> int:
 
 
 class HostKVPool:
-    """The host-memory KV tier of one rank: blocks in the device pool's layout and dtype (FP8 KV: its e4m3 bytes;
-    the per-head scales are global and stay with the model), moved by block pairs that the driver picks.
+    """The host-memory KV tier of one rank: blocks in the device pool's dtype (FP8 KV: its e4m3 bytes; the per-head
+    scales are global and stay with the model), moved by block pairs that the driver picks.
 
-        buffer [num_layers, 2, num_host_blocks, block_size, num_kv_heads_per_rank, head_dim]   one allocation
-        caches[layer] = (buffer[layer, 0], buffer[layer, 1])                                     K, V
+        buffer [num_host_blocks, num_layers, 2, block_size, num_kv_heads_per_rank, head_dim]   one allocation
+        caches[layer] = (buffer[:, layer, 0], buffer[:, layer, 1])                               K, V
 
-    Copies move raw words, batched per layer (an index_select and an index_copy_ per tensor, whatever the number of
-    blocks): bit-exact for any dtype.
+    Block-major, unlike the device pool (layer-major, `allocate_kv_caches`): a host block, every layer's K and V
+    of it, is one contiguous run of bytes, so a move is one gather (or scatter) kernel on the device, between the
+    device pool and a staging tensor in the host block layout, and one copy per run of consecutive host blocks
+    between that staging tensor and host memory. Raw words: bit-exact for any dtype.
 
     On CUDA the buffer is page-locked with cudaHostRegister, not torch's pinned allocator (that one rounds every
-    allocation up to a power of two: 40 GiB asked would pin 64), and the device reads and writes it in place
-    through its unified address (UVA, as vLLM's and SGLang's CPU tiers do): no staging memory, no per-block copy.
+    allocation up to a power of two: 40 GiB asked would pin 64): the
+    copies are cudaMemcpyAsync between device memory and it, done by the copy engines (no SM is held waiting on
+    PCIe, as a kernel writing host memory through its mapped address would be; vLLM's swap copies likewise).
       offload  on a copy stream of its own, after the compute stream's work so far (which wrote those blocks); an
                event recorded after it is what `wait_for_offloads` makes the compute stream wait on, before a later
                write to those device blocks. The step that issued it does not wait (unless it writes them itself).
@@ -93,24 +106,27 @@ class HostKVPool:
                a later step (the copy stream first waits for the compute stream) cannot overwrite a host block while
                an onload still reads it. It adds the copy to the step's time, once, for a prefix that would
                otherwise be prefilled.
-    On CPU both tiers are host memory and every copy is done when the call returns.
+    Staging tensors are allocated on the stream that uses them, so the caching allocator reuses their memory only
+    after that stream's copies. On CPU both tiers are host memory and every copy is done when the call returns.
     """
 
     def __init__(self, device_caches: KVCaches, num_blocks: int):
-        k_cache = device_caches[0][0]
-        self.device = k_cache.device
+        device_buffer = kv_buffer(device_caches)
+        self.device = device_buffer.device
         self.num_blocks = num_blocks
-        self.buffer = torch.empty((len(device_caches), 2, num_blocks, *k_cache.shape[1:]), dtype=k_cache.dtype)
-        self.caches: KVCaches = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(len(device_caches))]
+        num_layers, _, _, *block_shape = device_buffer.shape
+        self.buffer = torch.empty((num_blocks, num_layers, 2, *block_shape), dtype=device_buffer.dtype)
+        self.caches: KVCaches = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(num_layers)]
         self.is_pinned = self.device.type == "cuda"
-        on_device = self.buffer
         self._copy_stream = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the offloads not yet waited for
         if self.is_pinned:
-            on_device = _register(self.buffer, self.device)
+            _register(self.buffer, self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
-        self._device_rows = [(_rows(k), _rows(v)) for k, v in device_caches]
-        self._host_rows = [(_rows(on_device[i, 0]), _rows(on_device[i, 1])) for i in range(len(device_caches))]
+        rows = device_buffer.flatten(3)  # [L, 2, N, a layer's K or V of a block]
+        word = _widest_word(rows.shape[-1] * rows.element_size())  # divides a host block's bytes too
+        self._device_rows = rows.view(torch.uint8).view(word)
+        self._host_blocks = self.buffer.flatten(1).view(torch.uint8).view(word)  # [Nh, words of a block]
 
     @property
     def num_bytes(self) -> int:
@@ -121,11 +137,11 @@ class HostKVPool:
         if not pairs:
             return
         if self._copy_stream is None:
-            self._copy(pairs, to_host=True)
+            self._to_host(pairs)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy_stream):  # its index tensors and temporaries belong to the copy stream
-            self._copy(pairs, to_host=True)
+        with torch.cuda.stream(self._copy_stream):  # its index tensors and staging belong to the copy stream
+            self._to_host(pairs)
         self._offloaded = torch.cuda.Event()
         self._offloaded.record(self._copy_stream)
 
@@ -142,54 +158,55 @@ class HostKVPool:
 
     def onload(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block): the device block becomes a copy of the host block, on the compute stream."""
-        if pairs:
-            self._copy([(d, h) for h, d in pairs], to_host=False)
+        if not pairs:
+            return
+        host_ids = [h for h, _ in pairs]
+        staging = torch.empty((len(pairs), self._host_blocks.shape[1]), dtype=self._host_blocks.dtype,
+                              device=self.device)
+        for start, (first, count) in _runs(host_ids):
+            staging[start:start + count].copy_(self._host_blocks[first:first + count], non_blocking=True)
+        device_ids = to_device([d for _, d in pairs], torch.long, self.device)
+        num_layers, _, _, words = self._device_rows.shape
+        layer_major = staging.view(len(pairs), num_layers, 2, words).permute(1, 2, 0, 3)
+        self._device_rows.index_copy_(2, device_ids, layer_major)
 
-    def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        """pairs: (device block, host block); one index_select and one index_copy_ per tensor."""
+    def _to_host(self, pairs: list[tuple[int, int]]) -> None:
         device_ids = to_device([d for d, _ in pairs], torch.long, self.device)
-        host_ids = to_device([h for _, h in pairs], torch.long, self.device)
-        for device_kv, host_kv in zip(self._device_rows, self._host_rows):
-            for dev, host in zip(device_kv, host_kv):
-                if to_host:
-                    host.index_copy_(0, host_ids, dev.index_select(0, device_ids))
-                else:
-                    dev.index_copy_(0, device_ids, host.index_select(0, host_ids))
+        gathered = self._device_rows.index_select(2, device_ids)  # [L, 2, n, words]
+        staging = gathered.permute(2, 0, 1, 3).reshape(len(pairs), -1)  # host block layout, contiguous
+        for start, (first, count) in _runs([h for _, h in pairs]):
+            self._host_blocks[first:first + count].copy_(staging[start:start + count], non_blocking=True)
 
 
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, ...] as one row of raw words per block (the widest word that divides a block): a copy moves
-    bits whatever the dtype, and a wide word moves more of them per thread over PCIe."""
-    row_bytes = cache[0].numel() * cache.element_size()
-    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
-    return cache.view(cache.shape[0], -1).view(word)
+def _runs(ids: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    """(position in ids, (first id, count)) for each run of consecutive ids: one copy each."""
+    runs: list[tuple[int, tuple[int, int]]] = []
+    for position, block in enumerate(ids):
+        if runs and block == runs[-1][1][0] + runs[-1][1][1]:
+            runs[-1] = (runs[-1][0], (runs[-1][1][0], runs[-1][1][1] + 1))
+        else:
+            runs.append((position, (block, 1)))
+    return runs
 
 
-class _CudaArray:
-    """The CUDA array interface of registered host memory: with UVA its host address is its device address."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor  # keeps the memory alive while a CUDA view of it lives
-        self.__cuda_array_interface__ = {"shape": (tensor.numel() * tensor.element_size(),), "typestr": "|u1",
-                                         "data": (tensor.data_ptr(), False), "version": 3, "strides": None}
+def _widest_word(num_bytes: int) -> torch.dtype:
+    """The widest integer type that divides num_bytes: a copy moves raw bits whatever the dtype, wide words more of
+    them per thread."""
+    return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if num_bytes % w.itemsize == 0)
 
 
-def _register(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Page-locks `buffer` (exactly its size) and returns a CUDA tensor over the same memory; the memory is
+def _register(buffer: torch.Tensor, device: torch.device) -> None:
+    """Page-locks `buffer` (exactly its size), so that copies to and from it are asynchronous DMA; the memory is
     unregistered when the buffer goes (after the device's work on it)."""
     num_bytes = buffer.numel() * buffer.element_size()
-    cudart = torch.cuda.cudart()
     with torch.cuda.device(device):
         # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, mapped into the device's
-        # address space (under UVA at the host address itself)
-        error = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 3)
-        if int(error) != 0:
-            raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**30:.2f} GiB for the host KV tier failed "
-                               f"({error}): lower swap_space (the host tier's GiB per rank)")
-        view = torch.as_tensor(_CudaArray(buffer), device=device)
-    assert view.is_cuda and view.data_ptr() == buffer.data_ptr(), "the host tier's CUDA view is a copy, not a view"
+        # address space
+        error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 3)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**30:.2f} GiB for the host KV tier failed "
+                           f"({error}): lower swap_space (the host tier's GiB per rank)")
     weakref.finalize(buffer, _unregister, buffer.data_ptr(), device).atexit = False  # at exit the process goes
-    return view.view(buffer.dtype).view(buffer.shape)
 
 
 def _unregister(address: int, device: torch.device) -> None:

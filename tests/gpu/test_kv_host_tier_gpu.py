@@ -1,5 +1,5 @@
-"""The host KV tier on a CUDA GPU (#30): pinned memory of exactly the asked size, read and written in place by the
-device; offloads on their own stream, ordered after the compute stream's writes and before its later overwrites;
+"""The host KV tier on a CUDA GPU (#30): pinned memory of exactly the asked size, moved by the copy engines;
+offloads on their own stream, ordered after the compute stream's writes and before its later overwrites;
 a prefix brought back from the host with CUDA graphs on."""
 
 import pytest
@@ -28,8 +28,8 @@ def test_round_trip_through_pinned_memory(dtype):
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
     before = [(k.clone(), v.clone()) for k, v in caches]
     pool = HostKVPool(caches, num_blocks=12)
-    assert pool.is_pinned and not pool.buffer.is_cuda
-    assert pool._host_rows[0][0].is_cuda and pool._host_rows[0][0].data_ptr() == pool.buffer.data_ptr()
+    # torch sees the registered buffer as pinned: its copies are asynchronous (not a copy, then a wait)
+    assert pool.is_pinned and not pool.buffer.is_cuda and pool.buffer.is_pinned()
     pool.offload([(9, 3), (2, 11), (5, 0)])
     pool.wait_for_offloads()
     pool.onload([(3, 1), (0, 15), (11, 4)])

@@ -156,3 +156,23 @@ def test_prefix_without_its_onload_differs(executor):
     _, b_tokens = prefix_reuse_tokens(executor.execute_model, onload=False)
     a_tokens, _ = prefix_reuse_tokens(executor.execute_model)
     assert b_tokens != a_tokens
+
+
+def test_runs_of_consecutive_host_blocks_are_one_copy_each():
+    from workers.kv_pool import _runs
+
+    assert _runs([4, 5, 6, 2, 3, 9, 8]) == [(0, (4, 3)), (3, (2, 2)), (5, (9, 1)), (6, (8, 1))]
+    assert _runs([]) == []
+
+
+def test_the_device_pool_is_one_allocation_and_a_host_block_is_contiguous():
+    caches = random_pool(3, 8, 4, 2, 8, torch.bfloat16)
+    pool = HostKVPool(caches, num_blocks=5)
+    pool.offload([(6, 1), (7, 2), (0, 4)])
+    block = pool.buffer[2]  # host block 2: device block 7 of every layer, K then V, layer after layer
+    assert block.is_contiguous()
+    assert torch.equal(block, torch.stack([torch.stack([k[7], v[7]]) for k, v in caches]))
+    from workers.kv_pool import kv_buffer
+
+    with pytest.raises(ValueError, match="one allocation"):
+        kv_buffer([(k.clone(), v) for k, v in caches])
