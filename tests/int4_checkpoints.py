@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear; Mixtral's
+# experts are w1 (gate) / w3 (up) / w2 (down); routers ("gate") and shared_expert_gate stay float
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+           "w1", "w2", "w3")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
 
 
@@ -201,6 +203,7 @@ def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
         else:  # q/k/v and gate/up read the same input: one act-order for them
             same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj",
                                                                                                  "gate_proj")
+            same_input = same_input[:-3] + ".w1" if same_input.endswith(".w3") else same_input
             if same_input not in orders:
                 orders[same_input] = torch.randperm(t.shape[1], generator=generator)
             qz = layers[module] = quantize(t, fmt, orders[same_input])
