@@ -19,3 +19,36 @@ def test_preset_builds_its_family_at_its_size(name):
     assert type(model).__name__ == cfg["architectures"][0]
     num_params = sum(p.numel() for p in model.parameters())
     assert abs(num_params / PARAMETERS[name] - 1) < 0.005, f"{name}: {num_params / 1e9:.2f}B"
+
+
+AWQ_G128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("quantization, qc, bytes_per_weight", [("fp8", None, (1.0, 1.005)),
+                                                                ("awq", AWQ_G128, (0.5195, 0.5196))])
+def test_moe_presets_build_with_quantized_experts(name, quantization, qc, bytes_per_weight):
+    """`pagoda bench ... --preset <MoE> --quantization fp8` holds FP8 experts (1 byte a weight and a float32 scale a
+    row; random weights drawn in FP8: tests/engine/test_moe_fp8.py), and an AWQ config of the preset int4 ones (half
+    a byte, and an fp16 scale and a 4-bit zero per 128: random packed weights, tests/engine/test_moe_int4.py); on the
+    meta device, the whole model well inside one H200."""
+    from engine.quantization import resolve_quantization
+    from workers.layers.moe import FusedMoE
+    from workers.layers.quantization import quantized_layers
+
+    cfg = {**PRESETS[name], **({"quantization_config": qc} if qc else {})}
+    with quantized_layers(resolve_quantization(quantization, cfg)):
+        model = get_model_class(cfg)(ModelArgs.from_hf_config(cfg), torch.bfloat16, "meta", max_model_len=4096)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == cfg["num_hidden_layers"]
+    if quantization == "fp8":
+        assert all(e.w13_weight.dtype == e.w2_weight.dtype == torch.float8_e4m3fn for e in experts)
+    else:
+        assert all(e.w13_qweight.dtype == torch.int32 for e in experts)
+    weights = sum(3 * e.num_experts * e.hidden_size * e.intermediate_size for e in experts)
+    expert_bytes = sum(t.numel() * t.element_size() for e in experts for t in [*e.parameters(), *e.buffers()])
+    low, high = bytes_per_weight
+    assert low <= expert_bytes / weights <= high, expert_bytes / weights
+    size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert size < 0.55 * PARAMETERS[name] * 2, f"{size / 2**30:.1f} GiB"  # under 55% of the bf16 weights

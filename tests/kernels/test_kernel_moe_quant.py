@@ -142,6 +142,16 @@ def test_fp8_kernel_matches_the_reference(case, shape, device, poisoned_allocati
     torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
 
+def test_fp8_128_blocks_over_several_block_columns(device, poisoned_allocations):
+    """Qwen3-30B-A3B-FP8's blocks over K of two blocks and more (hidden 256; 160 intermediate: a whole block and
+    a partial one, in gate's and up's rows and in down's K)."""
+    blocks = (128, 128)
+    args = make_case(6, 256, 160, 4, 2, lambda w: fp8_experts(w, blocks, 2), lambda w: fp8_experts(w, blocks),
+                     torch.float32, device)
+    assert args[1].scale.shape == (4, 4, 2) and args[2].scale.shape == (4, 2, 2)
+    torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
 def test_fp8_reference_dequantizes_each_part_with_its_blocks():
     w = torch.randn(2, 2 * 24, 64)
     experts = fp8_experts(w, (16, 32), parts=2)
