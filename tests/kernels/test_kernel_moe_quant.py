@@ -180,3 +180,16 @@ def test_launcher_rejects_bad_inputs(device):
     fp8 = fp8_experts(torch.randn(4, 64, 64), (16, 24), parts=2)
     with pytest.raises(ValueError, match="below tl.dot's 16"):  # a K tile of 8 columns
         fused_moe_quant_triton(x, fp8, w2, weights, ids)
+
+
+def test_benchmark_cases_run_under_the_interpreter(device):
+    """benchmarks/kernels_moe_quant.py at toy sizes (its GPU run is the lead's): every format builds, checks the
+    kernel against the reference and times it."""
+    import benchmarks.kernels as bench
+    from benchmarks.kernels_moe_quant import FORMATS, bench_moe_quant
+
+    runner = bench.Runner(device, check=True, use_triton=True)
+    bench_moe_quant(runner, {"dtype": torch.bfloat16}, dict(hidden=128, inter=128, num_experts=4, top_k=2, rows=[2]))
+    assert not runner.failures, runner.failures
+    assert {(r["case"], r["impl"]) for r in runner.results} == {(f"{fmt} rows 2", impl) for fmt in FORMATS
+                                                                for impl in ("bf16 triton", "triton", "torch ref")}
