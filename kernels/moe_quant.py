@@ -20,10 +20,11 @@ dequantizes each [BLOCK_K, BLOCK_N] tile with the same float32 arithmetic and ro
 unquantized model holding the dequantized weights computes.
 
 `_moe_quant_gemm_kernel` is `_moe_gemm_kernel` (kernels/moe.py: one BLOCK_M tile of an expert's (token, slot) pairs
-against BLOCK_N output features) with its weight tiles from `_weight_tile`: int tiles unpacked by kernels/
-linear_int.py's `_dequantized_tile` (one row of zeros and scales when the tile's inputs are one group, else a
-gather per element: act-order), FP8 tiles times their row's scale or the tile's block scale (BLOCK_K divides bk, so
-a K tile lies in one block column). First version: not yet measured on a GPU.
+against BLOCK_N output features) with its weight tiles from `_weight_tile`: int tiles unpacked by
+kernels/int_tiles.py's `weight_tile` (kernels/linear_int.py's: one row of zeros and scales when the tile's inputs
+are one group, else a gather per element, act-order; each packed word loaded once for 64-row tiles), FP8 tiles
+times their row's scale or the tile's block scale (BLOCK_K divides bk, so a K tile lies in one block column).
+First version: not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, dequantize_weight
+from kernels.int_tiles import weight_tile
 from kernels.linear import silu_mul_rounded
-from kernels.linear_int import IntPacking, _dequantized_tile, dequantize_ref
+from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import _fits_one_program, align_by_expert_ref, align_by_expert_triton, experts_loop_ref, moe_config
 
 
@@ -207,17 +209,20 @@ def _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, 
 
 
 @triton.jit
-def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, ks, k_mask, k0, rows, scale_rows, n_mask, stride_w, stride_z, stride_s,
-                 group_size, IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-                 ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
-                 AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr):
-    """One expert's dequantized W.T tile, float32 [BLOCK_K, BLOCK_N] (pointers already at the expert)."""
+def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, scale_rows, n_mask, n_end, K, stride_w,
+                 stride_z, stride_s, group_size, IS_FP8: tl.constexpr, PER_ROW: tl.constexpr,
+                 SCALE_BLOCK_K: tl.constexpr, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr,
+                 PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One expert's dequantized W.T tile, float32 [BLOCK_K, BLOCK_N] at weight rows n0 + arange(BLOCK_N) (`rows`,
+    valid below n_end), pointers already at the expert."""
     if IS_FP8:
         w = _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s, PER_ROW,
                       SCALE_BLOCK_K)
     else:
-        w = _dequantized_tile(w_ptr, z_ptr, s_ptr, g_ptr, ks, k_mask, rows, n_mask, stride_w, stride_z, stride_s,
-                              group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, False)
+        w = weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, n_mask, n_end, K, stride_w, stride_z,
+                        stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                        False, UNPACK_ONCE, BLOCK_K, BLOCK_N)
     return w
 
 
@@ -229,7 +234,7 @@ def _moe_quant_gemm_kernel(
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s, stride_ge,
     IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
-    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -244,7 +249,8 @@ def _moe_quant_gemm_kernel(
     pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     a_rows = (pairs // ROWS_PER_A).to(tl.int64)
-    offs_n = ((tl.program_id(0) % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n0 = (tl.program_id(0) % num_n_blocks) * BLOCK_N
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     w_e, z_e = w_ptr + expert * stride_we, z_ptr + expert * stride_ze
     s_e, g_e = s_ptr + expert * stride_se, g_ptr + expert * stride_ge
@@ -260,17 +266,19 @@ def _moe_quant_gemm_kernel(
         k_mask = ks < K
         xv = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
-        w = _weight_tile(w_e, z_e, s_e, g_e, ks, k_mask, k0, offs_n, scale_rows, n_mask, stride_w, stride_z,
-                         stride_s, group_size, IS_FP8, PER_ROW, SCALE_BLOCK_K, ZERO_OFFSET, BITS, PACKED_ALONG_K,
-                         AWQ_ORDER, HAS_G_IDX, ONE_GROUP).to(dtype)  # W rounded to x's dtype, as the reference
+        w = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, scale_rows, n_mask, N, K, stride_w,
+                         stride_z, stride_s, group_size, IS_FP8, PER_ROW, SCALE_BLOCK_K, ZERO_OFFSET, BITS,
+                         PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, UNPACK_ONCE, BLOCK_K,
+                         BLOCK_N).to(dtype)  # W rounded to x's dtype, as the reference rounds it
         if UPCAST:
             xv = xv.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(xv, w, input_precision=PRECISION)
         if GATED:
-            w_up = _weight_tile(w_e, z_e, s_e, g_e, ks, k_mask, k0, up_row + offs_n, up_scale_rows, n_mask,
-                                stride_w, stride_z, stride_s, group_size, IS_FP8, PER_ROW, SCALE_BLOCK_K, ZERO_OFFSET,
-                                BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP).to(dtype)
+            w_up = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, up_scale_rows,
+                                n_mask, up_row + N, K, stride_w, stride_z, stride_s, group_size, IS_FP8, PER_ROW,
+                                SCALE_BLOCK_K, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                                UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)
             if UPCAST:
                 w_up = w_up.to(tl.float32)
             acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
@@ -309,12 +317,19 @@ def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated:
     cfg = moe_config(num_pairs, experts.num_experts, out_features, gated, x.dtype, x.device)
     # two [BLOCK_K, BLOCK_N] float32 tiles dequantized at once (gate, up): 128 x 64 ones spilled on sm_90
     cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), **(overrides or {})}
+    # each packed word loaded once for the 64-row tiles of larger batches (kernels/linear_int.py's choice: its
+    # GEMM tiles do, its decode tiles not); needs tiles of whole words, which the shapes checked at load give
+    is_int = isinstance(experts, IntExperts)
+    cfg.setdefault("UNPACK_ONCE", is_int and cfg["BLOCK_M"] >= 64)
     limit = experts.max_block_k()
     if limit is not None and not (overrides or {}).get("BLOCK_K"):
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], limit)
     if isinstance(experts, Fp8Experts) and limit is not None and limit % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide the FP8 scale block's {experts.block_size[1]} "
                          "columns (a K tile reads one block's scale)")
+    p = experts.packing.pack_factor if isinstance(experts, IntExperts) else 1
+    if cfg["UNPACK_ONCE"] and (cfg["BLOCK_N"] % p or cfg["BLOCK_K"] % p or out_features % p):
+        raise ValueError(f"UNPACK_ONCE needs tiles of whole int32s of {p} values")
     if cfg["BLOCK_K"] < 16:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} is below tl.dot's 16: a group or scale block of fewer "
                          "columns is not supported")
@@ -333,7 +348,8 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
     _moe_quant_gemm_kernel[(tile_experts.shape[0] * cdiv(n, cfg["BLOCK_N"]),)](
         a, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
         n, k, out.shape[0], group_size, n, up_scale_row, a.stride(0), out.stride(0), *strides, **flags,
-        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None, UPCAST=upcast_dot_operands(a.dtype, a.device),
+        UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
+        UPCAST=upcast_dot_operands(a.dtype, a.device),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         **pdl_options(a.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -21,24 +21,21 @@ def test_preset_builds_its_family_at_its_size(name):
     assert abs(num_params / PARAMETERS[name] - 1) < 0.005, f"{name}: {num_params / 1e9:.2f}B"
 
 
-AWQ_G128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": None}
-
-
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("quantization, qc, bytes_per_weight", [("fp8", None, (1.0, 1.005)),
-                                                                ("awq", AWQ_G128, (0.5195, 0.5196))])
-def test_moe_presets_build_with_quantized_experts(name, quantization, qc, bytes_per_weight):
+@pytest.mark.parametrize("quantization, bytes_per_weight", [("fp8", (1.0, 1.005)), ("awq", (0.5195, 0.5196)),
+                                                            ("gptq", (0.5195, 0.5225))])  # + an int32 g_idx per input
+def test_moe_presets_build_with_quantized_experts(name, quantization, bytes_per_weight):
     """`pagoda bench ... --preset <MoE> --quantization fp8` holds FP8 experts (1 byte a weight and a float32 scale a
-    row; random weights drawn in FP8: tests/engine/test_moe_fp8.py), and an AWQ config of the preset int4 ones (half
-    a byte, and an fp16 scale and a 4-bit zero per 128: random packed weights, tests/engine/test_moe_int4.py); on the
-    meta device, the whole model well inside one H200."""
+    row; random weights drawn in FP8: tests/engine/test_moe_fp8.py), `--quantization awq` / `gptq` int4 ones in the
+    default random layout (engine/quantization.py RANDOM_INT_CONFIGS: half a byte, and an fp16 scale and a 4-bit
+    zero per 128; drawn packed: tests/engine/test_moe_int4.py); on the meta device, the whole model well inside one
+    H200."""
     from engine.quantization import resolve_quantization
     from workers.layers.moe import FusedMoE
     from workers.layers.quantization import quantized_layers
 
-    cfg = {**PRESETS[name], **({"quantization_config": qc} if qc else {})}
-    with quantized_layers(resolve_quantization(quantization, cfg)):
+    cfg = PRESETS[name]
+    with quantized_layers(resolve_quantization(quantization, cfg, is_random_weights=True)):
         model = get_model_class(cfg)(ModelArgs.from_hf_config(cfg), torch.bfloat16, "meta", max_model_len=4096)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == cfg["num_hidden_layers"]

@@ -195,7 +195,8 @@ def compile_moe_quant() -> None:
     for tokens in (1, 4096):
         fused_moe_quant(f"moe awq mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, awq)
     gptq_act = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(4), act_order=True)  # noqa: E731
-    fused_moe_quant("moe gptq act-order qwen3-30b-a3b, 8 tokens", 8, 2048, 768, 128, 8, gptq_act)
+    for tokens in (8, 2048):  # 16-row tiles; 64-row ones, each packed word loaded once
+        fused_moe_quant(f"moe gptq act-order qwen3-30b-a3b, {tokens} tokens", tokens, 2048, 768, 128, 8, gptq_act)
     int8 = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(8))  # noqa: E731
     fused_moe_quant("moe gptq int8 qwen3-30b-a3b, 8 tokens", 8, 2048, 768, 128, 8, int8)
     fp8_rows = lambda n, k, parts: fp8_experts(8, n, k)  # noqa: E731

@@ -109,14 +109,17 @@ def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocat
     torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, bits=8, desc_act=True)],
+                         ids=lambda f: f.name)
 @pytest.mark.parametrize("block_k", [16, 64])
-def test_tile_configs_never_change_results(block_k, device, poisoned_allocations):
+@pytest.mark.parametrize("unpack_once", [False, True])
+def test_tile_configs_never_change_results(fmt, block_k, unpack_once, device, poisoned_allocations):
     """K tiles inside a group of 32 (one row of zeros and scales) and across groups (gathered), 16 and 64 tile
-    rows."""
-    fmt = ic.Int4Format("awq", 32)
+    rows, each packed word loaded per element or once."""
     args = make_case(45, 64, 64, 6, 2, _int(fmt), _int(fmt), torch.float32, device, skew=6.0)
     for block_m in (16, 64):
-        out = fused_moe_quant_triton(*args, config={"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": block_k})
+        config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": block_k, "UNPACK_ONCE": unpack_once}
+        out = fused_moe_quant_triton(*args, config=config)
         torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
 
