@@ -5,6 +5,7 @@ shapes that cross tile, group and scale-block boundaries. The experts are packed
 tools pack them."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -196,3 +197,63 @@ def test_benchmark_cases_run_under_the_interpreter(device):
     assert not runner.failures, runner.failures
     assert {(r["case"], r["impl"]) for r in runner.results} == {(f"{fmt} rows 2", impl) for fmt in FORMATS
                                                                 for impl in ("bf16 triton", "triton", "torch ref")}
+
+
+SHAPES_GPU = {"mixtral": dict(hidden=4096, inter=14336, num_experts=8, top_k=2),
+              "qwen3-moe": dict(hidden=2048, inter=768, num_experts=128, top_k=8)}
+GPU_FORMATS = {"awq g128": (_int(ic.Int4Format("awq", 128)), _int(ic.Int4Format("awq", 128))),
+               "gptq act-order": (_int(ic.Int4Format("gptq", 128, desc_act=True)),
+                                  _int(ic.Int4Format("gptq", 128, desc_act=True))),
+               "fp8 per-row": (lambda w: fp8_experts(w, None, 2), fp8_experts),
+               "fp8 128x128": (lambda w: fp8_experts(w, (128, 128), 2), lambda w: fp8_experts(w, (128, 128)))}
+
+
+@functools.lru_cache(maxsize=2)  # a real-sized layer's experts, packed once for the cases that share them
+def _gpu_experts(shape_name: str, fmt: str, device: str):
+    shape = SHAPES_GPU[shape_name]
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter, num_experts = shape["hidden"], shape["inter"], shape["num_experts"]
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    q13, q2 = (quantize(w) for quantize, w in zip(GPU_FORMATS[fmt], (w13, w2)))
+    return [dataclasses.replace(q, **{f.name: getattr(q, f.name).to(device) for f in dataclasses.fields(q)
+                                      if isinstance(getattr(q, f.name), torch.Tensor)}) for q in (q13, q2)]
+
+
+def _gpu_case(shape_name: str, num_tokens: int, fmt: str, cuda, seed: int = 0):
+    shape = SHAPES_GPU[shape_name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(num_tokens, shape["num_experts"], generator=gen), shape["top_k"], True)
+    w13, w2 = _gpu_experts(shape_name, fmt, str(cuda))
+    return x.to(cuda), w13, w2, weights.to(cuda), ids.to(cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, num_tokens", [("mixtral", 1), ("mixtral", 64), ("mixtral", 1000), ("qwen3-moe", 16)],
+                         ids=["mixtral-1", "mixtral-64", "mixtral-1000", "qwen3-moe-16"])
+@pytest.mark.parametrize("fmt", GPU_FORMATS)  # the outer loop: a format's experts are packed once
+def test_gpu_real_sizes(fmt, shape, num_tokens, cuda):
+    """Mixtral's and Qwen3-30B-A3B's experts, decode (16-row tiles) and prefill (64-row tiles, words unpacked
+    once) sizes, against the reference on the GPU."""
+    args = _gpu_case(shape, num_tokens, fmt, cuda)
+    torch.testing.assert_close(fused_moe_quant(*args), fused_moe_quant_ref(*args), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq g128", "fp8 128x128"])
+def test_gpu_decode_in_a_cuda_graph(fmt, cuda):
+    """A decode step's quantized MoE as the engine runs it: captured once, replayed with other routings."""
+    x, w13, w2, weights, ids = _gpu_case("qwen3-moe", 4, fmt, cuda)
+    fused_moe_quant(x, w13, w2, weights, ids)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_quant(x, w13, w2, weights, ids)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed + 1)
+        new_weights, new_ids = topk_route(torch.randn(4, 128, generator=gen), 8, True)
+        weights.copy_(new_weights.to(cuda))
+        ids.copy_(new_ids.to(cuda))
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_quant_ref(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
