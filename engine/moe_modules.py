@@ -3,9 +3,10 @@ config.json): the engine checks a quantized checkpoint's ignore list against the
 
 A quantized MoE checkpoint names what its tool left unquantized: routers and Qwen2-MoE's shared_expert_gate (which
 Pagoda always keeps in the model's dtype), norms, the LM head (transformers' FP8 checkpoints list each layer's, e.g.
-Qwen3-30B-A3B-FP8's `model.layers.0.mlp.gate`). An entry that names one of these modules instead (an attention
-projection, an expert, a shared expert or a dense MLP) would leave a module in float that Pagoda reads as
-quantized: refused.
+Qwen3-30B-A3B-FP8's `model.layers.0.mlp.gate`), and a shared expert as a whole (its gate, up and down projections
+all named: Pagoda then builds that shared expert unquantized, workers/models/moe.py). An entry that names one of
+these modules instead (an attention projection, an expert, a dense MLP, a part of a shared expert) would leave a
+module in float that Pagoda reads as quantized: refused.
 
 The layout restates workers/models/moe.py's (which the engine may not import): every layer's q/k/v/o projections,
 then Mixtral's experts `block_sparse_moe.experts.{e}.w1/w2/w3`, or Qwen-MoE's `mlp.experts.{e}.gate_proj/up_proj/
@@ -44,7 +45,8 @@ def moe_linear_modules(hf_config: dict) -> list[str]:
 
 
 def first_ignored_module(patterns: tuple[str, ...], hf_config: dict, substring: bool) -> tuple[str, str] | None:
-    """(pattern, module) for the first ignore-list entry that names a module Pagoda quantizes, or None.
+    """(pattern, module) for the first ignore-list entry that names a module Pagoda quantizes (a shared expert's
+    projection counts only when the list leaves part of that shared expert quantized), or None.
 
     An entry names a module as QuantConfig.is_ignored reads it (the whole name, a trailing part of it at a dot, or
     a "re:" pattern matching all of it), or with `substring` (AWQ: AutoAWQ, transformers and vLLM skip every module
@@ -52,19 +54,25 @@ def first_ignored_module(patterns: tuple[str, ...], hf_config: dict, substring: 
     if not patterns:
         return None
     names = moe_linear_modules(hf_config)
-    tails: dict[str, str] = {}  # every dot-suffix of every name (the name itself included) -> that name
+    tails: dict[str, list[str]] = {}  # every dot-suffix of every name (the name itself included) -> those names
     for name in names:
         parts = name.split(".")
         for i in range(len(parts)):
-            tails.setdefault(".".join(parts[i:]), name)
+            tails.setdefault(".".join(parts[i:]), []).append(name)
+    hits: dict[str, str] = {}  # module -> the first pattern naming it
     for pattern in patterns:
         if pattern.startswith("re:"):
             regex = re.compile(pattern[3:])
-            hit = next((name for name in names if regex.fullmatch(name)), None)
+            named = [name for name in names if regex.fullmatch(name)]
         elif substring:
-            hit = next((name for name in names if pattern in name), None)
+            named = [name for name in names if pattern in name]
         else:
-            hit = tails.get(pattern)
-        if hit is not None:
-            return pattern, hit
+            named = tails.get(pattern, [])
+        for name in named:
+            hits.setdefault(name, pattern)
+    for name, pattern in hits.items():
+        shared, _, _ = name.rpartition(".")
+        if shared.endswith(".mlp.shared_expert") and all(f"{shared}.{p}" in hits for p in _MLP):
+            continue  # a whole shared expert in float: built unquantized
+        return pattern, name
     return None

@@ -110,13 +110,21 @@ class QuantConfig:
         """Weights per int32."""
         return 32 // self.bits
 
+    @property
+    def ignores_substrings(self) -> bool:
+        """AWQ's modules_to_not_convert entries name every module whose name contains them (AutoAWQ, transformers
+        and vLLM match them so)."""
+        return self.method == "awq"
+
     def is_ignored(self, module_name: str) -> bool:
         """Whether the checkpoint left `module_name` (e.g. "model.layers.0.mlp.down_proj") unquantized: a listed
-        name, a name it ends with, or a "re:" pattern (compressed-tensors)."""
+        name, a name it ends with, or a "re:" pattern (compressed-tensors); for AWQ, any name containing an entry."""
         for pattern in self.ignored:
             if pattern.startswith("re:"):
                 if re.fullmatch(pattern[3:], module_name):
                     return True
+            elif self.ignores_substrings and pattern in module_name:
+                return True
             elif module_name == pattern or module_name.endswith("." + pattern):
                 return True
         return False
@@ -157,7 +165,7 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
                 raise ValueError(f"quantization_config: a {method} FP8 checkpoint with static input scales of a "
                                  "mixture-of-experts model is not supported (Pagoda's FP8 experts take their inputs "
                                  "unquantized)")
-            _check_moe_ignored(config, hf_config, method, substring=False)
+            _check_moe_ignored(config, hf_config, method)
             return config
         kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
         if kept:  # Pagoda's FP8 layers are all of the decoder's linear layers, or none
@@ -271,7 +279,7 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
     if method == "pack-quantized":
         _check_whole_int32s(config, hf_config)
     if has_experts(hf_config):
-        _check_moe_ignored(config, hf_config, method, substring=method == "awq")
+        _check_moe_ignored(config, hf_config, method)
         return config
     kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
     if kept:
@@ -280,12 +288,13 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
     return config
 
 
-def _check_moe_ignored(config: QuantConfig, hf_config: dict, method: str, substring: bool) -> None:
-    """A mixture-of-experts checkpoint may leave its routers, norms and LM head unquantized, nothing else."""
-    found = first_ignored_module(config.ignored, hf_config, substring)
+def _check_moe_ignored(config: QuantConfig, hf_config: dict, method: str) -> None:
+    """A mixture-of-experts checkpoint may leave its routers, norms, LM head and whole shared experts unquantized
+    (engine/moe_modules.py), nothing else."""
+    found = first_ignored_module(config.ignored, hf_config, config.ignores_substrings)
     if found is not None:
         pattern, module = found
-        how = " (AWQ skips every module whose name contains an entry)" if substring else ""
+        how = " (AWQ skips every module whose name contains an entry)" if config.ignores_substrings else ""
         raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore entry {pattern!r} matches "
                          f"{module}{how}, which the tool then left unquantized and Pagoda holds quantized: not "
                          "supported")

@@ -183,18 +183,19 @@ def pack(qz: Quantized, fmt: Int4Format) -> dict[str, torch.Tensor]:
     return pack_compressed_tensors(qz, fmt.bits, fmt.sym, fmt.desc_act)
 
 
-def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
-                          seed: int = 0) -> dict[str, Quantized]:
+def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format, seed: int = 0,
+                          float_modules: tuple[str, ...] = ()) -> dict[str, Quantized]:
     """The checkpoint `src` (float, one safetensors file) as `fmt` in `dst`, and its dequantized weights as a
     float32 checkpoint in `oracle_dst`. Biases are stored fp16, as the tools store them (the oracle's rounded
-    alike). Returns each linear module's quantization."""
+    alike). Linear modules whose name contains one of `float_modules` are left as they are (a tool's ignore list).
+    Returns each quantized linear module's quantization."""
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     packed, oracle, layers, orders = {}, {}, {}, {}
     for name in sorted(tensors):
         t = tensors[name]
         module, _, suffix = name.rpartition(".")
-        if module.rsplit(".", 1)[-1] not in LINEARS:
+        if module.rsplit(".", 1)[-1] not in LINEARS or any(part in module for part in float_modules):
             packed[name] = oracle[name] = t
         elif suffix == "bias" and fmt.method != "pack-quantized":  # llm-compressor keeps the model's dtype
             packed[name], oracle[name] = t.half(), t.half().float()

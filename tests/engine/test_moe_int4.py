@@ -114,6 +114,26 @@ def test_the_oracle_differs_from_the_float_model(moe_int4):
         assert_matches_hf(hf_model(moe_int4.tiny("mixtral")), out, num_top=2, atol=1e-3)
 
 
+def test_a_shared_expert_the_tool_left_in_float_loads_as_stored(moe_int4, tmp_path):
+    """An ignore list naming Qwen2-MoE's whole shared expert (llm-compressor's "re:.*shared_expert.*"): built
+    unquantized, its float weights loaded as stored, the routed experts int4; equal to transformers."""
+    fmt = ic.Int4Format("pack-quantized", 32)
+    dst, oracle = str(tmp_path / "ct"), str(tmp_path / "ct-oracle")
+    ic.write_int4_checkpoint(moe_int4.tiny("qwen2_moe"), dst, oracle, fmt, float_modules=("shared_expert.",))
+    ic.set_quantization_config(dst, {**fmt.quantization_config(),
+                                     "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert.*"]})
+
+    def check(llm):
+        block = llm.engine.executor.worker.model.model.layers[1].mlp
+        assert block.experts.w13_qweight.dtype == torch.int32
+        assert block.shared_expert.gate_up_proj.weight.dtype == torch.float32
+        assert block.shared_expert.gate_up_proj.quant_config is None
+
+    model = hf_model(oracle)
+    for out in generate(dst, inspect=check):
+        assert_matches_hf(model, out, num_top=2, atol=1e-4)
+
+
 def test_random_weights_are_drawn_packed(moe_int4):
     """load_format="random" on a quantized MoE's config: experts drawn as packed integers whose dequantized weights
     have the initializer's standard deviation (0.3); the model generates."""
@@ -145,14 +165,19 @@ def moe_config(arch: str, qc: dict) -> dict:
     ("qwen3_moe", {**ic.Int4Format("pack-quantized").quantization_config(), "ignore": ["re:.*experts.*"]},
      "'re:.*experts.*' matches model.layers.1.mlp.experts.0.gate_proj"),
     ("mixtral", {**ic.Int4Format("gptq").quantization_config(), "modules_to_not_convert": ["w2"]},
-     "'w2' matches model.layers.0.block_sparse_moe.experts.0.w2")])
+     "'w2' matches model.layers.0.block_sparse_moe.experts.0.w2"),
+    ("qwen2_moe", {**ic.Int4Format("pack-quantized").quantization_config(), "ignore": ["re:.*shared_expert.up_proj"]},
+     "'re:.*shared_expert.up_proj' matches model.layers.0.mlp.shared_expert.up_proj")],  # a part of it: refused
+    ids=["qwen2_moe-autoawq-gate", "qwen3_moe-awq-dense-gate_proj", "qwen3_moe-ct-experts", "mixtral-gptq-w2",
+         "qwen2_moe-ct-part-of-shared-expert"])
 def test_ignore_lists_naming_quantized_modules_are_refused(arch, qc, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         resolve_quantization(None, moe_config(arch, qc))
 
 
 def test_routers_norms_and_the_lm_head_may_be_ignored():
-    """What the tools leave in float: Qwen3-30B-A3B-FP8 lists every layer's norms and router by name."""
+    """What the tools leave in float: Qwen3-30B-A3B-FP8 lists every layer's norms and router by name (and a whole
+    shared expert: the test above)."""
     names = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(2)
                            for m in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
     config = resolve_quantization(None, moe_config("qwen3_moe", {**ic.Int4Format("gptq").quantization_config(),
