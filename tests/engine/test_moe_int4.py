@@ -35,6 +35,7 @@ IGNORED = {("awq", "mixtral"): {"modules_to_not_convert": ["gate"]},
            ("pack-quantized", "qwen3_moe"): {"ignore": ["lm_head", "re:.*mlp.gate$"]}}
 CASES = [("mixtral", ic.Int4Format("awq", 32)), ("mixtral", ic.Int4Format("gptq", 32, desc_act=True)),
          ("qwen2_moe", ic.Int4Format("awq", 64)), ("qwen2_moe", ic.Int4Format("pack-quantized", 32, desc_act=True)),
+         ("qwen2_moe", ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2")),
          ("qwen3_moe", ic.Int4Format("gptq", 64, bits=8, sym=True)),
          ("qwen3_moe", ic.Int4Format("pack-quantized", 32, sym=True)), ("qwen3_moe", ic.Int4Format("gptq", -1))]
 MAX_NEW = 6
