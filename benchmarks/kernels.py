@@ -12,7 +12,8 @@ Decode attention is memory-bound: it is scored by the K/V bytes it must read ove
 kernel can reach at that size. Prefill attention is scored in causal FLOPs (2 * 2 * T * T / 2 * heads * head_dim)
 against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes read + written, the decode-sized
 linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights; the fused MoE (`--only moe`,
-benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference; the int4 linears (`--only
+benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference, and over AWQ / FP8 experts
+(`--only moe-quant`, benchmarks/kernels_moe_quant.py) against it in bf16; the int4 linears (`--only
 int4`, benchmarks/kernels_int.py) in weight bytes and FLOPs both, against bf16 cuBLAS. Torch's
 scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
 baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
+from benchmarks.kernels_moe_quant import bench_moe_quant
 from kernels._triton import cdiv, tl, triton
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_cache import write_kv_cache_triton
@@ -521,9 +523,9 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
     ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
-OPT_IN_GROUPS = ("int4",)  # run when --only names them (int4: about 2 more minutes)
-NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "fp8 linear",
-                   "fp8 gemm", "fp8 kv decode", "tune fp8 linear")
+OPT_IN_GROUPS = ("int4", "moe-quant")  # run when --only names them (int4: about 2 more minutes)
+NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "moe quant",
+                   "fp8 linear", "fp8 gemm", "fp8 kv decode", "tune fp8 linear")
 
 
 def print_targets(results: list[dict]) -> None:
@@ -551,9 +553,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output-json", type=Path, help="write every measurement and failure here")
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
-    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "fp8", "int4"],
+    parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "moe-quant", "fp8",
+                                           "int4"],
                         action="append",
-                        help="run only these groups (repeatable); int4 runs only when named")
+                        help="run only these groups (repeatable); int4 and moe-quant run only when named")
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
                         help="--only int4: the packed layouts to time (AWQ, GPTQ symmetric, GPTQ act-order; group "
                              "128)")
@@ -580,6 +583,7 @@ def main(argv=None) -> int:
     moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
               "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,
+              "moe-quant": lambda runner, cfg: bench_moe_quant(runner, cfg, moe_cfg),
               "int4": lambda runner, cfg: bench_int4(runner, SMOKE_INT_MODELS if args.smoke else INT_MODELS,
                                                      args.int_layouts)}
     if args.tune:

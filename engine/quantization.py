@@ -37,9 +37,13 @@ quantization="gguf" unless told otherwise (engine/config.py).
 Everything else (other int methods and versions, weight-only FP8, other formats) is a ValueError that names what
 is not supported: a checkpoint is never loaded as if it were unquantized.
 
-Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): quantization="fp8" quantizes the attention projections,
-the dense MLPs and a shared expert; the routed experts (workers/layers/moe.py's fused kernel) and the routers stay
-in the model's dtype. An FP8, AWQ or GPTQ checkpoint of such a model (quantized experts) is refused.
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): the routed experts are quantized as the other linears
+are (workers/layers/moe_quant.py, kernels/moe_quant.py): an AWQ / GPTQ / pack-quantized checkpoint's experts as
+stored, and FP8 ones, online (quantization="fp8", a scale per output row) or from an FP8 checkpoint (per row,
+tensor or block); FP8 experts are weight-only (their inputs stay in the model's dtype), so a checkpoint with static
+input scales is refused for them. Routers and Qwen2-MoE's shared_expert_gate stay as the checkpoint gives them
+(unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda quantizes
+(engine/moe_modules.py).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from dataclasses import dataclass
 
 from checkpoints.gguf_types import INT_LAYOUTS as GGUF_INT_LAYOUTS
 from engine.errors import ParamError
+from engine.moe_modules import first_ignored_module
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +110,21 @@ class QuantConfig:
         """Weights per int32."""
         return 32 // self.bits
 
+    @property
+    def ignores_substrings(self) -> bool:
+        """AWQ's modules_to_not_convert entries name every module whose name contains them (AutoAWQ, transformers
+        and vLLM match them so)."""
+        return self.method == "awq"
+
     def is_ignored(self, module_name: str) -> bool:
         """Whether the checkpoint left `module_name` (e.g. "model.layers.0.mlp.down_proj") unquantized: a listed
-        name, a name it ends with, or a "re:" pattern (compressed-tensors)."""
+        name, a name it ends with, or a "re:" pattern (compressed-tensors); for AWQ, any name containing an entry."""
         for pattern in self.ignored:
             if pattern.startswith("re:"):
                 if re.fullmatch(pattern[3:], module_name):
                     return True
+            elif self.ignores_substrings and pattern in module_name:
+                return True
             elif module_name == pattern or module_name.endswith("." + pattern):
                 return True
         return False
@@ -148,10 +161,12 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
     if method in ("fp8", "compressed-tensors"):
         config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
         if has_experts(hf_config):
-            raise ValueError(f"quantization_config: a {method} FP8 checkpoint of a mixture-of-experts model "
-                             f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported: Pagoda's "
-                             "routed experts run unquantized (quantization='fp8' on the bf16 checkpoint quantizes "
-                             "every other linear layer)")
+            if config.activation == "static":
+                raise ValueError(f"quantization_config: a {method} FP8 checkpoint with static input scales of a "
+                                 "mixture-of-experts model is not supported (Pagoda's FP8 experts take their inputs "
+                                 "unquantized)")
+            _check_moe_ignored(config, hf_config, method)
+            return config
         kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
         if kept:  # Pagoda's FP8 layers are all of the decoder's linear layers, or none
             raise ValueError(f"quantization_config: {method} leaving decoder modules unquantized ({kept[:4]}) is "
@@ -260,18 +275,29 @@ def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_c
         raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quantization_config "
                          f"quant_method {method!r}")
     assert method in INT_METHODS, f"not an int method: {method!r}"
-    if has_experts(hf_config):
-        raise ValueError(f"quantization_config: a {method} checkpoint of a mixture-of-experts model "
-                         f"({'/'.join(hf_config.get('architectures') or ['?'])}) is not supported yet: the fused "
-                         "MoE kernel takes no int4 experts")
     config = {"awq": _awq, "gptq": _gptq, "pack-quantized": _pack_quantized}[method](qc)
     if method == "pack-quantized":
         _check_whole_int32s(config, hf_config)
+    if has_experts(hf_config):
+        _check_moe_ignored(config, hf_config, method)
+        return config
     kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]
     if kept:
         raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore naming decoder modules "
                          f"({kept[:4]}) is not supported")
     return config
+
+
+def _check_moe_ignored(config: QuantConfig, hf_config: dict, method: str) -> None:
+    """A mixture-of-experts checkpoint may leave its routers, norms, LM head and whole shared experts unquantized
+    (engine/moe_modules.py), nothing else."""
+    found = first_ignored_module(config.ignored, hf_config, config.ignores_substrings)
+    if found is not None:
+        pattern, module = found
+        how = " (AWQ skips every module whose name contains an entry)" if config.ignores_substrings else ""
+        raise ValueError(f"quantization_config: {method} modules_to_not_convert / ignore entry {pattern!r} matches "
+                         f"{module}{how}, which the tool then left unquantized and Pagoda holds quantized: not "
+                         "supported")
 
 
 def _int_group_size(method: str, qc: dict, allow_one_group: bool) -> int | None:

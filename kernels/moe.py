@@ -268,13 +268,20 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config: dict | None = N
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids):
     """Torch reference of `fused_moe` (and its CPU implementation): transformers' loop over the chosen experts."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    return experts_loop_ref(x, lambda expert: (w13[expert], w2[expert]), w13.shape[0], topk_weights, topk_ids)
+
+
+def experts_loop_ref(x, expert_weights, num_experts: int, topk_weights, topk_ids):
+    """transformers' loop over the experts some token chose: `expert_weights(e)` -> (w13 [2I, H], w2 [H, I]) in
+    x's dtype (kernels/moe_quant.py's reference dequantizes them there, and only for the experts in use)."""
     out = torch.zeros_like(x)
-    for expert in range(w13.shape[0]):
+    for expert in range(num_experts):
         tokens, slots = torch.where(topk_ids == expert)
         if tokens.numel() == 0:
             continue
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[tokens, slots, None]
+        w13, w2 = expert_weights(expert)
+        gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 

@@ -5,6 +5,10 @@ in plain torch so that the definitions are checked, not copied.
   row (per row of each tensor-parallel K shard for o_proj and down_proj: each rank quantizes its own shard), or
   taken dequantized from an FP8 checkpoint; its input quantized and dequantized per token with the least
   power-of-two scale that fits the row's largest |x| into 448 (or a static power-of-two scale).
+- A mixture-of-experts model's routed experts (transformers' stacked gate_up_proj / down_proj) hold their weights
+  quantized and dequantized the same way (per row; down per row of each K shard), or an FP8 checkpoint's
+  dequantized, and compute as transformers does: their inputs are not quantized (Pagoda's FP8 experts are
+  weight-only). Routers and shared_expert_gate stay as they are.
 - With `kv_fp8`, an attention function quantizes and dequantizes K (after rotary) and V per KV head with
   power-of-two scales from the same calibration batch Pagoda uses (workers/kv_scales.py), measured here on the
   oracle itself.
@@ -27,6 +31,7 @@ E4M3 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # Phi-3's fused ones: per-row scales are the same fused or not
 ROW_PARALLEL = ("o_proj", "down_proj")
+EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's experts in a checkpoint (Qwen-MoE's: gate_proj / up_proj / down_proj)
 KV_CALIBRATION = {"seqs": 4, "len": 128, "seed": 1234}  # workers/kv_scales.py's batch
 
 
@@ -89,27 +94,55 @@ def _register_attention() -> str:
 
 
 def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input_scales: dict | None = None,
-                 kv_fp8: bool = True):
+                 kv_fp8: bool = True, fp8_experts: bool = True):
     """The float32 transformers model of `model_dir` with fake-quantized linears (online per-row scales at
     tensor-parallel degree `tp`, or `weights`: name -> dequantized weight from an FP8 checkpoint, with
-    `input_scales`: name -> static scale) and, with kv_fp8, calibrated fake-quantized K/V."""
+    `input_scales`: name -> static scale), routed experts too unless `fp8_experts` is False, and, with kv_fp8,
+    calibrated fake-quantized K/V."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
         for path, linear in list(layer.named_modules()):
             parent_path, _, name = path.rpartition(".")
-            # Pagoda's FP8 layers: attention, dense MLPs and a shared expert; never routed experts nor gates.
+            # FakeQuantLinear: attention, dense MLPs, a shared expert (routed experts: below, weight-only; gates: never)
             if not isinstance(linear, nn.Linear) or name not in LINEARS or ".experts." in f".{path}.":
                 continue
             key = f"model.layers.{i}.{path}"
             w = weights[key] if weights else fake_quant_weight(linear.weight.data, tp if name in ROW_PARALLEL else 1)
             setattr(layer.get_submodule(parent_path), name,
                     FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
+        if fp8_experts:
+            _fake_quant_experts(layer, i, tp, weights)
     model.set_attn_implementation(_register_attention())
     if kv_fp8:
         calibrate(model)
     return model
+
+
+@torch.no_grad()
+def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None) -> None:
+    """A MoE layer's experts with FP8 weights: online per row (down per row of each of `tp` K shards), or the
+    checkpoint's dequantized ones (`weights`, by checkpoint module name: Mixtral's block_sparse_moe.experts.{e}.w1,
+    Qwen's mlp.experts.{e}.gate_proj...)."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None or not hasattr(experts, "gate_up_proj"):
+        return
+    for e in range(experts.gate_up_proj.shape[0]):
+        if weights:
+            gate, up, down = (_checkpoint_expert(weights, index, e, names) for names in
+                              (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))
+            gate_up = torch.cat([gate, up])
+        else:
+            gate_up, down = fake_quant_weight(experts.gate_up_proj[e]), fake_quant_weight(experts.down_proj[e], tp)
+        experts.gate_up_proj[e] = gate_up
+        experts.down_proj[e] = down
+
+
+def _checkpoint_expert(weights: dict, layer: int, expert: int, names: tuple[str, str]) -> torch.Tensor:
+    mixtral, qwen = (f"model.layers.{layer}.{block}.experts.{expert}.{name}"
+                     for block, name in (("block_sparse_moe", names[0]), ("mlp", names[1])))
+    return weights[mixtral] if mixtral in weights else weights[qwen]
 
 
 @torch.no_grad()
@@ -148,11 +181,16 @@ def greedy(model, prompt_ids: list[list[int]], max_new: int) -> list[tuple[list[
     return results
 
 
+BLOCKS = {"fp8-block": (16, 32), "fp8-block128": (128, 128)}
+
+
 def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]:
-    """An FP8 copy of the tiny checkpoint `src` in `dst`. fmt: "fp8-tensor" (transformers' fp8, a scale per
-    tensor), "fp8-block" (weight_block_size [16, 32]), "ct-channel" (compressed-tensors, per-channel weights,
-    dynamic per-token inputs) or "ct-static" (compressed-tensors, per-tensor weights and static input scales).
-    Returns (dst, the dequantized weights and the static input scales the oracle uses)."""
+    """An FP8 copy of the tiny checkpoint `src` in `dst`, routed experts included (routers and shared_expert_gate
+    are not linears here: left as they are). fmt: "fp8-tensor" (transformers' fp8, a scale per tensor),
+    "fp8-block" (weight_block_size [16, 32]), "fp8-block128" ([128, 128], Qwen3-30B-A3B-FP8 / DeepSeek style),
+    "ct-channel" (compressed-tensors, per-channel weights, dynamic per-token inputs) or "ct-static"
+    (compressed-tensors, per-tensor weights and static input scales). Returns (dst, the dequantized weights and
+    the static input scales the oracle uses)."""
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         if not name.endswith(".safetensors"):
@@ -162,15 +200,17 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]
     gen = torch.Generator().manual_seed(5)
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS + EXPERT_LINEARS):
             out[name] = t
             continue
         w = t.float()
-        if fmt == "fp8-block":
-            rows, cols = 16, 32
-            amax = w.abs().unflatten(0, (-1, rows)).unflatten(2, (-1, cols)).amax(dim=(1, 3))
+        if fmt in BLOCKS:  # a partial block at the end of a dimension that is no multiple of it
+            rows, cols = BLOCKS[fmt]
+            padded = torch.zeros(-(-w.shape[0] // rows) * rows, -(-w.shape[1] // cols) * cols)
+            padded[:w.shape[0], :w.shape[1]] = w.abs()
+            amax = padded.unflatten(0, (-1, rows)).unflatten(2, (-1, cols)).amax(dim=(1, 3))
             scale = amax / 448
-            full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+            full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:w.shape[0], :w.shape[1]]
         elif fmt in ("fp8-tensor", "ct-static"):
             scale = w.abs().amax() / 448
             full = scale
@@ -209,8 +249,8 @@ def _write_quantization_config(dst: str, fmt: str) -> None:
         config = json.load(f)
     if fmt.startswith("fp8"):
         qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
-        if fmt == "fp8-block":
-            qc["weight_block_size"] = [16, 32]
+        if fmt in BLOCKS:
+            qc["weight_block_size"] = list(BLOCKS[fmt])
     else:
         static = fmt == "ct-static"
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],

@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+# Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear; Mixtral's
+# experts are w1 (gate) / w3 (up) / w2 (down); routers ("gate") and shared_expert_gate stay float
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+           "w1", "w2", "w3")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
 
 
@@ -181,18 +183,19 @@ def pack(qz: Quantized, fmt: Int4Format) -> dict[str, torch.Tensor]:
     return pack_compressed_tensors(qz, fmt.bits, fmt.sym, fmt.desc_act)
 
 
-def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
-                          seed: int = 0) -> dict[str, Quantized]:
+def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format, seed: int = 0,
+                          float_modules: tuple[str, ...] = ()) -> dict[str, Quantized]:
     """The checkpoint `src` (float, one safetensors file) as `fmt` in `dst`, and its dequantized weights as a
     float32 checkpoint in `oracle_dst`. Biases are stored fp16, as the tools store them (the oracle's rounded
-    alike). Returns each linear module's quantization."""
+    alike). Linear modules whose name contains one of `float_modules` are left as they are (a tool's ignore list).
+    Returns each quantized linear module's quantization."""
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     packed, oracle, layers, orders = {}, {}, {}, {}
     for name in sorted(tensors):
         t = tensors[name]
         module, _, suffix = name.rpartition(".")
-        if module.rsplit(".", 1)[-1] not in LINEARS:
+        if module.rsplit(".", 1)[-1] not in LINEARS or any(part in module for part in float_modules):
             packed[name] = oracle[name] = t
         elif suffix == "bias" and fmt.method != "pack-quantized":  # llm-compressor keeps the model's dtype
             packed[name], oracle[name] = t.half(), t.half().float()
@@ -201,6 +204,7 @@ def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format,
         else:  # q/k/v and gate/up read the same input: one act-order for them
             same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj",
                                                                                                  "gate_proj")
+            same_input = same_input[:-3] + ".w1" if same_input.endswith(".w3") else same_input
             if same_input not in orders:
                 orders[same_input] = torch.randperm(t.shape[1], generator=generator)
             qz = layers[module] = quantize(t, fmt, orders[same_input])

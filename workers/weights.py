@@ -59,15 +59,16 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
 
     load_format: "auto" / "safetensors" read `model_dir` (a .gguf file with "auto"); "random" draws every weight from
     N(0, initializer_range) with `seed` (norm weights 1, biases 0) without reading any checkpoint.
-    quant_config: FP8 linear layers (workers/layers/quantization.py), quantized as they load (or drawn in FP8).
+    quant_config: FP8 or int linear layers and experts (workers/layers/quantization*.py, moe_quant.py), FP8 ones
+    quantized as they load (or drawn in FP8).
     """
     model_class, args = get_model_class(hf_config), ModelArgs.from_hf_config(hf_config)
     with quantized_layers(quant_config):
         model = model_class(args, dtype=dtype, device=device, max_model_len=max_model_len)
     num_moe = sum(isinstance(m, FusedMoE) for m in model.modules())
-    if quant_config is not None and num_moe:
-        logger.info("FP8: the attention and dense linear layers; the routed experts of %d MoE layers stay %s",
-                    num_moe, dtype)
+    if quant_config is not None and num_moe and not quant_config.is_packed_int:
+        logger.info("FP8: the linear layers and the routed experts of %d MoE layers (weight-only: their inputs stay "
+                    "%s)", num_moe, dtype)
     if load_format == "random":
         init_random_weights(model, std=args.initializer_range, seed=seed)
     elif load_format in ("auto", "safetensors"):

@@ -1,9 +1,9 @@
-"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints under tensor parallelism on CPU: two Ray worker
-actors over gloo, each reading only its slice of the packed tensors (column-parallel: its output columns, whole
-int32s; row-parallel: its input rows and their groups, its g_idx numbered from its first group, or every group
-under act-order and with one group). Under preemption, chunked prefill and prefix-cache hits
-(tests/cluster/test_tensor_parallel.py's stress settings), the tokens equal, and logprobs agree to 1e-4 with, one
-rank on the dequantized float32 checkpoint.
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints (dense, and MoE with int4 experts) under tensor
+parallelism on CPU: two Ray worker actors over gloo, each reading only its slice of the packed tensors
+(column-parallel: its output columns, whole int32s; row-parallel: its input rows and their groups, its g_idx
+numbered from its first group, or every group under act-order and with one group). Under preemption, chunked
+prefill and prefix-cache hits (tests/cluster/test_tensor_parallel.py's stress settings), the tokens equal, and
+logprobs agree to 1e-4 with, one rank on the dequantized float32 checkpoint.
 """
 
 import pytest
@@ -12,6 +12,7 @@ from tests import int4_checkpoints as ic
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_gguf_int import Q4_K_M, gguf_factory
 from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory
+from tests.engine.test_moe_int4 import moe_int4_factory
 
 STRESS_INT4 = {**STRESS, "num_kv_blocks": 16}  # the parity prompts preempt in 16 blocks of 4 tokens, not in 24
 
@@ -28,6 +29,23 @@ def int4_checkpoint(tmp_path_factory):
                          ids=lambda f: f.name)
 def test_tp2_int4_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, int4_checkpoint, fmt):
     dst, oracle, _ = int4_checkpoint(fmt)
+
+    def check(llm):
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits_tokens > 0
+
+    outs = generate(dst, inspect=check, tensor_parallel_size=2, **STRESS_INT4)
+    assert_same(generate(oracle), outs)
+
+
+@pytest.mark.parametrize("arch, fmt", [("qwen2_moe", ic.Int4Format("awq", 32)),
+                                       ("mixtral", ic.Int4Format("gptq", 32, desc_act=True))],
+                         ids=["qwen2_moe-awq-g32", "mixtral-gptq-g32-act"])
+def test_tp2_moe_int4_experts_equal_one_rank_on_the_dequantized_checkpoint(ray_cluster, tmp_path_factory, arch, fmt):
+    """Quantized experts at tp 2: each rank its 32 (Qwen2-MoE) / 128 (Mixtral) columns of every expert's gate/up
+    rows and down columns (AWQ g32: its own groups; GPTQ act-order: every group, its g_idx slice), and Qwen2-MoE's
+    int4 shared expert beside them."""
+    dst, oracle = moe_int4_factory(tmp_path_factory)(arch, fmt)
 
     def check(llm):
         assert type(llm.engine.executor).__name__ == "RayExecutor"

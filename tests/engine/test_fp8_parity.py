@@ -59,7 +59,7 @@ def assert_matches(reference, outs):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral"])
 def test_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     """Every family's linear layers: Qwen3's head norms, Phi-3's fused checkpoint tensors, Mixtral's attention
-    (its routed experts stay in the model's dtype, in the oracle too)."""
+    and routed experts (FP8 weights, inputs unquantized: in the oracle too; more in test_moe_fp8.py)."""
     model_dir = tiny_checkpoints[arch]
     llm, outs = run(model_dir)
     assert_matches(oracle(model_dir), outs)
@@ -68,7 +68,7 @@ def test_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     layer = llm.engine.executor.worker.model.model.layers[0]
     assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     if arch == "mixtral":
-        assert layer.mlp.experts.w13_weight.dtype == torch.float32
+        assert layer.mlp.experts.w13_weight.dtype == layer.mlp.experts.w2_weight.dtype == torch.float8_e4m3fn
     else:
         assert layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
 
@@ -77,7 +77,7 @@ def test_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
                          ids=["mistral-window-8", "qwen2_moe-shared-expert"])
 def test_fp8_with_sliding_windows_and_a_shared_expert(tmp_path, arch, overrides, seed):
     """A window of 8 under prompts longer than it (the attention kernels with a window and KV scales at once), and
-    Qwen2-MoE's FP8 shared expert, whose partial sum joins the bf16 experts' before the one all-reduce.
+    Qwen2-MoE's FP8 shared expert, whose partial sum joins the FP8 experts' before the one all-reduce.
 
     Seeds: with some (Mistral's 1) a single activation of one prompt lands where the two float32 computations round
     it to neighbouring e4m3 values and a logprob moves by 0.04 (same tokens); these seeds have no such element."""
@@ -194,14 +194,6 @@ def test_online_fp8_of_an_fp8_checkpoint_is_the_checkpoint(fp8_checkpoints):
     _, a = run(model_dir, quantization="fp8", kv_cache_dtype="auto")
     _, b = run(model_dir, quantization=None, kv_cache_dtype="auto")
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-
-
-def test_an_fp8_checkpoint_of_an_moe_model_is_refused(tiny_checkpoints, tmp_path):
-    """Pagoda's routed experts run unquantized, so FP8 experts in a checkpoint are a clear error, not garbage."""
-    model_dir = _with_quantization_config(tiny_checkpoints["mixtral"], tmp_path / "ckpt",
-                                          {"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match="mixture-of-experts model .*MixtralForCausalLM.* is not supported"):
-        LLM(model=model_dir, device="cpu")
 
 
 def test_fp8_of_a_gguf_file_quantizes_its_dequantized_tensors(tiny_checkpoints, tmp_path):

@@ -48,7 +48,7 @@ def test_gpu_fp8_bf16_kernels_agree_with_the_references(tiny_checkpoints, tmp_pa
     the 8B projections, benchmarks/results/h200-fp8-accumulation.json), and an input one bf16 step apart can round
     to another e4m3 value. So the measure is FP8's own effect on the same tokens (the references with FP8 against
     the references without): the kernels stay well inside it. Every family's FP8 linears; a window of 8 over the
-    e4m3 pool; Mixtral's bf16 experts."""
+    e4m3 pool; Mixtral's FP8 experts (kernels/moe_quant.py)."""
     if arch == "mistral-window-8":
         from checkpoints.tiny import make_tiny_model
 

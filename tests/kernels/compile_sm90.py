@@ -75,17 +75,18 @@ import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.linear_int as linear_int  # noqa: E402
 import kernels.moe as moe  # noqa: E402
+import kernels.moe_quant as moe_quant  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, moe, paged_attention, rms_norm, rotary,
-               sampling):
+for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, moe, moe_quant, paged_attention, rms_norm,
+               rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
-linear_int.upcast_dot_operands = lambda *args: False
+linear_int.upcast_dot_operands = moe_quant.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
 
@@ -163,6 +164,48 @@ def fused_moe(name, tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16)
     ids = torch.zeros(tokens, top_k, dtype=torch.int64)
     moe.fused_moe_triton(empty(tokens, hidden, dtype=dtype), empty(experts, 2 * inter, hidden, dtype=dtype),
                          empty(experts, hidden, inter, dtype=dtype), torch.zeros(tokens, top_k), ids)
+
+
+def int_experts(experts, n, k, group, packing, act_order=False):
+    """Empty packed experts of [n, k] each (K-first, as the int layers hold them)."""
+    p = packing.pack_factor
+    qweight = int32(experts, k // p, n) if packing.is_packed_along_k else int32(experts, k, n // p)
+    return moe_quant.IntExperts(qweight, int32(experts, k // group, n // p),
+                                empty(experts, k // group, n, dtype=torch.float16),
+                                int32(experts, k) if act_order else None, group, packing)
+
+
+def fp8_experts(experts, n, k, block=None, parts=1):
+    scale = (empty(experts, n, dtype=torch.float32) if block is None else
+             empty(experts, parts * -(-n // parts // block[0]), -(-k // block[1]), dtype=torch.float32))
+    return moe_quant.Fp8Experts(empty(experts, n, k, dtype=FP8), scale, block, parts)
+
+
+def fused_moe_quant(name, tokens, hidden, inter, experts, top_k, make):
+    """make(n, k, parts) -> one projection's quantized experts."""
+    CASE[0] = name
+    moe_quant.fused_moe_quant_triton(empty(tokens, hidden), make(2 * inter, hidden, 2), make(hidden, inter, 1),
+                                     torch.zeros(tokens, top_k), torch.zeros(tokens, top_k, dtype=torch.int64))
+
+
+def compile_moe_quant() -> None:
+    """The fused MoE over int4 (AWQ, GPTQ act-order), int8 and FP8 (per row, 128 x 128 blocks) experts, at decode
+    (16-row tiles) and prefill (64-row tiles) sizes of Mixtral-8x7B and Qwen3-30B-A3B."""
+    awq = lambda n, k, parts: int_experts(8, n, k, 128, linear_int.AWQ_GEMM)  # noqa: E731
+    for tokens in (1, 4096):
+        fused_moe_quant(f"moe awq mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, awq)
+    gptq_act = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(4), act_order=True)  # noqa: E731
+    for tokens in (8, 2048):  # 16-row tiles; 64-row ones, each packed word loaded once
+        fused_moe_quant(f"moe gptq act-order qwen3-30b-a3b, {tokens} tokens", tokens, 2048, 768, 128, 8, gptq_act)
+    int8 = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(8))  # noqa: E731
+    fused_moe_quant("moe gptq int8 qwen3-30b-a3b, 8 tokens", 8, 2048, 768, 128, 8, int8)
+    fp8_rows = lambda n, k, parts: fp8_experts(8, n, k)  # noqa: E731
+    for tokens in (1, 4096):
+        fused_moe_quant(f"moe fp8 per-row mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, fp8_rows)
+    fp8_blocks = lambda n, k, parts: fp8_experts(128, n, k, (128, 128), parts)  # noqa: E731
+    for tokens in (16, 2048):
+        fused_moe_quant(f"moe fp8 128x128 blocks qwen3-30b-a3b, {tokens} tokens", tokens, 2048, 768, 128, 8,
+                        fp8_blocks)
 
 
 def fp8_linear(name, rows, out_rows, in_features, gated=False, **kwargs):
@@ -347,6 +390,7 @@ def main() -> int:
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
         compile_fp8()
+        compile_moe_quant()
     except Exception as exc:  # noqa: BLE001
         print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         return 1

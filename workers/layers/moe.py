@@ -11,6 +11,11 @@ partial sum. The router's weight is replicated: every rank routes every token th
 
 Checkpoints store one tensor per expert and projection (`experts.{e}.w1/w3/w2` in Mixtral, `experts.{e}.gate_proj/
 up_proj/down_proj` in Qwen-MoE); `expert_param_name` maps them to (w13 / w2, shard id).
+
+Built inside `quantized_layers(config)` with an AWQ / GPTQ / pack-quantized or FP8 config, the experts are held
+quantized (workers/layers/moe_quant.py: packed integers or e4m3, stacked per projection, loaded per expert as
+stored) and computed by kernels/moe_quant.py; the router (and a shared expert's gate) stay as the checkpoint gives
+them. A GGUF file's experts (quantization="gguf") would stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -22,24 +27,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import fused_moe, topk_route
+from kernels.moe_quant import fused_moe_quant
 from workers.layers.linear import _divide, _param, copy_loaded, default_weight_loader, loaded_shape
+from workers.layers.moe_quant import create_fp8_experts, create_int_experts, quantized_experts
+from workers.layers.quantization import current_quant_config
 from workers.parallel import get_tp_rank, get_tp_size
 
-_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+# an expert's weight, or (quantized experts) its packed integers, zeros, scales, g_idx, or FP8 scales
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)"
+                            r"\.(weight|qweight|qzeros|scales|g_idx|weight_scale)$")
 _GATE_UP_INDEX = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
 def expert_param_name(name: str) -> tuple[str, object] | None:
-    """'...experts.3.w1.weight' -> ('...experts.w13_weight', (3, 0)); '...experts.3.down_proj.weight' ->
-    ('...experts.w2_weight', 3); None for a tensor that is not one expert's projection."""
-    match = _EXPERT_WEIGHT.search(name)
+    """'...experts.3.w1.weight' -> ('...experts.w13_weight', (3, 0)); '...experts.3.down_proj.qweight' ->
+    ('...experts.w2_qweight', 3); None for a tensor that is not one expert's projection."""
+    match = _EXPERT_TENSOR.search(name)
     if match is None:
         return None
-    expert, projection = int(match.group(1)), match.group(2)
+    expert, projection, tensor = int(match.group(1)), match.group(2), match.group(3)
     prefix = name[:match.start()] + ".experts."
     if projection in _GATE_UP_INDEX:
-        return prefix + "w13_weight", (expert, _GATE_UP_INDEX[projection])
-    return prefix + "w2_weight", expert
+        return f"{prefix}w13_{tensor}", (expert, _GATE_UP_INDEX[projection])
+    return f"{prefix}w2_{tensor}", expert
 
 
 class Router(nn.Module):
@@ -64,6 +74,17 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.inter_per_rank = _divide(intermediate_size, self.tp_size, "moe intermediate size")
+        config = current_quant_config()
+        self.quant_config = config if config is not None and config.method != "gguf" else None
+        if self.quant_config is not None and self.quant_config.is_packed_int:
+            create_int_experts(self, self.quant_config, device)
+        elif self.quant_config is not None:
+            create_fp8_experts(self, self.quant_config, device)
+        else:
+            self._create_weights(dtype, device)
+
+    def _create_weights(self, dtype, device) -> None:
+        num_experts, hidden_size = self.num_experts, self.hidden_size
         self.w13_weight = _param((num_experts, 2 * self.inter_per_rank, hidden_size), dtype, device,
                                  self._load_w13)
         self.w13_weight.shard_ids = [(e, j) for e in range(num_experts) for j in (0, 1)]
@@ -87,6 +108,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, h: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # h: [T, H]; topk_*: [T, top_k] -> this rank's partial sum [T, H]
+        if self.quant_config is not None:
+            return fused_moe_quant(h, *quantized_experts(self), topk_weights, topk_ids)
         return fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
 

@@ -8,6 +8,9 @@ MoE block in every layer (Qwen: except `mlp_only_layers`, and only every `decode
 
 Tensor parallelism: each expert's intermediate dimension is split across the ranks (workers/layers/moe.py), the
 shared expert's as a dense MLP's, and the block all-reduces once, after adding the two partial sums.
+
+Quantized checkpoints: the routed experts and a shared expert are quantized as the checkpoint stores them; a shared
+expert its quantization_config leaves whole in float (its gate, up and down all ignored) is built unquantized.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from workers.layers.moe import FusedMoE, ReplicatedLinear, Router, expert_param_name
+from workers.layers.quantization import current_quant_config, quantized_layers
 from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM, LlamaMLP, sliding_windows
 from workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -30,7 +34,7 @@ class SparseMoeBlock(nn.Module):
     takes_quantized_rows = False  # the router and the experts read h in the model's dtype
 
     def __init__(self, args: ModelArgs, intermediate_size: int, renormalize: bool, round_weights: bool,
-                 shared_intermediate_size: int, dtype, device):
+                 shared_intermediate_size: int, dtype, device, shared_prefix: str | None = None):
         super().__init__()
         if not args.num_experts:
             raise ValueError("config.json has neither 'num_experts' nor 'num_local_experts', which the model needs")
@@ -40,7 +44,13 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(args.num_experts, hidden, intermediate_size, dtype, device)
         self.shared_expert = None
         if shared_intermediate_size:
-            self.shared_expert = LlamaMLP(args, False, dtype, device, shared_intermediate_size, reduce_results=False)
+            config = current_quant_config()
+            if config is not None and shared_prefix is not None and all(
+                    config.is_ignored(f"{shared_prefix}.{p}") for p in ("gate_proj", "up_proj", "down_proj")):
+                config = None  # left in float by the checkpoint's tool
+            with quantized_layers(config):
+                self.shared_expert = LlamaMLP(args, False, dtype, device, shared_intermediate_size,
+                                              reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -69,7 +79,7 @@ def _qwen_moe_mlp(args: ModelArgs, layer_idx: int, shared_intermediate_size: int
     if not is_sparse:
         return LlamaMLP(args, False, dtype, device)
     return SparseMoeBlock(args, args.moe_intermediate_size, args.norm_topk_prob, True, shared_intermediate_size,
-                          dtype, device)
+                          dtype, device, shared_prefix=f"model.layers.{layer_idx}.mlp.shared_expert")
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

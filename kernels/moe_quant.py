@@ -1,0 +1,398 @@
+"""Fused mixture of experts over quantized expert weights: kernels/moe.py's grouped GEMMs (the same routing, expert
+alignment, SiLU-and-mul and combine), each weight tile dequantized in registers before its tl.dot.
+
+    IntExperts   W4A16 / W8A16: one projection's experts stacked, each as kernels/linear_int.py holds an int
+                 layer (AWQ, GPTQ v1, compressed-tensors' offset binary; its `IntPacking`):
+                     qweight int32 [E, K, N / 8] (AWQ) or [E, K / p, N]    qzeros int32 [E, G, N / p]
+                     scales [E, G, N]                                       g_idx int32 [E, K] (act-order) or none
+    Fp8Experts   W8A16: weight e4m3 [E, N, K]; scale float32 [E, N] (a scale per output row), or a scale per
+                 block of block_size (bn, bk): [E, parts * ceil(N_part / bn), ceil(K / bk)], where `parts` 2 says
+                 the rows are gate's then up's (N_part = N / 2 each) with their own blocks (a tensor-parallel rank's
+                 gate rows need not fill whole blocks)
+
+    W[e] [N, K] = kernels.linear_int.dequantize_ref(expert e), or w_q * scale (per row / block), computed in
+                  float32 and rounded to x's dtype
+
+Activations are never quantized here (FP8 experts are weight-only: x and h stay in the model's dtype, and each FP8
+tile is multiplied as x's dtype, not by an FP8 MMA). `fused_moe_quant_ref` is `kernels.moe.fused_moe_ref` over the
+dequantized weights (only the experts some token chose are dequantized, for the call), and the Triton kernel
+dequantizes each [BLOCK_K, BLOCK_N] tile with the same float32 arithmetic and rounding, so both compute what an
+unquantized model holding the dequantized weights computes.
+
+`_moe_quant_gemm_kernel` is `_moe_gemm_kernel` (kernels/moe.py: one BLOCK_M tile of an expert's (token, slot) pairs
+against BLOCK_N output features) with its weight tiles from `_weight_tile`: int tiles unpacked by
+kernels/int_tiles.py's `weight_tile` (kernels/linear_int.py's: one row of zeros and scales when the tile's inputs
+are one group, else a gather per element, act-order; each packed word loaded once for 64-row tiles), FP8 tiles
+times their row's scale or the tile's block scale (BLOCK_K divides bk, so a K tile lies in one block column).
+First version: not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    pdl_options,
+    tl,
+    triton,
+    upcast_dot_operands,
+    use_triton,
+    wait_for_prior,
+)
+from kernels.fp8 import FP8_DTYPE, dequantize_weight
+from kernels.int_tiles import weight_tile
+from kernels.linear import silu_mul_rounded
+from kernels.linear_int import IntPacking, dequantize_ref
+from kernels.moe import _fits_one_program, align_by_expert_ref, align_by_expert_triton, experts_loop_ref, moe_config
+
+
+@dataclass(frozen=True)
+class IntExperts:
+    """One projection's experts as packed integers (see the module docstring); `group_size` None: one group over
+    K."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor | None
+    group_size: int | None
+    packing: IntPacking
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of one expert's weight."""
+        p = self.packing.pack_factor
+        _, rows, cols = self.qweight.shape
+        return (cols, rows * p) if self.packing.is_packed_along_k else (cols * p, rows)
+
+    def dequantize(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s W [N, K] in `dtype`."""
+        g_idx = None if self.g_idx is None else self.g_idx[expert]
+        return dequantize_ref(self.qweight[expert], self.qzeros[expert], self.scales[expert], g_idx,
+                              self.group_size, self.packing, dtype)
+
+    def check(self, name: str) -> None:
+        n, k = self.shape
+        p, g = self.packing.pack_factor, self.group_size or k
+        check_dtype(f"{name} qweight", self.qweight, (torch.int32,))
+        check_dtype(f"{name} qzeros", self.qzeros, (torch.int32,))
+        check_dtype(f"{name} scales", self.scales, FLOAT_DTYPES)
+        num_groups = self.scales.shape[1] if self.scales.dim() == 3 else -1
+        expected = {"qzeros": (self.num_experts, num_groups, n // p), "scales": (self.num_experts, num_groups, n)}
+        if self.g_idx is None and num_groups != k // g:
+            raise ValueError(f"{name}: {num_groups} groups of scales, {k} input features in groups of {g}")
+        if self.g_idx is not None:
+            check_dtype(f"{name} g_idx", self.g_idx, (torch.int32,))
+            expected["g_idx"] = (self.num_experts, k)
+        for field, shape in expected.items():
+            if tuple(getattr(self, field).shape) != shape:
+                raise ValueError(f"{name} {field} must be {shape} for qweight {tuple(self.qweight.shape)}, got "
+                                 f"{tuple(getattr(self, field).shape)}")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.qzeros, self.scales, self.g_idx) if t is not None]
+
+    def max_block_k(self) -> int | None:
+        """The largest K tile that keeps a tile inside one group (no gather), None: any."""
+        return self.group_size if self.g_idx is None else None
+
+    def kernel_args(self, block_k: int) -> tuple[tuple, tuple, dict]:
+        """(tensors w, z, s, g; strides; constexprs) of `_moe_quant_gemm_kernel`."""
+        k = self.shape[1]
+        g_idx = self.g_idx if self.g_idx is not None else self.qweight
+        tensors = (self.qweight, self.qzeros, self.scales, g_idx)
+        strides = (self.qweight.stride(0), self.qweight.stride(1), self.qzeros.stride(0), self.qzeros.stride(1),
+                   self.scales.stride(0), self.scales.stride(1), g_idx.stride(0))
+        flags = dict(IS_FP8=False, PER_ROW=False, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1,
+                     ZERO_OFFSET=self.packing.zero_offset, BITS=self.packing.bits,
+                     PACKED_ALONG_K=self.packing.is_packed_along_k, AWQ_ORDER=self.packing.fields is not None,
+                     HAS_G_IDX=self.g_idx is not None,
+                     ONE_GROUP=self.g_idx is None and (self.group_size or k) % block_k == 0)
+        return tensors, strides, flags
+
+    def scalar_args(self) -> tuple[int, int]:
+        """(group_size, up_scale_row) of the kernel: the group over all of K when there is one."""
+        return self.group_size or self.shape[1], 0
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """One projection's experts as e4m3 with float32 scales (see the module docstring); `parts`: 2 for gate/up."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block_size: tuple[int, int] | None = None
+    parts: int = 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[1], self.weight.shape[2]
+
+    def dequantize(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.block_size is None:
+            return dequantize_weight(self.weight[expert], self.scale[expert]).to(dtype)
+        rows, blocks = self.weight.shape[1] // self.parts, self.scale.shape[1] // self.parts
+        return torch.cat([dequantize_weight(self.weight[expert, i * rows:(i + 1) * rows],
+                                            self.scale[expert, i * blocks:(i + 1) * blocks], self.block_size)
+                          for i in range(self.parts)]).to(dtype)
+
+    def check(self, name: str) -> None:
+        check_dtype(f"{name} weight", self.weight, (FP8_DTYPE,))
+        check_dtype(f"{name} scale", self.scale, (torch.float32,))
+        n, k = self.shape
+        if n % self.parts:
+            raise ValueError(f"{name}: {n} rows do not split into {self.parts} parts")
+        if self.block_size is None:
+            expected: tuple[int, ...] = (self.num_experts, n)
+        else:
+            bn, bk = self.block_size
+            expected = (self.num_experts, self.parts * cdiv(n // self.parts, bn), cdiv(k, bk))
+        if tuple(self.scale.shape) != expected:
+            raise ValueError(f"{name} scale must be {expected} for weight {tuple(self.weight.shape)} and "
+                             f"block_size {self.block_size}, got {tuple(self.scale.shape)}")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scale]
+
+    def max_block_k(self) -> int | None:
+        """Block scales: a K tile must lie in one block column (a power of two dividing bk)."""
+        if self.block_size is None:
+            return None
+        bk = self.block_size[1]
+        return bk & -bk  # the largest power of two dividing it
+
+    def kernel_args(self, block_k: int) -> tuple[tuple, tuple, dict]:
+        w, s = self.weight, self.scale
+        tensors = (w, w, s, w)
+        strides = (w.stride(0), w.stride(1), 0, 0, s.stride(0), s.stride(1) if s.dim() == 3 else 0, 0)
+        bn, bk = self.block_size or (1, 1)
+        flags = dict(IS_FP8=True, PER_ROW=self.block_size is None, SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
+                     ZERO_OFFSET=0, BITS=8, PACKED_ALONG_K=False, AWQ_ORDER=False, HAS_G_IDX=False, ONE_GROUP=False)
+        return tensors, strides, flags
+
+    def scalar_args(self) -> tuple[int, int]:
+        return 1, (self.scale.shape[1] // self.parts if self.block_size is not None else 0)
+
+
+QuantizedExperts = IntExperts | Fp8Experts
+MAX_BLOCK_K = 64
+
+
+@triton.jit
+def _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s,
+              PER_ROW: tl.constexpr, SCALE_BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, weight rows `rows`: w_q times the row's scale
+    (scale_rows = rows) or its block's (scale_rows: block rows; the tile lies in block column k0 // bk)."""
+    mask = k_mask[:, None] & n_mask[None, :]
+    w = tl.load(w_ptr + rows[None, :] * stride_w + ks[:, None], mask=mask, other=0.0).to(tl.float32)
+    if PER_ROW:
+        scale = tl.load(s_ptr + scale_rows, mask=n_mask, other=0.0)
+    else:
+        scale = tl.load(s_ptr + scale_rows * stride_s + k0 // SCALE_BLOCK_K, mask=n_mask, other=0.0)
+    return w * scale[None, :]
+
+
+@triton.jit
+def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, scale_rows, n_mask, n_end, K, stride_w,
+                 stride_z, stride_s, group_size, IS_FP8: tl.constexpr, PER_ROW: tl.constexpr,
+                 SCALE_BLOCK_K: tl.constexpr, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr,
+                 PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One expert's dequantized W.T tile, float32 [BLOCK_K, BLOCK_N] at weight rows n0 + arange(BLOCK_N) (`rows`,
+    valid below n_end), pointers already at the expert."""
+    if IS_FP8:
+        w = _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s, PER_ROW,
+                      SCALE_BLOCK_K)
+    else:
+        w = weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, n_mask, n_end, K, stride_w, stride_z,
+                        stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                        False, UNPACK_ONCE, BLOCK_K, BLOCK_N)
+    return w
+
+
+# num_pairs changes with every step's batch: not specialized on (kernels/moe.py says why)
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_quant_gemm_kernel(
+    a_ptr, w_ptr, z_ptr, s_ptr, g_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
+    N, K, num_pairs, group_size, up_row, up_scale_row,
+    stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s, stride_ge,
+    IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
+    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[pair, n-block] for one tile of pairs, as kernels/moe.py's `_moe_gemm_kernel`; GATED: the up rows are
+    weight rows up_row + n (their FP8 block scales from block row up_scale_row)."""
+    wait_for_prior(PDL)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // num_n_blocks
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    a_rows = (pairs // ROWS_PER_A).to(tl.int64)
+    n0 = (tl.program_id(0) % num_n_blocks) * BLOCK_N
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    w_e, z_e = w_ptr + expert * stride_we, z_ptr + expert * stride_ze
+    s_e, g_e = s_ptr + expert * stride_se, g_ptr + expert * stride_ge
+    if PER_ROW:
+        scale_rows, up_scale_rows = offs_n, up_row + offs_n
+    else:  # block rows (FP8 blocks; unused by int tiles)
+        scale_rows, up_scale_rows = offs_n // SCALE_BLOCK_N, up_scale_row + offs_n // SCALE_BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = a_ptr.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_mask = ks < K
+        xv = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        w = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, scale_rows, n_mask, N, K, stride_w,
+                         stride_z, stride_s, group_size, IS_FP8, PER_ROW, SCALE_BLOCK_K, ZERO_OFFSET, BITS,
+                         PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, UNPACK_ONCE, BLOCK_K,
+                         BLOCK_N).to(dtype)  # W rounded to x's dtype, as the reference rounds it
+        if UPCAST:
+            xv = xv.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(xv, w, input_precision=PRECISION)
+        if GATED:
+            w_up = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, up_scale_rows,
+                                n_mask, up_row + N, K, stride_w, stride_z, stride_s, group_size, IS_FP8, PER_ROW,
+                                SCALE_BLOCK_K, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                                UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    if GATED:  # silu(gate) * up, each step rounded as transformers rounds it
+        out = silu_mul_rounded(acc, acc_up, out_dtype)
+    else:
+        out = acc.to(out_dtype)
+    if WEIGHTED:
+        routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * routing[:, None]).to(out_dtype)
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out,
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _check_inputs(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    w13.check("w13")
+    w2.check("w2")
+    (two_inter, hidden), (w2_out, inter) = w13.shape, w2.shape
+    if hidden != x.shape[1] or two_inter != 2 * inter or w2_out != hidden or w13.num_experts != w2.num_experts:
+        raise ValueError(f"experts w13 {w13.num_experts} x {w13.shape} and w2 {w2.num_experts} x {w2.shape} do not "
+                         f"fit x {tuple(x.shape)}: expected [2I, H] and [H, I] per expert")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must be [T={x.shape[0]}, top_k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    check_dtype("topk_ids", topk_ids, (torch.int64, torch.int32))
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+
+
+def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated: bool, x, overrides) -> dict:
+    """kernels/moe.py's `moe_config`, K tiles kept inside one group / scale block (shared memory: the packed tiles
+    are smaller than the float ones it budgets)."""
+    cfg = moe_config(num_pairs, experts.num_experts, out_features, gated, x.dtype, x.device)
+    # two [BLOCK_K, BLOCK_N] float32 tiles dequantized at once (gate, up): 128 x 64 ones spilled on sm_90
+    cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), **(overrides or {})}
+    # each packed word loaded once for the 64-row tiles of larger batches (kernels/linear_int.py's choice: its
+    # GEMM tiles do, its decode tiles not); needs tiles of whole words, which the shapes checked at load give
+    is_int = isinstance(experts, IntExperts)
+    cfg.setdefault("UNPACK_ONCE", is_int and cfg["BLOCK_M"] >= 64)
+    limit = experts.max_block_k()
+    if limit is not None and not (overrides or {}).get("BLOCK_K"):
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], limit)
+    if isinstance(experts, Fp8Experts) and limit is not None and limit % cfg["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide the FP8 scale block's {experts.block_size[1]} "
+                         "columns (a K tile reads one block's scale)")
+    p = experts.packing.pack_factor if isinstance(experts, IntExperts) else 1
+    if cfg["UNPACK_ONCE"] and (cfg["BLOCK_N"] % p or cfg["BLOCK_K"] % p or out_features % p):
+        raise ValueError(f"UNPACK_ONCE needs tiles of whole int32s of {p} values")
+    if cfg["BLOCK_K"] < 16:
+        raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} is below tl.dot's 16: a group or scale block of fewer "
+                         "columns is not supported")
+    return cfg
+
+
+def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, gated: bool, cfg: dict,
+                  routing=None) -> None:
+    """One launch: out[pair] = a[pair // rows_per_a] @ W[expert of the pair's tile].T (gated: silu-and-mul;
+    routing: times routing[pair])."""
+    sorted_ids, tile_experts, num_padded = aligned
+    n_total, k = experts.shape
+    n = n_total // 2 if gated else n_total
+    tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
+    group_size, up_scale_row = experts.scalar_args()
+    _moe_quant_gemm_kernel[(tile_experts.shape[0] * cdiv(n, cfg["BLOCK_N"]),)](
+        a, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
+        n, k, out.shape[0], group_size, n, up_scale_row, a.stride(0), out.stride(0), *strides, **flags,
+        UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
+        UPCAST=upcast_dot_operands(a.dtype, a.device),
+        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        **pdl_options(a.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def fused_moe_quant_triton(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids,
+                           config: dict | None = None):
+    """Triton launcher of `fused_moe_quant`: kernels/moe.py's alignment, two grouped-GEMM launches over the
+    quantized experts, the slots' sum. config overrides the launch settings of both GEMMs (tuning)."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    check_launchable(x, topk_weights, topk_ids, *w13.tensors(), *w2.tensors())
+    check_last_dim_contiguous("x", x)
+    for name, experts in (("w13", w13), ("w2", w2)):
+        for t in experts.tensors():
+            check_last_dim_contiguous(name, t)
+    num_tokens, top_k = topk_ids.shape
+    num_pairs, inter, hidden = num_tokens * top_k, w2.shape[1], x.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    cfg_up = _config(num_pairs, w13, inter, True, x, config)
+    cfg_down = _config(num_pairs, w2, hidden, False, x, config)
+    if cfg_down["BLOCK_M"] != cfg_up["BLOCK_M"]:
+        raise ValueError("both GEMMs must use one BLOCK_M: they share the expert alignment")
+    align = align_by_expert_triton if _fits_one_program(num_pairs, w13.num_experts) else align_by_expert_ref
+    aligned = align(topk_ids, w13.num_experts, cfg_up["BLOCK_M"])
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, h, aligned, top_k, True, cfg_up)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w2, out, aligned, 1, False, cfg_down, routing=topk_weights.reshape(-1).contiguous())
+    return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
+
+
+def fused_moe_quant_ref(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids):
+    """Torch reference of `fused_moe_quant` (and its CPU implementation): `kernels.moe.fused_moe_ref` with each
+    chosen expert's weights dequantized to x's dtype for this call."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    return experts_loop_ref(x, lambda e: (w13.dequantize(e, x.dtype), w2.dequantize(e, x.dtype)), w13.num_experts,
+                            topk_weights, topk_ids)
+
+
+def fused_moe_quant(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids):
+    """x [T, H]; quantized experts w13 ([gate ; up] rows, [2I, H] each) and w2 ([H, I] each); topk_weights and
+    topk_ids [T, K] -> [T, H] in x's dtype (kernels.moe.fused_moe's result over the dequantized weights)."""
+    if use_triton(x):
+        return fused_moe_quant_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_quant_ref(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,259 @@
+"""Fused MoE over quantized experts: the reference is kernels/moe.py's over the dequantized weights (bit for bit), and
+the Triton kernel, which dequantizes each weight tile in registers, matches it across packings (AWQ, GPTQ v1 with
+and without act-order, 8 bits, compressed-tensors' offset binary, one group), FP8 per-row and per-block scales, and
+shapes that cross tile, group and scale-block boundaries. The experts are packed by tests/int4_checkpoints.py, as the
+tools pack them."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from kernels.fp8 import quantize_weight, quantize_weight_blocks
+from kernels.linear_int import AWQ_GEMM, gptq_v1, offset_binary
+from kernels.moe import fused_moe_ref, topk_route
+from kernels.moe_quant import Fp8Experts, IntExperts, fused_moe_quant, fused_moe_quant_ref, fused_moe_quant_triton
+from tests import int4_checkpoints as ic
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _packed_layer(w: torch.Tensor, fmt: ic.Int4Format, order: torch.Tensor | None) -> dict:
+    """One expert's [N, K] weight quantized and packed as the tool packs it, in the int layers' K-first layout
+    (compressed-tensors' N-first tensors transposed, as the layers hold them)."""
+    qz = ic.quantize(w, fmt, order)
+    if fmt.method == "pack-quantized":
+        parts = ic.pack_compressed_tensors(qz, fmt.bits, sym=False, has_g_idx=True)
+        return {"qweight": parts["weight_packed"].t().contiguous(),
+                "qzeros": parts["weight_zero_point"].t().contiguous(),
+                "scales": parts["weight_scale"].t().contiguous().float(), "g_idx": qz.g_idx}
+    parts = ic.pack(qz, fmt)
+    return {**parts, "g_idx": qz.g_idx}
+
+
+def int_experts(w: torch.Tensor, fmt: ic.Int4Format, seed: int = 0) -> IntExperts:
+    """w [E, N, K] float -> IntExperts; act-order: one random order per expert (gate and up share it: stacked)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = [_packed_layer(w[e], fmt, torch.randperm(w.shape[2], generator=gen)) for e in range(w.shape[0])]
+    stacked = {name: torch.stack([layer[name] for layer in layers]) for name in ("qweight", "qzeros", "scales")}
+    packing = {"awq": AWQ_GEMM, "gptq": gptq_v1(fmt.bits), "pack-quantized": offset_binary(fmt.bits)}[fmt.method]
+    has_g_idx = fmt.desc_act
+    return IntExperts(**stacked, g_idx=torch.stack([layer["g_idx"] for layer in layers]) if has_g_idx else None,
+                      group_size=None if fmt.group_size == -1 else fmt.group_size, packing=packing)
+
+
+def fp8_experts(w: torch.Tensor, block_size=None, parts: int = 1) -> Fp8Experts:
+    weights, scales = [], []
+    for e in range(w.shape[0]):
+        if block_size is None:
+            q, s = quantize_weight(w[e])
+        else:
+            pieces = [quantize_weight_blocks(p, block_size) for p in w[e].chunk(parts)]
+            q, s = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        weights.append(q)
+        scales.append(s)
+    return Fp8Experts(torch.stack(weights), torch.stack(scales), block_size, parts)
+
+
+def make_case(num_tokens, hidden, inter, num_experts, top_k, quantize13, quantize2, dtype, device, skew=1.0,
+              seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, 0] += skew
+    weights, ids = topk_route(logits, top_k, True)
+    q13, q2 = quantize13(w13), quantize2(w2)
+    moved = [dataclasses.replace(q, **{f.name: getattr(q, f.name).to(device) for f in dataclasses.fields(q)
+                                       if isinstance(getattr(q, f.name), torch.Tensor)}) for q in (q13, q2)]
+    return x.to(device), moved[0], moved[1], weights.to(device), ids.to(device)
+
+
+INT_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 64), ic.Int4Format("gptq", 32, sym=True),
+               ic.Int4Format("gptq", 32, desc_act=True), ic.Int4Format("gptq", -1, sym=True),
+               ic.Int4Format("gptq", 32, bits=8, desc_act=True), ic.Int4Format("pack-quantized", 32)]
+
+
+def _int(fmt):
+    return lambda w: int_experts(w, fmt)
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS[:3], ids=lambda f: f.name)
+def test_reference_is_the_unquantized_reference_on_dequantized_weights(fmt):
+    x, w13, w2, weights, ids = make_case(9, 64, 64, 4, 2, _int(fmt), _int(fmt), torch.float32, "cpu")
+    dense13 = torch.stack([w13.dequantize(e, torch.float32) for e in range(4)])
+    dense2 = torch.stack([w2.dequantize(e, torch.float32) for e in range(4)])
+    assert torch.equal(fused_moe_quant_ref(x, w13, w2, weights, ids), fused_moe_ref(x, dense13, dense2, weights, ids))
+    assert torch.equal(fused_moe_quant(x, w13, w2, weights, ids), fused_moe_ref(x, dense13, dense2, weights, ids))
+
+
+# (tokens, hidden, inter, experts, top_k): decode-sized to several tiles per expert; hidden / inter not multiples of
+# BLOCK_N; the last too many pairs x experts for the one-program alignment
+SHAPES = [(1, 64, 64, 4, 2), (5, 128, 64, 8, 2), (40, 64, 96, 4, 1), (80, 64, 32, 64, 4)]
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+def test_int_kernel_matches_the_reference(fmt, shape, device, poisoned_allocations):
+    args = make_case(*shape, _int(fmt), _int(fmt), torch.float32, device)
+    out = fused_moe_quant_triton(*args)
+    assert not out.isnan().any(), "a row of the output was not written"
+    torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=str)
+def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocations):
+    fmt = ic.Int4Format("gptq", 32, desc_act=True)
+    args = make_case(*shape, _int(fmt), _int(fmt), torch.float32, device)
+    torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, bits=8, desc_act=True)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("block_k", [16, 64])
+@pytest.mark.parametrize("unpack_once", [False, True])
+def test_tile_configs_never_change_results(fmt, block_k, unpack_once, device, poisoned_allocations):
+    """K tiles inside a group of 32 (one row of zeros and scales) and across groups (gathered), 16 and 64 tile
+    rows, each packed word loaded per element or once."""
+    args = make_case(45, 64, 64, 6, 2, _int(fmt), _int(fmt), torch.float32, device, skew=6.0)
+    for block_m in (16, 64):
+        config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": block_k, "UNPACK_ONCE": unpack_once}
+        out = fused_moe_quant_triton(*args, config=config)
+        torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int_kernel_in_half_precision(dtype, device, poisoned_allocations):
+    fmt = ic.Int4Format("gptq", 64, sym=False)
+    args = make_case(21, 128, 64, 4, 2, _int(fmt), _int(fmt), dtype, device)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=atol, rtol=rtol)
+
+
+FP8_CASES = {"per-row": (None, None), "block 16x32": ((16, 32), (16, 32)), "block 128x128": ((128, 128), (128, 128))}
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 64, 48, 4, 2), (37, 96, 80, 4, 2)], ids=str)
+def test_fp8_kernel_matches_the_reference(case, shape, device, poisoned_allocations):
+    """Gate's and up's rows with their own scale blocks (48 / 80 rows: a partial block at the end of each)."""
+    b13, b2 = FP8_CASES[case]
+    args = make_case(*shape, lambda w: fp8_experts(w, b13, 2), lambda w: fp8_experts(w, b2), torch.float32, device)
+    out = fused_moe_quant_triton(*args)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_128_blocks_over_several_block_columns(device, poisoned_allocations):
+    """Qwen3-30B-A3B-FP8's blocks over K of two blocks and more (hidden 256; 160 intermediate: a whole block and
+    a partial one, in gate's and up's rows and in down's K)."""
+    blocks = (128, 128)
+    args = make_case(6, 256, 160, 4, 2, lambda w: fp8_experts(w, blocks, 2), lambda w: fp8_experts(w, blocks),
+                     torch.float32, device)
+    assert args[1].scale.shape == (4, 4, 2) and args[2].scale.shape == (4, 2, 2)
+    torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_reference_dequantizes_each_part_with_its_blocks():
+    w = torch.randn(2, 2 * 24, 64)
+    experts = fp8_experts(w, (16, 32), parts=2)
+    assert experts.scale.shape == (2, 4, 2)  # 24 rows: 2 blocks of gate, 2 of up
+    for e in range(2):
+        err = (experts.dequantize(e, torch.float32) - w[e]).abs().max()
+        assert 0 < err < 0.1 * w.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kernel_in_half_precision(dtype, device, poisoned_allocations):
+    args = make_case(21, 64, 48, 4, 2, lambda w: fp8_experts(w, (16, 32), 2), lambda w: fp8_experts(w, (16, 32)),
+                     dtype, device)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=atol, rtol=rtol)
+
+
+def test_launcher_rejects_bad_inputs(device):
+    fmt = ic.Int4Format("awq", 32)
+    x, w13, w2, weights, ids = make_case(4, 64, 32, 4, 2, _int(fmt), _int(fmt), torch.float32, device)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe_quant_triton(x, w13, w13, weights, ids)
+    with pytest.raises(ValueError, match="scales must be"):
+        fused_moe_quant_triton(x, IntExperts(w13.qweight, w13.qzeros, w13.scales[:, :, :8], None, 32, AWQ_GEMM), w2,
+                               weights, ids)
+    fp8 = fp8_experts(torch.randn(4, 64, 64), (16, 24), parts=2)
+    with pytest.raises(ValueError, match="below tl.dot's 16"):  # a K tile of 8 columns
+        fused_moe_quant_triton(x, fp8, w2, weights, ids)
+
+
+def test_benchmark_cases_run_under_the_interpreter(device):
+    """benchmarks/kernels_moe_quant.py at toy sizes (its GPU run is the lead's): every format builds, checks the
+    kernel against the reference and times it."""
+    import benchmarks.kernels as bench
+    from benchmarks.kernels_moe_quant import FORMATS, bench_moe_quant
+
+    runner = bench.Runner(device, check=True, use_triton=True)
+    bench_moe_quant(runner, {"dtype": torch.bfloat16}, dict(hidden=128, inter=128, num_experts=4, top_k=2, rows=[2]))
+    assert not runner.failures, runner.failures
+    assert {(r["case"], r["impl"]) for r in runner.results} == {(f"{fmt} rows 2", impl) for fmt in FORMATS
+                                                                for impl in ("bf16 triton", "triton", "torch ref")}
+
+
+SHAPES_GPU = {"mixtral": dict(hidden=4096, inter=14336, num_experts=8, top_k=2),
+              "qwen3-moe": dict(hidden=2048, inter=768, num_experts=128, top_k=8)}
+GPU_FORMATS = {"awq g128": (_int(ic.Int4Format("awq", 128)), _int(ic.Int4Format("awq", 128))),
+               "gptq act-order": (_int(ic.Int4Format("gptq", 128, desc_act=True)),
+                                  _int(ic.Int4Format("gptq", 128, desc_act=True))),
+               "fp8 per-row": (lambda w: fp8_experts(w, None, 2), fp8_experts),
+               "fp8 128x128": (lambda w: fp8_experts(w, (128, 128), 2), lambda w: fp8_experts(w, (128, 128)))}
+
+
+@functools.lru_cache(maxsize=2)  # a real-sized layer's experts, packed once for the cases that share them
+def _gpu_experts(shape_name: str, fmt: str, device: str):
+    shape = SHAPES_GPU[shape_name]
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter, num_experts = shape["hidden"], shape["inter"], shape["num_experts"]
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    q13, q2 = (quantize(w) for quantize, w in zip(GPU_FORMATS[fmt], (w13, w2)))
+    return [dataclasses.replace(q, **{f.name: getattr(q, f.name).to(device) for f in dataclasses.fields(q)
+                                      if isinstance(getattr(q, f.name), torch.Tensor)}) for q in (q13, q2)]
+
+
+def _gpu_case(shape_name: str, num_tokens: int, fmt: str, cuda, seed: int = 0):
+    shape = SHAPES_GPU[shape_name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(num_tokens, shape["num_experts"], generator=gen), shape["top_k"], True)
+    w13, w2 = _gpu_experts(shape_name, fmt, str(cuda))
+    return x.to(cuda), w13, w2, weights.to(cuda), ids.to(cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, num_tokens", [("mixtral", 1), ("mixtral", 64), ("mixtral", 1000), ("qwen3-moe", 16)],
+                         ids=["mixtral-1", "mixtral-64", "mixtral-1000", "qwen3-moe-16"])
+@pytest.mark.parametrize("fmt", GPU_FORMATS)  # the outer loop: a format's experts are packed once
+def test_gpu_real_sizes(fmt, shape, num_tokens, cuda):
+    """Mixtral's and Qwen3-30B-A3B's experts, decode (16-row tiles) and prefill (64-row tiles, words unpacked
+    once) sizes, against the reference on the GPU."""
+    args = _gpu_case(shape, num_tokens, fmt, cuda)
+    torch.testing.assert_close(fused_moe_quant(*args), fused_moe_quant_ref(*args), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq g128", "fp8 128x128"])
+def test_gpu_decode_in_a_cuda_graph(fmt, cuda):
+    """A decode step's quantized MoE as the engine runs it: captured once, replayed with other routings."""
+    x, w13, w2, weights, ids = _gpu_case("qwen3-moe", 4, fmt, cuda)
+    fused_moe_quant(x, w13, w2, weights, ids)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_quant(x, w13, w2, weights, ids)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed + 1)
+        new_weights, new_ids = topk_route(torch.randn(4, 128, generator=gen), 8, True)
+        weights.copy_(new_weights.to(cuda))
+        ids.copy_(new_ids.to(cuda))
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_quant_ref(x, w13, w2, weights, ids), atol=3e-2, rtol=3e-2)
