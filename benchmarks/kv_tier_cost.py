@@ -11,6 +11,10 @@ numbers behind the host tier's cost model (engine/onload_cost.py: `--onload-gb-p
    computed (a prompt seen nowhere), copied back (the same prompt once more, its blocks forgotten by the device and
    found on the host) and computed again (the same, with the cost model's threshold past it).
 3. The rates the cost model takes, the threshold they give for this model's blocks, and the flags that set them.
+4. For the cross-replica fetch (docs/architecture.md, not built): the host copies a fetch on one node makes at least
+   (gather the holder's host blocks, one copy where the object store would hold them, scatter into the asker's host
+   tier), timed on the largest --copy-blocks, against the rate a fetch must reach to beat prefill (the KV bytes of a
+   token x the prefill rate). Ray's object store adds its own costs on top (benchmarks/cross_replica_fetch.py).
 
 One rank (--tensor-parallel-size 1): the copies are timed inside this process's worker.
 """
@@ -68,6 +72,8 @@ def main(args: argparse.Namespace) -> dict:
           f"{result['prefill_tokens_per_s']:,.0f} tok/s -> min_onload_blocks {result['min_onload_blocks']} "
           f"(blocks of {config.cache.block_size} tokens, {copies['block_bytes']:,} bytes a rank)")
     print(f"flags: {result['flags']}")
+    print(f"cross-replica fetch: beats prefill above {result['fetch_break_even_gb_per_s']:.2f} GB/s end to end; this "
+          f"host's copies alone move {result['fetch_copies_gb_per_s']:.2f} GB/s (the object store adds to them)")
     write_json(args.output_json, result)
     return result
 
@@ -85,7 +91,20 @@ def measure_copies(engine, counts: list[int], repeats: int) -> dict:
         onload_s = _median_time(lambda pairs=pairs: pool.onload(pairs), sync, repeats)
         rows.append({"blocks": n, "onload_ms": 1e3 * onload_s, "offload_ms": 1e3 * offload_s,
                      "onload_gb_per_s": n * worker.block_bytes / onload_s / 1e9})
-    return {"block_bytes": worker.block_bytes, "rows": rows}
+    n = rows[-1]["blocks"]
+    fetch_s = _median_time(lambda: _fetch_copies(pool.buffer, n), lambda: None, repeats)
+    return {"block_bytes": worker.block_bytes, "rows": rows,
+            "fetch_copies_gb_per_s": n * worker.block_bytes / fetch_s / 1e9}
+
+
+def _fetch_copies(buffer, num_blocks: int) -> None:
+    """A same-node fetch's host copies: gather blocks 0..n-1 of one host pool, copy them once more (the object
+    store's), scatter them into the other half of a pool (here the same one)."""
+    import torch
+
+    ids = torch.arange(num_blocks)
+    gathered = buffer[:, :, ids]
+    buffer[:, :, ids.flip(0)] = gathered.clone()
 
 
 def measure_prefixes(engine, lengths: list[int], repeats: int, seed: int) -> list[dict]:
@@ -131,7 +150,9 @@ def recommend(copies: dict, prefixes: list[dict], block_size: int) -> dict:
              f"--prefill-tokens-per-s {prefill:.4g}")
     return {"onload_gb_per_s": onload_bytes_per_s / 1e9, "onload_latency_s": latency_s,
             "prefill_tokens_per_s": prefill,
-            "min_onload_blocks": "never" if threshold == NEVER_ONLOAD else threshold, "flags": flags}
+            "min_onload_blocks": "never" if threshold == NEVER_ONLOAD else threshold, "flags": flags,
+            "fetch_copies_gb_per_s": copies["fetch_copies_gb_per_s"],
+            "fetch_break_even_gb_per_s": copies["block_bytes"] / block_size * prefill / 1e9}
 
 
 def _ttft(engine, prompt: list[int]) -> float:

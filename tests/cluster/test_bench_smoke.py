@@ -85,6 +85,9 @@ def test_bench_kv_tier_cost_measures_both_ways_and_recommends_settings(tmp_path)
                            result["prefill_tokens_per_s"]).min_onload_blocks(4, result["block_bytes_per_rank"])
     assert result["min_onload_blocks"] == ("never" if threshold == NEVER_ONLOAD else threshold)
     assert result["flags"].startswith("--onload-gb-per-s ")
+    assert result["fetch_copies_gb_per_s"] > 0
+    assert result["fetch_break_even_gb_per_s"] == pytest.approx(
+        result["block_bytes_per_rank"] / 4 * result["prefill_tokens_per_s"] / 1e9)
 
 
 def test_bench_quality_on_the_tiny_model(tmp_path):
