@@ -74,12 +74,13 @@ class Replica:
 
     def export_blocks(self, prompt: list[int]) -> tuple[list[bytes], np.ndarray, float]:
         """The host blocks of the longest prefix of `prompt` this replica's host tier holds: (their hashes, their KV
-        gathered as [layers, 2, blocks, block_size, kv_heads, head_dim], seconds spent gathering)."""
+        gathered in the host pool's layout, [blocks, layers, 2, block_size, kv_heads, head_dim], seconds spent
+        gathering)."""
         import torch
 
         start = time.perf_counter()
         hashes, host_blocks = self._host_run(prompt)
-        kv = self.pool.buffer[:, :, torch.tensor(host_blocks, dtype=torch.long)].numpy()
+        kv = self.pool.buffer[torch.tensor(host_blocks, dtype=torch.long)].numpy()
         return hashes, kv, time.perf_counter() - start
 
     def import_blocks(self, hashes: list[bytes], kv: np.ndarray) -> float:
@@ -94,7 +95,7 @@ class Replica:
             assert host_block is not None, "the host tier has no block to spare"
             bm._host_cached[block_hash] = host_block
             host_blocks.append(host_block)
-        self.pool.buffer[:, :, torch.tensor(host_blocks, dtype=torch.long)] = torch.from_numpy(np.asarray(kv))
+        self.pool.buffer[torch.tensor(host_blocks, dtype=torch.long)] = torch.from_numpy(np.asarray(kv))
         bm.check_integrity()
         return time.perf_counter() - start
 

@@ -103,8 +103,8 @@ def _fetch_copies(buffer, num_blocks: int) -> None:
     import torch
 
     ids = torch.arange(num_blocks)
-    gathered = buffer[:, :, ids]
-    buffer[:, :, ids.flip(0)] = gathered.clone()
+    gathered = buffer[ids]  # [blocks, layers, 2, ...]: the host pool is block-major
+    buffer[ids.flip(0)] = gathered.clone()
 
 
 def measure_prefixes(engine, lengths: list[int], repeats: int, seed: int) -> list[dict]:
