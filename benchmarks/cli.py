@@ -1,5 +1,5 @@
-"""`pagoda bench {latency,throughput,serve,sampler,quality,cold-start,multi-turn}` (also `python -m benchmarks ...`);
-the Triton kernels have a script of their own, `python -m benchmarks.kernels`."""
+"""`pagoda bench {latency,throughput,serve,sampler,quality,cold-start,multi-turn,kv-tier-cost}` (also
+`python -m benchmarks ...`); the Triton kernels have a script of their own, `python -m benchmarks.kernels`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "quality": "a quantized model (--quantization, --kv-cache-dtype) against transformers, teacher-forced",
     "cold-start": "one replica from placed to its first token, per phase (engine actor, weights, CUDA graphs...)",
     "multi-turn": "multi-turn conversations re-sending their histories: TTFT with the host KV tier off and on",
+    "kv-tier-cost": "the host KV tier's copy rate and the model's prefill rate: the cost model's settings",
 }
 KERNELS = "python -m benchmarks.kernels: Triton kernels against torch and the H200's ceilings"
 

@@ -112,7 +112,8 @@ def run_workload(engine, args: argparse.Namespace, vocab: int) -> dict:
             "ttft_s_later_turns": percentiles(later), "prefix_cache_queries": stats.prefix_cache_queries,
             "device_hits_tokens": stats.prefix_cache_hits, "host_hits_tokens": stats.host_prefix_cache_hits,
             "offloaded_bytes": stats.kv_offloaded_bytes, "onloaded_bytes": stats.kv_onloaded_bytes,
-            "preemptions": stats.num_preemptions}
+            "preemptions": stats.num_preemptions, "swapped_in_tokens": stats.swapped_in_tokens,
+            "preemption_recomputed_tokens": stats.preemption_recomputed_tokens}
 
 
 def main(args: argparse.Namespace) -> dict:

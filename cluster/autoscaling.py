@@ -12,6 +12,13 @@ Serve applies the bounds (min/max_replicas), the delays (upscale_delay_s, downsc
 factors around the policy. It scales down only when every signal fits in fewer replicas; the replica it stops is
 drained first (graceful_shutdown_timeout_s: its streams finish). `policy: ongoing_requests` in the app args keeps
 Serve's own policy.
+
+The host KV tier (--swap-space) is not a signal of its own. Written through and evicted least recently used, it is
+full once the replica has computed its size in tokens, whatever the load, so its usage says nothing. When it is too
+small for the prefixes that come back, they are computed again: more prefill, longer queues and fuller device
+pools, which the signals above already count; a preemption it turns into copies costs little, so preemptions are no
+signal either. Adding replicas to hold more prefixes is a trade the operator makes with `swap_space` (host memory)
+rather than with GPUs.
 """
 
 from __future__ import annotations

@@ -37,14 +37,24 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
     "pagoda:num_requests_running": ("gauge", "Requests in the running batch.", (), None),
     "pagoda:num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", (), None),
     "pagoda:kv_cache_usage_perc": ("gauge", "KV-cache usage (1 = full).", (), None),
-    "pagoda:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache.", (), None),
-    "pagoda:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache.", (), None),
-    "pagoda:host_prefix_cache_hits": ("counter", "Prompt tokens found in the host KV tier (copied back, not "
-                                                 "computed).", (), None),
+    "pagoda:prefix_cache_queries": ("counter", "New requests' prompt tokens looked up in the prefix cache.", (),
+                                    None),
+    "pagoda:prefix_cache_hits": ("counter", "New requests' prompt tokens found in the device's prefix cache.", (),
+                                 None),
+    "pagoda:host_prefix_cache_queries": ("counter", "New requests' prompt tokens looked up while a host KV tier "
+                                                    "exists (vLLM's external_prefix_cache_queries).", (), None),
+    "pagoda:host_prefix_cache_hits": ("counter", "New requests' prompt tokens found in the host KV tier (copied "
+                                                 "back, not computed).", (), None),
     "pagoda:kv_offloaded_bytes": ("counter", "KV bytes written to the host tier (all ranks).", (), None),
     "pagoda:kv_onloaded_bytes": ("counter", "KV bytes copied back from the host tier (all ranks).", (), None),
     "pagoda:host_kv_cache_usage_perc": ("gauge", "Host KV tier usage (1 = full).", (), None),
     "pagoda:num_preemptions": ("counter", "Preemptions (a request's blocks freed, recomputed later).", (), None),
+    "pagoda:swapped_out_tokens": ("counter", "Preempted requests' computed tokens held by the host KV tier when "
+                                             "they were preempted.", (), None),
+    "pagoda:swapped_in_tokens": ("counter", "Preempted requests' tokens copied back from the host KV tier when "
+                                            "they resumed.", (), None),
+    "pagoda:preemption_recomputed_tokens": ("counter", "Preempted requests' computed tokens computed again when "
+                                                       "they resumed (no tier held them).", (), None),
     "pagoda:prompt_tokens": ("counter", "Prompt tokens received.", (), None),
     "pagoda:generation_tokens": ("counter", "Tokens generated.", (), None),
     "pagoda:request_success": ("counter", "Finished requests by finish reason.", ("finished_reason",), None),
@@ -68,8 +78,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
 
 # EngineStats field -> counter fed by its growth.
 _ENGINE_COUNTERS = {name: f"pagoda:{name}" for name in
-                    ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits", "kv_offloaded_bytes",
-                     "kv_onloaded_bytes", "num_preemptions", "prompt_tokens", "generation_tokens")}
+                    ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_queries",
+                     "host_prefix_cache_hits", "kv_offloaded_bytes", "kv_onloaded_bytes", "num_preemptions",
+                     "swapped_out_tokens", "swapped_in_tokens", "preemption_recomputed_tokens", "prompt_tokens",
+                     "generation_tokens")}
 _ENGINE_GAUGES = {"num_running": "pagoda:num_requests_running", "num_waiting": "pagoda:num_requests_waiting",
                   "kv_cache_usage": "pagoda:kv_cache_usage_perc",
                   "host_kv_cache_usage": "pagoda:host_kv_cache_usage_perc",

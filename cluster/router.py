@@ -8,7 +8,11 @@ the engine hashes KV blocks (each chunk's hash covers everything before it):
      └──────────── chunk 0 ──────────────────────┘ └──── chunk 1 ─────────┘ (partial: not hashed)
      h0 = H(chunk0)                                 h1 = H(h0, chunk1)
 
-and remembers, per chunk hash, the replica it last routed that prefix to (an LRU table, bounded). Routing:
+and remembers, per chunk hash, the replica it last routed that prefix to. A replica's caches (its device pool, and its
+host KV tier behind it) hold a bounded number of blocks, least recently used out first; the table keeps, per replica,
+about as many chunks as that replica's caches hold tokens (it reports them: `record_routing_stats`), so an entry
+lives about as long as the blocks it stands for, and a replica with a large host tier keeps its prefixes (and gets
+their requests) far longer. Routing:
 
 1. longest known prefix → its replica, if that replica is not much busier than the least-loaded candidate
    (`queue_len <= min_queue_len + imbalance_threshold`);
@@ -18,6 +22,8 @@ and remembers, per chunk hash, the replica it last routed that prefix to (an LRU
 `PrefixAffinity` is the policy without Ray (tested directly); `PrefixAffinityRouter` plugs it into Serve's
 request-router API (`RequestRouterConfig(request_router_class=...)` in the deployment options). Each handle
 (each ingress replica) has its own table: with several ingress replicas a prefix may be cached on as many replicas.
+The table counts only the prompts it routed: a replica's caches also hold outputs and other ingress replicas' prompts,
+so its entries outlive some of their blocks (a miss then costs what routing without affinity costs).
 """
 
 from __future__ import annotations
@@ -34,7 +40,22 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_CHARS = 64  # about one 16-token KV block of English text
 DEFAULT_IMBALANCE_THRESHOLD = 8  # ongoing requests
-DEFAULT_MAX_ENTRIES = 200_000
+DEFAULT_MAX_ENTRIES = 1_000_000  # the whole table's bound (an ingress replica's memory: ~300 bytes an entry)
+CHARS_PER_TOKEN = 4  # of English text: a replica's cached tokens as chunks of prompt text
+
+
+def routing_stats(stats, block_size: int) -> dict[str, int]:
+    """What a replica reports to the routers (Serve's record_routing_stats): the tokens its device pool and its host
+    KV tier hold, from its engine's EngineStats."""
+    return {"kv_cache_tokens": stats.num_kv_blocks * block_size,
+            "host_kv_cache_tokens": stats.num_host_kv_blocks * block_size}
+
+
+def cached_tokens(stats: dict) -> int | None:
+    """A replica's cache capacity in tokens from its routing stats; None before its first report."""
+    if "kv_cache_tokens" not in stats:
+        return None
+    return int(stats["kv_cache_tokens"]) + int(stats.get("host_kv_cache_tokens", 0))
 
 
 class PrefixAffinity:
@@ -47,7 +68,20 @@ class PrefixAffinity:
         self.imbalance_threshold = imbalance_threshold
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, Hashable] = OrderedDict()  # chunk hash -> replica id, LRU order
+        self._held: dict[Hashable, OrderedDict[bytes, None]] = {}  # replica -> its chunks, LRU order
+        self._capacity: dict[Hashable, int] = {}  # replica -> chunks its caches hold (unknown: only max_entries)
         self._rng = rng or random.Random()
+
+    def set_capacity(self, replica: Hashable, num_tokens: int) -> None:
+        """The tokens a replica's caches hold (device pool + host tier): the table keeps that many tokens' chunks
+        of it, least recently routed out first."""
+        chunks = max(1, num_tokens * CHARS_PER_TOKEN // self.chunk_chars)
+        if self._capacity.get(replica) != chunks:
+            self._capacity[replica] = chunks
+            self._trim(replica)
+
+    def capacity(self, replica: Hashable) -> int | None:
+        return self._capacity.get(replica)
 
     def chunk_hashes(self, text: str) -> list[bytes]:
         hashes, parent = [], b""
@@ -66,15 +100,33 @@ class PrefixAffinity:
         return None, 0
 
     def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
+        held = self._held.setdefault(replica, OrderedDict())
         for h in hashes:
+            previous = self._owner.get(h)
+            if previous is not None and previous != replica:
+                self._held[previous].pop(h, None)
             self._owner[h] = replica
             self._owner.move_to_end(h)
+            held[h] = None
+            held.move_to_end(h)
+        self._trim(replica)
         while len(self._owner) > self.max_entries:
-            self._owner.popitem(last=False)
+            h, owner = self._owner.popitem(last=False)
+            self._held[owner].pop(h, None)
+
+    def _trim(self, replica: Hashable) -> None:
+        """Drops the replica's least recently routed chunks past its capacity (its caches evicted them by now)."""
+        held, capacity = self._held.get(replica), self._capacity.get(replica)
+        while held and capacity is not None and len(held) > capacity:
+            h, _ = held.popitem(last=False)
+            if self._owner.get(h) == replica:
+                del self._owner[h]
 
     def forget(self, replica: Hashable) -> None:
-        for h in [h for h, owner in self._owner.items() if owner == replica]:
-            del self._owner[h]
+        for h in self._held.pop(replica, {}):
+            if self._owner.get(h) == replica:
+                del self._owner[h]
+        self._capacity.pop(replica, None)
 
     def choose(self, text: str, replicas: Sequence[Hashable],
                queue_lens: dict[Hashable, int | None]) -> list[list[Hashable]]:
@@ -116,6 +168,10 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
+        for replica in candidate_replicas:  # Serve refreshes each replica's stats every routing-stats period
+            num_tokens = cached_tokens(replica.routing_stats or {})
+            if num_tokens is not None:
+                self.affinity.set_capacity(replica.replica_id, num_tokens)
         key = routing_key(pending_request)
         queue_lens = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id} if key else {}
         ranks = self.affinity.choose(key, list(by_id), queue_lens)

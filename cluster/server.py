@@ -28,6 +28,7 @@ from cluster.executors import pick_executor
 from cluster.metrics import ReplicaMetrics
 from cluster.placement import ReplicaPlacement
 from cluster.protocol import Accepted, GenerateRequest, TokenizeInput, error_info
+from cluster.router import routing_stats
 from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
@@ -243,6 +244,11 @@ class LLMServer:
             return {"replica": self.replica_id, "failed": False}
         self.engine.fail(reason)
         return {"replica": self.replica_id, "failed": True}
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Serve's routing stats, which the prefix-affinity router reads (cluster/router.py): this replica's cache
+        capacity, device pool and host KV tier."""
+        return routing_stats(self.engine.get_stats(), self.engine.config.cache.block_size)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (cluster/autoscaling.py reads them)."""

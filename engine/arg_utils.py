@@ -42,6 +42,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="GiB of host memory per GPU for a second KV tier: every computed block is also written "
                              "there, and a prefix the GPU pool has evicted (or a preempted request's) is copied back "
                              "instead of computed again (default 0: none; needs prefix caching)")
+    parser.add_argument("--onload-gb-per-s", type=float, default=_DEFAULTS["onload_gb_per_s"],
+                        help="the host tier's cost model: one GPU's host-to-device copy rate (GB/s), as `pagoda bench "
+                             "kv-tier-cost` measures it")
+    parser.add_argument("--onload-latency-s", type=float, default=_DEFAULTS["onload_latency_s"],
+                        help="the host tier's cost model: the fixed cost of a step's copies back (seconds)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=_DEFAULTS["prefill_tokens_per_s"],
+                        help="the host tier's cost model: the model's prefill rate; a prefix on the host shorter than "
+                             "what copying back pays for is computed again")
+    parser.add_argument("--min-onload-blocks", type=int, default=None,
+                        help="the fewest host-tier blocks copied back rather than computed (default: from the cost "
+                             "model)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"])
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
@@ -81,5 +92,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   seed=args.seed, load_format=load_format, enforce_eager=args.enforce_eager,
                   chat_template=args.chat_template, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, swap_space=args.swap_space)
+                  kv_cache_dtype=args.kv_cache_dtype, swap_space=args.swap_space,
+                  onload_gb_per_s=args.onload_gb_per_s, onload_latency_s=args.onload_latency_s,
+                  prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks)
     return EngineArgs(**(values | overrides))

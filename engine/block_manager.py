@@ -17,7 +17,9 @@ The host tier (`num_host_blocks` > 0, `--swap-space`) is a second pool of blocks
 prefix cache below the device's: every block `commit` publishes is also written to the host (write-through, an
 offload the next step makes beside its forward), host blocks are evicted least recently used, and `admit` continues
 a request's cached prefix on the host where the device's ends: those blocks are copied back (onloads) instead of
-computed. A preempted request's computed blocks are on the host already, so it resumes by copying them back.
+computed. A preempted request's computed blocks are on the host already, so it resumes by copying them back. A
+host continuation shorter than `min_onload_blocks` is computed again instead (engine/onload_cost.py: copying a few
+blocks back can cost more than computing them).
 
     device pool   [ prefix-cache hits | onloaded from the host | computed now ]    one block table
     host pool     every committed block's copy, LRU; found by the same hash chain
@@ -29,7 +31,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Allocation:
     block_ids: list[int]  # its whole block table
     num_computed_tokens: int  # tokens whose KV the table already holds: a cached prefix, or its leader's prompt
     num_new_tokens: int  # tokens to compute now (within the budget); the table has room for them
+    num_onloaded_blocks: int = 0  # of the computed ones, blocks copied back from the host tier
 
 
 @dataclass
@@ -65,16 +68,27 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, min_onload_blocks: int = 1):
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         assert not num_host_blocks or enable_prefix_caching, "the host tier is a level of the prefix cache"
+        assert min_onload_blocks >= 1, min_onload_blocks
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
+        self.min_onload_blocks = min_onload_blocks  # a shorter host continuation is computed, not copied back
+        # Prompt tokens of new requests (vLLM's prefix_cache_* and external_prefix_cache_*): looked up, found on the
+        # device, looked up while a host tier exists (the whole prompt, as vLLM counts its connector's queries),
+        # found on the host (copied back).
         self.prefix_queries_tokens = 0
-        self.prefix_hits_tokens = 0  # found on the device
-        self.host_hits_tokens = 0  # found on the host (copied back)
+        self.prefix_hits_tokens = 0
+        self.host_queries_tokens = 0
+        self.host_hits_tokens = 0
+        # Preempted requests: computed tokens the host held when they were preempted (written through: a swap-out
+        # that copies nothing more), tokens copied back from the host when they resumed, and tokens computed again.
+        self.swapped_out_tokens = 0
+        self.swapped_in_tokens = 0
+        self.preemption_recomputed_tokens = 0
         self.num_offloaded_blocks = 0
         self.num_onloaded_blocks = 0
         self._host_cached: OrderedDict[bytes, int] = OrderedDict()  # block hash -> host block, least recent first
@@ -118,6 +132,8 @@ class BlockManager:
             hashes = self._prefix_hashes(req)
             prefix = self._cached_prefix(hashes)
             host_hits = self._host_prefix(hashes[len(prefix):])
+            if len(host_hits) < self.min_onload_blocks:
+                host_hits = []  # cheaper to compute again than to copy back
             num_committed = len(prefix) + len(host_hits)
             num_computed = num_committed * self.block_size
         num_new = min(req.num_tokens - num_computed, num_tokens_budget)
@@ -127,9 +143,7 @@ class BlockManager:
         if num_appended + is_copy + num_revived > self.num_free_blocks:
             return None
         if leader is None and self.enable_prefix_caching:  # counted once the request is admitted, not at each attempt
-            self.prefix_queries_tokens += req.num_tokens
-            self.prefix_hits_tokens += len(prefix) * self.block_size
-            self.host_hits_tokens += len(host_hits) * self.block_size
+            self._count_admission(req, len(prefix), len(host_hits), num_computed)
         for block_id in prefix:
             self._take(block_id)
         table = self._tables[req.req_id] = list(prefix)
@@ -138,7 +152,20 @@ class BlockManager:
         if leader is None:
             for (block_hash, host_block), block_id in zip(host_hits, added):
                 self._onload(block_hash, host_block, block_id)
-        return Allocation(list(table), num_computed, num_new)
+        return Allocation(list(table), num_computed, num_new, len(host_hits) if leader is None else 0)
+
+    def _count_admission(self, req: Request, num_device_hits: int, num_host_hits: int, num_computed: int) -> None:
+        """A new request's prefix-cache lookup (vLLM counts a preempted one's apart, and so does this), or what a
+        preempted one got back: copied from the host, or computed again."""
+        if req.status == RequestStatus.PREEMPTED:
+            self.swapped_in_tokens += num_host_hits * self.block_size
+            self.preemption_recomputed_tokens += max(req.num_preempted_tokens - num_computed, 0)
+            return
+        self.prefix_queries_tokens += req.num_tokens
+        self.prefix_hits_tokens += num_device_hits * self.block_size
+        if self.num_host_blocks:
+            self.host_queries_tokens += req.num_tokens
+            self.host_hits_tokens += num_host_hits * self.block_size
 
     def grow(self, req: Request, num_new_tokens: int) -> Growth | None:
         """Makes room in a running request's table for num_new_tokens more tokens; None, changing nothing, when the
@@ -155,6 +182,15 @@ class BlockManager:
         for block_id in reversed(self._tables.pop(req.req_id, [])):
             self._release(block_id)
         self._num_committed.pop(req.req_id, None)
+
+    def preempt(self, req: Request) -> None:
+        """Frees a preempted request's blocks (as `free`), counting the computed tokens the host tier holds: those it
+        gets back by onloads when it resumes, unless the device still has them."""
+        if self.num_host_blocks and req.req_id in self._num_committed:
+            held = sum(1 for block_hash in req.block_hashes[:self._num_committed[req.req_id]]
+                       if block_hash in self._host_cached)
+            self.swapped_out_tokens += held * self.block_size
+        self.free(req)
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """The KV moves the next step makes before its forward (engine/outputs.py SchedulerOutput): offloads (device
@@ -202,6 +238,16 @@ class BlockManager:
             if host_block not in self._host_writing and host_block not in self._host_reading:
                 del self._host_cached[block_hash]
                 self._host_free.append(host_block)
+
+    def evict_device_cache(self) -> None:
+        """Forgets the device's cached blocks that no request holds; the host tier keeps its copies, so a later hit on
+        them is copied back (benchmarks/kv_tier_cost.py). A block whose offload is pending stays (its copy is not
+        on the host yet)."""
+        for block in self._blocks:
+            if block.ref_count == 0 and block.block_hash is not None and block.block_id not in self._offloads:
+                if self._cached.get(block.block_hash) == block.block_id:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
 
     def _prefix_hashes(self, req: Request) -> list[bytes]:
         """The hashes a cached prefix may cover: every full block but the one with the last token. None for a

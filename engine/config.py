@@ -156,10 +156,24 @@ class CacheConfig:
     # and dtype; 0: none. num_host_kv_blocks, when set, is its size in blocks instead (tests).
     swap_space_gib: float = 0.0
     num_host_kv_blocks: int | None = None
+    # Copy a prefix found on the host back, or compute it again (engine/onload_cost.py): one rank's host -> device
+    # rate, the fixed cost of a step's onloads and the model's prefill rate, as `pagoda bench kv-tier-cost` measures
+    # them (the defaults: estimates for an 8B model on an H200); min_onload_blocks, when set, is the threshold itself.
+    onload_gb_per_s: float = 25.0
+    onload_latency_s: float = 2e-4
+    prefill_tokens_per_s: float = 20_000.0
+    min_onload_blocks: int | None = None
 
     def __post_init__(self):
         if self.swap_space_gib < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space_gib}")
+        for name in ("onload_gb_per_s", "prefill_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ParamError(name, f"must be > 0, got {getattr(self, name)}")
+        if not self.onload_latency_s >= 0:
+            raise ParamError("onload_latency_s", f"must be >= 0, got {self.onload_latency_s}")
+        if self.min_onload_blocks is not None and self.min_onload_blocks < 1:
+            raise ParamError("min_onload_blocks", f"must be >= 1, got {self.min_onload_blocks}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
             raise ParamError("num_host_kv_blocks", f"must be >= 0, got {self.num_host_kv_blocks}")
         if (self.swap_space_gib or self.num_host_kv_blocks) and not self.enable_prefix_caching:
@@ -248,6 +262,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV pool
     swap_space: float = 0.0  # GiB of host memory per rank for the host KV tier (vLLM's name); 0: none
     num_host_kv_blocks: int | None = None  # the host tier's size in blocks instead (tests)
+    # copy a host-tier prefix back or compute it again (CacheConfig; engine/onload_cost.py)
+    onload_gb_per_s: float = 25.0
+    onload_latency_s: float = 2e-4
+    prefill_tokens_per_s: float = 20_000.0
+    min_onload_blocks: int | None = None  # the threshold itself instead of the cost model's
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -273,7 +292,8 @@ class EngineArgs:
             raise ParamError("load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         return (CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization,
                             self.cpu_kv_cache_bytes, self.enable_prefix_caching, self.kv_cache_dtype, self.swap_space,
-                            self.num_host_kv_blocks),
+                            self.num_host_kv_blocks, self.onload_gb_per_s, self.onload_latency_s,
+                            self.prefill_tokens_per_s, self.min_onload_blocks),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 2048),
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 

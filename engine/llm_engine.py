@@ -18,6 +18,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, ExecutorPicker, StepHandle
 from engine.grammar import StructuredOutputManager
+from engine.onload_cost import NEVER_ONLOAD, OnloadCost
 from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
@@ -46,12 +47,18 @@ class EngineStats:
     num_finished: dict[str, int] | None = None  # finish reason -> requests
     device_memory_used_bytes: int = 0  # set by the engine loop from the executor (0 on CPU)
     device_utilization: float = 0.0  # 0..1, where the device reports it
-    # the host KV tier (--swap-space): prompt tokens found there, bytes written to it and copied back (all ranks),
-    # its usage
+    # the host KV tier (--swap-space): new requests' prompt tokens looked up while it exists and found there, bytes
+    # written to it and copied back (all ranks), its usage; preempted requests' computed tokens it held when they
+    # were preempted, those copied back when they resumed, and those computed again
+    num_host_kv_blocks: int = 0
+    host_prefix_cache_queries: int = 0
     host_prefix_cache_hits: int = 0
     kv_offloaded_bytes: int = 0
     kv_onloaded_bytes: int = 0
     host_kv_cache_usage: float = 0.0
+    swapped_out_tokens: int = 0
+    swapped_in_tokens: int = 0
+    preemption_recomputed_tokens: int = 0
 
 
 @dataclass
@@ -103,7 +110,7 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to %d: the KV pool holds %d blocks of %d tokens",
                            config.model.max_model_len, self.max_model_len, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                          self.executor.num_host_kv_blocks)
+                                          self.executor.num_host_kv_blocks, self._min_onload_blocks())
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
@@ -121,6 +128,21 @@ class LLMEngine:
         self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # the step in flight
         self.timing = StepTiming()
         self._ids = itertools.count()
+
+    def _min_onload_blocks(self) -> int:
+        """The fewest host-tier blocks worth copying back (CacheConfig.min_onload_blocks, else the cost model's for
+        this model's blocks: engine/onload_cost.py)."""
+        cache = self.config.cache
+        if cache.min_onload_blocks is not None or not self.executor.num_host_kv_blocks:
+            return cache.min_onload_blocks or 1
+        cost = OnloadCost(cache.onload_gb_per_s * 1e9, cache.onload_latency_s, cache.prefill_tokens_per_s)
+        block_bytes = self.executor.kv_block_bytes // self.config.parallel.tensor_parallel_size  # ranks copy at once
+        blocks = cost.min_onload_blocks(cache.block_size, block_bytes)
+        logger.info("host KV tier: a prefix continued on the host is copied back from %s (block of %d bytes a rank, "
+                    "%.1f GB/s, %.0f us a step, prefill %.0f tok/s)",
+                    "never" if blocks == NEVER_ONLOAD else f"{blocks} blocks", block_bytes, cache.onload_gb_per_s,
+                    cache.onload_latency_s * 1e6, cache.prefill_tokens_per_s)
+        return blocks
 
     def _start_executor(self, make_executor: Callable[[], Executor]) -> Executor:
         start = time.perf_counter()
@@ -355,10 +377,14 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
-                           dict(self.num_finished), host_prefix_cache_hits=bm.host_hits_tokens,
+                           dict(self.num_finished), num_host_kv_blocks=bm.num_host_blocks,
+                           host_prefix_cache_queries=bm.host_queries_tokens,
+                           host_prefix_cache_hits=bm.host_hits_tokens,
                            kv_offloaded_bytes=bm.num_offloaded_blocks * self.executor.kv_block_bytes,
                            kv_onloaded_bytes=bm.num_onloaded_blocks * self.executor.kv_block_bytes,
-                           host_kv_cache_usage=bm.host_usage)
+                           host_kv_cache_usage=bm.host_usage, swapped_out_tokens=bm.swapped_out_tokens,
+                           swapped_in_tokens=bm.swapped_in_tokens,
+                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -74,6 +74,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled by a launched step, not yet known here (overlapped scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # tokens computed when it was last preempted (what it may get back or recompute)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of this request's full blocks

@@ -2,7 +2,8 @@
 chunked prefills), then new or preempted requests, under `max_num_seqs`.
 
 When blocks run out the newest running request is preempted: its blocks are freed and it goes back to the front of
-the waiting queue, to be recomputed later (prefix-cache hits make that cheap). Never an error.
+the waiting queue, to be recomputed later (prefix-cache hits make that cheap; with a host KV tier its blocks are
+copied back from there). Never an error.
 
 A step that fails (not fatally) fails no request by itself: its requests are preempted as suspects (`isolate`), and
 a suspect then runs alone in its steps until it samples again, so that only a request that fails on its own is
@@ -170,8 +171,9 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         self.running.remove(req)
-        self.block_manager.free(req)
+        self.block_manager.preempt(req)
         req.status = RequestStatus.PREEMPTED
+        req.num_preempted_tokens = min(req.num_computed_tokens, req.num_tokens)
         req.num_computed_tokens = 0
         req.num_pending_tokens = 0  # a token in flight for it is dropped; recompute samples it again
         req.num_preemptions += 1

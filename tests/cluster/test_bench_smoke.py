@@ -68,6 +68,28 @@ def test_bench_multi_turn_finds_evicted_histories_on_the_host(tmp_path):
     assert on["ttft_s"]["p50"] > 0 and on["total_tokens_per_s"] > 0
 
 
+def test_bench_kv_tier_cost_measures_both_ways_and_recommends_settings(tmp_path):
+    """Copies through the worker's host pool, and prompts computed, copied back and computed again: the copied-back
+    run onloads every block but the one with the last token, and the recommended flags give the reported threshold."""
+    from engine.onload_cost import NEVER_ONLOAD, OnloadCost
+
+    result = _run(tmp_path, "bench", "kv-tier-cost", "--model", "tiny", "--device", "cpu", "--block-size", "4",
+                  "--num-kv-blocks", "64", "--swap-space", "0.01", "--prefix-lens", "16", "40", "--copy-blocks", "1",
+                  "8", "32", "--repeats", "2")
+    assert [r["blocks"] for r in result["copies"]] == [1, 8, 32]
+    assert all(r["onload_ms"] > 0 and r["offload_ms"] > 0 for r in result["copies"])
+    assert [(r["prefix_len"], r["onloaded_blocks"]) for r in result["prefixes"]] == [(16, 3), (40, 9)]
+    assert all(r["computed_ms"] > 0 and r["copied_back_ms"] > 0 and r["computed_again_ms"] > 0
+               for r in result["prefixes"])
+    threshold = OnloadCost(result["onload_gb_per_s"] * 1e9, result["onload_latency_s"],
+                           result["prefill_tokens_per_s"]).min_onload_blocks(4, result["block_bytes_per_rank"])
+    assert result["min_onload_blocks"] == ("never" if threshold == NEVER_ONLOAD else threshold)
+    assert result["flags"].startswith("--onload-gb-per-s ")
+    assert result["fetch_copies_gb_per_s"] > 0
+    assert result["fetch_break_even_gb_per_s"] == pytest.approx(
+        result["block_bytes_per_rank"] / 4 * result["prefill_tokens_per_s"] / 1e9)
+
+
 def test_bench_quality_on_the_tiny_model(tmp_path):
     result = _run(tmp_path, "bench", "quality", "--model", "tiny", "--positions", "40", "--quantization", "fp8",
                   "--kv-cache-dtype", "fp8", "--device", "cpu", "--ablations")

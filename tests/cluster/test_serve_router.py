@@ -43,3 +43,18 @@ def test_a_burst_spreads_over_both_replicas(http):
     with ThreadPoolExecutor(8) as pool:
         replicas = list(pool.map(lambda p: complete(http, p, max_tokens=24), prompts))
     assert len(set(replicas)) == 2, replicas
+
+
+def test_replicas_report_both_tiers_to_the_router(http):
+    """What Serve hands the router as each replica's routing stats: its device pool's and host tier's tokens (the
+    "tiny" model: 256 device and 512 host blocks of 16 tokens)."""
+    import asyncio
+
+    from ray import serve
+
+    async def ask():  # (the handles of this Serve run their router in the caller's event loop)
+        handle = serve.get_deployment_handle("LLMServer_tiny", app_name="pagoda")
+        return await asyncio.wait_for(handle.record_routing_stats.remote(), 30)
+
+    stats = asyncio.run(ask())
+    assert stats == {"kv_cache_tokens": 256 * 16, "host_kv_cache_tokens": 512 * 16}

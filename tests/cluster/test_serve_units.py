@@ -14,7 +14,7 @@ from cluster.metrics import MetricFamily, merge_families
 from cluster.placement import ReplicaPlacement
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.responses import completion_logprobs
-from cluster.router import PrefixAffinity
+from cluster.router import CHARS_PER_TOKEN, PrefixAffinity, cached_tokens, routing_stats
 from engine.errors import EngineDeadError, ParamError
 from engine.request_output import TokenLogprob
 
@@ -68,6 +68,46 @@ def test_table_is_bounded():
     for i in range(20):
         policy.record(policy.chunk_hashes(f"{i:04d}" * 3), f"r{i}")
     assert len(policy._owner) == 10
+
+
+def test_each_replica_keeps_as_many_chunks_as_its_caches_hold():
+    """A replica whose caches (device pool + host tier) hold 2 chunks' worth of tokens keeps its 2 most recently
+    routed prefixes' chunks; one with a host tier 10x larger keeps them all."""
+    policy = PrefixAffinity(chunk_chars=16)
+    tokens_per_chunk = 16 // CHARS_PER_TOKEN
+    policy.set_capacity("small", 2 * tokens_per_chunk)
+    policy.set_capacity("large", 20 * tokens_per_chunk)
+    prompts = [f"{i:03d} conversation.." for i in range(6)]  # 19 chars: one chunk each, all different
+
+    def held(replica):
+        return [p for p in prompts if policy.lookup(policy.chunk_hashes(replica + p), {replica})[0] == replica]
+
+    for prompt in prompts:
+        for replica in ("small", "large"):
+            policy.record(policy.chunk_hashes(replica + prompt), replica)
+    assert (held("small"), held("large")) == (prompts[-2:], prompts)
+    policy.set_capacity("large", tokens_per_chunk)  # a smaller report trims at once
+    assert held("large") == prompts[-1:]
+    policy.forget("small")
+    assert policy.capacity("small") is None and held("small") == []
+
+
+def test_a_prefix_routed_elsewhere_leaves_its_old_replica_s_count():
+    policy = PrefixAffinity(chunk_chars=16)
+    policy.set_capacity("r0", 2 * 16 // CHARS_PER_TOKEN)
+    policy.record(policy.chunk_hashes(SHARED), "r0")  # more chunks than r0 holds: its last two stay
+    assert len(policy._held["r0"]) == 2
+    policy.record(policy.chunk_hashes(SHARED), "r1")  # r1 now owns them all; r0 holds none in the table
+    assert not policy._held["r0"] and policy.lookup(policy.chunk_hashes(SHARED), {"r0", "r1"})[0] == "r1"
+
+
+def test_routing_stats_report_both_tiers_in_tokens():
+    from engine.llm_engine import EngineStats
+
+    stats = EngineStats(0, 0, 0.0, 64, 0, 0, 0, 0, 0, num_host_kv_blocks=512)
+    reported = routing_stats(stats, block_size=16)
+    assert reported == {"kv_cache_tokens": 1024, "host_kv_cache_tokens": 8192}
+    assert cached_tokens(reported) == 9216 and cached_tokens({}) is None
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

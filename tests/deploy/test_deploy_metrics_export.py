@@ -58,8 +58,10 @@ def _probe_deployment():
             self.metrics.sync_engine_stats(EngineStats(
                 num_running=2, num_waiting=1, kv_cache_usage=0.5, num_kv_blocks=64, prefix_cache_queries=n,
                 prefix_cache_hits=n // 2, num_preemptions=n // 8, prompt_tokens=n, generation_tokens=n // 2,
-                device_memory_used_bytes=1 << 30, device_utilization=0.5, host_prefix_cache_hits=n // 4,
-                kv_offloaded_bytes=n << 20, kv_onloaded_bytes=n << 19, host_kv_cache_usage=0.25))
+                device_memory_used_bytes=1 << 30, device_utilization=0.5, host_prefix_cache_queries=n,
+                host_prefix_cache_hits=n // 4, kv_offloaded_bytes=n << 20, kv_onloaded_bytes=n << 19,
+                host_kv_cache_usage=0.25, swapped_out_tokens=n // 2, swapped_in_tokens=n // 4,
+                preemption_recomputed_tokens=n // 8))
             self.metrics.observe_first_token(0.05)
             self.metrics.observe_inter_token(0.02)
             self.metrics.observe_finished("stop", 0.5, RequestMetrics(10.0, 10.1, 10.2, 10.5, 8, 4))

@@ -6,6 +6,8 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig
 from engine.errors import ParamError
+from engine.onload_cost import NEVER_ONLOAD, OnloadCost
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.engine.test_block_manager import admit_computed, make_req
 from tests.engine.test_engine_stress import run_and_compare_with_each_alone
@@ -105,6 +107,79 @@ def test_a_host_block_the_step_reads_is_not_overwritten_by_it():
     bm.check_integrity()
 
 
+def _host_only_prefix(bm: BlockManager, tokens) -> None:
+    """Computes a prompt of `tokens` (written through to the host), then leaves it on the host only."""
+    first = make_req("first", tokens)
+    admit_computed(bm, first)
+    bm.take_transfers()
+    bm.free(first)
+    evict_the_device_cache(bm)
+
+
+@pytest.mark.parametrize("min_onload_blocks, onloaded", [(1, True), (3, True), (4, False), (NEVER_ONLOAD, False)])
+def test_a_host_continuation_shorter_than_the_threshold_is_computed_again(min_onload_blocks, onloaded):
+    bm = BlockManager(num_blocks=6, block_size=4, num_host_blocks=8, min_onload_blocks=min_onload_blocks)
+    _host_only_prefix(bm, range(13))  # 3 full blocks on the host
+    allocation = bm.admit(make_req("again", range(13)), 13)
+    _, _, onloads = bm.take_transfers()
+    if onloaded:
+        assert (allocation.num_computed_tokens, allocation.num_new_tokens, len(onloads)) == (12, 1, 3)
+        assert allocation.num_onloaded_blocks == 3 and bm.host_hits_tokens == 12
+    else:  # all 13 tokens computed: no copy, no host hit counted
+        assert (allocation.num_computed_tokens, allocation.num_new_tokens, onloads) == (0, 13, [])
+        assert allocation.num_onloaded_blocks == 0 and bm.host_hits_tokens == 0
+    assert bm.host_queries_tokens == 13 + 13 + bm.num_blocks * bm.block_size  # first, filler, again
+    bm.check_integrity()
+
+
+def test_the_threshold_counts_only_the_blocks_found_on_the_host():
+    """Device hits first, then the host's continuation: only the continuation is weighed."""
+    bm = BlockManager(num_blocks=6, block_size=4, num_host_blocks=8, min_onload_blocks=2)
+    _host_only_prefix(bm, range(13))
+    admit_computed(bm, make_req("head", range(5)))  # block 0 back on the device (copied back? 1 block < 2: computed)
+    assert bm.take_transfers()[2] == []
+    allocation = bm.admit(make_req("again", range(13)), 13)
+    _, _, onloads = bm.take_transfers()
+    assert allocation.num_computed_tokens == 12 and len(onloads) == 2  # 1 device hit + 2 host blocks copied back
+    bm.check_integrity()
+
+
+def test_the_cost_model_onloads_from_where_copying_is_cheaper():
+    cost = OnloadCost(onload_bytes_per_s=1e9, onload_latency_s=4.6e-3, prefill_tokens_per_s=1e4)
+    # a block: 16 tokens computed in 1.6 ms, or 100 kB copied in 0.1 ms after 4.6 ms: from 4 blocks on (4.6 / 1.5)
+    n = cost.min_onload_blocks(block_size=16, block_bytes_per_rank=100_000)
+    assert n == 4
+    assert cost.onload_s(n, 100_000) <= cost.recompute_s(n, 16)
+    assert cost.onload_s(n - 1, 100_000) > cost.recompute_s(n - 1, 16)
+    assert OnloadCost(1e9, 0.0, 1e4).min_onload_blocks(16, 100_000) == 1
+    assert OnloadCost(1e9, 0.0, 1e4).min_onload_blocks(16, 1_600_000) == NEVER_ONLOAD  # copying costs as much
+
+
+@pytest.mark.parametrize("name, value", [("onload_gb_per_s", 0.0), ("prefill_tokens_per_s", -1.0),
+                                         ("onload_latency_s", -1e-3), ("min_onload_blocks", 0)])
+def test_bad_cost_model_values_are_refused_naming_the_field(name, value):
+    with pytest.raises(ParamError, match=name):
+        CacheConfig(**{name: value})
+
+
+def test_a_preempted_request_counts_what_it_gets_back_and_what_it_computes_again():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=8)
+    req = make_req("p", range(14))  # 3 full blocks and 2 tokens
+    admit_computed(bm, req)
+    bm.take_transfers()
+    bm.preempt(req)
+    req.status, req.num_preempted_tokens, req.num_computed_tokens = RequestStatus.PREEMPTED, 14, 0
+    assert bm.swapped_out_tokens == 12
+    evict_the_device_cache(bm)
+    queries = bm.prefix_queries_tokens
+    allocation = bm.admit(req, 14)
+    assert allocation.num_onloaded_blocks == 3
+    assert (bm.swapped_in_tokens, bm.preemption_recomputed_tokens) == (12, 2)
+    assert bm.prefix_queries_tokens == queries  # a resumption is not a new request's lookup (as vLLM counts)
+    bm.take_transfers()
+    bm.check_integrity()
+
+
 def test_the_host_tier_needs_prefix_caching():
     with pytest.raises(ParamError, match="prefix caching"):
         CacheConfig(enable_prefix_caching=False, swap_space_gib=4)
@@ -136,29 +211,44 @@ def _greedy(engine, req_id: str, prompt: list[int]) -> tuple[list[int], list]:
     return seq.token_ids, [(entry.logprob, [(t, v) for t, _, v in entry.top]) for entry in seq.logprobs]
 
 
-@pytest.mark.parametrize("model, kv_cache_dtype", [("tiny", "auto"), ("tiny", "fp8"), ("smollm2", "auto")])
+# (engine args, the threshold they give): copy back (a prefill so slow that one block's copy pays), or compute
+# again (a threshold past the prefix's 9 blocks, or a prefill so fast that no copy pays)
+ONLOAD = ({"prefill_tokens_per_s": 1.0}, 1)
+RECOMPUTE, RECOMPUTE_BY_COST = ({"min_onload_blocks": 10}, 10), ({"prefill_tokens_per_s": 1e15}, NEVER_ONLOAD)
+
+
+@pytest.mark.parametrize("model, kv_cache_dtype, choice", [
+    ("tiny", "auto", ONLOAD), ("tiny", "fp8", ONLOAD), ("smollm2", "auto", ONLOAD), ("tiny", "auto", RECOMPUTE),
+    ("tiny", "fp8", RECOMPUTE_BY_COST), ("smollm2", "auto", RECOMPUTE_BY_COST)],
+    ids=["tiny", "tiny-fp8", "smollm2", "tiny-recompute", "tiny-fp8-recompute-by-cost", "smollm2-recompute-by-cost"])
 def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_model_dir, real_model_dir, model,
-                                                                         kv_cache_dtype):
+                                                                         kv_cache_dtype, choice):
     """Tokens and logprobs equal to an engine without the tier's (whose KV is computed): the tiny model, FP8 KV,
-    and the built-in SmolLM2 (float32)."""
+    and the built-in SmolLM2 (float32); copied back or, where the cost model says so, computed again."""
     prompt = list(range(1, 41))  # 10 blocks of 4
     others = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(3)]
     small = dict(model=tiny_model_dir if model == "tiny" else real_model_dir, dtype="float32", device="cpu",
                  block_size=4, num_kv_blocks=24, kv_cache_dtype=kv_cache_dtype)
     reference = _greedy(llm_engine(**small, enable_prefix_caching=False), "ref", prompt)
-    engine = llm_engine(**small, num_host_kv_blocks=64)
+    engine = llm_engine(**small, num_host_kv_blocks=64, **choice[0])
     assert engine.executor.num_host_kv_blocks == 64
+    bm = engine.block_manager
+    assert bm.min_onload_blocks == choice[1]
     assert _greedy(engine, "first", prompt) == reference
     for i, other in enumerate(others):  # 120 more tokens through a 96-token pool: the prompt's blocks are evicted
         _greedy(engine, f"other{i}", other)
-    bm = engine.block_manager
     assert bm.num_offloaded_blocks >= 10 + 3 * 9
+    onloaded_before = bm.num_onloaded_blocks
     assert _greedy(engine, "again", prompt) == reference
-    assert bm.host_hits_tokens == 36 and bm.num_onloaded_blocks >= 9  # all but the block with the last token
     stats = engine.get_stats()
     block_bytes = engine.executor.kv_block_bytes
     assert block_bytes == engine.executor.worker.block_bytes > 0
-    assert (stats.host_prefix_cache_hits, stats.kv_onloaded_bytes) == (36, bm.num_onloaded_blocks * block_bytes)
+    assert stats.kv_onloaded_bytes == bm.num_onloaded_blocks * block_bytes
+    assert stats.host_prefix_cache_queries == stats.prefix_cache_queries == 5 * 40
+    if choice is ONLOAD:  # all but the block with the last token
+        assert stats.host_prefix_cache_hits == 36 and bm.num_onloaded_blocks - onloaded_before == 9
+    else:
+        assert stats.host_prefix_cache_hits == 0 and bm.num_onloaded_blocks == onloaded_before == 0
     engine.step()
     engine.check_integrity()
     engine.shutdown()
@@ -169,4 +259,6 @@ def test_preempted_requests_resume_from_the_host_with_the_same_tokens(tiny_model
     engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
                         max_num_batched_tokens=24, max_num_seqs=6, num_host_kv_blocks=256)
     run_and_compare_with_each_alone(engine, tiny_model_dir, seed=3, overlap=overlap)
-    assert engine.block_manager.host_hits_tokens > 0 and engine.block_manager.num_onloaded_blocks > 0
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.swapped_out_tokens > 0 and stats.swapped_in_tokens > 0
+    assert engine.block_manager.num_onloaded_blocks > 0
