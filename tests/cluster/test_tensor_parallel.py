@@ -1,8 +1,9 @@
 """Tensor parallelism end to end on CPU: real Ray worker actors, gloo all-reduces, the tiny checkpoints.
 
 tensor_parallel_size 2 and 4 must give the same tokens as the in-process single rank (tp=4 replicates the tiny
-models' 2 KV heads; an MoE model and DeepSeek-V2 at tp 2), greedy, seeded and seeded with penalties, under preemption, chunked
-prefill and prefix-cache hits; a worker that dies mid-generation fails the in-flight requests and then the engine.
+models' 2 KV heads; an MoE model and DeepSeek-V2 at tp 2), greedy, seeded and seeded with penalties, under
+preemption, chunked prefill and prefix-cache hits; a worker that dies mid-generation fails the in-flight requests and
+then the engine.
 """
 
 import asyncio
