@@ -149,3 +149,19 @@ def test_write_kernel_matches_reference(device, fp8):
     for got, expected in zip(*pools):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert pools[0][0].float().flatten(0, 1)[17, 0].abs().sum() > 0 and pools[0][0].float().flatten(0, 1)[2].eq(0).all()
+
+
+def test_mla_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
+    """benchmarks/kernels_mla.py at toy sizes (its GPU run is the lead's): every case builds, matches the reference
+    under --check and is timed (once here), decode in pool bytes and prefill in FLOPs."""
+    import benchmarks.kernels as bench
+    from benchmarks import kernels_mla
+
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device: (fn(), 1.0)[1])
+    runner = bench.Runner(device, check=True, use_triton=True)
+    kernels_mla.bench_mla(runner, {"dtype": torch.float32}, kernels_mla.SMOKE_MLA)
+    assert not runner.failures, runner.failures
+    rows = {(r["kernel"], r["case"], r["impl"]): r for r in runner.results}
+    assert rows[("mla decode", "batch 4 ctx 256", "triton")]["bytes"] == 4 * 256 * (32 + 16) * 4
+    assert ("mla decode", "batch 1 ctx 64", "triton split=1") in rows
+    assert rows[("mla prefill", "64 tokens", "triton")]["flops"] == 64 * 64 * 4 * (2 * 32 + 16)
