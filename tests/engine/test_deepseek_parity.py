@@ -62,7 +62,8 @@ def _mla_fp8_oracle(model_dir: str, fp8_weights: bool):
     """transformers' model whose attention sees its latents and rope keys quantized to e4m3 and back, with the
     power-of-two scale a layer (and tensor) that Pagoda's calibration batch gives (workers/kv_scales.py); with
     fp8_weights, tests/fp8_oracle.py's fake-quantized linears where Pagoda's are FP8: q_proj or q_b_proj, o_proj,
-    the dense MLP and the shared experts (not q_a_proj, kv_a_proj_with_mqa, kv_b_proj, routers, routed experts)."""
+    the dense MLP and the shared experts, and its weight-only routed experts (not q_a_proj, kv_a_proj_with_mqa,
+    kv_b_proj, routers)."""
     from transformers import AutoModelForCausalLM
 
     if fp8_weights:
@@ -126,9 +127,32 @@ def test_fp8_latent_pool_matches_the_oracle(checkpoints, model, quantization):
     attn = llm.engine.executor.worker.model.model.layers[0].self_attn
     assert attn.o_proj.weight.dtype == (torch.float8_e4m3fn if quantization else torch.float32)
     assert attn.kv_b_proj.weight.dtype == torch.float32  # the absorbed W_UK / W_UV stay in the model's dtype
+    moe = llm.engine.executor.worker.model.model.layers[1].mlp
+    assert moe.experts.w13_weight.dtype == moe.experts.w2_weight.dtype == (
+        torch.float8_e4m3fn if quantization else torch.float32)  # routed experts: FP8 weight-only
+    assert moe.gate.weight.dtype == torch.float32
     if model == "tiny" and quantization is None:  # the guard: the float32 pool's logprobs are another computation
         with pytest.raises(AssertionError):
             assert_same_logprobs(model_dir, outs)
+
+
+@pytest.mark.parametrize("quantization,load_format", [("awq", "random"), ("gptq", "random")])
+def test_int_weights_are_refused(checkpoints, quantization, load_format):
+    """Int layers would hold kv_b_proj, which MLA reads as the absorbed W_UK / W_UV: refused at the config."""
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        EngineArgs(model=checkpoints["tiny"], dtype="float32", device="cpu", quantization=quantization,
+                   load_format=load_format).create_engine_config()
+
+
+def test_fp8_checkpoints_are_refused():
+    from engine.quantization import resolve_quantization
+
+    hf_config = {"kv_lora_rank": 512, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        resolve_quantization(None, hf_config)
+    assert resolve_quantization("fp8", {"kv_lora_rank": 512}).method == "fp8"  # online FP8 is served
 
 
 # ---- the pool: host tier, sizing ---------------------------------------------------------------------------------
