@@ -74,7 +74,7 @@ class Replica:
 
     def export_blocks(self, prompt: list[int]) -> tuple[list[bytes], np.ndarray, float]:
         """The host blocks of the longest prefix of `prompt` this replica's host tier holds: (their hashes, their KV
-        gathered in the host pool's layout, [blocks, layers, 2, block_size, kv_heads, head_dim], seconds spent
+        gathered in the host pool's layout, [blocks, layers, a layer's K and V of a block (flat)], seconds spent
         gathering)."""
         import torch
 

@@ -4,6 +4,7 @@
     python -m benchmarks.kernels --check                               # verify each kernel against its ref first
     python -m benchmarks.kernels --smoke                               # CPU, tiny sizes, torch references only
     python -m benchmarks.kernels --only int4 --cuda-graph --output-json int4.json   # int4 linears (kernels_int.py)
+    python -m benchmarks.kernels --only mla --cuda-graph --output-json mla.json     # DeepSeek's MLA (kernels_mla.py)
 
 Decode attention is memory-bound: it is scored by the K/V bytes it must read over its time, against the
 4.3 TB/s copy ceiling. Its K/V is read cold, as in a model, where the other layers' weights pass through the
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4
+from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
 from benchmarks.kernels_moe_quant import bench_moe_quant
 from kernels._triton import cdiv, tl, triton
@@ -523,9 +525,9 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
     ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
-OPT_IN_GROUPS = ("int4", "moe-quant")  # run when --only names them (int4: about 2 more minutes)
+OPT_IN_GROUPS = ("int4", "moe-quant", "mla")  # run when --only names them (int4: about 2 more minutes)
 NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "moe quant",
-                   "fp8 linear", "fp8 gemm", "fp8 kv decode", "tune fp8 linear")
+                   "fp8 linear", "fp8 gemm", "fp8 kv decode", "tune fp8 linear", "mla decode", "mla prefill")
 
 
 def print_targets(results: list[dict]) -> None:
@@ -554,9 +556,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
     parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "moe-quant", "fp8",
-                                           "int4"],
+                                           "int4", "mla"],
                         action="append",
-                        help="run only these groups (repeatable); int4 and moe-quant run only when named")
+                        help="run only these groups (repeatable); int4, moe-quant and mla run only when named")
+    parser.add_argument("--mla-heads", type=int, default=None,
+                        help="--only mla: heads a rank (default 16, DeepSeek-V2-Lite's; 128 is V2's at tp 1)")
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
                         help="--only int4: the packed layouts to time (AWQ, GPTQ symmetric, GPTQ act-order; group "
                              "128)")
@@ -585,7 +589,9 @@ def main(argv=None) -> int:
               "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,
               "moe-quant": lambda runner, cfg: bench_moe_quant(runner, cfg, moe_cfg),
               "int4": lambda runner, cfg: bench_int4(runner, SMOKE_INT_MODELS if args.smoke else INT_MODELS,
-                                                     args.int_layouts)}
+                                                     args.int_layouts),
+              "mla": lambda runner, cfg: bench_mla(runner, cfg, (SMOKE_MLA if args.smoke else GPU_MLA)
+                                                   | ({"heads": args.mla_heads} if args.mla_heads else {}))}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")

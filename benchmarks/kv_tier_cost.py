@@ -103,7 +103,7 @@ def _fetch_copies(buffer, num_blocks: int) -> None:
     import torch
 
     ids = torch.arange(num_blocks)
-    gathered = buffer[ids]  # [blocks, layers, 2, ...]: the host pool is block-major
+    gathered = buffer[ids]  # [blocks, layers, K and V of a block]: the host pool is block-major
     buffer[ids.flip(0)] = gathered.clone()
 
 

@@ -18,6 +18,17 @@ _QWEN_3 = {**_COMMON, "num_attention_heads": 32, "head_dim": 128, "vocab_size": 
            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
            "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645}
 
+# DeepSeek-V2's published configs: MLA (kv_lora_rank 512 + 64 rope dims a token and layer in the pool), YaRN to
+# 160k positions, a dense first layer, then 2 shared + 6 routed experts a token
+_DEEPSEEK_V2 = {**_COMMON, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                "norm_topk_prob": False, "scoring_func": "softmax", "attention_bias": False, "vocab_size": 102400,
+                "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+                "bos_token_id": 100000, "eos_token_id": 100001}
+
 PRESETS = {
     "llama-3-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                    "num_attention_heads": 32},
@@ -43,6 +54,17 @@ PRESETS = {
                       "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
                       "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
                       "mlp_only_layers": [], "num_hidden_layers": 48, "num_key_value_heads": 4},
+    # 15.7B parameters, 2.4B active: 6 of 64 experts of 1408 rows (+ 2 shared), 16 heads, no q LoRA
+    "deepseek-v2-lite": {**_DEEPSEEK_V2, "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+                         "moe_intermediate_size": 1408, "n_routed_experts": 64, "topk_method": "greedy",
+                         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
+    # 236B parameters (472 GB in bf16: tensor parallel over 8 H200s), 21B active: 6 of 160 experts of 1536 rows from
+    # the best 3 of 8 groups (+ 2 shared), 128 heads with a 1536-rank q LoRA
+    "deepseek-v2": {**_DEEPSEEK_V2, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 60,
+                    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+                    "moe_intermediate_size": 1536, "n_routed_experts": 160, "topk_method": "group_limited_greedy",
+                    "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0},
 }
 
 

@@ -140,6 +140,14 @@ TINY_ARCHES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "head_dim": _TINY_HEAD_DIM, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    # MLA with a q LoRA (DeepSeek-V2's; V2-Lite has none), a dense first layer, then 8 experts in 4 groups, the best
+    # 2 groups' 4 experts competing for 3 a token, plus 2 shared experts; num_key_value_heads = the heads, as in
+    # DeepSeek's configs (transformers' attention would repeat the expanded K/V otherwise)
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 2,
+        "moe_intermediate_size": 32, "num_experts_per_tok": 3, "topk_method": "group_limited_greedy", "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 1.5, "first_k_dense_replace": 1}),
 }
 
 

@@ -16,7 +16,8 @@ from engine.arg_utils import add_engine_args, engine_args
 from engine.config import EngineArgs, resolve_device
 
 # checkpoints.tiny.TINY_ARCHES' keys (not imported here: it brings torch; a test keeps the two equal)
-TINY_ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+TINY_ARCH_NAMES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                   "deepseek_v2"]
 _DEFAULT_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import os\nimport sys\n"]
 
 # One ingress process parses, validates and streams every request; on an H200, 256 streams all at once gave

@@ -44,6 +44,10 @@ tensor or block); FP8 experts are weight-only (their inputs stay in the model's 
 input scales is refused for them. Routers and Qwen2-MoE's shared_expert_gate stay as the checkpoint gives them
 (unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda quantizes
 (engine/moe_modules.py).
+
+DeepSeek-V2 (multi-head latent attention, config.json kv_lora_rank) takes quantization="fp8" on its unquantized
+checkpoint only (its routed experts FP8 weight-only as above; kv_b_proj, q_a_proj, kv_a_proj_with_mqa and the router
+in the model's dtype); int and FP8 checkpoints of it are refused.
 """
 
 from __future__ import annotations
@@ -137,6 +141,17 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
     RANDOM_INT_CONFIGS's."""
     if quantization not in QUANTIZATIONS:
         raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
+    config = _resolve(quantization, hf_config, is_random_weights)
+    if config is not None and hf_config.get("kv_lora_rank") is not None and \
+            (config.method != "fp8" or config.is_checkpoint_fp8):
+        raise ValueError(f"quantization: {config.method} weights (quantization={quantization!r}) of a multi-head "
+                         "latent attention model (DeepSeek-V2, config.json kv_lora_rank) are not supported: Pagoda "
+                         "reads its kv_b_proj as the absorbed W_UK / W_UV and keeps q_a_proj and kv_a_proj_with_mqa "
+                         "in the model's dtype; quantization='fp8' on its unquantized checkpoint is supported")
+    return config
+
+
+def _resolve(quantization: str | None, hf_config: dict, is_random_weights: bool) -> QuantConfig | None:
     if quantization == "gguf":
         return _gguf(hf_config)
     qc = hf_config.get("quantization_config")

@@ -1,12 +1,21 @@
-"""The paged KV pool of one rank: a (K, V) pair of tensors per layer, and how many blocks fit in memory; and the
-host-memory tier behind it (`HostKVPool`), in the same layout and dtype.
+"""The paged KV pool of one rank: a pair of tensors per layer in the model's `KVLayout`, and how many blocks fit in
+memory; and the host-memory tier behind it (`HostKVPool`), in the same layout and dtype.
 
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads_per_rank, head_dim]   (one pair per layer)
+    per-head K and V (every family but DeepSeek)      latent (DeepSeek's multi-head latent attention, MLA)
+    k_cache [num_blocks, block_size, H_kv, D]         latent_cache [num_blocks, block_size, 1, kv_lora_rank]
+    v_cache [num_blocks, block_size, H_kv, D]         rope_cache   [num_blocks, block_size, 1, qk_rope_head_dim]
+
+A latent pool stores per token and layer the compressed KV c_kv (which every head's key and value are projected
+from) and the one rotated key k_pe that every head shares: 512 + 64 values for DeepSeek-V2, the same on every
+tensor-parallel rank (replicated, as vLLM does), against 2 x H_kv x D per rank for per-head K and V. The code that
+moves, copies, sizes and calibrates blocks sees only "a pair of tensors per layer" and the layout's shapes.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -21,26 +30,67 @@ class KVMoveError(RuntimeError):
     books say, so the executor can run no more steps (fatal), unlike a failed forward."""
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    element_bytes = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
+@dataclass(frozen=True)
+class KVLayout:
+    """What one rank's pool holds for one token of one layer: two tensors of `num_heads` x `head_dims[i]` values
+    (per-head K and V: the KV heads of this rank; latent: one "head", the latent and the rope key). The model gives
+    it (`model.kv_layout`); the pool's allocation, its sizing and the host tier read it."""
+
+    num_layers: int
+    num_heads: int
+    head_dims: tuple[int, int]
+    is_latent: bool = False
+
+    @classmethod
+    def per_head(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+        return cls(num_layers, num_kv_heads, (head_dim, head_dim))
+
+    @classmethod
+    def latent(cls, num_layers: int, kv_lora_rank: int, rope_dim: int) -> KVLayout:
+        return cls(num_layers, 1, (kv_lora_rank, rope_dim), is_latent=True)
+
+    def shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's two tensors."""
+        first, second = self.head_dims
+        return ((num_blocks, block_size, self.num_heads, first), (num_blocks, block_size, self.num_heads, second))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Every layer's bytes for one token."""
+        return self.num_layers * self.num_heads * sum(self.head_dims) * torch.tensor([], dtype=dtype).element_size()
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.bytes_per_token(dtype)
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> KVCaches:
-    """One allocation [num_layers, 2, num_blocks, block_size, heads, head_dim] whose [layer, 0] / [layer, 1] are
-    the layers' K and V: a move of blocks between tiers gathers every layer's rows of them in one kernel."""
-    buffer = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-    return [(buffer[i, 0], buffer[i, 1]) for i in range(num_layers)]
+def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> KVCaches:
+    """The pool in as few allocations as the layout allows, each [num_layers, k, num_blocks, block_size, heads, dim]:
+    one with k = 2 whose [layer, 0] / [layer, 1] are the layers' K and V when the two tensors of a layer have one
+    shape (per-head), else one with k = 1 per tensor (a latent pool's latents and rope keys). A move of blocks
+    between tiers gathers every layer's rows of an allocation in one kernel."""
+    first, second = layout.shapes(num_blocks, block_size)
+    if first == second:
+        buffer = torch.zeros((layout.num_layers, 2, *first), dtype=dtype, device=device)
+        return [(buffer[i, 0], buffer[i, 1]) for i in range(layout.num_layers)]
+    firsts = torch.zeros((layout.num_layers, 1, *first), dtype=dtype, device=device)
+    seconds = torch.zeros((layout.num_layers, 1, *second), dtype=dtype, device=device)
+    return [(firsts[i, 0], seconds[i, 0]) for i in range(layout.num_layers)]
 
 
-def kv_buffer(caches: KVCaches) -> torch.Tensor:
-    """The one allocation behind caches from `allocate_kv_caches`, [num_layers, 2, num_blocks, ...]."""
-    base = caches[0][0]._base
-    if base is None or base.dim() != 6 or any(t._base is not base for kv in caches for t in kv) or \
-            base.shape[:2] != (len(caches), 2):
-        raise ValueError("the KV caches are not one allocation of allocate_kv_caches")
-    return base
+def kv_buffers(caches: KVCaches) -> list[torch.Tensor]:
+    """The allocations behind caches from `allocate_kv_caches`, each [num_layers, k, num_blocks, ...]: the one of
+    both tensors (k = 2), or the first tensors' and the second tensors' (k = 1 each)."""
+    first, second = caches[0]
+    if first._base is not None and first._base is second._base:
+        groups = [[t for kv in caches for t in kv]]
+    else:
+        groups = [[k for k, _ in caches], [v for _, v in caches]]
+    bases = [group[0]._base for group in groups]
+    for base, group in zip(bases, groups):
+        if base is None or base.dim() != 6 or base.shape[:2] != (len(caches), len(group) // len(caches)) or \
+                any(t._base is not base for t in group):
+            raise ValueError("the KV caches are not the allocations of allocate_kv_caches")
+    return bases
 
 
 def num_blocks_cpu(cap_bytes: int, block_bytes: int) -> int:
@@ -84,16 +134,18 @@ def num_host_blocks(cache: CacheConfig, block_bytes: int) -> int:
 
 
 class HostKVPool:
-    """The host-memory KV tier of one rank: blocks in the device pool's dtype (FP8 KV: its e4m3 bytes; the per-head
-    scales are global and stay with the model), moved by block pairs that the driver picks.
+    """The host-memory KV tier of one rank: blocks in the device pool's layout and dtype (FP8 KV: its e4m3 bytes;
+    the per-head scales are global and stay with the model), moved by block pairs that the driver picks.
 
-        buffer [num_host_blocks, num_layers, 2, block_size, num_kv_heads_per_rank, head_dim]   one allocation
-        caches[layer] = (buffer[:, layer, 0], buffer[:, layer, 1])                               K, V
+        buffer [num_host_blocks, num_layers, a layer's first tensor of a block + its second]   one allocation
+        caches[layer] = (first [num_host_blocks, *first.shape[1:]], second [...])                views of it
 
-    Block-major, unlike the device pool (layer-major, `allocate_kv_caches`): a host block, every layer's K and V
-    of it, is one contiguous run of bytes, so a move is one gather (or scatter) kernel on the device, between the
-    device pool and a staging tensor in the host block layout, and one copy per run of consecutive host blocks
-    between that staging tensor and host memory. Raw words: bit-exact for any dtype.
+    (per-head K and V, or a latent pool's latents and rope keys: the two tensors of a layer may differ in shape.)
+    Block-major, unlike the device pool (layer-major, `allocate_kv_caches`): a host block, every layer's pair of it,
+    is one contiguous run of bytes, so a move is one gather (or scatter) kernel on the device per device allocation
+    (one per-head, two latent), between the device pool and a staging tensor in the host block layout, and one copy
+    per run of consecutive host blocks between that staging tensor and host memory. Raw words: bit-exact for any
+    dtype.
 
     On CUDA the buffer is page-locked with cudaHostRegister, not torch's pinned allocator (that one rounds every
     allocation up to a power of two: 40 GiB asked would pin 64): the
@@ -111,22 +163,25 @@ class HostKVPool:
     """
 
     def __init__(self, device_caches: KVCaches, num_blocks: int):
-        device_buffer = kv_buffer(device_caches)
-        self.device = device_buffer.device
+        device_buffers = kv_buffers(device_caches)
+        self.device = device_buffers[0].device
         self.num_blocks = num_blocks
-        num_layers, _, _, *block_shape = device_buffer.shape
-        self.buffer = torch.empty((num_blocks, num_layers, 2, *block_shape), dtype=device_buffer.dtype)
-        self.caches: KVCaches = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(num_layers)]
+        first, second = device_caches[0]
+        num_layers, first_size = len(device_caches), first[0].numel()
+        self.buffer = torch.empty((num_blocks, num_layers, first_size + second[0].numel()), dtype=first.dtype)
+        self.caches: KVCaches = [(self.buffer[:, i, :first_size].view(num_blocks, *first.shape[1:]),
+                                  self.buffer[:, i, first_size:].view(num_blocks, *second.shape[1:]))
+                                 for i in range(num_layers)]
         self.is_pinned = self.device.type == "cuda"
         self._copy_stream = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the offloads not yet waited for
         if self.is_pinned:
             _register(self.buffer, self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
-        rows = device_buffer.flatten(3)  # [L, 2, N, a layer's K or V of a block]
-        word = _widest_word(rows.shape[-1] * rows.element_size())  # divides a host block's bytes too
-        self._device_rows = rows.view(torch.uint8).view(word)
-        self._host_blocks = self.buffer.flatten(1).view(torch.uint8).view(word)  # [Nh, words of a block]
+        rows = [b.flatten(3) for b in device_buffers]  # [L, k, N, a layer's tensor of a block]
+        word = _widest_word(math.gcd(*(r.shape[-1] * r.element_size() for r in rows)))  # divides a host block too
+        self._device_rows = [r.view(torch.uint8).view(word) for r in rows]
+        self._host_blocks = self.buffer.view(num_blocks, -1).view(torch.uint8).view(word)  # [Nh, words of a block]
 
     @property
     def num_bytes(self) -> int:
@@ -160,22 +215,32 @@ class HostKVPool:
         """(host block, device block): the device block becomes a copy of the host block, on the compute stream."""
         if not pairs:
             return
-        host_ids = [h for h, _ in pairs]
         staging = torch.empty((len(pairs), self._host_blocks.shape[1]), dtype=self._host_blocks.dtype,
                               device=self.device)
-        for start, (first, count) in _runs(host_ids):
+        for start, (first, count) in _runs([h for h, _ in pairs]):
             staging[start:start + count].copy_(self._host_blocks[first:first + count], non_blocking=True)
         device_ids = to_device([d for _, d in pairs], torch.long, self.device)
-        num_layers, _, _, words = self._device_rows.shape
-        layer_major = staging.view(len(pairs), num_layers, 2, words).permute(1, 2, 0, 3)
-        self._device_rows.index_copy_(2, device_ids, layer_major)
+        for rows, part in zip(self._device_rows, self._parts(staging)):
+            rows.index_copy_(2, device_ids, part.permute(1, 2, 0, 3))  # [L, k, n, words], layer-major
 
     def _to_host(self, pairs: list[tuple[int, int]]) -> None:
         device_ids = to_device([d for d, _ in pairs], torch.long, self.device)
-        gathered = self._device_rows.index_select(2, device_ids)  # [L, 2, n, words]
-        staging = gathered.permute(2, 0, 1, 3).reshape(len(pairs), -1)  # host block layout, contiguous
+        staging = torch.empty((len(pairs), self._host_blocks.shape[1]), dtype=self._host_blocks.dtype,
+                              device=self.device)  # host block layout
+        for rows, part in zip(self._device_rows, self._parts(staging)):
+            part.copy_(rows.index_select(2, device_ids).permute(2, 0, 1, 3))  # [n, L, k, words]
         for start, (first, count) in _runs([h for _, h in pairs]):
             self._host_blocks[first:first + count].copy_(staging[start:start + count], non_blocking=True)
+
+    def _parts(self, staging: torch.Tensor) -> list[torch.Tensor]:
+        """staging [n, words of a host block] as each device allocation's part of it, [n, L, k, words]."""
+        blocks = staging.view(staging.shape[0], len(self.caches), -1)
+        parts, offset = [], 0
+        for rows in self._device_rows:
+            num_layers, k, _, words = rows.shape
+            parts.append(blocks[:, :, offset:offset + k * words].view(-1, num_layers, k, words))
+            offset += k * words
+        return parts
 
 
 def _runs(ids: list[int]) -> list[tuple[int, tuple[int, int]]]:

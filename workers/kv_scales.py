@@ -12,7 +12,8 @@ over what was written, per layer and head. So the scales depend only on the weig
   at any tensor-parallel degree (up to float rounding of the amax).
 
 Per head rather than per layer: heads of one layer differ in size, and a per-head scale is free (each attention
-program reads one head). `granularity="layer"` gives one scale per layer (the max over heads and ranks) to compare
+program reads one head). A latent pool (workers/kv_pool.py KVLayout) has one "head": a scale for the layer's latents
+and one for its rope keys. `granularity="layer"` gives one scale per layer (the max over heads and ranks) to compare
 (benchmarks/quality.py --kv-scales layer).
 """
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import KV_EXP, pow2_scale
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.kv_pool import allocate_kv_caches
+from workers.layers.attention import AttentionMetadata, KVScaledAttention
 
 CALIBRATION_SEQS = 4
 CALIBRATION_LEN = 128
@@ -37,8 +39,8 @@ def calibration_token_ids(vocab_size: int, bos_token_id: int | None) -> list[lis
     return ids.tolist()
 
 
-def attention_layers(model: torch.nn.Module) -> list[Attention]:
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+def attention_layers(model: torch.nn.Module) -> list[KVScaledAttention]:
+    layers = [m for m in model.modules() if isinstance(m, KVScaledAttention)]
     assert len(layers) == model.num_layers, f"{len(layers)} Attention modules for {model.num_layers} layers"
     return layers
 
@@ -51,9 +53,7 @@ def calibrate_kv_scales(model: torch.nn.Module, device: torch.device, dtype: tor
         raise ValueError(f"granularity must be 'head' or 'layer', got {granularity!r}")
     seqs = calibration_token_ids(model.vocab_size, bos_token_id)
     num_tokens = CALIBRATION_SEQS * CALIBRATION_LEN
-    shape = (CALIBRATION_SEQS, CALIBRATION_LEN, model.num_kv_heads_per_rank, model.head_dim)  # one block a seq
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(model.num_layers)]
+    caches = allocate_kv_caches(model.kv_layout, CALIBRATION_SEQS, CALIBRATION_LEN, dtype, device)  # a block a seq
     meta = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, device=device),
         query_start_loc=torch.arange(0, num_tokens + 1, CALIBRATION_LEN, dtype=torch.int32, device=device),

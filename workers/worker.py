@@ -26,7 +26,6 @@ from workers.kv_pool import (
     HostKVPool,
     KVMoveError,
     allocate_kv_caches,
-    bytes_per_block,
     num_blocks_cpu,
     num_blocks_gpu,
     num_host_blocks,
@@ -90,8 +89,7 @@ class Worker:
 
     @property
     def block_bytes(self) -> int:
-        return bytes_per_block(self.model.num_layers, self.config.cache.block_size, self.model.num_kv_heads_per_rank,
-                               self.model.head_dim, self.kv_dtype)
+        return self.model.kv_layout.bytes_per_block(self.config.cache.block_size, self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit on this rank (the executor takes the minimum over ranks)."""
@@ -118,8 +116,8 @@ class Worker:
         num_seqs = max(min(sched_config.max_num_seqs, num_tokens), 1)
         per_seq = num_tokens // num_seqs
         blocks_per_seq = -(-per_seq // block_size)
-        caches = allocate_kv_caches(self.model.num_layers, num_seqs * blocks_per_seq, block_size,
-                                    self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype, self.device)
+        caches = allocate_kv_caches(self.model.kv_layout, num_seqs * blocks_per_seq, block_size, self.kv_dtype,
+                                    self.device)
         runner = ModelRunner(self.model, caches, block_size, self.device, sched_config, is_driver=self.rank == 0)
         sched = SchedulerOutput()
         for i in range(num_seqs):
@@ -134,9 +132,8 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool of num_blocks and, when num_host_blocks > 0, the host tier behind it."""
         with self.startup.phase("kv_alloc"):
-            caches = allocate_kv_caches(self.model.num_layers, num_blocks, self.config.cache.block_size,
-                                        self.model.num_kv_heads_per_rank, self.model.head_dim, self.kv_dtype,
-                                        self.device)
+            caches = allocate_kv_caches(self.model.kv_layout, num_blocks, self.config.cache.block_size,
+                                        self.kv_dtype, self.device)
             host_pool = HostKVPool(caches, num_host_blocks) if num_host_blocks > 0 else None
         with self.startup.phase("cuda_graphs"):  # the runner captures the decode graphs as it is built
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,

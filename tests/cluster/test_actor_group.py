@@ -55,7 +55,7 @@ def test_local_gpu_index():
 
 @pytest.mark.parametrize("use_compiled_graph", [True, False])
 def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_compiled_graph):
-    from workers.kv_pool import bytes_per_block
+    from workers.kv_pool import KVLayout
 
     model_dir = tiny_checkpoints["llama"]
     reference = greedy_tokens(llm_engine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64))
@@ -66,7 +66,7 @@ def test_executor_lifecycle(ray_cluster, tiny_checkpoints, monkeypatch, use_comp
     pg_id = executor.placement_group.id.hex()
     assert placement_group_state(pg_id) == "CREATED"
     # Each rank holds 1 of the 2 KV heads; every rank profiles, the executor takes the minimum.
-    assert executor.num_kv_blocks == (1 << 20) // bytes_per_block(2, 16, 1, 16, torch.float32)
+    assert executor.num_kv_blocks == (1 << 20) // KVLayout.per_head(2, 1, 16).bytes_per_block(16, torch.float32)
 
     engine = LLMEngine(config, the_executor(executor))
     assert greedy_tokens(engine) == reference

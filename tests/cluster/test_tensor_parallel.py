@@ -1,8 +1,9 @@
 """Tensor parallelism end to end on CPU: real Ray worker actors, gloo all-reduces, the tiny checkpoints.
 
 tensor_parallel_size 2 and 4 must give the same tokens as the in-process single rank (tp=4 replicates the tiny
-models' 2 KV heads; an MoE model at tp 2), greedy, seeded and seeded with penalties, under preemption, chunked
-prefill and prefix-cache hits; a worker that dies mid-generation fails the in-flight requests and then the engine.
+models' 2 KV heads; an MoE model and DeepSeek-V2 at tp 2), greedy, seeded and seeded with penalties, under
+preemption, chunked prefill and prefix-cache hits; a worker that dies mid-generation fails the in-flight requests and
+then the engine.
 """
 
 import asyncio
@@ -78,9 +79,10 @@ def assert_dead(actors) -> None:
 
 
 # qwen2_moe at tp 2 (in place of qwen2, which tp 4 keeps): routed experts split over the ranks, a shared expert, q/k/v
-# biases, one all-reduce per MoE block
+# biases, one all-reduce per MoE block; deepseek_v2 at tp 2: MLA's heads split, the latent pool replicated
 @pytest.mark.parametrize("arch,tp", [("llama", 2), pytest.param("llama", 4, marks=pytest.mark.slow),
-                                     pytest.param("qwen2", 4, marks=pytest.mark.slow), ("qwen2_moe", 2)])
+                                     pytest.param("qwen2", 4, marks=pytest.mark.slow), ("qwen2_moe", 2),
+                                     ("deepseek_v2", 2)])
 def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):
     model_dir = tiny_checkpoints[arch]
     ref_outs = single_rank_reference(model_dir)

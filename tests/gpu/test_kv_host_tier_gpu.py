@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from engine.config import EngineArgs  # noqa: E402
-from workers.kv_pool import HostKVPool, allocate_kv_caches  # noqa: E402
+from workers.kv_pool import HostKVPool, KVLayout, allocate_kv_caches  # noqa: E402
 from workers.worker import InProcessExecutor  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
@@ -21,8 +21,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_round_trip_through_pinned_memory(dtype):
-    caches = allocate_kv_caches(4, 16, 16, 8, 128, dtype, DEVICE)
+@pytest.mark.parametrize("layout", [KVLayout.per_head(4, 8, 128), KVLayout.latent(4, 512, 64)],
+                         ids=["per-head", "latent"])
+def test_round_trip_through_pinned_memory(dtype, layout):
+    caches = allocate_kv_caches(layout, 16, 16, dtype, DEVICE)
     for k, v in caches:
         for t in (k, v):
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
@@ -43,7 +45,7 @@ def test_round_trip_through_pinned_memory(dtype):
 def test_offload_streams_are_ordered():
     """An offload reads what the compute stream wrote before it (however late that runs), and a write queued after
     wait_for_offloads cannot reach the device block before the offload read it."""
-    caches = allocate_kv_caches(1, 4, 16, 8, 128, torch.bfloat16, DEVICE)
+    caches = allocate_kv_caches(KVLayout.per_head(1, 8, 128), 4, 16, torch.bfloat16, DEVICE)
     k = caches[0][0]
     pool = HostKVPool(caches, num_blocks=4)
     torch.cuda._sleep(200_000_000)  # ~0.1 s of compute-stream work ahead of the write

@@ -74,6 +74,7 @@ import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.linear_int as linear_int  # noqa: E402
+import kernels.mla_attention as mla_attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.moe_quant as moe_quant  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
@@ -81,12 +82,13 @@ import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, moe, moe_quant, paged_attention, rms_norm,
-               rotary, sampling):
+for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, mla_attention, moe, moe_quant,
+               paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
 linear_int.upcast_dot_operands = moe_quant.upcast_dot_operands = lambda *args: False
+mla_attention.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
 
@@ -270,6 +272,37 @@ def compile_fp8() -> None:
     prefill("prefill mistral window bf16 fp8 kv", 4096, 32, 8, 128, torch.bfloat16, window=4096, kv_fp8=True)
 
 
+def compile_mla() -> None:
+    """DeepSeek-V2's latent attention (512 latent + 64 rope dims): the write, decode (one split and four, with the
+    merge) at V2-Lite's 16 heads a rank and V2's 128 (tp 1), an e4m3 pool, and packed prefill."""
+    def pool(kv_fp8=False):
+        dtype = FP8 if kv_fp8 else torch.bfloat16
+        scales = (empty(1, dtype=torch.float32), empty(1, dtype=torch.float32)) if kv_fp8 else (None, None)
+        return empty(64, 16, 1, 512, dtype=dtype), empty(64, 16, 1, 64, dtype=dtype), scales
+
+    for kv_fp8 in (False, True):
+        latent_cache, rope_cache, scales = pool(kv_fp8)
+        CASE[0] = f"mla write 512 + 64{' fp8' if kv_fp8 else ''}"
+        mla_attention.write_latent_cache_triton(empty(4, 512), empty(4, 64), latent_cache, rope_cache,
+                                                torch.zeros(4, dtype=torch.int64), *scales)
+    for name, seqs, heads, splits, kv_fp8 in [("v2-lite 16 heads", 64, 16, 1, False),
+                                             ("v2-lite 16 heads split", 1, 16, 4, False),
+                                             ("v2 128 heads", 64, 128, 1, False),
+                                             ("v2-lite 16 heads fp8", 64, 16, 1, True)]:
+        CASE[0] = f"mla decode {name}"
+        latent_cache, rope_cache, scales = pool(kv_fp8)
+        mla_attention.mla_decode_triton(empty(seqs, heads, 512), empty(seqs, heads, 64), latent_cache, rope_cache,
+                                        int32(seqs, 512), int32(seqs), 0.1, *scales, num_splits=splits)
+    for name, tokens, heads, seqs, kv_fp8 in [("v2-lite 16 heads", 4096, 16, 2, False),
+                                             ("v2-lite 16 heads 16 seqs", 64, 16, 16, False),
+                                             ("v2-lite 16 heads fp8", 4096, 16, 2, True)]:
+        CASE[0] = f"mla prefill {name}"
+        latent_cache, rope_cache, scales = pool(kv_fp8)
+        mla_attention.mla_prefill_triton(empty(tokens, heads, 512), empty(tokens, heads, 64), latent_cache,
+                                         rope_cache, int32(seqs, 512), int32(seqs + 1), int32(seqs), 0.1, None,
+                                         *scales)
+
+
 def int_linear(name, rows, x_features, qweight_shape, qzeros_shape, groups, out_features, packing, group_size=128,
                act_order=False, mins=False, gated=False):
     CASE[0] = name
@@ -391,6 +424,7 @@ def main() -> int:
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
         compile_fp8()
         compile_moe_quant()
+        compile_mla()
     except Exception as exc:  # noqa: BLE001
         print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         return 1

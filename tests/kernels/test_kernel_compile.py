@@ -35,11 +35,11 @@ def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
     assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel",
                        "_fp8_linear_swap_kernel", "_int_dequantize_kernel", "_int_linear_kernel",
-                       "_linear_kernel",
+                       "_linear_kernel", "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel",
                        "_moe_gemm_kernel", "_moe_quant_gemm_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
                        "_rms_norm_kernel",
                        "_rotary_kernel", "_sample_kernel", "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel",
-                       "_write_kv_cache_kernel"}
+                       "_write_kv_cache_kernel", "_write_latent_kernel"}
 
 
 def test_every_kernel_waits_for_the_previous_one_before_touching_memory(compiled):
@@ -55,6 +55,7 @@ def test_batch_shape_compiles_no_new_variant(compiled):
     while requests wait): two batch shapes, one kernel."""
     by_case = {row["case"]: row["hash"] for row in compiled}
     assert by_case["prefill llama3-8b bf16 16 seqs"] == by_case["prefill llama3-8b bf16"]
+    assert by_case["mla prefill v2-lite 16 heads 16 seqs"] == by_case["mla prefill v2-lite 16 heads"]
     # the int linear: 1 and 16 rows share the decode tiles, 200 and 256 rows the GEMM tiles (gemm_config's)
     assert by_case["int4 linear awq qkv, 1 rows"] == by_case["int4 linear awq qkv, 16 rows"]
     assert by_case["int4 gemm awq qkv, 200 rows"] == by_case["int4 gemm awq qkv, 256 rows"]

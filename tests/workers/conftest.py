@@ -15,10 +15,10 @@ class PagedSequences:
 
     def __init__(self, model, num_seqs: int, block_size: int = 4, num_blocks: int = 96, max_blocks: int = 24):
         self.model, self.block_size = model, block_size
-        shape = (num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
+        from workers.kv_pool import allocate_kv_caches
+
         dtype = next(model.parameters()).dtype
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(model.num_layers)]
+        self.kv_caches = allocate_kv_caches(model.kv_layout, num_blocks, block_size, dtype, torch.device("cpu"))
         # Interleave blocks of different sequences (and in reverse order) so paging bugs show.
         block_ids = torch.arange(num_blocks).flip(0)
         self.block_tables = torch.stack([block_ids[i::num_seqs][:max_blocks] for i in range(num_seqs)]).int()

@@ -10,12 +10,12 @@ from engine.config import CacheConfig, EngineArgs
 from engine.executor import ExecutorError
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from workers.kv_pool import HostKVPool, allocate_kv_caches, bytes_per_block, num_host_blocks
+from workers.kv_pool import HostKVPool, KVLayout, allocate_kv_caches, num_host_blocks
 from workers.worker import InProcessExecutor
 
 
-def random_pool(num_layers, num_blocks, block_size, num_heads, head_dim, dtype):
-    caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_heads, head_dim, dtype, torch.device("cpu"))
+def random_pool(layout: KVLayout, num_blocks, block_size, dtype):
+    caches = allocate_kv_caches(layout, num_blocks, block_size, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     for k, v in caches:  # random bits (FP8 too: NaN patterns included, so compare bytes)
         for t in (k, v):
@@ -33,15 +33,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("block_shape", [(4, 2, 8), (1, 1, 3)], ids=["wide-words", "odd-bytes"])
-def test_round_trip_is_bit_exact(dtype, block_shape):
-    device_caches = random_pool(3, 8, *block_shape, dtype)
+@pytest.mark.parametrize("block_size,layout", [(4, KVLayout.per_head(3, 2, 8)), (1, KVLayout.per_head(3, 1, 3)),
+                                               (2, KVLayout.latent(3, 12, 4)), (1, KVLayout.latent(3, 6, 5))],
+                         ids=["wide-words", "odd-bytes", "latent", "latent-odd-bytes"])
+def test_round_trip_is_bit_exact(dtype, block_size, layout):
+    """Per-head K and V, and a latent pool's latents and rope keys (two shapes a layer)."""
+    device_caches = random_pool(layout, 8, block_size, dtype)
     before = snapshot(device_caches)
     pool = HostKVPool(device_caches, num_blocks=6)
     assert not pool.is_pinned  # plain memory on CPU
-    assert pool.num_bytes == 6 * bytes_per_block(3, *block_shape, dtype)
-    for (host_k, host_v), (k, _) in zip(pool.caches, device_caches):
-        assert host_k.shape == host_v.shape == (6, *k.shape[1:]) and host_k.dtype == host_v.dtype == dtype
+    assert pool.num_bytes == 6 * layout.bytes_per_block(block_size, dtype)
+    for (host_k, host_v), (k, v) in zip(pool.caches, device_caches):
+        assert host_k.shape == (6, *k.shape[1:]) and host_v.shape == (6, *v.shape[1:])
+        assert host_k.dtype == host_v.dtype == dtype
 
     pool.offload([(5, 2), (1, 0), (3, 5)])  # pairs in any order
     pool.onload([(5, 0), (0, 7), (2, 4)])  # into other device blocks
@@ -54,7 +58,7 @@ def test_round_trip_is_bit_exact(dtype, block_shape):
 
 
 def test_num_host_blocks():
-    block_bytes = bytes_per_block(2, 16, 2, 16, torch.float32)
+    block_bytes = KVLayout.per_head(2, 2, 16).bytes_per_block(16, torch.float32)
     assert num_host_blocks(CacheConfig(), block_bytes) == 0
     assert num_host_blocks(CacheConfig(swap_space_gib=1.5), block_bytes) == int(1.5 * 2**30) // block_bytes
     assert num_host_blocks(CacheConfig(swap_space_gib=1.5, num_host_kv_blocks=7), block_bytes) == 7
@@ -165,14 +169,20 @@ def test_runs_of_consecutive_host_blocks_are_one_copy_each():
     assert _runs([]) == []
 
 
-def test_the_device_pool_is_one_allocation_and_a_host_block_is_contiguous():
-    caches = random_pool(3, 8, 4, 2, 8, torch.bfloat16)
+@pytest.mark.parametrize("layout", [KVLayout.per_head(3, 2, 8), KVLayout.latent(3, 12, 4)],
+                         ids=["per-head", "latent"])
+def test_the_device_pool_is_its_allocations_and_a_host_block_is_contiguous(layout):
+    """Per-head: one device allocation [layers, 2, blocks, ...]; latent: one for the latents, one for the rope keys.
+    Either way a host block is every layer's pair of its device block, first tensor then second, layer after layer,
+    in one contiguous run."""
+    from workers.kv_pool import kv_buffers
+
+    caches = random_pool(layout, 8, 4, torch.bfloat16)
+    assert len(kv_buffers(caches)) == (2 if layout.is_latent else 1)
     pool = HostKVPool(caches, num_blocks=5)
     pool.offload([(6, 1), (7, 2), (0, 4)])
-    block = pool.buffer[2]  # host block 2: device block 7 of every layer, K then V, layer after layer
+    block = pool.buffer[2]  # host block 2: device block 7
     assert block.is_contiguous()
-    assert torch.equal(block, torch.stack([torch.stack([k[7], v[7]]) for k, v in caches]))
-    from workers.kv_pool import kv_buffer
-
-    with pytest.raises(ValueError, match="one allocation"):
-        kv_buffer([(k.clone(), v) for k, v in caches])
+    assert torch.equal(block.flatten(), torch.cat([t[7].flatten() for kv in caches for t in kv]))
+    with pytest.raises(ValueError, match="allocations of allocate_kv_caches"):
+        kv_buffers([(k.clone(), v) for k, v in caches])

@@ -33,18 +33,13 @@ class AttentionMetadata:
     is_decode_only: bool  # every query length is 1
 
 
-class Attention(nn.Module):
-    """Paged attention of one layer. sliding_window W: each query sees only its last W keys (itself included);
-    None: its whole history. With a float8_e4m3fn KV pool (kv_cache_dtype="fp8") it also holds the layer's KV
-    scales, float32 [num_kv_heads] powers of two (set at load by workers/kv_scales.py), which the KV write
-    (`kv_scales`, passed to `rotate_and_cache`) and the attention kernels use."""
+class KVScaledAttention(nn.Module):
+    """The attention of one layer over a pool of two tensors per layer (workers/kv_pool.py KVLayout). With a
+    float8_e4m3fn pool (kv_cache_dtype="fp8") it holds the layer's scales of the two, float32 [num_kv_heads] powers
+    of two (set at load by workers/kv_scales.py), which the KV write and the attention kernels use."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, device=None):
+    def __init__(self, num_kv_heads: int, device=None):
         super().__init__()
-        assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
-        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
-        self.sliding_window = sliding_window
         self.register_buffer("k_scale", torch.ones(num_kv_heads, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones(num_kv_heads, device=device), persistent=False)
 
@@ -55,6 +50,19 @@ class Attention(nn.Module):
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         self.k_scale.copy_(k_scale)
         self.v_scale.copy_(v_scale)
+
+
+class Attention(KVScaledAttention):
+    """Paged attention of one layer over per-head K and V. sliding_window W: each query sees only its last W keys
+    (itself included); None: its whole history. FP8 KV: per-KV-head scales (`KVScaledAttention`), which the KV write
+    (`kv_scales`, passed to `rotate_and_cache`) and the attention kernels use."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, device=None):
+        super().__init__(num_kv_heads, device)
+        assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

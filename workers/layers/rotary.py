@@ -39,3 +39,27 @@ class RotaryEmbedding(nn.Module):
         float8 cache takes the layer's scales (`Attention.kv_scales`)."""
         rotary_embedding_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, k_cache, v_cache,
                                       slot_mapping, k_scale, v_scale)
+
+
+class InterleavedRotaryEmbedding(nn.Module):
+    """RoPE over adjacent pairs (x[2i], x[2i+1]) rotated by position * inv_freq[i] (GPT-J style, "not neox"), as
+    DeepSeek-V2 rotates its qk_rope_head_dim dims: transformers multiplies them as complex numbers in float32 by
+    cos + i sin (times the scaling's attention factor) and rounds once, and so does this. The cache stays float32
+    [max_position, head_dim]: cos in the first half of each row, sin in the second (`compute_cos_sin_cache`)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None, device=None,
+                 max_position_embeddings: int | None = None, max_model_len: int | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling,
+                                      max_position_embeddings=max_position_embeddings, max_model_len=max_model_len)
+        self.register_buffer("cos_sin_cache", cache.to(device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, ..., head_dim] (any strides) -> rotated, a new tensor in x's dtype
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, head_dim / 2] float32 each
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        pairs = x.float().unflatten(-1, (-1, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)

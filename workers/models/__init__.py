@@ -13,6 +13,7 @@ _MODELS = {
     "MixtralForCausalLM": ("workers.models.moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("workers.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("workers.models.moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("workers.models.deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 
 

@@ -12,6 +12,35 @@ _ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")  # the types that read orig
 
 
 @dataclass(frozen=True)
+class MLAArgs:
+    """DeepSeek's multi-head latent attention: queries through an optional low-rank q_lora_rank (None: one q_proj),
+    keys and values from one kv_lora_rank latent a token; each head's query and key are qk_nope_head_dim values
+    without position and qk_rope_head_dim rotated ones (the rotated key is one for every head), its value
+    v_head_dim values."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> MLAArgs | None:
+        if not cfg.get("kv_lora_rank"):
+            return None
+        return cls(q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                   kv_lora_rank=_required(cfg, "kv_lora_rank"), qk_nope_head_dim=_required(cfg, "qk_nope_head_dim"),
+                   qk_rope_head_dim=_required(cfg, "qk_rope_head_dim"), v_head_dim=_required(cfg, "v_head_dim"))
+
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """What the model code knows of a checkpoint's config.json (`from_hf_config`); every layer reads this one."""
 
@@ -45,12 +74,23 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek-V2: latent attention, shared experts (n_shared_experts x moe_intermediate_size wide), routing limited
+    # to the topk_group best of n_group expert groups, and dense layers before first_k_dense_replace
+    mla: MLAArgs | None = None
+    n_shared_experts: int = 0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
         hidden, num_heads = _required(cfg, "hidden_size"), _required(cfg, "num_attention_heads")
         theta, scaling = rope_settings(cfg)
-        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        _check_routing(cfg)
         layer_types = cfg.get("layer_types")
         return cls(
             hidden_size=hidden,
@@ -84,7 +124,25 @@ class ModelArgs:
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers", ())),
+            mla=MLAArgs.from_hf_config(cfg),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            topk_method=cfg.get("topk_method") or "greedy",
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
         )
+
+
+def _check_routing(cfg: dict) -> None:
+    """DeepSeek's routing options that Pagoda does not implement are refused, naming the field."""
+    method = cfg.get("topk_method") or "greedy"
+    if method not in _TOPK_METHODS:
+        raise ValueError(f"config.json topk_method {method!r} is not supported (supported: {', '.join(_TOPK_METHODS)})")
+    scoring = cfg.get("scoring_func") or "softmax"
+    if scoring != "softmax":
+        raise ValueError(f"config.json scoring_func {scoring!r} is not supported (only 'softmax')")
 
 
 def _required(cfg: dict, name: str) -> int:

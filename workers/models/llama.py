@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from workers.kv_pool import KVLayout
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
@@ -158,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Mistral from a config.json's ModelArgs; this rank's shard of the weights.
 
     The other families subclass it and change what differs: `attention_biases`, `qk_norm`, `layer_windows`,
-    `make_mlp` and `checkpoint_entries` (checkpoint tensor -> parameters)."""
+    `make_mlp`, `checkpoint_entries` (checkpoint tensor -> parameters), and DeepSeek's `make_attention` and
+    `kv_layout`."""
 
     qk_norm = False  # RMSNorm over each q and k head before RoPE (Qwen3)
 
@@ -166,16 +168,8 @@ class LlamaForCausalLM(nn.Module):
                  max_model_len: int | None = None):
         super().__init__()
         self.args = args
-        trained_len = args.max_position_embeddings
-        max_model_len = max_model_len or trained_len
-        # The rotary cache must cover every position the engine may ask for.
-        rotary_emb = RotaryEmbedding(args.head_dim, max(trained_len, max_model_len), args.rope_theta,
-                                     args.rope_scaling, dtype, device, max_position_embeddings=trained_len,
-                                     max_model_len=max_model_len)
-        qkv_bias, o_bias = self.attention_biases(args)
-        windows = [w if w is not None and w < max_model_len else None for w in self.layer_windows(args)]
-        layers = [LlamaDecoderLayer(args, LlamaAttentionBlock(args, qkv_bias, o_bias, self.qk_norm, windows[i],
-                                                              dtype, device, rotary_emb),
+        self.max_model_len = max_model_len or args.max_position_embeddings
+        layers = [LlamaDecoderLayer(args, self.make_attention(args, i, dtype, device),
                                     self.make_mlp(args, i, dtype, device), dtype, device)
                   for i in range(args.num_layers)]
         self.tie_word_embeddings = args.tie_word_embeddings
@@ -185,6 +179,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     # ---- what the families change ----------------------------------------------------------------------------
+    def make_attention(self, args: ModelArgs, layer_idx: int, dtype, device) -> nn.Module:
+        """Layer layer_idx's attention block: forward(positions, h, k_cache, v_cache, meta) -> [T, hidden]."""
+        window = self.layer_windows(args)[layer_idx]
+        window = window if window is not None and window < self.max_model_len else None
+        qkv_bias, o_bias = self.attention_biases(args)
+        return LlamaAttentionBlock(args, qkv_bias, o_bias, self.qk_norm, window, dtype, device,
+                                   self.shared_rotary_emb(args, dtype, device))
+
+    def shared_rotary_emb(self, args: ModelArgs, dtype, device) -> RotaryEmbedding:
+        """One cos/sin cache for every layer, covering every position the engine may ask for."""
+        if not hasattr(self, "rotary_emb"):
+            trained_len = args.max_position_embeddings
+            self.rotary_emb = RotaryEmbedding(args.head_dim, max(trained_len, self.max_model_len), args.rope_theta,
+                                              args.rope_scaling, dtype, device, max_position_embeddings=trained_len,
+                                              max_model_len=self.max_model_len)
+        return self.rotary_emb
+
     @staticmethod
     def attention_biases(args: ModelArgs) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias)."""
@@ -211,6 +222,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What each layer's pool holds per token on this rank: per-head K and V."""
+        return KVLayout.per_head(self.num_layers, self.num_kv_heads_per_rank, self.head_dim)
 
     @property
     def num_kv_heads_per_rank(self) -> int:

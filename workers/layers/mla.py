@@ -1,0 +1,138 @@
+"""DeepSeek-V2's multi-head latent attention (MLA) over a latent KV pool, tensor-parallel by heads.
+
+    q       = q_proj(h)  or  q_b_proj(q_a_layernorm(q_a_proj(h)))     [T, H, nope + rope]   (q_lora_rank None / set)
+    c, k_pe = kv_a_proj_with_mqa(h) split [L | R];  c = kv_a_layernorm(c)                  one latent a token
+    q_pe, k_pe rotated (pairs of adjacent dims, YaRN-scaled); c and k_pe written to the pool (kernels/mla_attention.py)
+    q_lat   = q_nope W_UK[h]              [T, H, L]       kv_b_proj's rows [W_UK[h] ; W_UV[h]] per head, folded in
+    out_lat = attention over the latents  [T, H, L]
+    out     = o_proj(out_lat W_UV[h]^T)   [T, hidden]
+
+Every step, prefill and decode alike, runs in this absorbed form: the pool never holds per-head K or V, and no
+step expands the latents (exact reassociation: equal up to rounding to transformers, which expands them).
+
+Tensor parallelism (as vLLM): q_proj / q_b_proj and kv_b_proj split by heads (column-parallel), o_proj
+row-parallel; q_a_proj, kv_a_proj_with_mqa and the norms replicated, so every rank computes and stores the same
+latents: the latent pool is replicated, its size per rank independent of tp. kv_b_proj (the absorbed W_UK and W_UV),
+q_a_proj and kv_a_proj_with_mqa stay in the model's dtype under FP8 quantization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.mla_attention import mla_decode, mla_prefill, write_latent_cache
+from workers.layers.attention import AttentionMetadata, KVScaledAttention
+from workers.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _divide,
+    _param,
+    default_weight_loader,
+)
+from workers.layers.norm import RMSNorm
+from workers.layers.quantization import quantized_layers
+from workers.layers.rotary import InterleavedRotaryEmbedding
+from workers.models.args import MLAArgs, ModelArgs
+from workers.parallel import get_tp_size
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' (and DeepSeek's) default, not rms_norm_eps
+
+
+def mla_softmax_scale(mla: MLAArgs, rope_scaling: dict | None) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the scaling has mscale_all_dim (as
+    transformers' and DeepSeek's attention; the rotary cache's own attention factor is mscale / mscale_all_dim)."""
+    scale = mla.qk_head_dim ** -0.5
+    if rope_scaling and rope_scaling.get("mscale_all_dim"):
+        factor = float(rope_scaling["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W.T (+ b), the whole W on every rank, in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, device, default_weight_loader)
+        self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MLAAttention(KVScaledAttention):
+    """Attention over one layer's latent pool (latent_cache, rope_cache) in the absorbed form. FP8 pool: k_scale is
+    the latents' scale, v_scale the rope keys' (float32 [1] each)."""
+
+    def __init__(self, num_heads: int, scale: float, device=None):
+        super().__init__(1, device)
+        self.num_heads, self.scale = num_heads, scale
+
+    def forward(self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # q_lat [T, H, L], q_pe [T, H, R] -> out_lat [T, H, L]
+        latent_scale, rope_scale = self.kv_scales(latent_cache)
+        if meta.is_decode_only:
+            return mla_decode(q_lat, q_pe, latent_cache, rope_cache, meta.block_tables, meta.seq_lens, self.scale,
+                              latent_scale, rope_scale)
+        return mla_prefill(q_lat, q_pe, latent_cache, rope_cache, meta.block_tables, meta.query_start_loc,
+                           meta.seq_lens, self.scale, meta.max_query_len, latent_scale, rope_scale)
+
+
+class MLAAttentionBlock(nn.Module):
+    """One layer's MLA: projections, rotary, the latent write, attention, o_proj. Checkpoint names as DeepSeek's."""
+
+    takes_quantized_rows = False  # q_a_proj / kv_a_proj_with_mqa read h in the model's dtype
+
+    def __init__(self, args: ModelArgs, dtype, device, rotary_emb: InterleavedRotaryEmbedding):
+        super().__init__()
+        mla = args.mla
+        assert mla is not None, "MLAAttentionBlock needs config.json's kv_lora_rank"
+        hidden, bias = args.hidden_size, args.attention_bias
+        self.mla = mla
+        self.num_heads = _divide(args.num_heads, get_tp_size(), "num_attention_heads")
+        q_rows = args.num_heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, q_rows, False, dtype, device)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_rows, False, dtype, device)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias, dtype,
+                                                   device)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
+        with quantized_layers(None):  # read as W_UK and W_UV, never through a linear kernel
+            self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, args.num_heads * (mla.qk_nope_head_dim
+                                                                                      + mla.v_head_dim),
+                                                  False, dtype, device)
+        self.o_proj = RowParallelLinear(args.num_heads * mla.v_head_dim, hidden, bias, dtype, device)
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
+        self.attn = MLAAttention(self.num_heads, mla_softmax_scale(mla, args.rope_scaling), device)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, L], W_UV [H, v, L]) of this rank's heads: views of kv_b_proj's weight."""
+        mla = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        return w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
+
+    def forward(self, positions, h, latent_cache, rope_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # h: [T, hidden] -> [T, hidden]
+        mla, num_tokens = self.mla, h.shape[0]
+        q = self.q_proj(h) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)  # [T, H, nope], [T, H, R]
+        latent, k_pe = self.kv_a_proj_with_mqa(h).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, L]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe), self.rotary_emb(positions, k_pe)
+        write_latent_cache(latent, k_pe, latent_cache, rope_cache, meta.slot_mapping,
+                           *self.attn.kv_scales(latent_cache))
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        out_lat = self.attn(q_lat, q_pe, latent_cache, rope_cache, meta)  # [T, H, L]
+        out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
