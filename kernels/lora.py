@@ -194,21 +194,25 @@ def _check_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slot
     _check_slots(slots, num_tokens)
 
 
-def _block_m(num_tokens: int) -> int:
-    """Row tiles: 16 (tl.dot's least) for decode-sized batches, else 64 (fewer re-reads of a slot's weights)."""
-    return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
-
-
 @functools.lru_cache(maxsize=None)
 def shrink_config(num_tokens: int, in_features: int, num_slices: int, dtype: torch.dtype,
                   device: torch.device) -> dict:
-    """BLOCK_M by the batch, BLOCK_K 128 (64 for float32), and K split over programs until the grid has some two
-    programs an SM (decode: a few row tiles x slices would leave most SMs idle while they stream A)."""
-    block_m = _block_m(num_tokens)
+    """Row tiles of 16 for decode-sized batches, 32 up to 4096 rows (a grid that fills the GPU at 2048), then 64;
+    BLOCK_K 128 (64 for float32). When the tiles x slices would leave SMs idle (decode), K is split over programs
+    until there are some two an SM: a few programs cannot stream A and x at the memory's speed."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens < 4096 else 64
     block_k = 64 if dtype == torch.float32 else 128
     programs = cdiv(num_tokens, block_m) * num_slices
-    split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs)))
+    split_k = 1
+    if programs < num_sms(device):
+        split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs)))
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+
+
+def _block_m(num_tokens: int) -> int:
+    """Expand's row tiles: 16 (tl.dot's least) for decode-sized batches, else up to 64 (fewer re-reads of a
+    slot's B when a tile holds several slots)."""
+    return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,12 +236,12 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
         check_last_dim_contiguous(name, t)
     num_tokens, k = x.shape
     _, num_slices, rank, _ = lora_a.shape
+    if num_tokens == 0 or num_slices == 0:
+        return torch.zeros(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
     cfg = {**shrink_config(num_tokens, k, num_slices, x.dtype, x.device), **(config or {})}
     split_k = cfg["SPLIT_K"]
-    alloc = torch.zeros if split_k > 1 else torch.empty
+    alloc = torch.zeros if split_k > 1 else torch.empty  # split K: the splits add into y
     y = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
-    if num_tokens == 0 or num_slices == 0:
-        return y
     k_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
     _lora_shrink_kernel[grid](
