@@ -58,10 +58,28 @@ def _next_slot(slots, after):
     return tl.min(tl.where(slots > after, slots, 1 << 30), 0)
 
 
+@triton.jit
+def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_mask, k_lo, k_hi,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[rows of one slot, k_lo:k_hi] @ A[:, k_lo:k_hi].T (the other rows read as zeros)."""
+    ranks = tl.arange(0, acc.shape[1])
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_mask = cols < k_hi
+        xv = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=is_slot[:, None] & k_mask[None, :],
+                     other=0.0)
+        av = tl.load(a_ptr + ranks[:, None] * stride_ar + cols[None, :], mask=rank_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        if UPCAST:
+            xv, av = xv.to(tl.float32), av.to(tl.float32)
+        acc += tl.dot(xv, tl.trans(av), input_precision=PRECISION)
+    return acc
+
+
 # The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
 # while requests wait.
-@triton.jit(do_not_specialize=["num_tokens", "k_per_split"])
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_per_split,
+@triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
                         stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
                         NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -76,24 +94,19 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_per_
     rows = rows.to(tl.int64)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     ranks = tl.arange(0, BLOCK_R)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo = split * k_blocks_per_split * BLOCK_K  # a multiple of BLOCK_K, as the compiler sees: vector loads, pipelined
+    k_hi = tl.minimum(k_lo + k_blocks_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     slot = _next_slot(slots, -1)
-    while slot < (1 << 30):
-        is_slot = slots == slot
-        a_base = a_ptr + slot.to(tl.int64) * stride_as + slice_id * stride_ai
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            k_mask = cols < k_hi
-            xv = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=is_slot[:, None] & k_mask[None, :],
-                         other=0.0)
-            av = tl.load(a_base + ranks[:, None] * stride_ar + cols[None, :],
-                         mask=(ranks < R)[:, None] & k_mask[None, :], other=0.0)
-            if UPCAST:
-                xv, av = xv.to(tl.float32), av.to(tl.float32)
-            acc += tl.dot(xv, tl.trans(av), input_precision=PRECISION)
-        slot = _next_slot(slots, slot)
+    a_slice = a_ptr + slice_id * stride_ai
+    if slot == tl.max(slots, 0):  # one adapter in the tile (prefill): a loop the compiler pipelines
+        acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
+                            stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
+    else:
+        while slot < (1 << 30):
+            acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
+                                stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
+            slot = _next_slot(slots, slot)
     y_ptrs = y_ptr + slice_id * stride_yi + rows[:, None] * stride_yt + ranks[None, :]
     y_mask = row_mask[:, None] & (ranks < R)[None, :]
     if ATOMIC:
@@ -195,30 +208,29 @@ def _check_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slot
 
 
 @functools.lru_cache(maxsize=None)
-def shrink_config(num_tokens: int, in_features: int, num_slices: int, dtype: torch.dtype,
+def shrink_config(num_tokens: int, in_features: int, rank: int, num_slices: int, dtype: torch.dtype,
                   device: torch.device) -> dict:
     """Row tiles of 16 for decode-sized batches, 32 up to 4096 rows (a grid that fills the GPU at 2048), then 64;
-    BLOCK_K 128 (64 for float32). When the tiles x slices would leave SMs idle (decode), K is split over programs
-    until there are some two an SM: a few programs cannot stream A and x at the memory's speed."""
+    BLOCK_K 128 with 4 warps, 64 with 8 past rank 64 (and 64 for float32), 3 stages: no register spills on sm_90
+    (tests/kernels/test_kernel_compile.py). When the tiles x slices would leave SMs idle (decode), K is split over
+    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed."""
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens < 4096 else 64
-    block_k = 64 if dtype == torch.float32 else 128
+    block_k = 128 if _block_r(rank) <= 64 and dtype != torch.float32 else 64
     programs = cdiv(num_tokens, block_m) * num_slices
     split_k = 1
     if programs < num_sms(device):
         split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs)))
-    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
-
-
-def _block_m(num_tokens: int) -> int:
-    """Expand's row tiles: 16 (tl.dot's least) for decode-sized batches, else up to 64 (fewer re-reads of a
-    slot's B when a tile holds several slots)."""
-    return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4 if _block_r(rank) <= 64 else 8,
+            "num_stages": 3}
 
 
 @functools.lru_cache(maxsize=None)
 def expand_config(num_tokens: int, rank: int, dtype: torch.dtype) -> dict:
-    block_n = 128 if next_power_of_2(rank) <= 64 and dtype != torch.float32 else 64
-    return {"BLOCK_M": _block_m(num_tokens), "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+    """Row tiles of 16 for decode-sized batches, else up to 64 (fewer re-reads of a slot's B when a tile holds
+    several slots); columns in 128s, 64s from rank 64 on and for float32, 8 warps past rank 64: no spills."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+    block_n = 128 if _block_r(rank) <= 32 and dtype != torch.float32 else 64
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if _block_r(rank) > 64 else 4, "num_stages": 1}
 
 
 def _block_r(rank: int) -> int:
@@ -238,14 +250,14 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
     _, num_slices, rank, _ = lora_a.shape
     if num_tokens == 0 or num_slices == 0:
         return torch.zeros(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
-    cfg = {**shrink_config(num_tokens, k, num_slices, x.dtype, x.device), **(config or {})}
+    cfg = {**shrink_config(num_tokens, k, rank, num_slices, x.dtype, x.device), **(config or {})}
     split_k = cfg["SPLIT_K"]
     alloc = torch.zeros if split_k > 1 else torch.empty  # split K: the splits add into y
     y = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
-    k_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
     _lora_shrink_kernel[grid](
-        x, lora_a, slots, y, num_tokens, k, rank, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        x, lora_a, slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices, ATOMIC=split_k > 1,
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],

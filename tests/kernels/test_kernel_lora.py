@@ -177,8 +177,8 @@ def test_slices_need_not_start_at_zero_nor_be_wide(device):
 
 def test_decode_defaults_split_k_and_prefill_does_not():
     cpu = torch.device("cpu")
-    assert shrink_config(1, 4096, 3, torch.bfloat16, cpu)["SPLIT_K"] > 1
-    assert shrink_config(2048, 4096, 3, torch.bfloat16, cpu)["SPLIT_K"] == 1
+    assert shrink_config(1, 4096, 16, 3, torch.bfloat16, cpu)["SPLIT_K"] > 1
+    assert shrink_config(2048, 4096, 16, 3, torch.bfloat16, cpu)["SPLIT_K"] == 1
     assert expand_config(1, 16, torch.bfloat16)["BLOCK_M"] == 16 and expand_config(2048, 64, torch.bfloat16)[
         "BLOCK_M"] == 64
 
