@@ -277,3 +277,39 @@ def test_gpu_decode_in_a_cuda_graph(num_tokens, cuda):
         expected = base.clone()
         lora_expand_ref(expected, lora_shrink_ref(x, lora_a, slots), lora_b, slots, starts_of(widths))
         torch.testing.assert_close(out, expected, atol=ulps(out.dtype), rtol=ulps(out.dtype))
+
+
+def test_benchmark_runs_and_checks_at_toy_sizes(device, monkeypatch, capsys):
+    """benchmarks/kernels_lora.py at toy sizes (its GPU run is the lead's): every case builds, checks the kernels
+    against the references and times each impl (once here), and the overhead lines come out."""
+    import benchmarks.kernels as bench
+    from benchmarks.kernels_lora import (
+        SMOKE_LORA,
+        TUNE_EXPAND,
+        TUNE_SHRINK,
+        bench_lora,
+        bench_tune_lora,
+        lora_bytes,
+        print_lora_overhead,
+    )
+
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device: (fn(), 1.0)[1])
+    runner = bench.Runner(device, check=True, use_triton=True)
+    lora_cfg = dict(SMOKE_LORA, decode_batches=[3], prefill_tokens=[20])
+    bench_lora(runner, {"dtype": torch.bfloat16}, lora_cfg)
+    assert not runner.failures, runner.failures
+    impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
+    assert impls == {(f"lora {layer}", f"{case} r16", impl) for layer in ("qkv", "down")
+                     for case in ("decode batch 3", "prefill 20 tokens")
+                     for impl in ("base matmul", "lora triton", "base + lora", "lora torch ref")}
+    print_lora_overhead(runner.results)
+    assert "lora overhead qkv      decode batch 3 r16" in capsys.readouterr().out
+    x, weight = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    work = lora_bytes(x, weight, torch.zeros(4, 3, 16, 64, dtype=torch.bfloat16),
+                      torch.zeros(4, 128, 16, dtype=torch.bfloat16), torch.tensor([0, 2, 2], dtype=torch.int32))
+    # x, 2 adapters' A (3 x 16 x 64) and B (128 x 16), y written and read, out read and written
+    assert work["bytes"] == 3 * 64 * 2 + 2 * 3 * 16 * 64 * 2 + 2 * 128 * 16 * 2 + 2 * 3 * 3 * 16 * 4 + 2 * 3 * 128 * 2
+    assert work["impl_bytes"]["base matmul"] == 128 * 64 * 2 + 3 * 64 * 2 + 3 * 128 * 2
+    tune = bench.Runner(device, check=False, use_triton=True)
+    bench_tune_lora(tune, {"dtype": torch.bfloat16}, dict(lora_cfg, prefill_tokens=[]))
+    assert not tune.failures and len(tune.results) == 2 * (2 + len(TUNE_SHRINK) + len(TUNE_EXPAND))  # qkv, down
