@@ -329,21 +329,30 @@ def lora_expand_ref(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sl
         out[rows] = (out[rows].float() + delta).to(out.dtype)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _kernel_wanted(tensor: torch.Tensor, use_kernel: bool | None) -> bool:
+    return use_triton(tensor) if use_kernel is None else use_kernel
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, *,
+                use_kernel: bool | None = None) -> torch.Tensor:
     """x [T, K] (model dtype), lora_a [S, n_slices, R, K] (stacked adapter slots; rank padded with zeros to R),
     slots [T] int32 (slot of each token's adapter, -1 = no adapter). Returns y [n_slices, T, R] float32,
-    y[i, t] = lora_a[slots[t], i] @ x[t] (zeros where slots[t] == -1)."""
-    if use_triton(x):
+    y[i, t] = lora_a[slots[t], i] @ x[t] (zeros where slots[t] == -1).
+
+    use_kernel: None, the Triton kernel for CUDA tensors and the reference elsewhere; True, the kernel (CPU tensors
+    under TRITON_INTERPRET=1 too); False, the reference."""
+    if _kernel_wanted(x, use_kernel):
         return lora_shrink_triton(x, lora_a, slots)
     return lora_shrink_ref(x, lora_a, slots)
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                slice_starts: tuple[int, ...]) -> None:
+                slice_starts: tuple[int, ...], *, use_kernel: bool | None = None) -> None:
     """In place: out [T, N] (model dtype) += for each slice i, columns [slice_starts[i], slice_starts[i+1]) (the
     last slice ends at N): y[i] [T, R] @ lora_b[slots[t], cols, :].T, with lora_b [S, N, R] (the adapter's
-    scaling already folded into B). Rows with slots[t] == -1 unchanged. Accumulate in float32, one rounding."""
-    if use_triton(out):
+    scaling already folded into B). Rows with slots[t] == -1 unchanged. Accumulate in float32, one rounding.
+    use_kernel as `lora_shrink`'s."""
+    if _kernel_wanted(out, use_kernel):
         lora_expand_triton(out, y, lora_b, slots, slice_starts)
     else:
         lora_expand_ref(out, y, lora_b, slots, slice_starts)

@@ -199,6 +199,17 @@ def test_public_functions_take_the_reference_on_cpu():
     assert torch.equal(out, expected)
 
 
+def test_public_functions_run_the_kernel_when_asked(device):
+    """use_kernel=True: the Triton kernels (here under the interpreter), as a model test on CPU may ask."""
+    x, lora_a, lora_b, y, out, slots = make_case(5, 24, (16, 8), 8, 2, torch.bfloat16, [0, 1, -1, 1, 0], device)
+    y_kernel = lora_shrink(x, lora_a, slots, use_kernel=True)
+    torch.testing.assert_close(y_kernel, lora_shrink_triton(x, lora_a, slots))  # atomics: GPU low bits vary
+    expected = out.clone()
+    lora_expand_triton(expected, y, lora_b, slots, (0, 16))
+    lora_expand(out, y, lora_b, slots, (0, 16), use_kernel=True)
+    assert torch.equal(out, expected)
+
+
 def test_bad_inputs_name_the_argument(device):
     x, lora_a, lora_b, y, out, slots = make_case(4, 24, (16, 8), 8, 2, torch.float32, [0, 1, -1, 1], device)
     for fn in (lora_shrink_triton, lora_shrink_ref):
