@@ -76,12 +76,22 @@ def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_m
     return acc
 
 
+@triton.jit
+def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
+    """y's slice; Y_ALIGNED (its strides multiples of 4, as shrink writes it): so the compiler knows, and loads
+    and stores 4 floats at a time (the slice stride, T * R, is not specialized on)."""
+    offset = slice_id * stride_yi
+    if Y_ALIGNED:
+        offset = tl.multiple_of(offset, 4)
+    return y_ptr + offset
+
+
 # The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
 # while requests wait.
 @triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
                         stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
-                        NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+                        NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[slice, rows of the tile] (+)= x[rows] @ A[slot(row), slice].T over one K split. Grid: (slices x splits,
@@ -107,7 +117,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_bloc
             acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
                                 stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
             slot = _next_slot(slots, slot)
-    y_ptrs = y_ptr + slice_id * stride_yi + rows[:, None] * stride_yt + ranks[None, :]
+    y_ptrs = _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED) + rows[:, None] * stride_yt + ranks[None, :]
     y_mask = row_mask[:, None] & (ranks < R)[None, :]
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
@@ -129,7 +139,7 @@ def _slice_of(pid_n, first_block1, first_block2, start0, start1, start2, end0, e
 @triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
 def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_block1, first_block2,
                         start0, start1, start2, end0, end1, end2, stride_ot, stride_yi, stride_yt, stride_bs,
-                        stride_bn, HI_LO: tl.constexpr, UPCAST: tl.constexpr,
+                        stride_bn, HI_LO: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """out[rows, columns of one slice's block] = round(out + y[slice, rows] @ B[slot(row), columns].T), rows of
@@ -149,7 +159,7 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_b
     slot = _next_slot(slots, -1)
     while slot < (1 << 30):
         is_slot = slots == slot
-        yv = tl.load(y_ptr + slice_id * stride_yi + rows[:, None] * stride_yt + ranks[None, :],
+        yv = tl.load(_y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED) + rows[:, None] * stride_yt + ranks[None, :],
                      mask=is_slot[:, None] & rank_mask[None, :], other=0.0)
         bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
                      mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
@@ -233,6 +243,10 @@ def expand_config(num_tokens: int, rank: int, dtype: torch.dtype) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if _block_r(rank) > 64 else 4, "num_stages": 1}
 
 
+def _is_aligned(y: torch.Tensor) -> bool:
+    return y.stride(0) % 4 == 0 and y.stride(1) % 4 == 0 and y.data_ptr() % 16 == 0
+
+
 def _block_r(rank: int) -> int:
     if rank > MAX_RANK:
         raise ValueError(f"LoRA rank R={rank} exceeds the kernels' MAX_RANK={MAX_RANK}")
@@ -259,6 +273,7 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
     _lora_shrink_kernel[grid](
         x, lora_a, slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices, ATOMIC=split_k > 1,
+        Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
@@ -290,6 +305,7 @@ def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     _lora_expand_kernel[grid](
         out, y, lora_b, slots, num_tokens, rank, *first_blocks, *slice_starts, *pad, *ends, *pad, out.stride(0),
         y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), HI_LO=out.dtype != torch.float32,
+        Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), **pdl_options(out.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
