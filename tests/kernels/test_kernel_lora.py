@@ -166,6 +166,21 @@ def test_split_k_and_narrow_tiles(dtype, device):
     check_expand(out, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16))
 
 
+def test_strided_views(device):
+    """x and out as column windows of wider tensors, y with padded rows: the launchers pass strides, not shapes."""
+    widths = LAYOUTS["qkv"]
+    x, lora_a, lora_b, y, out, slots = make_case(21, 40, widths, 16, 3, torch.float16, decode_slots(21, 3), device)
+    wide_x = torch.zeros(21, 47, dtype=x.dtype, device=device)
+    wide_x[:, 5:45] = x
+    padded_y = torch.zeros(3, 21, 19, device=device)
+    padded_y[:, :, :16] = y
+    wide_out = torch.zeros(21, sum(widths) + 9, dtype=out.dtype, device=device)
+    wide_out[:, 3:3 + sum(widths)] = out
+    check_shrink(wide_x[:, 5:45], lora_a, slots)
+    check_expand(wide_out[:, 3:3 + sum(widths)], padded_y[:, :, :16], lora_b, slots, starts_of(widths))
+    assert not wide_out[:, :3].any() and not wide_out[:, 3 + sum(widths):].any()
+
+
 def test_slices_need_not_start_at_zero_nor_be_wide(device):
     """Columns before the first slice untouched; an empty slice launches no block."""
     x, lora_a, lora_b, y, out, slots = make_case(9, 24, (10, 0, 30), 16, 2, torch.float16, decode_slots(9, 2), device)
