@@ -5,6 +5,7 @@
     python -m benchmarks.kernels --smoke                               # CPU, tiny sizes, torch references only
     python -m benchmarks.kernels --only int4 --cuda-graph --output-json int4.json   # int4 linears (kernels_int.py)
     python -m benchmarks.kernels --only mla --cuda-graph --output-json mla.json     # DeepSeek's MLA (kernels_mla.py)
+    python -m benchmarks.kernels --only lora --cuda-graph --check --output-json lora.json   # LoRA (kernels_lora.py)
 
 Decode attention is memory-bound: it is scored by the K/V bytes it must read over its time, against the
 4.3 TB/s copy ceiling. Its K/V is read cold, as in a model, where the other layers' weights pass through the
@@ -15,7 +16,9 @@ against 790 TFLOP/s of dense bf16. The elementwise kernels are scored in bytes r
 linear (`--only linear`) in weight bytes read, against cuBLAS on the same weights; the fused MoE (`--only moe`,
 benchmarks/kernels_moe.py) in routed expert bytes or FLOPs, against the torch reference, and over AWQ / FP8 experts
 (`--only moe-quant`, benchmarks/kernels_moe_quant.py) against it in bf16; the int4 linears (`--only
-int4`, benchmarks/kernels_int.py) in weight bytes and FLOPs both, against bf16 cuBLAS. Torch's
+int4`, benchmarks/kernels_int.py) in weight bytes and FLOPs both, against bf16 cuBLAS; the batched LoRA shrink +
+expand (`--only lora`, benchmarks/kernels_lora.py) in the bytes it moves, and as overhead over the base layer's
+matmul. Torch's
 scaled_dot_product_attention on the same data laid out contiguously, and the torch references, are the
 baselines. Each case is independent: a failure (out of memory, a mismatch under --check) is printed and
 recorded, and the run goes on.
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 
 from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4
+from benchmarks.kernels_lora import GPU_LORA, SMOKE_LORA, bench_lora, bench_tune_lora, print_lora_overhead
 from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
 from benchmarks.kernels_moe_quant import bench_moe_quant
@@ -525,7 +529,7 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
     ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
-OPT_IN_GROUPS = ("int4", "moe-quant", "mla")  # run when --only names them (int4: about 2 more minutes)
+OPT_IN_GROUPS = ("int4", "moe-quant", "mla", "lora")  # run when --only names them (int4: about 2 more minutes)
 NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "moe quant",
                    "fp8 linear", "fp8 gemm", "fp8 kv decode", "tune fp8 linear", "mla decode", "mla prefill")
 
@@ -556,9 +560,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
     parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "moe-quant", "fp8",
-                                           "int4", "mla"],
+                                           "int4", "mla", "lora"],
                         action="append",
-                        help="run only these groups (repeatable); int4, moe-quant and mla run only when named")
+                        help="run only these groups (repeatable); int4, moe-quant, mla and lora run only when named")
     parser.add_argument("--mla-heads", type=int, default=None,
                         help="--only mla: heads a rank (default 16, DeepSeek-V2-Lite's; 128 is V2's at tp 1)")
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
@@ -566,7 +570,7 @@ def main(argv=None) -> int:
                              "128)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
-                        "--only decode / prefill / linear / moe)")
+                        "--only decode / prefill / linear / moe / fp8 / lora)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -585,18 +589,21 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
     moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
+    lora_cfg = SMOKE_LORA if args.smoke else GPU_LORA
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
               "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,
               "moe-quant": lambda runner, cfg: bench_moe_quant(runner, cfg, moe_cfg),
               "int4": lambda runner, cfg: bench_int4(runner, SMOKE_INT_MODELS if args.smoke else INT_MODELS,
                                                      args.int_layouts),
               "mla": lambda runner, cfg: bench_mla(runner, cfg, (SMOKE_MLA if args.smoke else GPU_MLA)
-                                                   | ({"heads": args.mla_heads} if args.mla_heads else {}))}
+                                                   | ({"heads": args.mla_heads} if args.mla_heads else {})),
+              "lora": lambda runner, cfg: bench_lora(runner, cfg, lora_cfg)}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")
         groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear,
-                  "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8}
+                  "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8,
+                  "lora": lambda runner, cfg: bench_tune_lora(runner, cfg, lora_cfg)}
     start = time.perf_counter()
     for group, bench in groups.items():
         if (not args.only and group not in OPT_IN_GROUPS) or group in (args.only or ()):
@@ -607,6 +614,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     print(f"{len(runner.results)} measurements, {len(runner.failures)} failures in {elapsed:.0f} s")
     print_targets(runner.results)
+    print_lora_overhead(runner.results)
     for failure in runner.failures:
         print(f"FAILED {failure['kernel']} / {failure['case']} {failure['impl']}: {failure['error']}")
     if args.output_json:

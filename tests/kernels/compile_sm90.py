@@ -74,6 +74,7 @@ import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.linear_int as linear_int  # noqa: E402
+import kernels.lora as lora  # noqa: E402
 import kernels.mla_attention as mla_attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.moe_quant as moe_quant  # noqa: E402
@@ -82,12 +83,12 @@ import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, mla_attention, moe, moe_quant,
+for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe, moe_quant,
                paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
-linear_int.upcast_dot_operands = moe_quant.upcast_dot_operands = lambda *args: False
+linear_int.upcast_dot_operands = moe_quant.upcast_dot_operands = lora.upcast_dot_operands = lambda *args: False
 mla_attention.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
@@ -344,6 +345,38 @@ def compile_int_gemm() -> None:
                                      else None)
 
 
+LORA_8B = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8):
+    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked)."""
+    in_features, widths = LORA_8B[layer]
+    starts = tuple(sum(widths[:i]) for i in range(len(widths)))
+    CASE[0] = f"lora shrink {name}"
+    lora.lora_shrink_triton(empty(rows, in_features, dtype=dtype),
+                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows))
+    CASE[0] = f"lora expand {name}"
+    lora.lora_expand_triton(empty(rows, sum(widths), dtype=dtype), empty(len(widths), rows, rank,
+                                                                         dtype=torch.float32),
+                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts)
+
+
+def compile_lora() -> None:
+    """The LoRA shrink (split-K atomics at decode sizes) and expand at Llama-3-8B's projections, ranks 16 and 64,
+    decode (16- and 32-row tiles) and prefill (32- and 64-row tiles) batches; float32 and the largest rank."""
+    for rank in (16, 32, 64):
+        for layer in LORA_8B:
+            for rows in (1, 256, 2048):
+                lora_layer(f"{layer} r{rank}, {rows} rows", rows, layer, rank)
+    lora_layer("qkv r16, 80 rows", 80, "qkv", 16)  # the 64-row case's variant: batch sizes share it
+    lora_layer("qkv r16, 64 rows", 64, "qkv", 16)
+    lora_layer("down r16, 8192 rows", 8192, "down", 16)
+    for rows in (1, 256, 8192):
+        lora_layer(f"qkv r128, {rows} rows", rows, "qkv", 128)
+    lora_layer("qkv r16 fp32, 4 rows", 4, "qkv", 16, dtype=torch.float32)
+    lora_layer("gate_up r16 fp16, 512 rows", 512, "gate_up", 16, dtype=torch.float16)
+
+
 def main() -> int:
     try:
         decode("decode llama3-8b bf16", 8, 32, 8, 128, torch.bfloat16, 1)
@@ -425,6 +458,7 @@ def main() -> int:
         compile_fp8()
         compile_moe_quant()
         compile_mla()
+        compile_lora()
     except Exception as exc:  # noqa: BLE001
         print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         return 1

@@ -35,7 +35,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
     assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel",
                        "_fp8_linear_swap_kernel", "_int_dequantize_kernel", "_int_linear_kernel",
-                       "_linear_kernel", "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel",
+                       "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel", "_mla_decode_kernel",
+                       "_mla_merge_kernel", "_mla_prefill_kernel",
                        "_moe_gemm_kernel", "_moe_quant_gemm_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
                        "_rms_norm_kernel",
                        "_rotary_kernel", "_sample_kernel", "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel",
@@ -59,6 +60,16 @@ def test_batch_shape_compiles_no_new_variant(compiled):
     # the int linear: 1 and 16 rows share the decode tiles, 200 and 256 rows the GEMM tiles (gemm_config's)
     assert by_case["int4 linear awq qkv, 1 rows"] == by_case["int4 linear awq qkv, 16 rows"]
     assert by_case["int4 gemm awq qkv, 200 rows"] == by_case["int4 gemm awq qkv, 256 rows"]
+    for kernel in ("shrink", "expand"):  # LoRA: 64 and 80 rows share their tiles (and shrink's K split)
+        assert by_case[f"lora {kernel} qkv r16, 64 rows"] == by_case[f"lora {kernel} qkv r16, 80 rows"]
+
+
+def test_lora_shrink_pipelines_its_k_loop(compiled):
+    """Shrink's K loop runs inside a walk over the tile's slots; its loads are pipelined (multi-buffered in shared
+    memory) only while the compiler can see each K block's start is a multiple of BLOCK_K: without that it fell back
+    to plain loads, one round trip to memory per K step. 32 rows x 128 of x and 16 x 128 of A, two buffers or more."""
+    row = next(row for row in compiled if row["case"] == "lora shrink qkv r16, 2048 rows")
+    assert row["shared_bytes"] >= 2 * (32 + 16) * 128 * 2, row
 
 
 def test_no_register_spills_and_shared_memory_fits(compiled):

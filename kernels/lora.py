@@ -1,0 +1,374 @@
+"""Batched LoRA: the rows of one step carry many adapters (or none), each row indexed by its adapter's slot.
+
+Every adapter resident on the GPU has a slot in stacked tensors; a projection's LoRA delta is two thin GEMMs:
+
+    shrink   y[i, t]   = A[slot(t), i] @ x[t]             A  lora_a [S, n_slices, R, K]    y float32 [n_slices, T, R]
+    expand   out[t, c] += y[i(c), t] @ B[slot(t), c]      B  lora_b [S, N, R]   (scaling folded into B)
+
+A fused projection has several slices (q/k/v: 3, gate/up: 2), each with its own A; its B is one [N, R] matrix
+per slot whose column ranges [slice_starts[i], slice_starts[i + 1]) (the last up to N) belong to slice i. Ranks
+below R are padded with zeros, and slot -1 means no adapter: y = 0 and the output row untouched.
+
+One Triton kernel each serves prefill (SGMV: a sequence's rows are contiguous and share a slot) and decode
+(BGMV: one row per sequence, each its own slot) without sorting the rows by slot: a program owns BLOCK_M rows
+and walks the distinct slots among them (a data-dependent loop, usually one trip in prefill), multiplying only
+the rows of each slot against that slot's A or B tile:
+
+    rows of a tile   slots   [ 3 3 3 3 | 3 3 1 1 | -1 0 5 0 ]    trips: 1 | 2 (slots 1, 3) | 2 (slots 0, 5)
+
+A decode tile re-reads a slot's weights for each tile holding it (from L2: an adapter's A and B are some 100 KB
+at rank 16), which is what sorting would save, at the price of a sort per call. Shrink splits K over programs
+when the tiles alone would not fill the GPU (float32 atomics into y: its low bits then vary run to run); expand
+adds to `out` in float32 and rounds once. No host sync, no per-adapter loop: a decode call is CUDA-graph
+capturable, and the slots may change between replays.
+
+Float32 y meets 16-bit B in expand as two 16-bit tensor-core dots, y = hi + lo with hi = y rounded to B's dtype
+and lo the rest: 16 bits of y's mantissa instead of 8, at the cost of a second dot on a memory-bound kernel (fp16
+needs |y| < 65504). `python -m benchmarks.kernels --only lora` times both at Llama-3-8B's shapes against the base
+layer's matmul.
+"""
+
+import functools
+
+import torch
+
+from kernels._triton import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    next_power_of_2,
+    num_sms,
+    pdl_options,
+    tl,
+    triton,
+    upcast_dot_operands,
+    use_triton,
+    wait_for_prior,
+)
+
+MAX_RANK = 128  # the kernels' limit on R (expand's B tile narrows past 64)
+
+
+@triton.jit
+def _next_slot(slots, after):
+    """The smallest slot above `after` among the tile's rows (1 << 30 when none: the walk ends)."""
+    return tl.min(tl.where(slots > after, slots, 1 << 30), 0)
+
+
+@triton.jit
+def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_mask, k_lo, k_hi,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[rows of one slot, k_lo:k_hi] @ A[:, k_lo:k_hi].T (the other rows read as zeros)."""
+    ranks = tl.arange(0, acc.shape[1])
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_mask = cols < k_hi
+        xv = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=is_slot[:, None] & k_mask[None, :],
+                     other=0.0)
+        av = tl.load(a_ptr + ranks[:, None] * stride_ar + cols[None, :], mask=rank_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        if UPCAST:
+            xv, av = xv.to(tl.float32), av.to(tl.float32)
+        acc += tl.dot(xv, tl.trans(av), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
+    """y's slice; Y_ALIGNED (its strides multiples of 4, as shrink writes it): so the compiler knows, and loads
+    and stores 4 floats at a time (the slice stride, T * R, is not specialized on)."""
+    offset = slice_id * stride_yi
+    if Y_ALIGNED:
+        offset = tl.multiple_of(offset, 4)
+    return y_ptr + offset
+
+
+# The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
+# while requests wait.
+@triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
+                        stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
+                        NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[slice, rows of the tile] (+)= x[rows] @ A[slot(row), slice].T over one K split. Grid: (slices x splits,
+    row tiles); a tile's slices run side by side and share its x rows in L2."""
+    wait_for_prior(PDL)
+    pid = tl.program_id(0)
+    slice_id, split = pid % NUM_SLICES, pid // NUM_SLICES
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_tokens
+    rows = rows.to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
+    ranks = tl.arange(0, BLOCK_R)
+    k_lo = split * k_blocks_per_split * BLOCK_K  # a multiple of BLOCK_K, as the compiler sees: vector loads, pipelined
+    k_hi = tl.minimum(k_lo + k_blocks_per_split * BLOCK_K, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    slot = _next_slot(slots, -1)
+    a_slice = a_ptr + slice_id * stride_ai
+    if slot == tl.max(slots, 0):  # one adapter in the tile (prefill): a loop the compiler pipelines
+        acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
+                            stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
+    else:
+        while slot < (1 << 30):
+            acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
+                                stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
+            slot = _next_slot(slots, slot)
+    y_ptrs = _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED) + rows[:, None] * stride_yt + ranks[None, :]
+    y_mask = row_mask[:, None] & (ranks < R)[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc, mask=y_mask)
+
+
+@triton.jit
+def _slice_of(pid_n, first_block1, first_block2, start0, start1, start2, end0, end1, end2, BLOCK_N: tl.constexpr):
+    """(slice, first column of this program, the slice's end) for column block pid_n, the blocks counted slice
+    after slice (a slice that does not exist starts at block 1 << 30)."""
+    slice_id = (pid_n >= first_block1).to(tl.int32) + (pid_n >= first_block2).to(tl.int32)
+    block = pid_n - tl.where(slice_id == 0, 0, tl.where(slice_id == 1, first_block1, first_block2))
+    first = tl.where(slice_id == 0, start0, tl.where(slice_id == 1, start1, start2)) + block * BLOCK_N
+    end = tl.where(slice_id == 0, end0, tl.where(slice_id == 1, end1, end2))
+    return slice_id, first, end
+
+
+@triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
+def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_block1, first_block2,
+                        start0, start1, start2, end0, end1, end2, stride_ot, stride_yi, stride_yt, stride_bs,
+                        stride_bn, HI_LO: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """out[rows, columns of one slice's block] = round(out + y[slice, rows] @ B[slot(row), columns].T), rows of
+    slot -1 untouched. Grid: (column blocks of all slices, row tiles)."""
+    wait_for_prior(PDL)
+    slice_id, first, end = _slice_of(tl.program_id(0), first_block1, first_block2, start0, start1, start2, end0,
+                                     end1, end2, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_tokens
+    rows = rows.to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
+    cols = first + tl.arange(0, BLOCK_N)
+    col_mask = cols < end
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < R
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    slot = _next_slot(slots, -1)
+    while slot < (1 << 30):
+        is_slot = slots == slot
+        yv = tl.load(_y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED) + rows[:, None] * stride_yt + ranks[None, :],
+                     mask=is_slot[:, None] & rank_mask[None, :], other=0.0)
+        bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
+                     mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
+        if HI_LO:  # y = hi + lo, both in B's dtype: two 16-bit dots keep 16 bits of y's mantissa
+            hi = yv.to(bv.dtype)
+            lo = (yv - hi.to(tl.float32)).to(bv.dtype)
+            if UPCAST:
+                hi, lo, bv = hi.to(tl.float32), lo.to(tl.float32), bv.to(tl.float32)
+            acc += tl.dot(hi, tl.trans(bv), input_precision=PRECISION)
+            acc += tl.dot(lo, tl.trans(bv), input_precision=PRECISION)
+        else:
+            acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+        slot = _next_slot(slots, slot)
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
+    out_mask = (row_mask & (slots >= 0))[:, None] & col_mask[None, :]
+    old = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=out_mask)
+
+
+def _check_slots(slots: torch.Tensor, num_tokens: int) -> None:
+    if slots.dim() != 1 or slots.shape[0] != num_tokens:
+        raise ValueError(f"slots must be [T={num_tokens}], got {tuple(slots.shape)}")
+    check_dtype("slots", slots, (torch.int32, torch.int64))
+
+
+def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
+    if lora_a.dim() != 4 or lora_a.shape[3] != x.shape[1]:
+        raise ValueError(f"lora_a must be [S, n_slices, R, K={x.shape[1]}], got {tuple(lora_a.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    if lora_a.dtype != x.dtype:
+        raise ValueError(f"lora_a must have x's dtype {x.dtype}, got {lora_a.dtype}")
+    _check_slots(slots, x.shape[0])
+
+
+def _check_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                  slice_starts: tuple[int, ...]) -> None:
+    if out.dim() != 2:
+        raise ValueError(f"out must be [T, N], got {tuple(out.shape)}")
+    num_tokens, n = out.shape
+    if lora_b.dim() != 3 or lora_b.shape[1] != n:
+        raise ValueError(f"lora_b must be [S, N={n}, R], got {tuple(lora_b.shape)}")
+    if y.dim() != 3 or y.shape[1:] != (num_tokens, lora_b.shape[2]):
+        raise ValueError(f"y must be [n_slices, T={num_tokens}, R={lora_b.shape[2]}], got {tuple(y.shape)}")
+    check_dtype("out", out, FLOAT_DTYPES)
+    if lora_b.dtype != out.dtype:
+        raise ValueError(f"lora_b must have out's dtype {out.dtype}, got {lora_b.dtype}")
+    check_dtype("y", y, (torch.float32,))
+    starts = tuple(slice_starts)
+    if len(starts) != y.shape[0] or not all(isinstance(s, int) for s in starts):
+        raise ValueError(f"slice_starts must hold {y.shape[0]} ints (one per slice of y), got {slice_starts!r}")
+    if any(a > b for a, b in zip(starts, starts[1:] + (n,))) or (starts and starts[0] < 0):
+        raise ValueError(f"slice_starts must rise from >= 0 to <= N={n}, got {slice_starts!r}")
+    _check_slots(slots, num_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def shrink_config(num_tokens: int, in_features: int, rank: int, num_slices: int, dtype: torch.dtype,
+                  device: torch.device) -> dict:
+    """Row tiles of 16 for decode-sized batches, 32 up to 4096 rows (a grid that fills the GPU at 2048), then 64;
+    BLOCK_K 128 with 4 warps, 64 with 8 past rank 64 (and 64 for float32), 3 stages: no register spills on sm_90
+    (tests/kernels/test_kernel_compile.py). When the tiles x slices would leave SMs idle (decode), K is split over
+    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens < 4096 else 64
+    block_k = 128 if _block_r(rank) <= 64 and dtype != torch.float32 else 64
+    programs = cdiv(num_tokens, block_m) * num_slices
+    split_k = 1
+    if programs < num_sms(device):
+        split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs)))
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4 if _block_r(rank) <= 64 else 8,
+            "num_stages": 3}
+
+
+@functools.lru_cache(maxsize=None)
+def expand_config(num_tokens: int, rank: int, dtype: torch.dtype) -> dict:
+    """Row tiles of 16 for decode-sized batches, else up to 64 (fewer re-reads of a slot's B when a tile holds
+    several slots); columns in 128s, 64s from rank 64 on and for float32, 8 warps past rank 64: no spills."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+    block_n = 128 if _block_r(rank) <= 32 and dtype != torch.float32 else 64
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if _block_r(rank) > 64 else 4, "num_stages": 1}
+
+
+def _is_aligned(y: torch.Tensor) -> bool:
+    return y.stride(0) % 4 == 0 and y.stride(1) % 4 == 0 and y.data_ptr() % 16 == 0
+
+
+def _block_r(rank: int) -> int:
+    if rank > MAX_RANK:
+        raise ValueError(f"LoRA rank R={rank} exceeds the kernels' MAX_RANK={MAX_RANK}")
+    return max(16, next_power_of_2(rank))
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
+                       config: dict | None = None) -> torch.Tensor:
+    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning)."""
+    _check_shrink(x, lora_a, slots)
+    check_launchable(x, lora_a, slots)
+    for name, t in (("x", x), ("lora_a", lora_a)):
+        check_last_dim_contiguous(name, t)
+    num_tokens, k = x.shape
+    _, num_slices, rank, _ = lora_a.shape
+    if num_tokens == 0 or num_slices == 0:
+        return torch.zeros(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+    cfg = {**shrink_config(num_tokens, k, rank, num_slices, x.dtype, x.device), **(config or {})}
+    split_k = cfg["SPLIT_K"]
+    alloc = torch.zeros if split_k > 1 else torch.empty  # split K: the splits add into y
+    y = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+    k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
+    grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
+    _lora_shrink_kernel[grid](
+        x, lora_a, slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices, ATOMIC=split_k > 1,
+        Y_ALIGNED=_is_aligned(y),
+        UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return y
+
+
+def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                       slice_starts: tuple[int, ...], config: dict | None = None) -> None:
+    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys."""
+    _check_expand(out, y, lora_b, slots, slice_starts)
+    check_launchable(out, y, lora_b, slots)
+    for name, t in (("out", out), ("y", y), ("lora_b", lora_b)):
+        check_last_dim_contiguous(name, t)
+    num_slices, num_tokens, rank = y.shape
+    if num_slices > 3:
+        raise ValueError(f"the expand kernel takes 1 to 3 slices, got {num_slices}")
+    if num_tokens == 0 or num_slices == 0:
+        return
+    n = out.shape[1]
+    cfg = {**expand_config(num_tokens, rank, out.dtype), **(config or {})}
+    block_n = cfg["BLOCK_N"]
+    ends = tuple(slice_starts[1:]) + (n,)
+    n_blocks = [cdiv(end - start, block_n) for start, end in zip(slice_starts, ends)]
+    first_blocks = [sum(n_blocks[:i]) if i < num_slices else 1 << 30 for i in (1, 2)]
+    pad = (0,) * (3 - num_slices)
+    grid = (sum(n_blocks), cdiv(num_tokens, cfg["BLOCK_M"]))
+    if grid[0] == 0:
+        return
+    _lora_expand_kernel[grid](
+        out, y, lora_b, slots, num_tokens, rank, *first_blocks, *slice_starts, *pad, *ends, *pad, out.stride(0),
+        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), HI_LO=out.dtype != torch.float32,
+        Y_ALIGNED=_is_aligned(y),
+        UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), **pdl_options(out.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _slots_in_use(slots: torch.Tensor, num_slots: int) -> list[int]:
+    """The distinct slots of the batch (a host sync: the references' loop over adapters)."""
+    used = [int(s) for s in torch.unique(slots).tolist()]
+    if used and (used[0] < -1 or used[-1] >= num_slots):
+        raise ValueError(f"slots must lie in [-1, {num_slots}), got values in [{used[0]}, {used[-1]}]")
+    return [s for s in used if s >= 0]
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Torch reference of `lora_shrink` (and its CPU implementation): a loop over the slots in use, in float32."""
+    _check_shrink(x, lora_a, slots)
+    num_slices, rank = lora_a.shape[1], lora_a.shape[2]
+    y = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    for slot in _slots_in_use(slots, lora_a.shape[0]):
+        rows = slots == slot
+        y[:, rows] = torch.einsum("tk,irk->itr", x[rows].float(), lora_a[slot].float())
+    return y
+
+
+def lora_expand_ref(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                    slice_starts: tuple[int, ...]) -> None:
+    """Torch reference of `lora_expand` (and its CPU implementation): per slot in use, every slice's delta in
+    float32, added to the rows and rounded once."""
+    _check_expand(out, y, lora_b, slots, slice_starts)
+    n = out.shape[1]
+    bounds = list(zip(slice_starts, tuple(slice_starts[1:]) + (n,)))
+    for slot in _slots_in_use(slots, lora_b.shape[0]):
+        rows = slots == slot
+        delta = torch.zeros(int(rows.sum()), n, dtype=torch.float32, device=out.device)
+        for i, (start, end) in enumerate(bounds):
+            delta[:, start:end] = y[i, rows] @ lora_b[slot, start:end].float().T
+        out[rows] = (out[rows].float() + delta).to(out.dtype)
+
+
+def _kernel_wanted(tensor: torch.Tensor, use_kernel: bool | None) -> bool:
+    return use_triton(tensor) if use_kernel is None else use_kernel
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, *,
+                use_kernel: bool | None = None) -> torch.Tensor:
+    """x [T, K] (model dtype), lora_a [S, n_slices, R, K] (stacked adapter slots; rank padded with zeros to R),
+    slots [T] int32 (slot of each token's adapter, -1 = no adapter). Returns y [n_slices, T, R] float32,
+    y[i, t] = lora_a[slots[t], i] @ x[t] (zeros where slots[t] == -1).
+
+    use_kernel: None, the Triton kernel for CUDA tensors and the reference elsewhere; True, the kernel (CPU tensors
+    under TRITON_INTERPRET=1 too); False, the reference."""
+    if _kernel_wanted(x, use_kernel):
+        return lora_shrink_triton(x, lora_a, slots)
+    return lora_shrink_ref(x, lora_a, slots)
+
+
+def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                slice_starts: tuple[int, ...], *, use_kernel: bool | None = None) -> None:
+    """In place: out [T, N] (model dtype) += for each slice i, columns [slice_starts[i], slice_starts[i+1]) (the
+    last slice ends at N): y[i] [T, R] @ lora_b[slots[t], cols, :].T, with lora_b [S, N, R] (the adapter's
+    scaling already folded into B). Rows with slots[t] == -1 unchanged. Accumulate in float32, one rounding.
+    use_kernel as `lora_shrink`'s."""
+    if _kernel_wanted(out, use_kernel):
+        lora_expand_triton(out, y, lora_b, slots, slice_starts)
+    else:
+        lora_expand_ref(out, y, lora_b, slots, slice_starts)
