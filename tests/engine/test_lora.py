@@ -248,3 +248,50 @@ def test_cuda_graphs_decode_with_adapters(tiny_model_dir, adapters):
                                                                    lora_request=loras)])
         llm.shutdown()
     assert outs[0] == outs[1]
+
+
+class _OracleLoRA(torch.nn.Module):
+    """A (fake-quantized) linear plus a LoRA delta computed from its unquantized input, as Pagoda's adapters read
+    the model-dtype activations beside an FP8 base."""
+
+    def __init__(self, inner, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        super().__init__()
+        self.inner, self.a, self.b, self.scaling = inner, a.float(), b.float(), scaling
+
+    def forward(self, x):
+        return self.inner(x) + ((x.float() @ self.a.T @ self.b.T) * self.scaling).to(x.dtype)
+
+
+def test_fp8_base_with_an_adapter(tiny_model_dir, adapters):
+    """An FP8 base (weights and per-token activations e4m3) with a float32 adapter on every projection, against the
+    FP8 oracle (tests/fp8_oracle.py) with the adapter's delta added to each linear."""
+    from safetensors.torch import load_file
+
+    from engine.lora import ATTENTION_MODULES, parse_tensor_name, read_adapter
+    from tests import fp8_oracle
+
+    lora = adapters["all"]
+    model = fp8_oracle.oracle_model(tiny_model_dir, kv_fp8=False)
+    tensors = load_file(os.path.join(lora.path, "adapter_model.safetensors"))
+    scaling = read_adapter(lora, _config(tiny_model_dir), 64).scaling
+    for name, a in tensors.items():
+        layer, module, kind = parse_tensor_name(name)
+        if kind == "A":
+            parent = model.model.layers[layer].get_submodule("self_attn" if module in ATTENTION_MODULES else "mlp")
+            b = tensors[name.replace("lora_A", "lora_B")]
+            setattr(parent, module, _OracleLoRA(getattr(parent, module), a, b, scaling))
+    llm = lora_llm(tiny_model_dir, quantization="fp8", num_kv_blocks=256)
+    ids = [llm.get_tokenizer().encode(p) for p in PARITY_PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(), use_tqdm=False, lora_request=lora)
+    for (ref_tokens, ref_logprobs), out in zip(fp8_oracle.greedy(model, ids, MAX_NEW), outs):
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, (token_id, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs)):
+            assert abs(entry[token_id] - ref_logprobs[step][token_id].item()) < 5e-3, step  # as test_fp8_parity
+    llm.shutdown()
+
+
+def _config(model_dir: str) -> dict:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
