@@ -16,6 +16,7 @@ a module out of holds zeros there. Loading reads `adapter_model.safetensors` (th
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from engine.config import LoRAConfig
 from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
 from kernels.lora import lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
 
 # checkpoint module -> (the layer's attribute path, its slice, the layer's shard id)
 _MODULES = {
@@ -75,6 +78,7 @@ class LoRAManager:
                 linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
         self.cache: OrderedDict[int, list[_Part]] = OrderedDict()  # adapter id -> its parts, least recent first
         self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
+        self.load_errors: dict[int, str] = {}  # slot -> why its last load failed
 
     def _make_slots(self, linear: torch.nn.Module) -> LoRAWeights:
         slots, rank = self.config.max_loras, self.config.max_lora_rank
@@ -91,11 +95,21 @@ class LoRAManager:
                            torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device), starts)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Puts the adapter into the slot (in the step's order on the device: after the steps before it)."""
-        parts = self._parts(adapter)
+        """Puts the adapter into the slot (in the step's order on the device: after the steps before it). If its
+        files cannot be read now, the slot is left empty (zeros) with the error in `load_errors`: a request in that
+        slot then fails (ModelRunner.check_lora_slots) rather than run with what the slot held before, and the
+        step's other loads still happen."""
+        self.slots[slot] = None
         for weights in self.weights.values():
             weights.a[slot].zero_()
             weights.b[slot].zero_()
+        try:
+            parts = self._parts(adapter)
+        except Exception as e:  # noqa: BLE001 - logged, and the requests of this slot fail with it
+            logger.exception("LoRA adapter %r failed to load into slot %d", adapter.request.name, slot)
+            self.load_errors[slot] = f"adapter {adapter.request.name!r} failed to load: {type(e).__name__}: {e}"
+            return
+        self.load_errors.pop(slot, None)
         non_blocking = self.device.type == "cuda"
         for part in parts:
             r = part.a.shape[0]

@@ -169,6 +169,8 @@ class ModelRunner:
         if sched.is_empty:
             return PendingStep(self, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
+        if self.lora is not None and self.lora.load_errors:
+            self._check_lora_slots(states)
         counts = list(sched.num_scheduled_tokens.values())
         hidden, sample_rows = self._forward(states, counts)
         prompt_logprobs = None
@@ -194,6 +196,14 @@ class ModelRunner:
             return step
         self._sample(step, sched.grammar_bitmask)
         return step
+
+    def _check_lora_slots(self, states: list[RequestState]) -> None:
+        """A request whose adapter's slot failed to load fails the step (the driver then retries its requests one
+        by one, so that only those of the adapter fail)."""
+        errors = self.lora.load_errors
+        broken = next((s for s in states if s.lora_slot in errors), None)
+        if broken is not None:
+            raise ValueError(f"{broken.req_id}: {errors[broken.lora_slot]}")
 
     @torch.inference_mode()
     def _sample(self, step: PendingStep, bitmask: GrammarBitmask | None) -> None:

@@ -295,3 +295,25 @@ def _config(model_dir: str) -> dict:
 
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)
+
+
+def test_an_adapter_whose_file_breaks_after_it_was_checked_fails_alone(tiny_model_dir, adapters, tmp_path):
+    """Checked at add_request, then its weights file truncated before the worker reads it: its request fails with
+    an error (the slot is left empty, not holding the adapter before), the base and other adapters' requests in the
+    same steps finish with their own outputs."""
+    broken_dir = str(tmp_path / "broken")
+    shutil.copytree(adapters["all"].path, broken_dir)
+    broken = LoRARequest("broken", 9, broken_dir)
+    llm = lora_llm(tiny_model_dir, max_loras=2)
+    run_and_check(llm, tiny_model_dir, ["Hello"], [adapters["qv"]])  # slot 0: qv
+    run_and_check(llm, tiny_model_dir, ["Hello"], [adapters["mlp-rs"]])  # slot 1
+    llm.engine.lora_adapter(broken)  # read and checked
+    path = os.path.join(broken_dir, "adapter_model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    outs = llm.generate(PARITY_PROMPTS[:3], greedy(), use_tqdm=False, lora_request=[broken, None, adapters["qv"]])
+    assert outs[0].outputs[0].finish_reason == "error"
+    for out, lora in zip(outs[1:], [None, adapters["qv"]]):
+        assert_completion_matches(oracle(tiny_model_dir, lora), out)
+    run_and_check(llm, tiny_model_dir, PARITY_PROMPTS[:2], [adapters["mlp-rs"], None])  # the slot takes another
+    llm.shutdown()
