@@ -18,8 +18,8 @@ from engine.config import EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, ExecutorPicker, StepHandle
 from engine.grammar import StructuredOutputManager
-from engine.onload_cost import NEVER_ONLOAD, OnloadCost
 from engine.lora import LoRAAdapter, LoRARequest, LoRASlots, read_adapter
+from engine.onload_cost import NEVER_ONLOAD, OnloadCost
 from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
 from engine.request import Request, RequestStatus
