@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from engine.config import LoRAConfig
 from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
-from kernels.lora import lora_expand, lora_shrink
+from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class LoRAManager:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and config.max_lora_rank > MAX_RANK:
+            raise ValueError(f"max_lora_rank {config.max_lora_rank}: the LoRA kernels take ranks up to {MAX_RANK}")
         self.layers = model.model.layers
         self.modules = lora_module_shapes(hf_config)  # the linears that take adapters: the driver checks against it
         self.weights: dict[str, LoRAWeights] = {}  # "{layer}.{attribute path}" -> its slots
