@@ -14,6 +14,7 @@ _EXPORTS = {
     "RequestError": "engine.request_output",
     "CompletionOutput": "engine.request_output",
     "ParamError": "engine.errors",
+    "LoRARequest": "engine.lora",
 }
 
 __all__ = list(_EXPORTS)

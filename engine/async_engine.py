@@ -31,6 +31,7 @@ from engine.core import AbortRequest, AddRequest, EngineCore, EngineInfo, PollRe
 from engine.errors import EngineDeadError
 from engine.executor import ExecutorPicker
 from engine.llm_engine import EngineStats
+from engine.lora import LoRARequest
 from engine.prompts import Prompt, PromptLimits, process_prompt, prompt_limits
 from engine.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
@@ -137,7 +138,7 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        stream: bool = True, arrival_time: float | None = None,
-                       ) -> AsyncIterator[list[RequestDelta]]:
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[list[RequestDelta]]:
         """Yields the request's deltas, in batches as polls bring them; the last one has finished=True. With
         stream=False that is the only one. Closing the iteration early (a client that went away) aborts it."""
         self.check_health()
@@ -148,7 +149,7 @@ class AsyncLLMEngine:
         if not self._queues:  # work arrives at an idle engine: the stall clock starts now, not at its last step
             self._last_progress = (self._stats.num_steps, self._clock())
         self._queues[request_id] = queue
-        self._send(AddRequest(request_id, prompt_token_ids, params, stream, arrival_time))
+        self._send(AddRequest(request_id, prompt_token_ids, params, stream, arrival_time, lora_request))
         finished = False
         try:
             while not finished:

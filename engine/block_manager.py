@@ -313,8 +313,11 @@ class BlockManager:
     def _update_hashes(self, req: Request) -> None:
         """Extends the request's hash chain over every full block of its known tokens."""
         tokens, size = req.all_token_ids, self.block_size
+        # A LoRA adapter's KV differs from the base's (and another adapter's) for the same tokens: its id starts
+        # the chain, so its blocks are never shared with them.
+        root = None if req.lora is None else f"pagoda-lora-{req.lora.request.id}".encode()
         for i in range(len(req.block_hashes), len(tokens) // size):
-            parent = req.block_hashes[i - 1] if i else None
+            parent = req.block_hashes[i - 1] if i else root
             req.block_hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size]))
 
     # ---- internals -----------------------------------------------------------------------------------------------

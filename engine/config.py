@@ -222,6 +222,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (engine/lora.py): `max_loras` adapters in GPU slots at once (the distinct adapters a step
+    can run), ranks up to `max_lora_rank`, `max_cpu_loras` adapters' tensors cached in each worker's host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # default: max_loras
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _check_positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ParamError("max_cpu_loras", f"must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -230,6 +249,7 @@ class EngineConfig:
     # A streaming request's deltas come at most this often (its first token and its end at once): with many
     # streams, fewer and larger messages from the engine to the socket. 0: a delta at every step that moved it.
     stream_interval_s: float = 0.0
+    lora: LoRAConfig | None = None  # None: no adapters (enable_lora off)
 
 
 @dataclass(frozen=True)
@@ -267,6 +287,10 @@ class EngineArgs:
     onload_latency_s: float = 2e-4
     prefill_tokens_per_s: float = 20_000.0
     min_onload_blocks: int | None = None  # the threshold itself instead of the cost model's
+    enable_lora: bool = False  # LoRA adapters per request (engine/lora.py)
+    max_loras: int = 1  # adapters resident on the GPU at once
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # adapters cached in host memory per worker; default: max_loras
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -280,6 +304,10 @@ class EngineArgs:
             raise ParamError("stream_interval_s", f"must be in [0, 60], got {self.stream_interval_s}")
         # The parts validate the rest; build them now so a bad value fails here, where the user gave it.
         self._parts()
+        self.lora_config()
+
+    def lora_config(self) -> LoRAConfig | None:
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -309,8 +337,13 @@ class EngineArgs:
                                              quantization=quantization)
         default_sampling_overrides(model_config)  # a bad generation_config.json fails here, not at the first request
         cache, scheduler, parallel = self._parts()
+        lora = self.lora_config()
+        if lora is not None:
+            from engine.lora import lora_module_shapes
+
+            lora_module_shapes(model_config.hf_config)  # a family that takes no adapter fails here
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
-                            parallel, self.stream_interval_s)
+                            parallel, self.stream_interval_s, lora)
 
     def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
         """The checkpoint to load and its quantization. Given none: with GGUF_BLOCKS_BY_DEFAULT_ON_GPU, a .gguf

@@ -26,6 +26,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.errors import EngineDeadError
 from engine.executor import ExecutorPicker
 from engine.llm_engine import EngineStats, LLMEngine
+from engine.lora import LoRARequest
 from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.startup import StartupTimes, process_started_at
@@ -44,6 +45,7 @@ class AddRequest:
     params: SamplingParams
     stream: bool = True  # False: one delta, at the end, with the whole output
     arrival_time: float | None = None  # time.time() when the request reached the server
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -115,7 +117,7 @@ class EngineCore:
         def run():
             try:
                 self.engine.add_processed(add.request_id, add.prompt_token_ids, add.params, add.stream,
-                                          add.arrival_time)
+                                          add.arrival_time, add.lora_request)
             except Exception as e:  # noqa: BLE001 - an invalid request fails alone; the client gets the error as its last delta
                 self._publish([RequestDelta(add.request_id, finished=True, error=RequestError.from_exception(e))])
 

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, ExecutorPicker, StepHandle
 from engine.grammar import StructuredOutputManager
+from engine.lora import LoRAAdapter, LoRARequest, LoRASlots, read_adapter
 from engine.onload_cost import NEVER_ONLOAD, OnloadCost
 from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
@@ -111,7 +112,9 @@ class LLMEngine:
                            config.model.max_model_len, self.max_model_len, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                           self.executor.num_host_kv_blocks, self._min_onload_blocks())
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
+        self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
@@ -158,16 +161,20 @@ class LLMEngine:
         """Validates a prompt and its params against the model; returns (text, token ids). Raises ParamError."""
         return process_prompt(prompt, params, self.tokenizer, self.limits)
 
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams, stream: bool = True) -> str:
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams, stream: bool = True,
+                    lora_request: LoRARequest | None = None) -> str:
         _, token_ids = self.process_prompt(prompt, params)
-        return self.add_processed(request_id, token_ids, params, stream)
+        return self.add_processed(request_id, token_ids, params, stream, lora_request=lora_request)
 
     def add_processed(self, request_id: str | None, token_ids: list[int], params: SamplingParams,
-                      stream: bool = True, arrival_time: float | None = None) -> str:
-        """Adds a validated prompt. stream=False: the request's only delta is its last (the whole output)."""
+                      stream: bool = True, arrival_time: float | None = None,
+                      lora_request: LoRARequest | None = None) -> str:
+        """Adds a validated prompt. stream=False: the request's only delta is its last (the whole output).
+        lora_request: the adapter it runs with (its files are read and checked the first time its id comes)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ParamError(None, f"request id {request_id!r} is already in use")
+        lora = self.lora_adapter(lora_request) if lora_request is not None else None
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         params.all_stop_token_ids = tuple(sorted(stop_ids))
         max_tokens = self.max_model_len - len(token_ids)
@@ -179,7 +186,8 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i
             seqs.append(Request(seq_id, token_ids, params, max_tokens, parent_id=request_id, index=i,
-                                leader=seqs[0] if i else None, sample_seed=seed, arrival_time=arrival_time))
+                                leader=seqs[0] if i else None, sample_seed=seed, arrival_time=arrival_time,
+                                lora=lora))
         self.groups[request_id] = RequestGroup(request_id, token_ids, params, seqs, self.tokenizer,
                                                self.token_strings, stream, arrival_time)
         if params.structured_outputs is not None:
@@ -188,6 +196,23 @@ class LLMEngine:
             self.scheduler.add_request(seq)
         self.num_prompt_tokens += len(token_ids)
         return request_id
+
+    def lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter of a request, read and checked against the model once per id; ParamError (a ValueError)
+        naming it if LoRA is off, its files are bad, or its id names another adapter already."""
+        if self.config.lora is None:
+            raise ParamError("lora_request", "LoRA adapters need an engine started with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise ParamError("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")
+        adapter = self.loras.get(lora_request.id)
+        if adapter is None:
+            adapter = read_adapter(lora_request, self.config.model.hf_config, self.config.lora.max_lora_rank)
+            self.loras[lora_request.id] = adapter
+        elif adapter.request != lora_request:
+            raise ParamError("lora_request", f"id {lora_request.id} is adapter {adapter.request.name!r} at "
+                                             f"{adapter.request.path!r} already, not {lora_request.name!r} at "
+                                             f"{lora_request.path!r}")
+        return adapter
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestDelta]:
         """Ends requests at once, freeing their blocks; returns their last deltas (finish_reason "abort")."""
@@ -390,6 +415,12 @@ class LLMEngine:
         self.block_manager.check_integrity()
         for req in self.scheduler.running:
             assert req.status == RequestStatus.RUNNING, req
+        if self.lora_slots is not None:
+            users = [0] * self.lora_slots.num_slots
+            for req in self.scheduler.running:
+                if req.lora is not None:
+                    users[req.lora_slot] += 1
+            self.lora_slots.check_integrity(users)
         self.structured.check_integrity(self.scheduler.requests)
         if not self.groups:
             assert not self.scheduler.requests, f"requests left: {list(self.scheduler.requests)}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.lora import LoRAAdapter
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit or shared blocks)
     sample_seed: int | None = None  # seed of this sequence's generator (a child of n > 1 gets seed + index)
+    lora_slot: int = -1  # the GPU slot of its LoRA adapter (-1: the base model); fixed while it runs
 
 
 @dataclass
@@ -70,6 +72,9 @@ class SchedulerOutput:
     # The allowed tokens of the constrained requests that sample in this step, when the driver knows them at launch
     # (None: no constraint, or the executor awaits them after launch: engine/executor.py, deferred sampling).
     grammar_bitmask: GrammarBitmask | None = None
+    # LoRA adapters each rank loads into their slots before the step's forward (slot, adapter): the slot's previous
+    # adapter is used by no request of this step (engine/lora.py LoRASlots).
+    lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import RequestGrammar
+    from engine.lora import LoRAAdapter
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,6 +83,8 @@ class Request:
     first_token_time: float | None = None
     is_suspect: bool = False  # in a step that failed: runs alone until it samples again (Scheduler.isolate)
     grammar: RequestGrammar | None = None  # structured outputs: this sequence's matcher (engine/grammar.py)
+    lora: LoRAAdapter | None = None  # its LoRA adapter (None: the base model)
+    lora_slot: int = -1  # the GPU slot its adapter is in while it runs (-1: none held)
 
     def __post_init__(self):
         if not self.parent_id:

@@ -17,14 +17,16 @@ from collections import deque
 
 from engine.block_manager import Allocation, BlockManager
 from engine.config import SchedulerConfig
+from engine.lora import LoRASlots
 from engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_slots: LoRASlots | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # LoRA: a request runs only with its adapter in a GPU slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -51,6 +53,7 @@ class Scheduler:
             self.waiting.remove(req)  # waiting requests hold no state on the workers
         req.status = status
         self.block_manager.free(req)
+        self._release_lora(req)
         if req.grammar is not None:
             req.grammar.release()
         return req
@@ -81,6 +84,8 @@ class Scheduler:
             if not out.preempted_req_ids:
                 self._schedule_waiting(out, budget)
         out.kv_offloads, out.block_copies, out.kv_onloads = self.block_manager.take_transfers()
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens:
@@ -123,17 +128,23 @@ class Scheduler:
             if self._waits_for_leader(req):
                 skipped.append(req)  # n > 1: its leader's prompt is not computed yet
                 continue
+            if not self._can_run_adapter(req):
+                skipped.append(req)  # every slot holds an adapter that running requests use: it waits
+                continue
             allocation = self._admit(req, budget)
             if allocation is None:
                 self.waiting.appendleft(req)
                 break
+            if req.lora is not None:
+                assert self.lora_slots is not None, "a LoRA request in an engine without LoRA slots"
+                req.lora_slot = self.lora_slots.acquire(req.lora)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
                 req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                allocation.block_ids, req.num_computed_tokens, req.sample_seed))
+                allocation.block_ids, req.num_computed_tokens, req.sample_seed, req.lora_slot))
             out.num_scheduled_tokens[req.req_id] = allocation.num_new_tokens
             budget -= allocation.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
@@ -169,9 +180,23 @@ class Scheduler:
             self._preempt(req, None)
             req.is_suspect = True
 
+    def _can_run_adapter(self, req: Request) -> bool:
+        """A request of the base model, or one whose adapter has a GPU slot or can get one now."""
+        if req.lora is None:
+            return True
+        assert self.lora_slots is not None, "a LoRA request in an engine without LoRA slots"
+        return self.lora_slots.can_acquire(req.lora.request.id)
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            assert self.lora_slots is not None
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
+
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         self.running.remove(req)
         self.block_manager.preempt(req)
+        self._release_lora(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preempted_tokens = min(req.num_computed_tokens, req.num_tokens)
         req.num_computed_tokens = 0

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "engine.request_output",
     "CompletionOutput": "engine.request_output",
     "ParamError": "engine.errors",
+    "LoRARequest": "engine.lora",
 }
 
 __all__ = list(_EXPORTS)

@@ -15,6 +15,7 @@ from typing import cast
 from cluster.executors import pick_executor
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.prompts import Prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, default_sampling_overrides
@@ -35,9 +36,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order. A prompt that is invalid raises
-        a ParamError (a ValueError) before any work starts."""
+        a ParamError (a ValueError) before any work starts. lora_request: one adapter for every prompt, or one
+        (or None: the base model) per prompt; needs LLM(enable_lora=True)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -49,11 +52,19 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            self.engine.lora_adapter(lora)  # a bad adapter fails here, before any request is added
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params_list)]
         # Each request gets its own params object (the engine fills in its stop ids); stream=False: the engine
         # reports each request once, finished, with its whole output.
-        ids = [self.engine.add_processed(None, token_ids, replace(sp), stream=False)
-               for (_, token_ids), sp in zip(processed, params_list)]
+        ids = [self.engine.add_processed(None, token_ids, replace(sp), stream=False, lora_request=lora)
+               for (_, token_ids), sp, lora in zip(processed, params_list, loras)]
         return self._run(ids, processed, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -9,6 +9,7 @@ graph replay needs no copies beyond these.
     seq_lens    [max_seqs]     ──►     seq_lens                        the first B entries
     query_start [max_seqs + 1] ──►     query_start_loc
     block_table [max_seqs, max_blocks] ──► block_tables
+    lora_slots  [max_tokens]   ──►     lora_slots                      each token's LoRA slot, -1: base (with LoRA)
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, has_lora: bool = False):
         self.block_size = block_size
+        self.has_lora = has_lora  # LoRA slots are filled, copied and seen by the model (CUDA graphs: always)
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = device.type == "cuda"
@@ -48,6 +50,7 @@ class InputBuffers:
                 "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs, torch.int32),
                 "query_start_loc": host(max_seqs + 1, torch.int32),
                 "block_tables": host((max_seqs, max_blocks_per_seq), torch.int32),
+                "lora_slots": host(max_tokens if has_lora else 1, torch.int32),
             }
 
         # Two host sets, used in turn: with overlapped steps the host writes step N+1's inputs while step N's
@@ -67,10 +70,14 @@ class InputBuffers:
         self.host, self.np = self.host_sets[self.current], self.np_sets[self.current]
 
     def fill(self, token_ids: list[list[int]], starts: list[int], counts: list[int],
-             block_ids: list[list[int]]) -> tuple[int, int]:
-        """Writes one step's inputs into the host buffers; returns (num_tokens, max_blocks in the batch)."""
+             block_ids: list[list[int]], lora_slots: list[int] | None = None) -> tuple[int, int]:
+        """Writes one step's inputs into the host buffers; returns (num_tokens, max_blocks in the batch).
+        lora_slots: each sequence's LoRA slot (-1: none), with has_lora."""
         self.next_step()
         n = self.np
+        if self.has_lora:
+            assert lora_slots is not None, "a LoRA runner's step needs its sequences' slots"
+            n["lora_slots"][:sum(counts)] = np.repeat(lora_slots, counts)
         bs = self.block_size
         offset, max_blocks = 0, 1
         n["query_start_loc"][0] = 0
@@ -97,6 +104,8 @@ class InputBuffers:
         """Rows num_seqs..padded of a padded decode batch: no KV write, a one-token context in block 0."""
         n = self.np
         n["input_ids"][num_seqs:padded] = 0
+        if self.has_lora:
+            n["lora_slots"][num_seqs:padded] = -1
         n["positions"][num_seqs:padded] = 0
         n["slot_mapping"][num_seqs:padded] = -1
         n["seq_lens"][num_seqs:padded] = 1
@@ -105,7 +114,7 @@ class InputBuffers:
 
     def copy_to_device(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         h, d = self.host, self.dev
-        for name in ("input_ids", "positions", "slot_mapping"):
+        for name in ("input_ids", "positions", "slot_mapping") + (("lora_slots",) if self.has_lora else ()):
             d[name][:num_tokens].copy_(h[name][:num_tokens], non_blocking=True)
         d["seq_lens"][:num_seqs].copy_(h["seq_lens"][:num_seqs], non_blocking=True)
         d["query_start_loc"][:num_seqs + 1].copy_(h["query_start_loc"][:num_seqs + 1], non_blocking=True)
@@ -117,11 +126,14 @@ class InputBuffers:
             self.copied[self.current] = event
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, num_block_cols: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Device views for a step of num_tokens tokens over num_seqs sequences."""
+                 use_lora: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Device views for a step of num_tokens tokens over num_seqs sequences. use_lora: whether the model adds
+        adapter deltas (default: whenever the buffers have LoRA slots; False for a step with no adapter)."""
         d = self.dev
+        use_lora = self.has_lora if use_lora is None else use_lora
         meta = AttentionMetadata(
             slot_mapping=d["slot_mapping"][:num_tokens], query_start_loc=d["query_start_loc"][:num_seqs + 1],
             seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs, :num_block_cols],
-            max_query_len=max_query_len, is_decode_only=max_query_len == 1)
+            max_query_len=max_query_len, is_decode_only=max_query_len == 1,
+            lora_slots=d["lora_slots"][:num_tokens] if use_lora else None)
         return d["input_ids"][:num_tokens], d["positions"][:num_tokens], meta

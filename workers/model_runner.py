@@ -28,6 +28,7 @@ from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import HostKVPool, KVCaches, KVMoveError, copy_blocks
+from workers.lora import LoRAManager
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
     RowKnobs,
@@ -56,6 +57,7 @@ class RequestState:
     seed: int | None
     history_slot: int | None = None  # its row of the runner's TokenHistory (requests with penalties, rank 0)
     knobs: RowKnobs | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
+    lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
     num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
 
     def append(self, token_id: int) -> None:
@@ -67,8 +69,9 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
                  scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False,
-                 host_pool: HostKVPool | None = None):
+                 host_pool: HostKVPool | None = None, lora: LoRAManager | None = None):
         self.model = model
+        self.lora = lora  # LoRA slots in the model's linears (workers/lora.py); None: no adapters
         self.kv_caches = kv_caches
         self.host_pool = host_pool  # the host-memory KV tier (CacheConfig.swap_space_gib); None: none
         self.block_size = block_size
@@ -84,7 +87,8 @@ class ModelRunner:
         self.awaiting: PendingStep | None = None  # a launched step whose sampling waits for a grammar bitmask
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
-                                    scheduler_config.max_num_seqs, max_blocks, block_size, device)
+                                    scheduler_config.max_num_seqs, max_blocks, block_size, device,
+                                    has_lora=lora is not None)
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs)
@@ -93,6 +97,8 @@ class ModelRunner:
     # ---- persistent batch ----------------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
         self._move_kv(sched)  # first: a step that fails after this point has made its moves, as the driver assumes
+        for slot, adapter in sched.lora_loads:
+            self.lora.load(slot, adapter)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             state = self.requests.pop(req_id, None)
             self.scoring.discard(req_id)
@@ -143,7 +149,8 @@ class ModelRunner:
             slot = self.history.add(list(new.prompt_token_ids), list(new.output_token_ids))
         return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                             new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, list(new.block_ids),
-                            new.num_computed_tokens, new.sample_seed, slot, row_knobs(new.sampling_params))
+                            new.num_computed_tokens, new.sample_seed, slot, row_knobs(new.sampling_params),
+                            lora_slot=new.lora_slot)
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -162,6 +169,8 @@ class ModelRunner:
         if sched.is_empty:
             return PendingStep(self, [])
         states = [self.requests[req_id] for req_id in sched.num_scheduled_tokens]
+        if self.lora is not None and self.lora.load_errors:
+            self._check_lora_slots(states)
         counts = list(sched.num_scheduled_tokens.values())
         hidden, sample_rows = self._forward(states, counts)
         prompt_logprobs = None
@@ -187,6 +196,14 @@ class ModelRunner:
             return step
         self._sample(step, sched.grammar_bitmask)
         return step
+
+    def _check_lora_slots(self, states: list[RequestState]) -> None:
+        """A request whose adapter's slot failed to load fails the step (the driver then retries its requests one
+        by one, so that only those of the adapter fail)."""
+        errors = self.lora.load_errors
+        broken = next((s for s in states if s.lora_slot in errors), None)
+        if broken is not None:
+            raise ValueError(f"{broken.req_id}: {errors[broken.lora_slot]}")
 
     @torch.inference_mode()
     def _sample(self, step: PendingStep, bitmask: GrammarBitmask | None) -> None:
@@ -252,8 +269,9 @@ class ModelRunner:
                 feed_positions.append(offset + count - 1)
                 feed_rows.append(self.prev_rows[state.req_id])
             offset += count
+        lora_slots = [s.lora_slot for s in states] if self.lora is not None else None
         num_tokens, num_block_cols = self.buffers.fill([s.token_ids for s in states], starts, counts,
-                                                       [s.block_ids for s in states])
+                                                       [s.block_ids for s in states], lora_slots)
         sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
                        if start + count == len(s.token_ids) + s.num_pending]
         feed = self._feed(feed_positions, feed_rows)
@@ -262,7 +280,9 @@ class ModelRunner:
             return self.graphs.replay(len(states), feed), sample_rows
         self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
         feed()
-        ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols)
+        use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows only skips the adapters
+        ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols,
+                                                     use_lora)
         return self.model(ids, positions, self.kv_caches, meta), sample_rows
 
     def _feed(self, positions: list[int], rows: list[int]):

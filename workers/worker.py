@@ -31,6 +31,7 @@ from workers.kv_pool import (
     num_host_blocks,
 )
 from workers.kv_scales import attention_layers, calibrate_kv_scales
+from workers.lora import LoRAManager
 from workers.model_runner import ModelRunner
 from workers.sampler import warm_up_sampler
 from workers.weights import load_model
@@ -52,6 +53,7 @@ class Worker:
         self.dtype = TORCH_DTYPES[resolve_dtype(config.model.dtype, self.device_kind, config.model.hf_config)]
         self.kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.model = None
+        self.lora: LoRAManager | None = None  # adapter slots, with enable_lora
         self.runner: ModelRunner | None = None
         self.startup = StartupTimes()
         configure_kernels(kernel_settings())
@@ -80,6 +82,8 @@ class Worker:
             self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
                                     model_config.load_format, model_config.seed, model_config.max_model_len,
                                     model_config.quant_config)
+            if self.config.lora is not None:  # before the KV profile: the slots take their memory first
+                self.lora = LoRAManager(self.model, self.config.lora, model_config.hf_config, self.dtype, self.device)
         if self.kv_dtype == FP8_DTYPE:
             with self.startup.phase("kv_scales"):
                 scales = calibrate_kv_scales(self.model, self.device, self.dtype,
@@ -139,7 +143,8 @@ class Worker:
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
                                       use_cuda_graphs=not (self.config.parallel.enforce_eager
-                                                           or references_forced()), host_pool=host_pool)
+                                                           or references_forced()), host_pool=host_pool,
+                                      lora=self.lora)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if host_pool is not None:  # the operator's memory: say how much

@@ -24,11 +24,12 @@ class PagedSequences:
         self.block_tables = torch.stack([block_ids[i::num_seqs][:max_blocks] for i in range(num_seqs)]).int()
         self.num_cached = [0] * num_seqs
 
-    def step(self, chunks: list[list[int]]) -> torch.Tensor:
-        """chunks[b]: the next token ids of sequence b (empty: not scheduled). Returns float32 logits [T, vocab]."""
+    def step(self, chunks: list[list[int]], lora_slots: list[int] | None = None) -> torch.Tensor:
+        """chunks[b]: the next token ids of sequence b (empty: not scheduled); lora_slots[b]: its LoRA slot (-1:
+        none; None: no adapters). Returns float32 logits [T, vocab]."""
         from workers.layers.attention import AttentionMetadata
 
-        ids, positions, slots, query_start, seq_lens, tables = [], [], [], [0], [], []
+        ids, positions, slots, query_start, seq_lens, tables, token_loras = [], [], [], [0], [], [], []
         for b, chunk in enumerate(chunks):
             if not chunk:
                 continue
@@ -37,6 +38,7 @@ class PagedSequences:
                 pos = start + i
                 ids.append(token)
                 positions.append(pos)
+                token_loras.append(-1 if lora_slots is None else lora_slots[b])
                 slots.append(int(self.block_tables[b, pos // self.block_size]) * self.block_size
                              + pos % self.block_size)
             self.num_cached[b] += len(chunk)
@@ -51,6 +53,7 @@ class PagedSequences:
             block_tables=torch.stack(tables),
             max_query_len=max(query_lens),
             is_decode_only=all(n == 1 for n in query_lens),
+            lora_slots=None if lora_slots is None else torch.tensor(token_loras, dtype=torch.int32),
         )
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)

@@ -31,6 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     max_query_len: int
     is_decode_only: bool  # every query length is 1
+    lora_slots: torch.Tensor | None = None  # int32 [T]: each token's LoRA slot (-1: base); None: no adapter
 
 
 class KVScaledAttention(nn.Module):

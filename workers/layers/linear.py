@@ -9,6 +9,11 @@ Weights keep the Hugging Face layout `[out_features, in_features]`.
 Each parameter carries `weight_loader(param, loaded, shard_id=None)`. `loaded` is a safetensors slice
 (`safe_open(...).get_slice(name)`) or a tensor; a loader indexes only this rank's part of it (`loaded[a:b]`,
 `loaded[:, a:b]`), so a rank never reads the whole checkpoint tensor.
+
+With LoRA (workers/lora.py) a layer also holds `lora`, its adapters' stacked slots, and a forward given
+`lora_slots` (each token's slot, -1: none) adds each token's adapter delta to its output: a column-parallel layer
+holds its output rows of B (A whole), a row-parallel one its input columns of A (B whole) and adds its partial
+delta before the all-reduce, which sums it as it sums the partial outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
+from kernels.activation import silu_and_mul
 from kernels.fp8 import QuantizedRows
 from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
@@ -71,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
         _make_weight(self, self.out_features_per_rank, in_features, dtype, device, is_k_split=False)
         self.bias = _param((self.out_features_per_rank,), dtype, device, self.weight_loader) if bias else None
+        self.lora = None  # workers/lora.py LoRAWeights, with enable_lora
 
     def shard(self, shard_id=None) -> Shard:
         """This rank's part of a checkpoint tensor (see `Shard`)."""
@@ -86,9 +93,19 @@ class ColumnParallelLinear(nn.Module):
     def takes_quantized_rows(self) -> bool:
         return takes_quantized_rows(self)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False, quantize_output: bool = False):
+    def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False, quantize_output: bool = False,
+                lora_slots: torch.Tensor | None = None):
         # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)], as
-        # QuantizedRows with quantize_output (for an FP8 layer after that takes_quantized_rows)
+        # QuantizedRows with quantize_output (for an FP8 layer after that takes_quantized_rows); lora_slots: int32
+        # [T], each token's adapter slot (None: no adapter in the step)
+        if lora_slots is None or self.lora is None:
+            return self._forward(x, gated, quantize_output)
+        assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
+        out = self._forward(x, False, False)  # the adapters add to the [gate ; up] output before the SiLU-and-mul
+        self.lora.apply(out, x, lora_slots)
+        return silu_and_mul(out, quantize_output) if gated else out
+
+    def _forward(self, x: torch.Tensor | QuantizedRows, gated: bool, quantize_output: bool):
         if self.quant_config is not None and self.quant_config.is_packed_int:
             assert not quantize_output, "only an FP8 layer quantizes its output"
             return linear_int(self, x, self.bias, gated)
@@ -196,6 +213,7 @@ class RowParallelLinear(nn.Module):
         self.out_features = out_features
         _make_weight(self, out_features, self.in_features_per_rank, dtype, device, is_k_split=True)
         self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
+        self.lora = None  # workers/lora.py LoRAWeights, with enable_lora
 
     def shard(self, shard_id=None) -> Shard:
         assert shard_id is None, f"RowParallelLinear takes no shard_id, got {shard_id!r}"
@@ -209,8 +227,10 @@ class RowParallelLinear(nn.Module):
     def takes_quantized_rows(self) -> bool:
         return takes_quantized_rows(self)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        # x: [T, in / tp] -> [T, out]
+    def forward(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in / tp] -> [T, out]; lora_slots: int32 [T], each token's adapter slot (None: no adapter in the step)
+        if lora_slots is not None and self.lora is not None:
+            return self._forward_lora(x, lora_slots)
         if self.quant_config is not None and self.quant_config.is_packed_int:
             y = linear_int(self, x, None)
             if not self.reduce_results:
@@ -227,6 +247,22 @@ class RowParallelLinear(nn.Module):
             y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
+    def _forward_lora(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output plus its partial adapter delta (its input columns of A), then the all-reduce:
+        both are linear in x's columns, so the sum over ranks is the whole delta."""
+        assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
+        if self.quant_config is not None and self.quant_config.is_packed_int:
+            y = linear_int(self, x, None)
+        elif self.quant_config is not None:
+            y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
+        else:
+            y = linear(x, self.weight)
+        self.lora.apply(y, x, lora_slots)
+        if not self.reduce_results:
+            return y
+        y = all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
 
 def takes_quantized_rows(layer: nn.Module) -> bool:
     """FP8 weights with per-row scales and per-token activations: the kernel before the layer (an RMSNorm, a
@@ -234,7 +270,7 @@ def takes_quantized_rows(layer: nn.Module) -> bool:
     it in a pass of its own."""
     config = layer.quant_config
     return (config is not None and not config.is_packed_int and layer.block_size is None
-            and layer.input_scale is None)
+            and layer.input_scale is None and layer.lora is None)  # adapters read the input in the model dtype
 
 
 def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device, is_k_split: bool) -> None:

@@ -1,0 +1,85 @@
+"""LoRA admission, driven with hand-made outputs: a request runs only with its adapter in a GPU slot; with more
+adapters than slots the others wait (never fail) and take a slot once no running request uses it (LRU); each
+slot's load is sent once, in the step that first needs it."""
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.lora import LoRAAdapter, LoRARequest, LoRASlots
+from engine.outputs import ModelRunnerOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def adapter(adapter_id: int) -> LoRAAdapter:
+    return LoRAAdapter(LoRARequest(f"a{adapter_id}", adapter_id, f"/adapters/{adapter_id}"), 8, 2.0,
+                       frozenset({(0, "q_proj")}))
+
+
+def make_scheduler(max_loras: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, 64, 1024), BlockManager(64, 4), LoRASlots(max_loras))
+
+
+def request(req_id: str, lora: LoRAAdapter | None, max_tokens: int = 3) -> Request:
+    return Request(req_id, [5, 6, 7, 8, 9], SamplingParams(max_tokens=max_tokens), max_tokens, lora=lora)
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    result = ModelRunnerOutput()
+    for req_id in out.num_scheduled_tokens:
+        req = s.requests[req_id]
+        if req.num_computed_tokens == req.num_tokens:
+            result.req_ids.append(req_id)
+            result.sampled_token_ids.append(1)
+            result.logprobs.append(None)
+    s.update_from_output(out, result)
+    return out
+
+
+def users(s: Scheduler) -> list[int]:
+    counts = [0] * s.lora_slots.num_slots
+    for req in s.running:
+        if req.lora is not None:
+            counts[req.lora_slot] += 1
+    return counts
+
+
+def test_more_adapters_than_slots_wait_then_take_the_lru_slot():
+    s = make_scheduler(max_loras=2)
+    a1, a2, a3 = adapter(1), adapter(2), adapter(3)
+    for req in [request("x1", a1), request("y2", a2, max_tokens=6), request("z3", a3), request("base", None),
+                request("x1b", a1)]:
+        s.add_request(req)
+    first = step(s)
+    assert [(slot, a.request.id) for slot, a in first.lora_loads] == [(0, 1), (1, 2)]
+    assert set(first.num_scheduled_tokens) == {"x1", "y2", "base", "x1b"}  # z3 waits: both slots in use
+    assert {n.req_id: n.lora_slot for n in first.new_reqs} == {"x1": 0, "y2": 1, "base": -1, "x1b": 0}
+    assert [r.req_id for r in s.waiting] == ["z3"]
+    outs = [step(s) for _ in range(2)]  # x1 and x1b finish (3 tokens); slot 0 is used by nobody now
+    assert all(not o.lora_loads for o in outs) and "z3" not in s.running
+    s.lora_slots.check_integrity(users(s))
+    fourth = step(s)
+    assert [(slot, a.request.id) for slot, a in fourth.lora_loads] == [(0, 3)]  # the LRU unused slot: a1's
+    assert [n.lora_slot for n in fourth.new_reqs] == [0]
+    s.lora_slots.check_integrity(users(s))
+    while s.requests:
+        step(s)
+    s.lora_slots.check_integrity([0, 0])
+    s.add_request(request("again", a3))  # still resident: no load
+    assert not step(s).lora_loads
+
+
+def test_preemption_releases_the_slot():
+    s = Scheduler(SchedulerConfig(8, 64, 1024), BlockManager(4, 4), LoRASlots(1))
+    s.add_request(request("a", adapter(1), max_tokens=8))
+    s.add_request(request("b", adapter(1), max_tokens=8))
+    while s.num_preemptions == 0:
+        step(s)
+        s.lora_slots.check_integrity(users(s))
+    preempted = next(r for r in s.requests.values() if r not in s.running)
+    assert preempted.lora_slot == -1
+    while s.requests:
+        step(s)
+        s.lora_slots.check_integrity(users(s))
+    assert s.lora_slots.num_loads == 1  # both always ran in the adapter's one slot

@@ -1,0 +1,170 @@
+"""LoRA in the workers: the shrink / expand references against a per-token loop, the fused linears (q/k/v and gate/up
+slices, row-parallel) against W x + B A x token by token, loading into slots (a reloaded slot holds only its new
+adapter), and tensor parallelism: two gloo ranks with their slices of A or B give the unsharded model's logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import LoRAConfig
+from engine.lora import LoRARequest, read_adapter
+from kernels.lora import lora_expand, lora_shrink
+from workers.lora import LoRAManager, LoRAWeights
+
+PROMPTS = [[5, 17, 42, 99, 300, 7, 8], [600, 2, 31], [9, 10, 11, 12, 13]]
+SLOTS = [0, -1, 1]
+
+
+def _per_token(x, a, b, slots, starts):
+    """sum over slices of B[slot, cols_i] @ A[slot, i] @ x, one token at a time (float64)."""
+    n = b.shape[1]
+    out = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    ends = list(starts[1:]) + [n]
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            out[t, start:end] = b[slot, start:end].double() @ (a[slot, i].double() @ x[t].double())
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+def test_shrink_and_expand_equal_a_per_token_loop(num_tokens):
+    generator = torch.Generator().manual_seed(num_tokens)
+    num_slots, rank, k, starts, n = 3, 16, 24, (0, 12, 20), 28
+    x = torch.randn(num_tokens, k, generator=generator)
+    a = torch.randn(num_slots, len(starts), rank, k, generator=generator)
+    b = torch.randn(num_slots, n, rank, generator=generator)
+    a[1, :, 8:] = 0  # a rank-8 adapter, zero-padded to 16
+    b[1, :, 8:] = 0
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=generator, dtype=torch.int32)
+    y = lora_shrink(x, a, slots)
+    assert y.shape == (len(starts), num_tokens, rank) and y.dtype == torch.float32
+    assert torch.all(y[:, slots < 0] == 0)
+    base = torch.randn(num_tokens, n, generator=generator)
+    out = base.clone()
+    lora_expand(out, y, b, slots, starts)
+    torch.testing.assert_close(out.double(), base.double() + _per_token(x, a, b, slots, starts), atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[slots < 0], base[slots < 0])
+
+
+def _with_slots(linear, num_slots, rank, starts, k, n, generator):
+    linear.weight.data.normal_(generator=generator)
+    linear.lora = LoRAWeights(torch.randn(num_slots, len(starts), rank, k, generator=generator),
+                              torch.randn(num_slots, n, rank, generator=generator), starts)
+    return linear
+
+
+def test_fused_linears_add_each_tokens_adapter(tp_state):
+    from kernels.activation import silu_and_mul
+    from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, hidden, inter = 6, 16, 12
+    x = torch.randn(tokens, hidden, generator=generator)
+    slots = torch.tensor([0, -1, 2, 1, 0, -1], dtype=torch.int32)
+    qkv = _with_slots(QKVParallelLinear(hidden, 4, 4, 2), 3, 8, (0, 16, 24), hidden, 32, generator)
+    gate_up = _with_slots(MergedColumnParallelLinear(hidden, [inter, inter]), 3, 8, (0, inter), hidden, 2 * inter,
+                          generator)
+    down = _with_slots(RowParallelLinear(inter, hidden), 3, 8, (0,), inter, hidden, generator)
+    for layer, inp in ((qkv, x), (gate_up, x), (down, x[:, :inter])):
+        expected = inp.double() @ layer.weight.double().T + _per_token(inp, layer.lora.a, layer.lora.b, slots,
+                                                                      layer.lora.slice_starts)
+        torch.testing.assert_close(layer(inp, lora_slots=slots).double(), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer(inp).double(), inp.double() @ layer.weight.double().T, atol=1e-4, rtol=1e-4)
+    gated = gate_up(x, gated=True, lora_slots=slots)
+    torch.testing.assert_close(gated, silu_and_mul(gate_up(x, lora_slots=slots)))
+    assert not gate_up.takes_quantized_rows
+
+
+def _adapters(model_dir: str, root: Path) -> list[LoRARequest]:
+    from tests.lora_adapters import make_adapter
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return [LoRARequest("every", 1, make_adapter(model_dir, str(root / "every"), 16, 32.0, every, seed=1)),
+            LoRARequest("qv-down", 2, make_adapter(model_dir, str(root / "qv-down"), 8, 8.0,
+                                                   ["q_proj", "v_proj", "down_proj"], seed=2, use_rslora=True))]
+
+
+def _paged_sequences_class():
+    spec = importlib.util.spec_from_file_location("_workers_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PagedSequences
+
+
+def _logits(model, lora_slots) -> torch.Tensor:
+    seqs = _paged_sequences_class()(model, num_seqs=len(PROMPTS))
+    prefill = seqs.step([p[:-1] for p in PROMPTS], lora_slots)
+    decode = seqs.step([p[-1:] for p in PROMPTS], lora_slots)
+    return None if prefill is None else torch.cat([prefill, decode])
+
+
+def _load(model_dir: str, loras: list[LoRARequest], max_loras: int = 2):
+    """The tiny model with a LoRAManager (max_cpu_loras = max_loras), adapter i loaded into slot i % max_loras."""
+    from workers.weights import load_model
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    model = load_model(hf_config, model_dir, torch.float32, "cpu")
+    manager = LoRAManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=16), hf_config, torch.float32, "cpu")
+    for i, lora in enumerate(loras):
+        manager.load(i % max_loras, read_adapter(lora, hf_config, 16))
+    return model, manager
+
+
+def test_slots_match_peft_and_a_reloaded_slot_holds_only_its_adapter(tiny_model_dir, tmp_path):
+    from tests.hf_oracle import hf_logprobs
+    from tests.lora_adapters import peft_model
+
+    loras = _adapters(tiny_model_dir, tmp_path)
+    model, manager = _load(tiny_model_dir, loras)
+    logits = _logits(model, SLOTS)
+    # the sequence in slot 0, prefill and decode rows, against transformers + peft
+    ref = torch.exp(hf_logprobs(peft_model(tiny_model_dir, loras[0].path), PROMPTS[0]))
+    mine = torch.softmax(torch.cat([logits[:len(PROMPTS[0]) - 1], logits[-3:-2]]), -1)
+    torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
+    # slot 0 reloaded with the other adapter: exactly as if it had been loaded there first
+    manager.load(0, read_adapter(loras[1], _config(tiny_model_dir), 16))
+    fresh, _ = _load(tiny_model_dir, [loras[1]])
+    torch.testing.assert_close(_logits(model, [0, -1, 0]), _logits(fresh, [0, -1, 0]), atol=0, rtol=0)
+    assert list(manager.cache) == [loras[0].id, loras[1].id] and manager.slots == [2, 2]
+    _, small = _load(tiny_model_dir, loras, max_loras=1)
+    assert list(small.cache) == [loras[1].id]  # the host cache keeps max_cpu_loras, least recent out
+
+
+def _config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def _rank_main(rank, model_dir, loras, init_method, out_dir):
+    from workers import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_parallel(rank, 2, backend="gloo", init_method=init_method)
+    try:
+        model, _ = _load(model_dir, loras)
+        torch.save(_logits(model, SLOTS), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        parallel.destroy_parallel()
+
+
+def test_tp2_matches_tp1(tiny_model_dir, tmp_path):
+    """Column-parallel layers hold their rows of B, row-parallel ones their columns of A, whose partial deltas the
+    all-reduce sums: rank 0's logits equal the unsharded model's."""
+    loras = _adapters(tiny_model_dir, tmp_path)
+    model, _ = _load(tiny_model_dir, loras)
+    expected = _logits(model, SLOTS)
+    assert not torch.allclose(expected, _logits(model, None), atol=1e-2)  # the adapters do change the logits
+    mp.start_processes(_rank_main, args=(tiny_model_dir, loras, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    assert torch.load(tmp_path / "rank1.pt") is None
+    torch.testing.assert_close(torch.load(tmp_path / "rank0.pt"), expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,164 @@
+"""LoRA adapters on a worker: preallocated GPU slots in every target linear, and loading an adapter into a slot.
+
+Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, rank zero-padded to max_lora_rank):
+
+    layer          slices         a [S, n, R, K]                    b [S, N, R]
+    qkv_proj       q, k, v        hidden (whole)                    this rank's q ; k ; v rows
+    gate_up_proj   gate, up       hidden (whole)                    this rank's gate ; up rows
+    o_proj         -              this rank's input columns         out (whole)
+    down_proj      -              this rank's input columns         out (whole)
+
+A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
+output (workers/layers/linear.py), every token with its own slot: no loop over adapters. A slot an adapter leaves
+a module out of holds zeros there. Loading reads `adapter_model.safetensors` (through a host-memory LRU cache of
+`max_cpu_loras` adapters, this rank's parts already cut, scaled and cast), zeroes the slot and copies the parts in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from engine.config import LoRAConfig
+from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
+from kernels.lora import MAX_RANK, lora_expand, lora_shrink
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+# checkpoint module -> (the layer's attribute path, its slice, the layer's shard id)
+_MODULES = {
+    "q_proj": ("self_attn.qkv_proj", 0, "q"), "k_proj": ("self_attn.qkv_proj", 1, "k"),
+    "v_proj": ("self_attn.qkv_proj", 2, "v"), "o_proj": ("self_attn.o_proj", 0, None),
+    "gate_proj": ("mlp.gate_up_proj", 0, 0), "up_proj": ("mlp.gate_up_proj", 1, 1),
+    "down_proj": ("mlp.down_proj", 0, None),
+}
+
+
+@dataclass
+class LoRAWeights:
+    """One linear's adapter slots."""
+
+    a: torch.Tensor  # [max_loras, n_slices, max_lora_rank, in_features (this rank's part)]
+    b: torch.Tensor  # [max_loras, out_features (this rank's part), max_lora_rank], scaling folded in
+    slice_starts: tuple[int, ...]  # each slice's first output column
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]
+        lora_expand(out, lora_shrink(x, self.a, slots), self.b, slots, self.slice_starts)
+
+
+@dataclass
+class _Part:
+    """One LoRA tensor pair, cut to this rank, ready to copy into a slot."""
+
+    weights: LoRAWeights
+    index: int  # the slice
+    rows: slice  # the output rows of b it fills
+    a: torch.Tensor  # [r, K part]
+    b: torch.Tensor  # [rows, r], scaled
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, hf_config: dict, dtype: torch.dtype, device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and config.max_lora_rank > MAX_RANK:
+            raise ValueError(f"max_lora_rank {config.max_lora_rank}: the LoRA kernels take ranks up to {MAX_RANK}")
+        self.layers = model.model.layers
+        self.modules = lora_module_shapes(hf_config)  # the linears that take adapters: the driver checks against it
+        self.weights: dict[str, LoRAWeights] = {}  # "{layer}.{attribute path}" -> its slots
+        for i, layer in enumerate(self.layers):
+            for path in dict.fromkeys(_MODULES[m][0] for m in self.modules):
+                linear = layer.get_submodule(path)
+                linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
+        self.cache: OrderedDict[int, list[_Part]] = OrderedDict()  # adapter id -> its parts, least recent first
+        self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
+        self.load_errors: dict[int, str] = {}  # slot -> why its last load failed
+
+    def _make_slots(self, linear: torch.nn.Module) -> LoRAWeights:
+        slots, rank = self.config.max_loras, self.config.max_lora_rank
+        if isinstance(linear, RowParallelLinear):
+            k, n, starts = linear.in_features_per_rank, linear.out_features, (0,)
+        else:
+            assert isinstance(linear, ColumnParallelLinear), type(linear)
+            k, n = linear.in_features, linear.out_features_per_rank
+            if hasattr(linear, "q_size"):  # QKVParallelLinear
+                starts = (0, linear.q_size, linear.q_size + linear.kv_size)
+            else:  # MergedColumnParallelLinear: gate ; up
+                starts = (0, linear.sizes_per_rank[0])
+        return LoRAWeights(torch.zeros(slots, len(starts), rank, k, dtype=self.dtype, device=self.device),
+                           torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device), starts)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Puts the adapter into the slot (in the step's order on the device: after the steps before it). If its
+        files cannot be read now, the slot is left empty (zeros) with the error in `load_errors`: a request in that
+        slot then fails (ModelRunner.check_lora_slots) rather than run with what the slot held before, and the
+        step's other loads still happen."""
+        self.slots[slot] = None
+        for weights in self.weights.values():
+            weights.a[slot].zero_()
+            weights.b[slot].zero_()
+        try:
+            parts = self._parts(adapter)
+        except Exception as e:  # noqa: BLE001 - logged, and the requests of this slot fail with it
+            logger.exception("LoRA adapter %r failed to load into slot %d", adapter.request.name, slot)
+            self.load_errors[slot] = f"adapter {adapter.request.name!r} failed to load: {type(e).__name__}: {e}"
+            return
+        self.load_errors.pop(slot, None)
+        non_blocking = self.device.type == "cuda"
+        for part in parts:
+            r = part.a.shape[0]
+            part.weights.a[slot, part.index, :r].copy_(part.a, non_blocking=non_blocking)
+            part.weights.b[slot, part.rows, :r].copy_(part.b, non_blocking=non_blocking)
+        self.slots[slot] = adapter.request.id
+
+    def _parts(self, adapter: LoRAAdapter) -> list[_Part]:
+        """The adapter's parts for this rank, from the host cache or read now (evicting the least recent)."""
+        adapter_id = adapter.request.id
+        parts = self.cache.get(adapter_id)
+        if parts is None:
+            parts = self._read(adapter)
+            self.cache[adapter_id] = parts
+            while len(self.cache) > self.config.max_cpu_loras:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(adapter_id)
+        return parts
+
+    def _read(self, adapter: LoRAAdapter) -> list[_Part]:
+        request = adapter.request
+        tensors = load_file(os.path.join(request.path, WEIGHTS_FILE))
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            parsed = parse_tensor_name(name)
+            if parsed is None or parsed[1] not in self.modules or parsed[0] >= len(self.layers):
+                raise ValueError(f"adapter {request.name!r}: tensor {name!r} has no LoRA slot in this model")
+            in_features, out_features = self.modules[parsed[1]]
+            expected = (adapter.rank, in_features) if parsed[2] == "A" else (out_features, adapter.rank)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"adapter {request.name!r}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                                 f"base model needs {expected}")
+            pairs.setdefault(parsed[:2], {})[parsed[2]] = tensor
+        pin = self.device.type == "cuda"
+        parts = []
+        for (layer, module), pair in sorted(pairs.items()):
+            path, index, shard_id = _MODULES[module]
+            linear = self.layers[layer].get_submodule(path)
+            a, b = pair["A"].float(), pair["B"].float() * adapter.scaling  # b: [out, r]
+            if isinstance(linear, RowParallelLinear):
+                cols = linear.shard().src_cols
+                a, rows = a[:, cols], slice(None)
+            else:
+                shard = linear.shard(shard_id)
+                b, rows = b[shard.src_rows], shard.dst
+            a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            parts.append(_Part(self.weights[f"{layer}.{path}"], index, rows, a, b))
+        return parts
