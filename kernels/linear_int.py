@@ -67,6 +67,7 @@ from kernels._triton import (
     use_triton,
     wait_for_prior,
 )
+from kernels.int_decode import can_stream, linear_int_stream
 from kernels.int_tiles import weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
@@ -308,18 +309,25 @@ def gemm_config(num_rows: int, out_features: int, gated: bool, dtype: torch.dtyp
 
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                       bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
-    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Its settings: `config`
-    over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
+    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Up to MAX_ROWS rows of a
+    layout `int_decode.can_stream` takes, without `config`: the streaming kernel (kernels/int_decode.py). Else
+    `_int_linear_kernel`, its settings `config` over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
     k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     zero_term = _check_packed_launchable(qweight, qzeros, scales, g_idx, mins, x, bias)
     check_last_dim_contiguous("x", x)
     num_rows, out_features = x.shape[0], n // 2 if gated else n
+    if (config is None and num_rows > 0 and out_features > 0
+            and can_stream(packing, g_idx, group_size or k, k, out_features, num_rows, MAX_ROWS)):
+        return linear_int_stream(x, qweight, zero_term, scales, group_size or k, packing, bias, gated,
+                                 mins is not None, upcast_dot_operands(x.dtype, x.device), dot_precision(x.dtype))
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return out
     default = (decode_config(num_rows) if num_rows <= MAX_ROWS
                else gemm_config(num_rows, out_features, gated, x.dtype, x.device))
     cfg = {**default, **(config or {})}
+    if x.dtype == torch.float32:  # its dot in float32 stages wide tiles in shared memory: past 227 KB at 16-bit sizes
+        cfg |= {"BLOCK_K": min(cfg["BLOCK_K"], 32), "num_stages": 1}
     p = packing.pack_factor
     # whole words: AWQ's up half starts on one (and every tile does: BLOCK_N, BLOCK_K are multiples of p)
     unpack_once = cfg["UNPACK_ONCE"] and (packing.is_packed_along_k or out_features % p == 0)
