@@ -51,7 +51,7 @@ from kernels._triton import (
 from kernels.int_tiles import field_magic, field_zero_term, minus_z
 from kernels.linear import store_output
 
-MAX_SPLIT_K = 8
+MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a batch's rows pick no new variant (1 and multiples of 16 would)
 def _int_decode_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, group_size,
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col, up_word,
@@ -217,8 +217,9 @@ def _int_decode_kernel(
     PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out [M, N] (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) = x @ W.T for the tile of output features
-    program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the slices whole K tiles)."""
+    """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
+    of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
+    slices whole K tiles)."""
     wait_for_prior(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
@@ -281,10 +282,11 @@ def _store_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, slot, GATED: tl.c
 @triton.jit
 def _sum_slices(part_ptr, tile, mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """The tile's SPLIT_K slices added in slice order (the same result whichever program is last), from L2."""
+    """The tile's SPLIT_K slices added in slice order (the same result whichever program is last), from L2. A loop,
+    not unrolled: unrolled, the compiler issued every slice's loads first (SPLIT_K tiles live at once: spills)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
+    for split in range(SPLIT_K):
         base = part_ptr + split * 2 * slot
         acc += tl.load(base + tile, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
@@ -307,15 +309,18 @@ def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: 
 def stream_config(num_rows: int, out_features: int, in_features: int, group_size: int, packed_along_k: bool,
                   gated: bool, x_itemsize: int, device: torch.device) -> dict:
     """Launch settings: BLOCK_N output features (256 packed along N: 32 words a K row, 8 per warp; 128 along K),
-    K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4 stages of cp.async (3 tiles of 16 KB in flight a program), and
-    split-K until the column tiles times the slices cover the SMs (slices of at least 4 K tiles). A float32 x
-    (its dot in float32) takes tiles half as long. Not yet measured on a GPU."""
-    block_n = 128 if packed_along_k else 256
-    block_k = min(128 if x_itemsize < 4 or packed_along_k else 64, group_size)
+    K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4
+    stages of cp.async (3 tiles of 16 KB in flight a program), and split-K until the column tiles times the slices
+    cover the SMs (slices of at least 4 K tiles). A float32 x (the GPU oracle tests'; its dot in float32) takes 64
+    columns, K tiles of 32 along N. Not yet measured on a GPU."""
+    if x_itemsize == 4:  # its dot without tensor cores holds wide float32 operands in registers: 256 x 64 spilled KBs
+        block_n, block_k = 64, 128 if packed_along_k else 32
+    else:
+        block_n, block_k = (128, 128) if packed_along_k else (256, 128)
+    while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
+        block_k //= 2
     tiles, k_tiles = cdiv(out_features, block_n), in_features // block_k
-    split = 1
-    while split < MAX_SPLIT_K and tiles * split < num_sms(device) and k_tiles // (2 * split) >= 4:
-        split *= 2
+    split = max(1, min(MAX_SPLIT_K, cdiv(num_sms(device), tiles), k_tiles // 4))
     stages = 4
     row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
     while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
@@ -348,7 +353,8 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         x, qweight, zero_term, scales, bias if bias is not None else scales, out, parts,
         counts if counts is not None else qweight, num_rows, out_features, k, group_size,
         x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
-        out_features // packing.pack_factor, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k, AWQ_ORDER=packing.fields is not None,
+        out_features // packing.pack_factor, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
+        AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
         EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],

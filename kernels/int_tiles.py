@@ -118,8 +118,8 @@ def weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, 
 
 @triton.jit
 def lop3_or(a, MASK: tl.constexpr, ASM: tl.constexpr):
-    """(a & MASK) | 0x4B000000 (2^23's bits), int32: one lop3 on a GPU (ASM; LLVM emits an and and an or: ptxas takes one immediate
-    per instruction), plain operators under the interpreter."""
+    """(a & MASK) | 0x4B000000 (2^23's bits), int32: one lop3 on a GPU (ASM; LLVM emits an and and an or: ptxas
+    takes one immediate per instruction), plain operators under the interpreter."""
     if ASM:
         out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
                                         [a, tl.full(a.shape, MASK, tl.int32), tl.full(a.shape, 0x4B000000, tl.int32)],

@@ -57,6 +57,7 @@ from kernels._triton import (
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
+    is_interpreting,
     next_power_of_2,
     num_sms,
     pdl_options,
@@ -307,6 +308,15 @@ def gemm_config(num_rows: int, out_features: int, gated: bool, dtype: torch.dtyp
             "num_stages": stages, "UNPACK_ONCE": True}
 
 
+def float32_tiles(cfg: dict, gated: bool) -> dict:
+    """Tiles for float32 x on a GPU (the GPU oracle tests'): its dot, in float32 without tensor cores, keeps its
+    operands in shared memory and registers at 4 bytes a value: 16-bit tiles overflowed shared memory (245-1,441
+    KB against the H200's 227) and spilled registers. Not under the interpreter, whose tests run every config."""
+    block_m = min(cfg["BLOCK_M"], 64)
+    return {"BLOCK_M": block_m, "BLOCK_N": min(cfg["BLOCK_N"], 128 if not gated else 64),
+            "BLOCK_K": min(cfg["BLOCK_K"], 16), "num_stages": 1, "num_warps": 8 if block_m == 64 else cfg["num_warps"]}
+
+
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                       bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
     """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Up to MAX_ROWS rows of a
@@ -326,8 +336,8 @@ def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None,
     default = (decode_config(num_rows) if num_rows <= MAX_ROWS
                else gemm_config(num_rows, out_features, gated, x.dtype, x.device))
     cfg = {**default, **(config or {})}
-    if x.dtype == torch.float32:  # its dot in float32 stages wide tiles in shared memory: past 227 KB at 16-bit sizes
-        cfg |= {"BLOCK_K": min(cfg["BLOCK_K"], 32), "num_stages": 1}
+    if x.dtype == torch.float32 and not is_interpreting():
+        cfg |= float32_tiles(cfg, gated)
     p = packing.pack_factor
     # whole words: AWQ's up half starts on one (and every tile does: BLOCK_N, BLOCK_K are multiples of p)
     unpack_once = cfg["UNPACK_ONCE"] and (packing.is_packed_along_k or out_features % p == 0)
