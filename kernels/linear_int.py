@@ -27,7 +27,9 @@ of the output, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile
 the gated SiLU-and-mul epilogue is kernels/linear.py's. Two families of launch settings:
 
     rows <= MAX_ROWS (decode)   `decode_config`: one row tile (x padded to 16 rows), narrow column tiles streaming
-                                all of K, each value loading its own word
+                                all of K, each value loading its own word; only for the layouts that
+                                kernels/int_decode.py's streaming kernel does not take (`can_stream`: act-order,
+                                K tiles across groups), which `linear_int_triton` runs otherwise
     more rows (GEMM)            `gemm_config`: row tiles of 32-128 in grouped order (a column tile's weights stay
                                 in L2 while GROUP_M row tiles use them), each packed word loaded once
 

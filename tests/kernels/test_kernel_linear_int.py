@@ -477,18 +477,19 @@ def _within_bf16_rounding(out, ref, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b") for lay in ("awq", "gptq", "gptq-act")])
-def test_gpu_decode_rows_real_layers(model, layout, rows, cuda, spies):
-    """qkv, o, gate_up + silu and down of Llama-3-8B / 70B: AWQ and GPTQ g128 streamed (split-K where the column
-    tiles are fewer than the SMs), GPTQ act-order on the first kernel's decode tiles; against the reference."""
+def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
+    """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows: AWQ and GPTQ g128 streamed
+    (split-K where the column tiles are fewer than the SMs), GPTQ act-order on the first kernel's decode tiles;
+    against the reference."""
     stream = spies["_int_decode_kernel"]
     for op, (layer, k, gated) in _gpu_layers(model, layout).items():
-        x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
-        before = stream.launches
-        out = linear_int(x, **layer, gated=gated)
-        _within_bf16_rounding(out, linear_int_ref(x, **layer, gated=gated), op)
-        assert stream.launches - before == (layout != "gptq-act"), op
+        for rows in (1, 7, 16):
+            x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
+            before = stream.launches
+            out = linear_int(x, **layer, gated=gated)
+            _within_bf16_rounding(out, linear_int_ref(x, **layer, gated=gated), (op, rows))
+            assert stream.launches - before == (layout != "gptq-act"), (op, rows)
 
 
 @pytest.mark.gpu
