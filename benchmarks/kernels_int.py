@@ -2,6 +2,8 @@
 on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows.
 
     bf16 cuBLAS      torch.matmul (F.linear) on the bf16 weight, then silu_and_mul for gate_up: the baseline
+    stream           up to MAX_ROWS rows, layouts without act-order: the streaming decode kernel
+                     (kernels/int_decode.py), what `linear_int` runs for these rows
     decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows); and
                      up to MAX_ROWS "decode tiles, once": the same loading each packed word once (UNPACK_ONCE)
     gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order)
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.int_decode import can_stream
 from kernels.linear import MAX_ROWS, linear_cublas
 from kernels.linear_int import (
     AWQ_GEMM,
@@ -91,6 +94,9 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
     n = bf16[0].shape[0] // (2 if gated else 1)
     if rows <= DECODE_TILES_UP_TO:
         impls["decode tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=decode_config(rows))
+    c = copies[0]
+    if can_stream(c["packing"], c["g_idx"], c["group_size"], x.shape[1], n, rows, MAX_ROWS):
+        impls["stream"] = lambda i: linear_int_triton(x, **copies[i], gated=gated)  # no config: it streams
     if rows <= MAX_ROWS:  # the decode tiles loading each packed word once, as the GEMM tiles do
         once = decode_config(rows) | {"UNPACK_ONCE": True}
         impls["decode tiles, once"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=once)

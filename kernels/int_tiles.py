@@ -106,3 +106,47 @@ def weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, 
                       AWQ_ORDER, UNPACK_ONCE, BLOCK_K, BLOCK_N)
     return dequantized(q, qz_ptr, s_ptr, g_ptr, ks, k_mask, cols, n_mask, stride_qz, stride_s, group_size,
                        ZERO_OFFSET, BITS, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS)
+
+
+# The streaming decode kernel's arithmetic (kernels/int_decode.py): no integer-to-float conversion, no per-element
+# shift. A field of BITS bits that sits at bit SH < 16 of a word (the upper 16 bits shifted down once a word) is
+# OR-ed into the mantissa of 2^23, giving the float 2^23 + q * 2^SH exactly; then one FMA, exact too,
+#     d = v * 2^-SH + (-(2^23 + z * 2^SH) * 2^-SH) = q - z
+# (both products are exact: powers of two), and q - z (|q - z| <= 2^BITS) is exact in bf16 and fp16 for the dot.
+# 0x4B000000: the bits of 2^23 in float32 (a literal in the kernels: they read no Python globals)
+
+
+@triton.jit
+def lop3_or(a, MASK: tl.constexpr, ASM: tl.constexpr):
+    """(a & MASK) | 0x4B000000 (2^23's bits), int32: one lop3 on a GPU (ASM; LLVM emits an and and an or: ptxas
+    takes one immediate per instruction), plain operators under the interpreter."""
+    if ASM:
+        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                        [a, tl.full(a.shape, MASK, tl.int32), tl.full(a.shape, 0x4B000000, tl.int32)],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = (a & MASK) | 0x4B000000
+    return out
+
+
+@triton.jit
+def field_magic(words, F: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """float32 2^23 + q * 2^(BITS * (F % H)), H = 16 // BITS fields a half word: field F of each int32 word."""
+    H: tl.constexpr = 16 // BITS
+    if F >= H:  # the upper half first shifted down (once a word: the same expression for each such field)
+        words = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+    return lop3_or(words, ((1 << BITS) - 1) << (BITS * (F % H)), ASM).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def field_zero_term(zero_words, F_OF_ZERO, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, SH: tl.constexpr):
+    """float32 -(2^23 + z * 2^SH) * 2^-SH for the zero points z = field F_OF_ZERO (a tensor) of zero_words
+    + ZERO_OFFSET: the additive term of `field_magic`'s FMA (a row of them a tile, not a per-element cost)."""
+    z = ((zero_words >> (F_OF_ZERO * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
+    return -((z << SH) | 0x4B000000).to(tl.float32, bitcast=True) * (1.0 / (1 << SH))
+
+
+@triton.jit
+def minus_z(v, zterm, SH: tl.constexpr):
+    """q - z from v = 2^23 + q * 2^SH and zterm = -(2^23 + z * 2^SH) * 2^-SH: one exact FMA."""
+    return v * (1.0 / (1 << SH)) + zterm

@@ -27,7 +27,9 @@ of the output, walks K, and unpacks and dequantizes each [BLOCK_K, BLOCK_N] tile
 the gated SiLU-and-mul epilogue is kernels/linear.py's. Two families of launch settings:
 
     rows <= MAX_ROWS (decode)   `decode_config`: one row tile (x padded to 16 rows), narrow column tiles streaming
-                                all of K, each value loading its own word
+                                all of K, each value loading its own word; only for the layouts that
+                                kernels/int_decode.py's streaming kernel does not take (`can_stream`: act-order,
+                                K tiles across groups), which `linear_int_triton` runs otherwise
     more rows (GEMM)            `gemm_config`: row tiles of 32-128 in grouped order (a column tile's weights stay
                                 in L2 while GROUP_M row tiles use them), each packed word loaded once
 
@@ -57,6 +59,7 @@ from kernels._triton import (
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
+    is_interpreting,
     next_power_of_2,
     num_sms,
     pdl_options,
@@ -67,6 +70,7 @@ from kernels._triton import (
     use_triton,
     wait_for_prior,
 )
+from kernels.int_decode import can_stream, linear_int_stream
 from kernels.int_tiles import weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
@@ -306,20 +310,36 @@ def gemm_config(num_rows: int, out_features: int, gated: bool, dtype: torch.dtyp
             "num_stages": stages, "UNPACK_ONCE": True}
 
 
+def float32_tiles(cfg: dict, gated: bool) -> dict:
+    """Tiles for float32 x on a GPU (the GPU oracle tests'): its dot, in float32 without tensor cores, keeps its
+    operands in shared memory and registers at 4 bytes a value: 16-bit tiles overflowed shared memory (245-1,441
+    KB against the H200's 227) and spilled registers. Not under the interpreter, whose tests run every config."""
+    block_m = min(cfg["BLOCK_M"], 64)
+    return {"BLOCK_M": block_m, "BLOCK_N": min(cfg["BLOCK_N"], 128 if not gated else 64),
+            "BLOCK_K": min(cfg["BLOCK_K"], 16), "num_stages": 1, "num_warps": 8 if block_m == 64 else cfg["num_warps"]}
+
+
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                       bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
-    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Its settings: `config`
-    over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
+    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Up to MAX_ROWS rows of a
+    layout `int_decode.can_stream` takes, without `config`: the streaming kernel (kernels/int_decode.py). Else
+    `_int_linear_kernel`, its settings `config` over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
     k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     zero_term = _check_packed_launchable(qweight, qzeros, scales, g_idx, mins, x, bias)
     check_last_dim_contiguous("x", x)
     num_rows, out_features = x.shape[0], n // 2 if gated else n
+    if (config is None and num_rows > 0 and out_features > 0
+            and can_stream(packing, g_idx, group_size or k, k, out_features, num_rows, MAX_ROWS)):
+        return linear_int_stream(x, qweight, zero_term, scales, group_size or k, packing, bias, gated,
+                                 mins is not None, upcast_dot_operands(x.dtype, x.device), dot_precision(x.dtype))
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return out
     default = (decode_config(num_rows) if num_rows <= MAX_ROWS
                else gemm_config(num_rows, out_features, gated, x.dtype, x.device))
     cfg = {**default, **(config or {})}
+    if x.dtype == torch.float32 and not is_interpreting():
+        cfg |= float32_tiles(cfg, gated)
     p = packing.pack_factor
     # whole words: AWQ's up half starts on one (and every tile does: BLOCK_N, BLOCK_K are multiples of p)
     unpack_once = cfg["UNPACK_ONCE"] and (packing.is_packed_along_k or out_features % p == 0)

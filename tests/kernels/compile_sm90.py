@@ -70,6 +70,7 @@ except Exception as exc:  # noqa: BLE001
 
 import kernels.activation as activation  # noqa: E402
 import kernels.fp8 as fp8  # noqa: E402
+import kernels.int_decode as int_decode  # noqa: E402
 import kernels.kv_cache as kv_cache  # noqa: E402
 import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
@@ -83,8 +84,8 @@ import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe, moe_quant,
-               paged_attention, rms_norm, rotary, sampling):
+for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe,
+               moe_quant, paged_attention, rms_norm, rotary, sampling):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
@@ -106,22 +107,45 @@ def resources(compiled) -> dict:
     memory = re.search(r"\b(?:ld|st|atom|red)\.global|\bcp\.async\.(?:c[ag]|bulk)", ptx)
     # programmatic dependent launch: the wait comes before the kernel's first global memory access
     usage["waits_before_memory"] = wait >= 0 and (memory is None or wait < memory.start())
+    # how the memory is read: 16-byte cp.async copies, int-to-float conversions, local memory (spills, arrays)
+    usage |= {"cp_async_16": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]", ptx)),
+              "int_to_float": len(re.findall(r"\bcvt\.rn\.f32\.[su](?:8|16|32|64)\b", ptx)),
+              "local_memory": len(re.findall(r"\b(?:ld|st)\.local\b", ptx))}
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
             text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
                                   text=True).stdout
+            sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", f.name], capture_output=True, text=True).stdout
         match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
         if match:
             usage |= {"registers": int(match[1]), "spill_bytes": int(match[2]) + int(match[3])}
+        usage["loop_instructions"] = main_loop_length(sass)
     return usage
+
+
+def main_loop_length(sass: str) -> int:
+    """SASS instructions from the target of the longest backward branch to the branch: a kernel's K loop."""
+    addresses, longest = [], 0
+    for line in sass.splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not match:
+            continue
+        address = int(match[1], 16)
+        addresses.append(address)
+        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", match[2])
+        if branch and int(branch[1], 16) < address:
+            target = int(branch[1], 16)
+            longest = max(longest, sum(1 for a in addresses if target <= a <= address))
+    return longest
 
 
 def compile_only(self, *args, grid, warmup, **kwargs):
     compiled = ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    tiles = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GATED") if k in kwargs}
     print(json.dumps({"kernel": self.fn.__name__, "case": CASE[0], "num_warps": compiled.metadata.num_warps,
-                      **resources(compiled)}), flush=True)
+                      **tiles, **resources(compiled)}), flush=True)
     return compiled
 
 
@@ -314,6 +338,41 @@ def int_linear(name, rows, x_features, qweight_shape, qzeros_shape, groups, out_
                                  gated=gated, mins=empty(groups, out_features, dtype=torch.float16) if mins else None)
 
 
+def compile_int_stream() -> None:
+    """The streaming decode kernel (kernels/int_decode.py) on Llama-3-8B's layers (AWQ's above: qkv), and the
+    float32-x launches of tests/kernels/test_kernel_linear_int.py that overflowed shared memory on the H200."""
+    awq, q4 = linear_int.AWQ_GEMM, linear_int.offset_binary(4)
+    gptq4, gptq8 = linear_int.gptq_v1(4), linear_int.gptq_v1(8)
+    for rows in (1, 16):
+        int_linear(f"int4 stream awq gate_up + silu, {rows} rows", rows, 4096, (4096, 2 * 14336 // 8),
+                   (32, 2 * 14336 // 8), 32, 2 * 14336, awq, gated=True)
+        int_linear(f"int4 stream awq down, {rows} rows", rows, 14336, (14336, 4096 // 8), (112, 4096 // 8), 112,
+                   4096, awq)
+        int_linear(f"int4 stream gptq qkv, {rows} rows", rows, 4096, (512, 6144), (32, 6144 // 8), 32, 6144, gptq4)
+    int_linear("int8 stream gptq qkv, 1 rows", 1, 4096, (1024, 6144), (32, 6144 // 4), 32, 6144, gptq8)
+    int_linear("int4 stream awq 70b down, 1 rows", 1, 28672, (28672, 8192 // 8), (224, 8192 // 8), 224, 8192, awq)
+    int_linear("int4 stream gptq 70b gate_up + silu, 1 rows", 1, 8192, (1024, 2 * 28672), (64, 2 * 28672 // 8), 64,
+               2 * 28672, gptq4, gated=True)
+    for name, qweight, qzeros, packing in [("awq", (384, 96 // 8), (3, 96 // 8), awq),
+                                           ("gptq", (384 // 8, 96), (3, 96 // 8), gptq4)]:
+        for gated in (False, True):  # the GPU oracle tests' float32 x, streamed
+            CASE[0] = f"int4 stream float32 x {name}{' gated' if gated else ''}, 5 rows"
+            linear_int.linear_int_triton(empty(5, 384, dtype=torch.float32), empty(*qweight, dtype=torch.int32),
+                                         empty(*qzeros, dtype=torch.int32), empty(3, 96, dtype=torch.float32), None,
+                                         128, packing, gated=gated)
+    int_linear("int4 stream gguf q4_1 g128 qkv, 1 rows", 1, 4096, (512, 6144), None, 32, 6144, q4, mins=True)
+    for name, rows, k, qweight, qzeros, groups, packing, group, gated, config in [
+            ("awq g32 gated", 5, 192, (192, 12), (6, 12), 6, awq, 32, True,
+             dict(BLOCK_N=64, BLOCK_K=128, num_stages=3)),
+            ("gptq g32 gated", 5, 192, (24, 96), (6, 12), 6, gptq4, 32, True, None),
+            ("gemm awq g128", 130, 384, (384, 12), (3, 12), 3, awq, 128, True,
+             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, UNPACK_ONCE=False))]:
+        CASE[0] = f"int float32 x {name}"
+        linear_int.linear_int_triton(empty(rows, k, dtype=torch.float32), empty(*qweight, dtype=torch.int32),
+                                     empty(*qzeros, dtype=torch.int32), empty(groups, 96, dtype=torch.float32),
+                                     None, group, packing, gated=gated, config=config)
+
+
 def compile_int_gemm() -> None:
     """The int linear's GEMM tiles (gemm_config, 17 rows and more) for Llama-3-8B's and 70B's layers in each layout
     family, and the kernel that dequantizes W for cuBLAS."""
@@ -445,6 +504,7 @@ def main() -> int:
             linear_int.linear_int_triton(empty(rows, 14336), empty(14336 // 4, 4096, dtype=torch.int32),
                                          empty(896, 4096 // 4, dtype=torch.int32),
                                          empty(896, 4096, dtype=torch.float32), None, 16, linear_int.offset_binary(8))
+        compile_int_stream()
         compile_int_gemm()
         CASE[0] = "sample 128256"
         rows = [torch.zeros(4) for _ in range(5)]

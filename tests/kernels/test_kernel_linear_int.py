@@ -1,6 +1,8 @@
 """linear_int: the decode-sized W4A16 / W8A16 Triton kernel (AWQ's and GPTQ's packings, g_idx, the gated epilogue)
 against its torch reference, on weights packed as the tools pack them (tests/int4_checkpoints.py)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -236,7 +238,9 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act"], rows_list=[2, 20])
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
-    assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("decode tiles", "decode tiles, once")} <= impls
+    assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("stream", "decode tiles", "decode tiles, once")
+            } <= impls
+    assert not {r for r in impls if r[2] == "stream" and ("gptq-act" in r[0] or r[1] == "rows 20")}
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
                                                                      "dequant+cuBLAS")} <= impls
     bf16, gemm = (next(r for r in runner.results if r["kernel"] == "int4 awq toy o" and r["case"] == "rows 20"
@@ -299,3 +303,210 @@ def test_dequantize_kernel_gguf_layouts_exactly(qtype, device, poisoned_allocati
         bits = torch.int16 if dtype == torch.float16 else torch.int32  # equal bits: -0.0 is not 0.0
         for config in (None, dict(BLOCK_N=32, BLOCK_K=16)):
             assert torch.equal(dequantize_triton(**layer, dtype=dtype, config=config).view(bits), ref.view(bits))
+
+
+# The streaming decode kernel (kernels/int_decode.py): layouts whose K tiles lie in one group. Its W is exact, not
+# rounded to x's dtype first as dequantize_ref rounds it: float32 x matches to float32 rounding, 16-bit x to the
+# rounding of W and of the output (one unit in the last place of each, accumulated over K).
+STREAM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 128, sym=True),
+                  ic.Int4Format("gptq", -1), ic.Int4Format("gptq", 64, bits=8),
+                  ic.Int4Format("pack-quantized", 128), ic.Int4Format("pack-quantized", 64, bits=8)]
+
+
+@pytest.mark.parametrize("fmt", STREAM_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows, gated, bias, split", [(1, False, False, 1), (5, True, False, 2),
+                                                      (16, False, True, 4)])
+def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, device, poisoned_allocations):
+    from kernels.int_decode import can_stream, linear_int_stream
+
+    k = 512 if fmt.group_size in (128, -1) else 256  # 2-4 K tiles a slice; whole groups
+    layer = packed_layer(fmt, 96, k, device)  # 96 columns: a partial column tile; gated, 48 a half
+    group = layer["group_size"] or k
+    assert can_stream(layer["packing"], layer["g_idx"], group, k, 48 if gated else 96, rows, 16)
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(device)
+    b = torch.randn(96, generator=gen).to(device) if bias else None
+    ref = linear_int_ref(x, **layer, bias=b, gated=gated)
+    out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group, layer["packing"], b, gated,
+                            False, False, "ieee", config={"SPLIT_K": split})
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(linear_int_triton(x, **layer, bias=b, gated=gated),  # the launcher's choice for these rows
+                       linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group,
+                                         layer["packing"], b, gated, False, False, "ieee"))
+
+
+@pytest.mark.parametrize("fmt, k", [(ic.Int4Format("awq", 96), 288), (ic.Int4Format("gptq", 192, bits=8), 384),
+                                    (ic.Int4Format("awq", -1), 480)], ids=str)
+def test_stream_kernel_groups_of_no_power_of_two(fmt, k, device, poisoned_allocations):
+    """Groups of 96 or 192 (and one group of 480): K tiles of the largest power of two dividing the group, so
+    every K tile lies in one group and K is whole tiles."""
+    from kernels.int_decode import can_stream, stream_config
+
+    layer = packed_layer(fmt, 64, k, device)
+    group = layer["group_size"] or k
+    assert can_stream(layer["packing"], None, group, k, 64, 2, 16)
+    for itemsize in (2, 4):
+        assert group % stream_config(2, 64, k, group, fmt.method == "gptq", False, itemsize, device)["BLOCK_K"] == 0
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(device)
+    torch.testing.assert_close(linear_int_triton(x, **layer), linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 128), ic.Int4Format("gptq", 128)], ids=lambda f: f.name)
+def test_stream_kernel_half_precision(fmt, dtype, device, poisoned_allocations):
+    """16-bit x: within the rounding of W and of the output (the kernel's W is exact, the reference's rounded)."""
+    layer = packed_layer(fmt, 256, 512, device)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    exact = linear_int_ref(x.float(), **layer)  # float32 x and W: the exact-weight product, rounded once at the end
+    out = linear_int_triton(x, **layer).float()
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    assert (out - exact).abs().max() <= 2 * ulp * exact.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_stream_kernel_mins(rows, device, poisoned_allocations):
+    """GGUF Q4_1's mins (groups of 32, K tiles of 128: not streamed) and a 128-group version that is."""
+    from kernels.int_decode import can_stream
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (512, 96), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(4, 96, generator=gen) / 8).half()
+    mins = (-torch.rand(4, 96, generator=gen)).half()
+    args = dict(qweight=ic._packed(q.numpy(), 0, 4, range(8)).to(device), qzeros=None, scales=scales.to(device),
+                g_idx=None, group_size=128, packing=offset_binary(4), mins=mins.to(device))
+    assert can_stream(offset_binary(4), None, 128, 512, 96, rows, 16)
+    x = torch.randn(rows, 512, generator=gen).to(device)
+    for gated in (False, True):
+        torch.testing.assert_close(linear_int_triton(x, **args, gated=gated), linear_int_ref(x, **args, gated=gated),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_stream_config_covers_the_sms_and_fits():
+    """Split-K until the column tiles cover the H200's 132 SMs (Llama-3-8B's layers), slices of >= 4 K tiles, and
+    stages that fit shared memory with room to spare."""
+    from kernels.int_decode import stream_config
+
+    cpu = torch.device("cpu")
+    for n, k, gated, along_k in [(6144, 4096, False, False), (4096, 4096, False, False), (14336, 4096, True, False),
+                                 (4096, 14336, False, False), (6144, 4096, False, True), (4096, 14336, False, True)]:
+        c = stream_config(1, n, k, 128, along_k, gated, 2, cpu)
+        tiles = -(-n // c["BLOCK_N"])
+        assert tiles * c["SPLIT_K"] >= 132 or k // c["BLOCK_K"] // c["SPLIT_K"] < 5, (n, k, c)
+        assert k // c["BLOCK_K"] // c["SPLIT_K"] >= 4, (n, k, c)
+        assert c["num_stages"] * c["BLOCK_K"] * (16 * 2 + c["BLOCK_N"] // 2 * (2 if gated else 1)) <= 227 * 1024 // 2
+
+
+class KernelSpy:
+    """Counts the launches of a real Triton kernel (`kernel[grid](...)`) and launches it: which kernel a dispatch
+    chose, the result still the kernel's."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """linear_int as on a GPU (use_triton: the interpreter runs the launchers on CPU tensors), its three kernels
+    spied on."""
+    import kernels.int_decode as int_decode
+    import kernels.linear_int as linear_int_module
+
+    monkeypatch.setattr(linear_int_module, "use_triton", lambda t: True)
+    found = {}
+    for module, name in [(int_decode, "_int_decode_kernel"), (linear_int_module, "_int_linear_kernel"),
+                         (linear_int_module, "_int_dequantize_kernel")]:
+        found[name] = KernelSpy(getattr(module, name))
+        monkeypatch.setattr(module, name, found[name])
+    return found
+
+
+@pytest.mark.parametrize("fmt, rows, kernel", [
+    (ic.Int4Format("awq", 128), 1, "_int_decode_kernel"), (ic.Int4Format("awq", 128), 16, "_int_decode_kernel"),
+    (ic.Int4Format("gptq", 128, sym=True), 16, "_int_decode_kernel"),
+    (ic.Int4Format("awq", 128), 17, "_int_linear_kernel"),  # GEMM tiles past MAX_ROWS
+    (ic.Int4Format("gptq", 128, desc_act=True), 1, "_int_linear_kernel"),  # act-order: not streamed
+    (ic.Int4Format("gptq", 32), 1, "_int_linear_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups
+    (ic.Int4Format("awq", 128), 20, "_int_dequantize_kernel")], ids=str)  # dequantize_min_rows=20
+def test_dispatch_streams_decode_rows(fmt, rows, kernel, spies):
+    """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
+    g_idx, K tiles inside a group), the first kernel's decode tiles otherwise, GEMM tiles above, dequantize +
+    cuBLAS from dequantize_min_rows; each equal to the reference."""
+    layer = packed_layer(fmt, 96, 256, "cpu")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3))
+    out = linear_int(x, **layer, dequantize_min_rows=20)
+    assert {name: spy.launches for name, spy in spies.items()} == {
+        name: int(name == kernel) for name in spies}
+    torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_kernel_reuses_its_split_counts(spies):
+    """Split-K's per-tile counts are reset by each tile's last program: a second launch (as a CUDA graph replays
+    the first) adds its slices up again, with new x."""
+    from kernels.int_decode import linear_int_stream
+
+    layer = packed_layer(ic.Int4Format("awq", 32), 96, 256, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(3, 256, generator=gen)
+        out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], 32, layer["packing"], None,
+                                False, False, False, "ieee", config={"SPLIT_K": 4})
+        torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
+    assert spies["_int_decode_kernel"].launches == 3
+
+
+# GPU: Llama-3-8B's and 70B's linears drawn packed (benchmarks/kernels_int.py), bf16 x, as the engine calls them.
+@functools.lru_cache(maxsize=2)  # a model's four layers in one layout, drawn once for its cases
+def _gpu_layers(model: str, layout: str) -> dict:
+    """op -> (linear_int's keyword arguments, in_features, gated)."""
+    from benchmarks import kernels_int
+
+    torch.manual_seed(0)
+    return {op: (kernels_int.packed_layer(n, k, layout, "cuda"), k, gated)
+            for op, (n, k, gated) in kernels_int.linears(kernels_int.INT_MODELS[model]).items()}
+
+
+def _within_bf16_rounding(out, ref, what):
+    """The stream kernel's W is exact, the reference's rounded to bf16 before its product: a bf16 unit or two of
+    the output's scale."""
+    error, scale = (out.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+    assert error <= 2e-2 * scale, (what, error, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b") for lay in ("awq", "gptq", "gptq-act")])
+def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
+    """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows: AWQ and GPTQ g128 streamed
+    (split-K where the column tiles are fewer than the SMs), GPTQ act-order on the first kernel's decode tiles;
+    against the reference."""
+    stream = spies["_int_decode_kernel"]
+    for op, (layer, k, gated) in _gpu_layers(model, layout).items():
+        for rows in (1, 7, 16):
+            x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
+            before = stream.launches
+            out = linear_int(x, **layer, gated=gated)
+            _within_bf16_rounding(out, linear_int_ref(x, **layer, gated=gated), (op, rows))
+            assert stream.launches - before == (layout != "gptq-act"), (op, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_gpu_stream_kernel_in_a_cuda_graph(layout, cuda):
+    """A decode step as the engine runs it: captured once (split-K's counts and workspace inside), replayed with
+    new x; and float32 x (the GPU oracle tests') on its own tiles."""
+    layer, k, _ = _gpu_layers("8b", layout)["down"]
+    x = torch.randn(4, k, device=cuda).to(torch.bfloat16)
+    linear_int(x, **layer)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_int(x, **layer)
+    for _ in range(3):
+        x.copy_(torch.randn(4, k, device=cuda))
+        graph.replay()
+        _within_bf16_rounding(out, linear_int_ref(x, **layer), "graph replay")
+    x32 = torch.randn(3, k, device=cuda)
+    torch.testing.assert_close(linear_int(x32, **layer), linear_int_ref(x32, **layer), atol=1e-3, rtol=1e-3)

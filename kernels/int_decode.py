@@ -1,0 +1,364 @@
+"""The int linear for a few rows (decode): a kernel that streams the packed weight at the memory's speed.
+
+What made the first kernel (linear_int.py's `_int_linear_kernel` under `decode_config`) 0.4-3% of copy
+bandwidth on the H200, read in its sm_90 PTX / SASS (tests/kernels/test_kernel_compile.py keeps the properties):
+
+    - tiles of 32 columns x 64 input features: 1 KB of packed words a step (16 bytes of each K row, at a stride
+      of N / 2 bytes), 192 programs for Llama-3-8B's qkv: ~200 KB in flight where ~4 MB hides the memory's latency
+    - num_stages 2: one shared-memory buffer (`memdesc<1x...>`), its cp.async waited for at the top of the next step
+      (wait_group 0): no overlap; and the scales read by a plain load in the loop, a second round trip a step
+    - per element: a word loaded per value (`UNPACK_ONCE` off, 8 loads of each word), int64 indices making the
+      zero points int64 (the dequantization's integer-to-float conversion became I2F.S64), the dequantized bf16 tile
+      written to shared memory one 16-bit value at a time (STS.U16) to reach the MMA's operand layout
+
+Here (`_int_decode_kernel`), each program owns BLOCK_N output features and a slice of K (split-K when the layer
+has fewer column tiles than SMs, the slices added up by the last program of a tile), and each packed word is loaded
+once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout itself, one dot per field of the word:
+
+    packed along N (AWQ)    value j of word (k, c) is output feature 8c + j: dot j is x [M, BLOCK_K] against the
+                            [BLOCK_K, BLOCK_N / 8] values of field j, into accumulator j (columns 8c + j); the
+                            accumulators interleave once, at the end
+    packed along K (GPTQ,   value j of word (r, n) is input feature P r + j: dot j is x's columns P r + j against
+    offset binary)          field j, all into one accumulator
+
+so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
+A value costs one lop3 (its field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a
+conversion to x's dtype (`int_tiles.field_magic`): no integer-to-float conversion. The scale multiplies the dot's
+result (a K tile lies in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype
+before the dot, as `dequantize_ref` rounds it: the result is the exact-weight product, which differs from the
+reference by that rounding (a bf16 unit in the last place of W, averaged over K).
+
+`linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
+group), the first kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._triton import (
+    cdiv,
+    is_interpreting,
+    num_sms,
+    pdl_options,
+    shared_memory_per_block,
+    tl,
+    triton,
+    wait_for_prior,
+)
+from kernels.int_tiles import field_magic, field_zero_term, minus_z
+from kernels.linear import store_output
+
+MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
+
+
+@triton.jit
+def _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, J: tl.constexpr, BITS: tl.constexpr,
+                 AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_C]: x times the dequantized values j of words [BLOCK_K, BLOCK_C] (packed along N),
+    i.e. output features 8c + j of this K tile (one group: s_row, m_row point at its scales' / mins' row)."""
+    P: tl.constexpr = 32 // BITS
+    H: tl.constexpr = 16 // BITS
+    F: tl.constexpr = (J % 2) * 4 + J // 2 if AWQ_ORDER else J
+    SH: tl.constexpr = BITS * (F % H)
+    v = field_magic(words, F, BITS, ASM)
+    if HAS_MINS:
+        zterm = tl.full([1], -(1 << (23 - SH)), tl.float32)
+    else:
+        zterm = field_zero_term(zero_words, F, ZERO_OFFSET, BITS, SH)
+    d = minus_z(v, zterm[None, :], SH).to(xv.dtype)
+    part = tl.dot(xv, d, input_precision=PRECISION)
+    part = part * tl.load(s_row + c * P + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_MINS:
+        part += xsum[:, None] * tl.load(m_row + c * P + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    return part
+
+
+@triton.jit
+def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """[M, C] x 8 -> [M, 8 C], column 8c + j from a_j (tl.join adds its new dimension last: innermost)."""
+    r = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+    return tl.reshape(r, (a0.shape[0], 8 * a0.shape[1]))
+
+
+@triton.jit
+def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, c0, NC,
+                   k_begin, k_end, group_size, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr,
+                   ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   ASM: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_M, 8 BLOCK_C]: x's rows times W.T's columns 8 c0 .. 8 (c0 + BLOCK_C), K from k_begin to k_end
+    (whole K tiles), for qweight packed along N (4 bits, 8 a word)."""
+    c = c0 + tl.arange(0, BLOCK_C)
+    c_mask = c < NC
+    a0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a2 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a3 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a4 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a5 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a6 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    a7 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+        xsum = tl.sum(xv.to(tl.float32), axis=1)
+        if UPCAST:
+            xv = xv.to(tl.float32)
+        if EVEN_N:  # no mask: 16-byte loads (a mask on c < NC, of unknown divisibility, allowed 8)
+            words = tl.load(qw_ptr + ks[:, None] * stride_qw + c[None, :])
+        else:
+            words = tl.load(qw_ptr + ks[:, None] * stride_qw + c[None, :], mask=c_mask[None, :], other=0)
+        g = k0 // group_size
+        zero_words = tl.load(qz_ptr + g * stride_qz + c, mask=c_mask, other=0)
+        s_row = s_ptr + g * stride_s
+        m_row = qz_ptr + g * stride_qz
+        a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a1 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a2 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a3 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a4 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 4, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a5 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 5, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a6 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 6, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+        a7 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 7, BITS, AWQ_ORDER, ZERO_OFFSET,
+                           HAS_MINS, UPCAST, PRECISION, ASM)
+    return _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@triton.jit
+def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, J: tl.constexpr,
+                 BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc + x's input features P r + j times the dequantized values j of words [BLOCK_R, BLOCK_N] (packed along
+    K), unscaled (q - z: the caller scales a K tile's sum)."""
+    P: tl.constexpr = 32 // BITS
+    H: tl.constexpr = 16 // BITS
+    SH: tl.constexpr = BITS * (J % H)
+    ks = k0 + tl.arange(0, BLOCK_R) * P + J
+    xj = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        xj = xj.to(tl.float32)
+    v = field_magic(words, J, BITS, ASM)
+    if HAS_MINS:
+        zterm = tl.full([1], -(1 << (23 - SH)), tl.float32)
+    else:
+        zterm = field_zero_term(zterm_words, zero_fields, ZERO_OFFSET, BITS, SH)
+    d = minus_z(v, zterm[None, :], SH).to(xj.dtype)
+    return tl.dot(xj, d, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, n0, N,
+                   k_begin, k_end, group_size, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N]: x's rows times W.T's columns n0 .. n0 + BLOCK_N, K from k_begin to k_end (whole
+    K tiles), for qweight packed along K (P = 32 / BITS a word) with zero points packed along N (or mins)."""
+    P: tl.constexpr = 32 // BITS
+    BLOCK_R: tl.constexpr = BLOCK_K // P
+    cols = n0 + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    zero_fields = cols % P
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        prow = k0 // P + tl.arange(0, BLOCK_R)
+        if EVEN_N:
+            words = tl.load(qw_ptr + prow[:, None] * stride_qw + cols[None, :])
+        else:
+            words = tl.load(qw_ptr + prow[:, None] * stride_qw + cols[None, :], mask=n_mask[None, :], other=0)
+        g = k0 // group_size
+        if HAS_MINS:
+            zterm_words = zero_fields
+        else:
+            zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
+        part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 0, BITS,
+                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 1, BITS,
+                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 2, BITS,
+                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 3, BITS,
+                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+        if P == 8:
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 4, BITS,
+                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 5, BITS,
+                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 6, BITS,
+                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
+                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+        acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_MINS:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+            mins = tl.load(qz_ptr + g * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * mins[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # a batch's rows pick no new variant (1 and multiples of 16 would)
+def _int_decode_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, group_size,
+    stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col, up_word,
+    BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
+    of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
+    slices whole K tiles)."""
+    wait_for_prior(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    per_slice = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
+    k_begin = tl.program_id(1) * per_slice
+    k_end = tl.minimum(K, k_begin + per_slice)
+    P: tl.constexpr = 32 // BITS
+    if PACKED_ALONG_K:
+        acc = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
+                             n0, N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM,
+                             EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_up = acc
+        if GATED:
+            acc_up = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
+                                    stride_s, up_col + n0, up_col + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET,
+                                    HAS_MINS, UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        c0 = tl.program_id(0) * (BLOCK_N // P)  # a product, not n0 // P: its divisibility gives 16-byte loads
+        acc = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
+                             c0, N // P, k_begin, k_end, group_size, BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS,
+                             UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
+        acc_up = acc
+        if GATED:
+            acc_up = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
+                                    stride_s, up_word + c0, up_word + N // P, k_begin, k_end, group_size,
+                                    BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M,
+                                    BLOCK_N // P, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if SPLIT_K == 1:
+        store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS,
+                     GATED)
+    else:
+        tile = rows[:, None] * N + offs_n[None, :]
+        mask = row_mask[:, None] & n_mask[None, :]
+        if _store_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K):
+            acc, acc_up = _sum_slices(part_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K, BLOCK_M, BLOCK_N)
+            store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS,
+                         GATED)
+
+
+@triton.jit
+def _store_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Stores this program's slice of a tile's sums (float32 [SPLIT_K, 2, BLOCK_M, N] workspace; only x's rows)
+    and counts it; True for the tile's last program, which then adds them up and resets the count to 0 (for the
+    next launch: a CUDA graph replays the same counts)."""
+    base = part_ptr + tl.program_id(1) * 2 * slot
+    tl.store(base + tile, acc, mask=mask)
+    if GATED:
+        tl.store(base + slot + tile, acc_up, mask=mask)
+    tl.debug_barrier()  # every thread's slice is stored before the count says so
+    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+    is_last = done == SPLIT_K - 1
+    if is_last:
+        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    return is_last
+
+
+@triton.jit
+def _sum_slices(part_ptr, tile, mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The tile's SPLIT_K slices added in slice order (the same result whichever program is last), from L2. A loop,
+    not unrolled: unrolled, the compiler issued every slice's loads first (SPLIT_K tiles live at once: spills)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for split in range(SPLIT_K):
+        base = part_ptr + split * 2 * slot
+        acc += tl.load(base + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_up += tl.load(base + slot + tile, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc, acc_up
+
+
+def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: int, num_rows: int,
+               max_rows: int) -> bool:
+    """Whether `_int_decode_kernel` takes this layer: no g_idx, 4 or 8 bits, K tiles inside one group: along N
+    (AWQ, 4 bits, whole words of output features in each half) groups of a multiple of 32, along K of 16 words."""
+    if g_idx is not None or num_rows > max_rows or packing.bits not in (4, 8) or in_features % group_size:
+        return False
+    if packing.is_packed_along_k:  # a dot of each field spans BLOCK_K / P >= 16 input features
+        return group_size % (16 * packing.pack_factor) == 0
+    return packing.bits == 4 and group_size % 32 == 0 and out_features % 8 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def stream_config(num_rows: int, out_features: int, in_features: int, group_size: int, packed_along_k: bool,
+                  gated: bool, x_itemsize: int, device: torch.device) -> dict:
+    """Launch settings: BLOCK_N output features (256 packed along N: 32 words a K row, 8 per warp; 128 along K),
+    K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4
+    stages of cp.async (3 tiles of 16 KB in flight a program), and split-K until the column tiles times the slices
+    cover the SMs (slices of at least 4 K tiles). A float32 x (the GPU oracle tests'; its dot in float32) takes 64
+    columns, K tiles of 32 along N. Not yet measured on a GPU."""
+    if x_itemsize == 4:  # its dot without tensor cores holds wide float32 operands in registers: 256 x 64 spilled KBs
+        block_n, block_k = 64, 128 if packed_along_k else 32
+    else:
+        block_n, block_k = (128, 128) if packed_along_k else (256, 128)
+    while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
+        block_k //= 2
+    tiles, k_tiles = cdiv(out_features, block_n), in_features // block_k
+    split = max(1, min(MAX_SPLIT_K, cdiv(num_sms(device), tiles), k_tiles // 4))
+    stages = 4
+    row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
+    while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
+        stages -= 1
+    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": stages}
+
+
+def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, bias, gated: bool, has_mins: bool,
+                      upcast: bool, precision: str, config: dict | None = None) -> torch.Tensor:
+    """Launches `_int_decode_kernel` on checked inputs (linear_int_triton checks them; `can_stream` must hold)."""
+    from kernels.linear_fp8 import _split_counts
+
+    num_rows, k = x.shape
+    n = (qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor)
+    out_features = n // 2 if gated else n
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    cfg = stream_config(num_rows, out_features, k, group_size, packing.is_packed_along_k, gated, x.dtype.itemsize,
+                        x.device) | (config or {})
+    assert num_rows <= cfg["BLOCK_M"] and group_size % cfg["BLOCK_K"] == 0, (num_rows, group_size, cfg)
+    assert max(qweight.numel(), x.numel(), out.numel()) < 2**31, "int32 offsets"
+    num_tiles = cdiv(out_features, cfg["BLOCK_N"])
+    split = cfg["SPLIT_K"]
+    counts = _split_counts(x.device, num_tiles) if split > 1 else None
+    if counts is None:
+        split = 1
+    parts = (torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x.device)
+             if split > 1 else out)
+    _int_decode_kernel[(num_tiles, split)](
+        x, qweight, zero_term, scales, bias if bias is not None else scales, out, parts,
+        counts if counts is not None else qweight, num_rows, out_features, k, group_size,
+        x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
+        out_features // packing.pack_factor, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
+        AWQ_ORDER=packing.fields is not None,
+        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
+        UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
+        EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
