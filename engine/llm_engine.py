@@ -26,6 +26,7 @@ from engine.request_group import RequestGroup, TokenStrings
 from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecDecoder
 from engine.startup import BackgroundPhase, StartupTimes
 from engine.tokenizer import TokenizerChild, load_tokenizer
 
@@ -112,6 +113,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                           self.executor.num_host_kv_blocks, self._min_onload_blocks())
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
@@ -220,6 +222,8 @@ class LLMEngine:
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
             return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None:
@@ -253,6 +257,8 @@ class LLMEngine:
         # the workers keep on the device. A grammar bitmask that must travel with its step needs the last token on
         # the host, unless the executor can defer sampling until the driver supplies it.
         if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
+            return False
+        if self.spec is not None:  # drafts are proposed from the tokens of the step before: none can be in flight
             return False
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))
@@ -328,8 +334,18 @@ class LLMEngine:
             group = self.groups.get(seq.parent_id)
             if group is None:
                 continue
-            self.num_generation_tokens += 1
-            stop = group.detokenizers[seq.index].update([seq.output_token_ids[-1]])
+            num_new = seq.num_step_tokens
+            self.num_generation_tokens += num_new
+            detokenizer = group.detokenizers[seq.index]
+            num_read = len(detokenizer.token_ids)
+            stop = detokenizer.update(seq.output_token_ids[-num_new:])
+            num_past_stop = num_new - (len(detokenizer.token_ids) - num_read)
+            if num_past_stop:  # a stop string ended a speculative run early: the tokens after it are not output
+                del seq.output_token_ids[-num_past_stop:], seq.output_logprobs[-num_past_stop:]
+                self.num_generation_tokens -= num_past_stop
+                if seq.is_finished:  # (by a stop token or its length, after the stop string): the string ends it
+                    seq.status = RequestStatus.FINISHED_STOPPED
+                    seq.stop_reason = stop
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_STOPPED)
                 seq.stop_reason = stop

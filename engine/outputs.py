@@ -70,6 +70,9 @@ class SchedulerOutput:
     # The allowed tokens of the constrained requests that sample in this step, when the driver knows them at launch
     # (None: no constraint, or the executor awaits them after launch: engine/executor.py, deferred sampling).
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the draft tokens a request runs after its last token (vLLM's scheduled_spec_decode_tokens);
+    # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with.
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -109,3 +112,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)  # parallel to req_ids
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req_id -> this step's chunk
+    # Speculative decoding: the drafts each speculating request accepted, which come before its sampled token
+    # (req_id -> tokens, and their logprobs where asked); the rest of its drafts were rejected.
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)

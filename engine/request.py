@@ -82,6 +82,8 @@ class Request:
     first_token_time: float | None = None
     is_suspect: bool = False  # in a step that failed: runs alone until it samples again (Scheduler.isolate)
     grammar: RequestGrammar | None = None  # structured outputs: this sequence's matcher (engine/grammar.py)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step (engine/spec_decode.py)
+    num_step_tokens: int = 1  # tokens its last step appended (more than one with accepted drafts)
 
     def __post_init__(self):
         if not self.parent_id:
