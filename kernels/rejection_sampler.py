@@ -76,6 +76,21 @@ def rejection_sample_ref(probs: torch.Tensor, draft_ids: torch.Tensor, num_draft
     return tokens, num_accepted
 
 
+def greedy_accept_ref(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: `rejection_sample_ref` of one-hot targets, without their probabilities. target_ids [R, K + 1]
+    (each position's argmax), draft_ids [R, K], num_drafts [R], all int64. Same outputs."""
+    rows, positions = target_ids.shape
+    if draft_ids.shape != (rows, positions - 1) or num_drafts.shape != (rows,):
+        raise ValueError(f"draft_ids must be [{rows}, {positions - 1}] and num_drafts [{rows}], got "
+                         f"{tuple(draft_ids.shape)} and {tuple(num_drafts.shape)}")
+    k = positions - 1
+    is_draft = torch.arange(k, device=target_ids.device)[None, :] < num_drafts[:, None]
+    num_accepted = ((target_ids[:, :k] == draft_ids) & is_draft).long().cumprod(dim=1).sum(dim=1)
+    column = torch.arange(positions, device=target_ids.device)[None, :]
+    return torch.where(column <= num_accepted[:, None], target_ids, -1), num_accepted
+
+
 def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                      keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See `rejection_sample_ref` (the only implementation for now: a Triton kernel is not built)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.outputs import GrammarBitmask, Logprobs, ModelRunnerOutput
-from kernels.rejection_sampler import rejection_sample
+from kernels.rejection_sampler import greedy_accept_ref, rejection_sample
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.inputs import to_device
 from workers.sampler import (
@@ -91,46 +91,68 @@ def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
 
 def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None,
                    ) -> tuple[list[list[int]], list[list[Logprobs | None]]]:
-    """raw [P, V]: the rows' 1 + d positions each, raw logits. Rejection-samples each row's drafts."""
+    """raw [P, V]: the rows' 1 + d positions each, raw logits. Greedy rows accept while the argmax equals the draft;
+    the others are rejection-sampled (kernels/rejection_sampler.py)."""
     positions = [_sampling_row(row, row.drafts[:j]) for row in rows for j in range(len(row.drafts) + 1)]
-    probs_flat = target_probs(raw.clone(), positions)
-    k = max(len(row.drafts) for row in rows)
-    vocab, device = raw.shape[1], raw.device
-    probs = torch.zeros(len(rows), k + 1, vocab, dtype=torch.float32, device=device)
-    draft_ids = torch.zeros(len(rows), k, dtype=torch.int64)
-    keys = torch.randint(0, _MAX_KEY, (len(rows), k + 1), dtype=torch.int64, generator=generator)
-    row_of, col_of = [], []
-    for r, row in enumerate(rows):
-        d = len(row.drafts)
-        draft_ids[r, :d] = torch.tensor(row.drafts)
-        row_of += [r] * (d + 1)
-        col_of += list(range(d + 1))
-        if row.seed_key is not None:
-            keys[r] = torch.tensor([(row.seed_key + j) % _MAX_KEY for j in range(k + 1)])
-    probs[to_device(row_of, torch.long, device), to_device(col_of, torch.long, device)] = probs_flat
-    num_drafts = to_device([len(row.drafts) for row in rows], torch.long, device)
-    out, _ = rejection_sample(probs, to_device(draft_ids, torch.long, device), num_drafts, keys.to(device))
+    x = apply_knobs(raw.clone(), positions)
+    device, k = raw.device, max(len(row.drafts) for row in rows)
+    starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
+    out = torch.full((len(rows), k + 1), -1, dtype=torch.int64, device=device)
+    for greedy in (True, False):
+        sub = [r for r, row in enumerate(rows) if row.state.params.is_greedy == greedy]
+        if not sub:
+            continue
+        draft_ids = to_device([row.drafts + [0] * (k - len(row.drafts)) for row in (rows[r] for r in sub)],
+                              torch.long, device)
+        num_drafts = to_device([len(rows[r].drafts) for r in sub], torch.long, device)
+        # [len(sub), K + 1] -> flat position (past a row's own positions: its last, ignored)
+        flat = to_device([[starts[r] + min(j, starts[r + 1] - starts[r] - 1) for j in range(k + 1)] for r in sub],
+                         torch.long, device)
+        if greedy:
+            tokens, _ = greedy_accept_ref(x.argmax(dim=-1)[flat], draft_ids, num_drafts)
+        else:
+            index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in sub])
+            probs_flat = target_probs(x[to_device(index, torch.long, device)], [positions[i] for i in index])
+            first = np.cumsum([0] + [len(rows[r].drafts) + 1 for r in sub])[:-1]
+            local = torch.as_tensor([[first[i] + min(j, len(rows[r].drafts)) for j in range(k + 1)]
+                                     for i, r in enumerate(sub)], device=device)
+            keys = _keys(rows, sub, k, generator).to(device)
+            tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys)
+        out[to_device(sub, torch.long, device)] = tokens
     token_rows = [[t for t in row if t >= 0] for row in out.tolist()]
     return token_rows, _position_logprobs(raw, rows, token_rows)
 
 
-def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """[P, V] float32: the distribution the plain sampler draws each row's token from (workers/sampler.py,
-    kernels/sampling.py), every knob applied to x in place; a greedy row's is one-hot at its (first) argmax."""
+def _keys(rows: list[VerifyRow], sub: list[int], k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """[len(sub), K + 1] noise keys: a seeded row's follow its positions, the others are drawn."""
+    keys = torch.randint(0, _MAX_KEY, (len(sub), k + 1), dtype=torch.int64, generator=generator)
+    for i, r in enumerate(sub):
+        if rows[r].seed_key is not None:
+            keys[i] = torch.tensor([(rows[r].seed_key + j) % _MAX_KEY for j in range(k + 1)])
+    return keys
+
+
+def apply_knobs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The knobs the plain sampler applies before its draw, in its order, in place on x [P, V]: allowed_token_ids,
+    logit_bias, min_tokens, penalties (each position's history holds the drafts before it)."""
     apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
+    apply_penalties(x, rows, SamplingTensors.build(rows, x.shape[1], x.device))
+    return x
+
+
+def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[P, V] float32: the distribution the plain sampler (kernels/sampling.py) draws each non-greedy row's token
+    from, given x after `apply_knobs`: temperature, then top-k, top-p and min-p (their definitions in
+    workers/sampler.py)."""
     tensors = SamplingTensors.build(rows, x.shape[1], x.device)
-    apply_penalties(x, rows, tensors)
     z = x * tensors.inv_temperature[:, None]
-    z = apply_top_k_top_p(z, tensors.top_k.long(), tensors.top_p)
-    z = apply_min_p(z, tensors.log_min_p.exp())
-    probs = torch.softmax(z, dim=-1)
-    greedy = tensors.noise_scale == 0
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    if tensors.max_top_k or any(row.params.top_p < 1.0 for row in rows):
+        z = apply_top_k_top_p(z, tensors.top_k.long(), tensors.top_p)
+    if any(row.params.min_p > 0 for row in rows):
+        z = apply_min_p(z, tensors.log_min_p.exp())
+    return torch.softmax(z, dim=-1)
 
 
 def _position_logprobs(raw: torch.Tensor, rows: list[VerifyRow], token_rows: list[list[int]],

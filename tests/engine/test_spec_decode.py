@@ -15,7 +15,7 @@ from engine.arg_utils import add_engine_args, engine_args
 from engine.config import EngineArgs, SpeculativeConfig
 from engine.errors import ParamError
 from engine.spec_decode import NgramProposer
-from kernels.rejection_sampler import rejection_sample_ref
+from kernels.rejection_sampler import greedy_accept_ref, rejection_sample_ref
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -109,6 +109,9 @@ def test_rejection_sampler_greedy_rows_take_the_argmax_run():
                                                 torch.zeros(2, 3, dtype=torch.long))
     assert tokens.tolist() == [[3, 1, 2], [3, 1, -1]]
     assert num_accepted.tolist() == [2, 1]
+    fast, fast_accepted = greedy_accept_ref(torch.tensor([[3, 1, 2], [3, 1, 2]]), torch.tensor([[3, 1], [3, 4]]),
+                                            torch.tensor([2, 2]))
+    assert torch.equal(fast, tokens) and torch.equal(fast_accepted, num_accepted)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
@@ -273,3 +276,33 @@ def test_sampled_distributions_are_the_plain_ones():
     pairs = pairs[:, pairs.sum(axis=0) >= 5]
     assert stats.chi2_contingency(pairs).pvalue > 1e-3
     assert not (a == b).all()  # the draws themselves differ: only their distributions agree
+
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
+           "notebook in which he recorded the weather, the ships that passed, and the colour of the sea.")
+CODE = ("def area(width, height):\n    return width * height\n\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n")
+COPY_PROMPTS = [
+    [{"role": "user", "content": f"Repeat this passage exactly, word for word:\n\n{PASSAGE}"}],
+    [{"role": "user", "content": f"Rename the function area to rect_area and print the whole code:\n\n{CODE}"}],
+]
+
+
+def test_smollm2_copy_workload_gives_the_plain_output_with_drafts_accepted(real_llm, real_model_dir):
+    """SmolLM2-135M-Instruct copying a passage and editing code: n-gram drafts are accepted (more than half of them
+    here) and the output, tokens and logprobs, is the plain engine's."""
+    from pagoda import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+    plain = real_llm.chat(COPY_PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256, speculative_config=NGRAM)
+    spec = llm.chat(COPY_PROMPTS, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    stats_ = llm.engine.scheduler.spec_stats
+    llm.shutdown()
+    _assert_same(plain, spec)
+    assert "lighthouse keeper climbed" in spec[0].outputs[0].text and "rect_area" in spec[1].outputs[0].text
+    print(f"acceptance {stats_.acceptance_rate:.2f} ({stats_.num_accepted_tokens}/{stats_.num_draft_tokens}), "
+          f"{1 + stats_.num_accepted_tokens / stats_.num_drafts:.2f} tokens a speculative step, "
+          f"by position {stats_.accepted_per_position}")
+    assert stats_.acceptance_rate > 0.3
