@@ -60,6 +60,11 @@ class EngineStats:
     swapped_out_tokens: int = 0
     swapped_in_tokens: int = 0
     preemption_recomputed_tokens: int = 0
+    # speculative decoding (vLLM's spec_decode_*): steps that carried drafts, drafts, accepted drafts (by position)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
 
 
 @dataclass
@@ -389,7 +394,7 @@ class LLMEngine:
         return self._fail_requests(list(self.groups), RequestError(error))
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
@@ -400,7 +405,10 @@ class LLMEngine:
                            kv_onloaded_bytes=bm.num_onloaded_blocks * self.executor.kv_block_bytes,
                            host_kv_cache_usage=bm.host_usage, swapped_out_tokens=bm.swapped_out_tokens,
                            swapped_in_tokens=bm.swapped_in_tokens,
-                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens)
+                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens,
+                           spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                           spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position))
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -306,3 +306,27 @@ def test_smollm2_copy_workload_gives_the_plain_output_with_drafts_accepted(real_
           f"{1 + stats_.num_accepted_tokens / stats_.num_drafts:.2f} tokens a speculative step, "
           f"by position {stats_.accepted_per_position}")
     assert stats_.acceptance_rate > 0.3
+
+
+def test_engine_stats_and_metrics_count_drafts_with_vllms_names():
+    from cluster.metrics import ReplicaMetrics
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain, _ = _run(PROMPTS[:2], params)
+    llm = _llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = OracleProposer(_references(PROMPTS[:2], plain), 4)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    stats_ = llm.engine.get_stats()
+    llm.shutdown()
+    spec = llm.engine.scheduler.spec_stats
+    assert stats_.spec_decode_num_draft_tokens == spec.num_draft_tokens > stats_.spec_decode_num_accepted_tokens > 0
+    assert sum(stats_.spec_decode_num_accepted_tokens_per_pos) == stats_.spec_decode_num_accepted_tokens
+    assert stats_.generation_tokens == 60
+    metrics = ReplicaMetrics("m", "r", use_ray=False)
+    metrics.sync_engine_stats(stats_)
+    samples = {(s[0], s[1].get("position")): s[2] for f in metrics.snapshot() for s in f.samples}
+    assert samples[("pagoda:spec_decode_num_draft_tokens_total", None)] == stats_.spec_decode_num_draft_tokens
+    assert samples[("pagoda:spec_decode_num_accepted_tokens_total", None)] == stats_.spec_decode_num_accepted_tokens
+    assert samples[("pagoda:spec_decode_num_drafts_total", None)] == stats_.spec_decode_num_drafts
+    assert samples[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", "0")] == \
+        stats_.spec_decode_num_accepted_tokens_per_pos[0]
