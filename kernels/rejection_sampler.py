@@ -11,25 +11,88 @@ A greedy row's p_j is one-hot at its argmax: a draft is accepted exactly when it
 after the run is the argmax itself. So one rule serves both.
 
 The randomness of row r's position j comes from one 64-bit key, keys[r, j], through kernels/sampling.py's
-counter-based hash: the uniform that decides acceptance at counter ACCEPT_COUNTER, and the Gumbel noise of the draw
-(argmax of log q + g, the Gumbel-max trick) at counter t for token t. A seeded request's keys depend only on its seed
-and positions, so its speculative output is reproducible.
+counter-based hash: the uniform that decides acceptance at counter ACCEPT_COUNTER (24 bits, the very uniform the
+Gumbel noise is made of), and the Gumbel noise of the draw (argmax of log q + g, the Gumbel-max trick) at counter t
+for token t. A seeded request's keys depend only on its seed and positions, so its speculative output is
+reproducible. The kernel and the reference compute the same bits (the draw's logarithms up to rounding).
+
+    per row (one program)   the accept loop: K loads of one probability each
+                            the draw: one pass over the vocabulary at the first rejected position (or the bonus one)
 
 Outputs: tokens [R, K + 1] (the accepted drafts, then the token drawn; -1 past them) and num_accepted [R].
 """
 
 import torch
 
-from kernels.sampling import gumbel_ref
+from kernels._triton import check_launchable, next_power_of_2, pdl_options, tl, triton, use_triton, wait_for_prior
+from kernels.sampling import _MASK32, _U24, _gumbel, _hash32, _hash32_ref, gumbel_ref
 
-ACCEPT_COUNTER = (1 << 32) - 1  # past any token id: the acceptance uniform's counter
+ACCEPT_COUNTER = 0x7FFFFFFF  # past any token id: the acceptance uniform's counter
+BLOCK = 2048
 
 
 def uniform_ref(keys: torch.Tensor, counter: int) -> torch.Tensor:
-    """Uniforms in (0, 1) from keys [...] (int64) at one counter: u = exp(-exp(-g)) of the Gumbel noise g."""
-    flat = keys.reshape(-1)
-    g = gumbel_ref(flat, torch.full((1, 1), counter, dtype=torch.int64, device=keys.device))[:, 0]
-    return torch.exp(-torch.exp(-g)).reshape(keys.shape)
+    """Uniforms in (0, 1) (24 random bits) from keys [...] (int64) at one counter: the u of kernels/sampling.py's
+    Gumbel noise."""
+    key_lo, key_hi = keys & _MASK32, (keys >> 32) & _MASK32
+    h = _hash32_ref((_hash32_ref(counter ^ key_lo) + key_hi) & _MASK32)
+    return ((h >> 8).to(torch.float32) + 0.5) * _U24
+
+
+@triton.jit
+def _uniform(key_lo, key_hi, counter):
+    h = _hash32(_hash32(counter ^ key_lo) + key_hi)
+    return ((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08
+
+
+@triton.jit
+def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_drafts_ptr, key_ptr, stride_key,
+                      out_ptr, stride_out, num_accepted_ptr, vocab, K: tl.constexpr, POSITIONS: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    num_drafts = tl.load(num_drafts_ptr + row).to(tl.int32)
+    accept_counter = (tl.zeros([1], tl.int32) + 0x7FFFFFFF).to(tl.uint32)
+    accepted = tl.min(tl.zeros([1], tl.int32), 0)
+    going = tl.min(tl.zeros([1], tl.int32), 0) + 1
+    for j in tl.static_range(K):
+        if (going == 1) & (j < num_drafts):
+            draft = tl.load(draft_ptr + row * stride_d + j)
+            p = tl.load(probs_ptr + row * stride_pr + j * stride_pk + draft)
+            key = tl.load(key_ptr + row * stride_key + j)
+            key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+            key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            u = tl.max(_uniform(key_lo, key_hi, accept_counter), 0)
+            if u < p:
+                accepted += 1
+            else:
+                going = 0
+    # The draw at the first rejected position (its draft removed), or the bonus position after all of them.
+    key = tl.load(key_ptr + row * stride_key + accepted)
+    key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    removed = tl.load(draft_ptr + row * stride_d + accepted, mask=accepted < num_drafts, other=-1)
+    base = probs_ptr + row * stride_pr + accepted * stride_pk
+    cols = tl.arange(0, BLOCK)
+    best_q = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        p = tl.load(base + idx, mask=idx < vocab, other=0.0)
+        p = tl.where(idx == removed, 0.0, p)
+        g = _gumbel(key_lo, key_hi, idx.to(tl.uint32))
+        q = tl.where((p > 0.0) & (idx < vocab), tl.log(tl.where(p > 0.0, p, 1.0)) + g, float("-inf"))
+        better = q > best_q  # strict: a lane keeps its first maximum
+        best_i = tl.where(better, idx, best_i)
+        best_q = tl.where(better, q, best_q)
+    top = tl.max(best_q, 0)
+    drawn = tl.min(tl.where(best_q == top, best_i, vocab), 0)
+    drawn = tl.where(top == float("-inf"), 0, drawn)  # nothing left to draw: as torch's argmax of all -inf
+    positions = tl.arange(0, POSITIONS)
+    drafts = tl.load(draft_ptr + row * stride_d + positions, mask=positions < accepted, other=0)
+    tokens = tl.where(positions < accepted, drafts, tl.where(positions == accepted, drawn.to(tl.int64), -1))
+    tl.store(out_ptr + row * stride_out + positions, tokens, mask=positions < K + 1)
+    tl.store(num_accepted_ptr + row, accepted.to(tl.int64))
 
 
 def _check_inputs(probs, draft_ids, num_drafts, keys) -> None:
@@ -91,7 +154,28 @@ def greedy_accept_ref(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_dra
     return torch.where(column <= num_accepted[:, None], target_ids, -1), num_accepted
 
 
+def rejection_sample_triton(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                            keys: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of `rejection_sample`: one program per row."""
+    _check_inputs(probs, draft_ids, num_drafts, keys)
+    check_launchable(probs, draft_ids, num_drafts, keys)
+    if probs.stride(2) != 1 or (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1:
+        raise ValueError("probs, draft_ids and keys must be contiguous in their last dimension")
+    rows, positions, vocab = probs.shape
+    tokens = torch.empty(rows, positions, dtype=torch.int64, device=probs.device)
+    num_accepted = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    if rows:
+        _rejection_kernel[(rows,)](probs, probs.stride(0), probs.stride(1), draft_ids, draft_ids.stride(0),
+                                   num_drafts.contiguous(), keys, keys.stride(0), tokens, tokens.stride(0),
+                                   num_accepted, vocab, K=positions - 1, POSITIONS=next_power_of_2(positions),
+                                   BLOCK=min(block, next_power_of_2(vocab)),
+                                   **pdl_options(probs.device))
+    return tokens, num_accepted
+
+
 def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                      keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `rejection_sample_ref` (the only implementation for now: a Triton kernel is not built)."""
+    """See `rejection_sample_ref`: the Triton kernel on a GPU, the reference elsewhere."""
+    if use_triton(probs):
+        return rejection_sample_triton(probs, draft_ids, num_drafts, keys)
     return rejection_sample_ref(probs, draft_ids, num_drafts, keys)

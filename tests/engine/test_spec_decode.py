@@ -330,3 +330,21 @@ def test_engine_stats_and_metrics_count_drafts_with_vllms_names():
     assert samples[("pagoda:spec_decode_num_drafts_total", None)] == stats_.spec_decode_num_drafts
     assert samples[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", "0")] == \
         stats_.spec_decode_num_accepted_tokens_per_pos[0]
+
+
+def test_constrained_requests_are_not_speculated_and_run_beside_speculating_ones():
+    """A request with a grammar gets no drafts (it samples under its bitmask as in a plain step) while others in the
+    same steps speculate; both give the plain output."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,12}")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    plain, _ = _run(prompts, params)
+    references = _references(prompts, plain)  # the oracle would propose for all three, were they speculated
+    spec, engine = _run(prompts, params, 4, references, speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert spec[1].outputs[0].text.isalpha() and spec[2].outputs[0].text.isalpha()
