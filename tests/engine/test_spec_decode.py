@@ -348,3 +348,28 @@ def test_constrained_requests_are_not_speculated_and_run_beside_speculating_ones
     _assert_same(plain, spec)
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert spec[1].outputs[0].text.isalpha() and spec[2].outputs[0].text.isalpha()
+
+
+def test_greedy_with_every_knob_over_the_accepted_history():
+    """Greedy rows whose argmax depends on the history (repetition, frequency and presence penalties over the
+    accepted drafts before each position), logit_bias, min_tokens with a stop token, n = 2, prompt logprobs: the
+    plain output."""
+    plain_params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, prompt_logprobs=1, n=2,
+                                  repetition_penalty=1.2, frequency_penalty=1.0, presence_penalty=0.3,
+                                  logit_bias={7: 8.0, 8: 7.5, 9: -3.0}, min_tokens=12)
+    plain, _ = _run(PROMPTS[:3], plain_params)
+    stop_token = plain[0].outputs[0].token_ids[5]  # inside min_tokens: it must not stop there
+    params = SamplingParams(**{**{f: getattr(plain_params, f) for f in ("temperature", "max_tokens", "logprobs",
+                                                                          "prompt_logprobs", "n",
+                                                                          "repetition_penalty", "frequency_penalty",
+                                                                          "presence_penalty", "logit_bias",
+                                                                          "min_tokens")},
+                               "stop_token_ids": [stop_token]})
+    plain, _ = _run(PROMPTS[:3], params)
+    favoured = sum(o.outputs[0].token_ids.count(7) + o.outputs[0].token_ids.count(8) for o in plain)
+    assert favoured > 8  # favoured, then penalized: the history decides when they come back
+    spec, engine = _run(PROMPTS[:3], params, 4, _references(PROMPTS[:3], plain), speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    for a, b in zip(plain, spec):
+        assert a.prompt_logprobs == b.prompt_logprobs
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
