@@ -52,6 +52,15 @@ def test_speculative_config_from_the_cli_and_the_defaults():
         parser.parse_args(["--speculative-config", "ngram"])
 
 
+def test_serve_app_args_take_the_speculative_config():
+    from cluster.app import ModelArgs
+
+    args = ModelArgs(model="tiny", speculative_config=NGRAM)
+    assert args.engine.speculative_config == NGRAM
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        ModelArgs(model="tiny", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
 # ---- proposer --------------------------------------------------------------------------------------------------------
 def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The definition, one position at a time."""
