@@ -1,4 +1,4 @@
-"""`pagoda bench {latency,throughput,serve,sampler,quality,cold-start,multi-turn,kv-tier-cost}` (also
+"""`pagoda bench {latency,throughput,serve,sampler,quality,cold-start,multi-turn,kv-tier-cost,spec-decode}` (also
 `python -m benchmarks ...`); the Triton kernels have a script of their own, `python -m benchmarks.kernels`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ BENCHMARKS = {
     "cold-start": "one replica from placed to its first token, per phase (engine actor, weights, CUDA graphs...)",
     "multi-turn": "multi-turn conversations re-sending their histories: TTFT with the host KV tier off and on",
     "kv-tier-cost": "the host KV tier's copy rate and the model's prefill rate: the cost model's settings",
+    "spec-decode": "speculative decoding on a copy-heavy chat workload: acceptance, tokens a step, speed-up",
 }
 KERNELS = "python -m benchmarks.kernels: Triton kernels against torch and the H200's ceilings"
 

@@ -55,6 +55,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
                                             "they resumed.", (), None),
     "pagoda:preemption_recomputed_tokens": ("counter", "Preempted requests' computed tokens computed again when "
                                                        "they resumed (no tier held them).", (), None),
+    "pagoda:spec_decode_num_drafts": ("counter", "Speculative steps of a request (steps that carried drafts).", (),
+                                      None),
+    "pagoda:spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed and scored.", (), None),
+    "pagoda:spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", (), None),
+    "pagoda:spec_decode_num_accepted_tokens_per_pos": ("counter", "Draft tokens accepted, by position in the draft.",
+                                                       ("position",), None),
     "pagoda:prompt_tokens": ("counter", "Prompt tokens received.", (), None),
     "pagoda:generation_tokens": ("counter", "Tokens generated.", (), None),
     "pagoda:request_success": ("counter", "Finished requests by finish reason.", ("finished_reason",), None),
@@ -81,7 +87,8 @@ _ENGINE_COUNTERS = {name: f"pagoda:{name}" for name in
                     ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_queries",
                      "host_prefix_cache_hits", "kv_offloaded_bytes", "kv_onloaded_bytes", "num_preemptions",
                      "swapped_out_tokens", "swapped_in_tokens", "preemption_recomputed_tokens", "prompt_tokens",
-                     "generation_tokens")}
+                     "generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                     "spec_decode_num_accepted_tokens")}
 _ENGINE_GAUGES = {"num_running": "pagoda:num_requests_running", "num_waiting": "pagoda:num_requests_waiting",
                   "kv_cache_usage": "pagoda:kv_cache_usage_perc",
                   "host_kv_cache_usage": "pagoda:host_kv_cache_usage_perc",
@@ -142,6 +149,12 @@ class ReplicaMetrics:
             self._last_counts[field_name] = total
             if delta > 0:
                 self._inc(metric, delta)
+        for position, total in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None) or []):
+            key = f"spec_decode_accepted_pos{position}"
+            delta = total - self._last_counts.get(key, 0.0)
+            self._last_counts[key] = float(total)
+            if delta > 0:
+                self._inc("pagoda:spec_decode_num_accepted_tokens_per_pos", delta, position=str(position))
 
     def observe_first_token(self, ttft_s: float) -> None:
         self._observe("pagoda:time_to_first_token_seconds", ttft_s)

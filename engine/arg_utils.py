@@ -7,6 +7,7 @@ flag left out is the same as the field left out.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 
 from engine.config import EngineArgs
@@ -70,8 +71,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "128, drawn packed); "
                              "gguf: a .gguf model's linears served from their blocks, not dequantized; none: a .gguf "
                              "dequantized at load (the default)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup only)')
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse reports the ValueError as a usage error naming the flag)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -94,5 +106,6 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   chat_template=args.chat_template, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, swap_space=args.swap_space,
                   onload_gb_per_s=args.onload_gb_per_s, onload_latency_s=args.onload_latency_s,
-                  prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks)
+                  prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks,
+                  speculative_config=getattr(args, "speculative_config", None))
     return EngineArgs(**(values | overrides))

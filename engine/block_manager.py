@@ -177,6 +177,16 @@ class BlockManager:
         added = self._extend(table, req.num_computed_tokens, num_appended, is_copy)
         return Growth(list(table), replaces_block_ids=True) if is_copy else Growth(added)
 
+    def shrink(self, req: Request) -> None:
+        """Gives back the blocks past the request's computed tokens: those reserved for drafts a speculative step
+        rejected (engine/spec_decode.py). They hold no committed block: commit never passes the known tokens."""
+        table = self._tables[req.req_id]
+        keep = self._num_blocks_for(req.num_computed_tokens)
+        assert keep >= self._num_committed[req.req_id], f"{req.req_id}: a committed block past its computed tokens"
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+
     def free(self, req: Request) -> None:
         """Returns the request's blocks; tail blocks first into the LRU queue, so they are evicted first."""
         for block_id in reversed(self._tables.pop(req.req_id, [])):

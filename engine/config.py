@@ -221,6 +221,57 @@ class ParallelConfig:
             raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
 
+SPEC_METHODS = ("ngram",)  # "draft_model" and "eagle" are vLLM's too: not built, refused by name
+_SPEC_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode.py), vLLM's speculative_config: {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M}. Unknown keys and methods are
+    refused (ParamError, a ValueError naming the key)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method in _SPEC_NOT_BUILT:
+            raise ParamError("speculative_config.method", f"{self.method!r} is not built in Pagoda (only "
+                                                          f"{SPEC_METHODS}): no draft-model or EAGLE proposer yet")
+        if self.method not in SPEC_METHODS:
+            raise ParamError("speculative_config.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ParamError(f"speculative_config.{name}", f"must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ParamError("speculative_config.prompt_lookup_min",
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> SpeculativeConfig | None:
+        """None (or an empty dict): no speculation. A missing prompt_lookup_min/max takes the other's value when
+        only one is given (as vLLM), else 1 and 4 (vLLM's ngram defaults are 5..5; Pagoda keeps shorter matches)."""
+        if not values:
+            return None
+        if not isinstance(values, dict):
+            raise ParamError("speculative_config", f"must be a JSON object, got {type(values).__name__}")
+        unknown = [key for key in values if key not in _SPEC_KEYS]
+        if unknown:
+            raise ParamError(f"speculative_config.{unknown[0]}", f"is not a key Pagoda knows (keys: {_SPEC_KEYS})")
+        if "num_speculative_tokens" not in values:
+            raise ParamError("speculative_config.num_speculative_tokens", "is required")
+        values = dict(values)
+        if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = max(values["prompt_lookup_min"], cls.prompt_lookup_max)
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = min(values["prompt_lookup_max"], cls.prompt_lookup_min)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (engine/lora.py): `max_loras` adapters in GPU slots at once (the distinct adapters a step
@@ -250,6 +301,7 @@ class EngineConfig:
     # streams, fewer and larger messages from the engine to the socket. 0: a delta at every step that moved it.
     stream_interval_s: float = 0.0
     lora: LoRAConfig | None = None  # None: no adapters (enable_lora off)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)
@@ -291,6 +343,8 @@ class EngineArgs:
     max_loras: int = 1  # adapters resident on the GPU at once
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # adapters cached in host memory per worker; default: max_loras
+    # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} (SpeculativeConfig)
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -305,6 +359,7 @@ class EngineArgs:
         # The parts validate the rest; build them now so a bad value fails here, where the user gave it.
         self._parts()
         self.lora_config()
+        SpeculativeConfig.from_dict(self.speculative_config)
 
     def lora_config(self) -> LoRAConfig | None:
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
@@ -342,8 +397,9 @@ class EngineArgs:
             from engine.lora import lora_module_shapes
 
             lora_module_shapes(model_config.hf_config)  # a family that takes no adapter fails here
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
-                            parallel, self.stream_interval_s, lora)
+                            parallel, self.stream_interval_s, lora, speculative)
 
     def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
         """The checkpoint to load and its quantization. Given none: with GGUF_BLOCKS_BY_DEFAULT_ON_GPU, a .gguf

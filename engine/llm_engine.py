@@ -27,6 +27,7 @@ from engine.request_group import RequestGroup, TokenStrings
 from engine.request_output import RequestDelta, RequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecDecoder
 from engine.startup import BackgroundPhase, StartupTimes
 from engine.tokenizer import TokenizerChild, load_tokenizer
 
@@ -60,6 +61,11 @@ class EngineStats:
     swapped_out_tokens: int = 0
     swapped_in_tokens: int = 0
     preemption_recomputed_tokens: int = 0
+    # speculative decoding (vLLM's spec_decode_*): steps that carried drafts, drafts, accepted drafts (by position)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
 
 
 @dataclass
@@ -115,6 +121,7 @@ class LLMEngine:
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
+        self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
@@ -245,6 +252,8 @@ class LLMEngine:
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
             return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None:
@@ -278,6 +287,8 @@ class LLMEngine:
         # the workers keep on the device. A grammar bitmask that must travel with its step needs the last token on
         # the host, unless the executor can defer sampling until the driver supplies it.
         if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
+            return False
+        if self.spec is not None:  # drafts are proposed from the tokens of the step before: none can be in flight
             return False
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))
@@ -353,8 +364,18 @@ class LLMEngine:
             group = self.groups.get(seq.parent_id)
             if group is None:
                 continue
-            self.num_generation_tokens += 1
-            stop = group.detokenizers[seq.index].update([seq.output_token_ids[-1]])
+            num_new = seq.num_step_tokens
+            self.num_generation_tokens += num_new
+            detokenizer = group.detokenizers[seq.index]
+            num_read = len(detokenizer.token_ids)
+            stop = detokenizer.update(seq.output_token_ids[-num_new:])
+            num_past_stop = num_new - (len(detokenizer.token_ids) - num_read)
+            if num_past_stop:  # a stop string ended a speculative run early: the tokens after it are not output
+                del seq.output_token_ids[-num_past_stop:], seq.output_logprobs[-num_past_stop:]
+                self.num_generation_tokens -= num_past_stop
+                if seq.is_finished:  # (by a stop token or its length, after the stop string): the string ends it
+                    seq.status = RequestStatus.FINISHED_STOPPED
+                    seq.stop_reason = stop
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish_request(seq.req_id, RequestStatus.FINISHED_STOPPED)
                 seq.stop_reason = stop
@@ -398,7 +419,7 @@ class LLMEngine:
         return self._fail_requests(list(self.groups), RequestError(error))
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.prefix_queries_tokens, bm.prefix_hits_tokens, self.scheduler.num_preemptions,
                            self.num_prompt_tokens, self.num_generation_tokens, self.timing.num_steps,
@@ -409,7 +430,10 @@ class LLMEngine:
                            kv_onloaded_bytes=bm.num_onloaded_blocks * self.executor.kv_block_bytes,
                            host_kv_cache_usage=bm.host_usage, swapped_out_tokens=bm.swapped_out_tokens,
                            swapped_in_tokens=bm.swapped_in_tokens,
-                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens)
+                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens,
+                           spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                           spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position))
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -75,6 +75,9 @@ class SchedulerOutput:
     # LoRA adapters each rank loads into their slots before the step's forward (slot, adapter): the slot's previous
     # adapter is used by no request of this step (engine/lora.py LoRASlots).
     lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens a request runs after its last token (vLLM's scheduled_spec_decode_tokens);
+    # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with.
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -114,3 +117,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)  # parallel to req_ids
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req_id -> this step's chunk
+    # Speculative decoding: the drafts each speculating request accepted, which come before its sampled token
+    # (req_id -> tokens, and their logprobs where asked); the rest of its drafts were rejected.
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)

@@ -85,6 +85,8 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: this sequence's matcher (engine/grammar.py)
     lora: LoRAAdapter | None = None  # its LoRA adapter (None: the base model)
     lora_slot: int = -1  # the GPU slot its adapter is in while it runs (-1: none held)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step (engine/spec_decode.py)
+    num_step_tokens: int = 1  # tokens its last step appended (more than one with accepted drafts)
 
     def __post_init__(self):
         if not self.parent_id:

@@ -20,6 +20,7 @@ from engine.config import SchedulerConfig
 from engine.lora import LoRASlots
 from engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.request import Request, RequestStatus
+from engine.spec_decode import SpecDecodeStats
 
 
 class Scheduler:
@@ -33,6 +34,7 @@ class Scheduler:
         self.finished_since_last_step: list[str] = []  # the workers must drop these
         self.isolated_since_last_step: list[str] = []  # preempted by isolate(): the workers must drop these too
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests in and out -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -88,7 +90,8 @@ class Scheduler:
             out.lora_loads = self.lora_slots.take_loads()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens:
+            num_drafts = len(out.scheduled_spec_token_ids.get(req_id, ()))
+            if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens + num_drafts:
                 req.num_pending_tokens += 1  # this step samples its next token
             req.num_computed_tokens += num_tokens
         return out
@@ -101,6 +104,8 @@ class Scheduler:
             if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1
                 continue
+            drafts = req.spec_token_ids[:budget - num_new]  # speculative decoding: proposed for a decode step
+            num_new += len(drafts)
             while (growth := self.block_manager.grow(req, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -111,6 +116,8 @@ class Scheduler:
             out.cached_reqs.append(CachedRequestData(req.req_id, growth.new_block_ids, req.num_computed_tokens,
                                                      growth.replaces_block_ids))
             out.num_scheduled_tokens[req.req_id] = num_new
+            if drafts:
+                out.scheduled_spec_token_ids[req.req_id] = drafts
             budget -= num_new
             i += 1
         return budget
@@ -225,16 +232,35 @@ class Scheduler:
                 continue  # aborted or preempted since the step was scheduled
             req.num_pending_tokens -= 1
             req.is_suspect = False
-            req.append_output(token_id, logprobs)
-            status: RequestStatus | None
-            if req.grammar is not None and not req.grammar.accept(token_id):
-                status = RequestStatus.FINISHED_ERROR  # never with the mask applied: fail it, not the engine
-            else:
-                status = self._check_stop(req, token_id)
-            if status is not None:
-                self.finish_request(req_id, status)
+            tokens, token_logprobs = [token_id], [logprobs]
+            drafts = sched.scheduled_spec_token_ids.get(req_id)
+            if drafts is not None:
+                accepted = result.accepted_draft_ids.get(req_id, [])
+                tokens = accepted + tokens
+                token_logprobs = result.accepted_draft_logprobs.get(req_id, [None] * len(accepted)) + token_logprobs
+                self._take_back_rejected(req, len(drafts), len(accepted))
+            req.num_step_tokens = 0
+            for token_id, logprobs in zip(tokens, token_logprobs):
+                req.append_output(token_id, logprobs)
+                req.num_step_tokens += 1
+                status = self._stop_status(req, token_id)
+                if status is not None:  # a stop cuts a speculative run short
+                    self.finish_request(req_id, status)
+                    break
             updated.append(req)
         return updated
+
+    def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Speculative decoding: the rejected drafts' positions are not computed after all; their blocks go back
+        (never hashed: commit publishes only blocks of known tokens)."""
+        self.spec_stats.record(num_drafts, num_accepted)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.block_manager.shrink(req)
+
+    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+        if req.grammar is not None and not req.grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR  # never with the mask applied: fail it, not the engine
+        return self._check_stop(req, token_id)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         params = req.sampling_params

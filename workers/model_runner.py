@@ -40,6 +40,7 @@ from workers.sampler import (
     row_knobs,
     sample_async,
 )
+from workers.spec_verify import VerifiedStep, VerifyRow, logit_indices, verify
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003
@@ -157,7 +158,8 @@ class ModelRunner:
         return self.execute_model_async(sched).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
+    def execute_model_async(self, sched: SchedulerOutput, defer_sampling: bool = False,
+                            ) -> PendingStep | VerifiedStep:
         """Launches the step and returns before its sampled tokens reach the host. A request whose previous token
         is still on the device (sampled by the step launched just before) reads it from there.
 
@@ -172,7 +174,7 @@ class ModelRunner:
         if self.lora is not None and self.lora.load_errors:
             self._check_lora_slots(states)
         counts = list(sched.num_scheduled_tokens.values())
-        hidden, sample_rows = self._forward(states, counts)
+        hidden, sample_rows = self._forward(states, counts, sched.scheduled_spec_token_ids)
         prompt_logprobs = None
         if self.scoring:  # (a set test: decode steps without such requests pay nothing)
             starts = [state.num_computed_tokens for state in states]
@@ -184,6 +186,8 @@ class ModelRunner:
             self.scoring -= {s.req_id for s in states if s.num_computed_tokens >= len(s.prompt_token_ids) - 1}
         if not sampling_states:
             return PendingStep(self, [], prompt_logprobs=prompt_logprobs)
+        if sched.scheduled_spec_token_ids:  # speculative: every row sampled now (workers/spec_verify.py)
+            return self._verify(sched, sampling_states, counts, sample_rows, hidden, prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         step = PendingStep(self, sampling_states, logits, prompt_logprobs)
         # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
@@ -254,26 +258,29 @@ class ModelRunner:
         max_tokens = max(len(states[i].token_ids) + states[i].num_pending for i in tensors.penalty_rows)
         return tensors, penalty_batch(tensors, *self.history.read(slots, max_tokens))
 
-    def _forward(self, states: list[RequestState], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, states: list[RequestState], counts: list[int], drafts: dict[str, list[int]],
+                 ) -> tuple[torch.Tensor, list[int]]:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches, eager otherwise.
-        Returns the hidden states [T, hidden] and the indices of the requests that sample."""
+        Returns the hidden states [T, hidden] and the indices of the requests that sample. A request's drafts
+        (speculative decoding) are inputs after its known tokens."""
         starts = [s.num_computed_tokens for s in states]
+        token_lists = [s.token_ids + drafts[s.req_id] if s.req_id in drafts else s.token_ids for s in states]
         feed_positions, feed_rows = [], []  # tokens still on the device: flat position <- previous step's row
         offset = 0
-        for state, start, count in zip(states, starts, counts):
-            known = len(state.token_ids) + state.num_pending
+        for state, tokens, start, count in zip(states, token_lists, starts, counts):
+            known = len(tokens) + state.num_pending
             assert start + count <= known, f"{state.req_id}: scheduled past its known tokens"
             assert start + count <= len(state.block_ids) * self.block_size, f"{state.req_id}: too few blocks"
-            if start + count > len(state.token_ids):  # its last input token is the one sampled just before
+            if start + count > len(tokens):  # its last input token is the one sampled just before
                 assert start + count == known and state.req_id in self.prev_rows, f"{state.req_id}: lost token"
                 feed_positions.append(offset + count - 1)
                 feed_rows.append(self.prev_rows[state.req_id])
             offset += count
         lora_slots = [s.lora_slot for s in states] if self.lora is not None else None
-        num_tokens, num_block_cols = self.buffers.fill([s.token_ids for s in states], starts, counts,
-                                                       [s.block_ids for s in states], lora_slots)
-        sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
-                       if start + count == len(s.token_ids) + s.num_pending]
+        num_tokens, num_block_cols = self.buffers.fill(token_lists, starts, counts, [s.block_ids for s in states],
+                                                       lora_slots)
+        sample_rows = [i for i, (s, tokens, start, count) in enumerate(zip(states, token_lists, starts, counts))
+                       if start + count == len(tokens) + s.num_pending]
         feed = self._feed(feed_positions, feed_rows)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
@@ -293,6 +300,51 @@ class ModelRunner:
         src = to_device(rows, torch.long, self.device)
         prev = self.prev_tokens
         return lambda: self.buffers.dev["input_ids"].index_copy_(0, pos, prev.index_select(0, src))
+
+    @torch.inference_mode()
+    def _verify(self, sched: SchedulerOutput, states: list[RequestState], counts: list[int], sample_rows: list[int],
+                hidden: torch.Tensor, prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
+        """A step with drafts: scores every sampling row's last 1 + d positions, keeps the accepted drafts and one
+        token of the target's (rank 0 decides, the others learn the tokens), and gives back the rejected drafts'
+        blocks as the driver does (BlockManager.shrink: the blocks past the computed tokens)."""
+        drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
+        index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
+        logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
+        kept = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.long)
+        logprobs: list[list] = [[None]] * len(states)
+        if self.is_driver:
+            rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62))
+                    for s, d in zip(states, drafts)]
+            tokens, logprobs = verify(logits, rows, sched.grammar_bitmask)
+            for i, t in enumerate(tokens):
+                kept[i, :len(t)] = torch.tensor(t)
+        from workers import parallel
+
+        if parallel.get_tp_size() > 1:
+            kept = parallel.broadcast_from_rank0(kept.to(self.device)).cpu()
+        output = ModelRunnerOutput(prompt_logprobs={} if prompt_logprobs is None else prompt_logprobs.outputs())
+        for state, d, row, lps in zip(states, drafts, kept.tolist(), logprobs):
+            new = [t for t in row if t >= 0]
+            self._append_verified(state, d, new)
+            output.req_ids.append(state.req_id)
+            output.sampled_token_ids.append(new[-1])
+            output.logprobs.append(lps[-1])
+            if d:
+                output.accepted_draft_ids[state.req_id] = new[:-1]
+                output.accepted_draft_logprobs[state.req_id] = lps[:-1]
+        self.prev_rows = {}
+        return VerifiedStep(output if self.is_driver else None)
+
+    def _append_verified(self, state: RequestState, drafts: list[int], new: list[int]) -> None:
+        state.token_ids.extend(new)
+        state.output_token_ids.extend(new)
+        if state.history_slot is not None:  # the device history takes them too (penalties of later steps)
+            slot = to_device([state.history_slot], torch.long, self.device)
+            for t in new:
+                self.history.append(slot, to_device([t], torch.long, self.device))
+        if drafts:
+            state.num_computed_tokens -= len(drafts) + 1 - len(new)  # the rejected drafts' KV is not kept
+            del state.block_ids[-(-state.num_computed_tokens // self.block_size):]
 
     def _sample_indices(self, counts: list[int], sample_rows: list[int]) -> torch.Tensor:
         """The last token of each sampling request, in the flat batch."""

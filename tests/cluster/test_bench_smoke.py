@@ -221,3 +221,12 @@ def test_bench_serve_warm_up_sends_every_request_and_fails_on_an_error():
 
     with pytest.raises(RuntimeError, match="HTTP 503"):
         asyncio.run(warm_up(refuse, bodies))
+
+
+def test_bench_spec_decode_compares_with_the_plain_engine(tmp_path):
+    result = _run(tmp_path, "bench", "spec-decode", "--model", "tiny", "--device", "cpu", "--block-size", "4",
+                  "--num-kv-blocks", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                  "--batch-size", "2", "--max-tokens", "12", "--repeats", "1")
+    (row,) = result["results"]
+    assert row["identical"] and row["output_tokens"] > 0 and row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
+    assert result["speculative_config"]["num_speculative_tokens"] == 3

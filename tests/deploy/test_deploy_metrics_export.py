@@ -61,7 +61,9 @@ def _probe_deployment():
                 device_memory_used_bytes=1 << 30, device_utilization=0.5, host_prefix_cache_queries=n,
                 host_prefix_cache_hits=n // 4, kv_offloaded_bytes=n << 20, kv_onloaded_bytes=n << 19,
                 host_kv_cache_usage=0.25, swapped_out_tokens=n // 2, swapped_in_tokens=n // 4,
-                preemption_recomputed_tokens=n // 8))
+                preemption_recomputed_tokens=n // 8, spec_decode_num_drafts=n // 8,
+                spec_decode_num_draft_tokens=n // 2, spec_decode_num_accepted_tokens=n // 4,
+                spec_decode_num_accepted_tokens_per_pos=[n // 8, n // 8]))
             self.metrics.observe_first_token(0.05)
             self.metrics.observe_inter_token(0.02)
             self.metrics.observe_finished("stop", 0.5, RequestMetrics(10.0, 10.1, 10.2, 10.5, 8, 4))

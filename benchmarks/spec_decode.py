@@ -1,0 +1,81 @@
+"""Speculative decoding on a copy-heavy workload: the same chat requests (repeat a passage, edit code) with and
+without `--speculative-config`, alternated `--repeats` times; prints the acceptance, the tokens a speculative step
+gives, and each engine's output tokens per second (medians), and checks that greedy outputs are identical.
+
+    pagoda bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import device_name, print_table, write_json
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
+           "notebook in which he recorded the weather, the ships that passed, and the colour of the sea. On stormy "
+           "nights he stayed awake until dawn, trimming the wick and writing down every flash he saw on the horizon.")
+CODE = ("def area(width, height):\n    return width * height\n\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n\n\n"
+        "def describe(width, height):\n    return f'{width} x {height}: area {area(width, height)}'\n")
+REQUESTS = [f"Repeat this passage exactly, word for word:\n\n{PASSAGE}",
+            f"Rename the function area to rect_area everywhere and print the whole code:\n\n{CODE}"]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from engine.arg_utils import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--batch-size", type=int, default=1, help="requests at once (the copy prompts in turn)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-json", default=None)
+
+
+def _run(llm, messages, params) -> tuple[list, float]:
+    start = time.perf_counter()
+    outs = llm.chat(messages, params, use_tqdm=False)
+    return outs, time.perf_counter() - start
+
+
+def main(args: argparse.Namespace) -> None:
+    from dataclasses import asdict, replace
+
+    from engine.arg_utils import engine_args
+    from engine.sampling_params import SamplingParams
+    from pagoda import LLM
+
+    spec_args = engine_args(args)
+    if not spec_args.speculative_config:
+        raise ValueError("--speculative-config is required (the plain engine is the same flags without it)")
+    messages = [[{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}] for i in range(args.batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    engines = {"plain": LLM(**asdict(replace(spec_args, speculative_config=None))), "spec": LLM(**asdict(spec_args))}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs = {}
+    for llm in engines.values():
+        _run(llm, messages, params)  # warm-up
+        llm.engine.scheduler.spec_stats = type(llm.engine.scheduler.spec_stats)()
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            outputs[name], seconds = _run(llm, messages, params)
+            times[name].append(seconds)
+    stats = engines["spec"].engine.scheduler.spec_stats
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs["plain"])
+    identical = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outputs["plain"], outputs["spec"]))
+    rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
+    row = {"device": device_name(), "batch_size": args.batch_size, "output_tokens": num_tokens,
+           "acceptance": round(stats.acceptance_rate, 3),
+           "tokens_per_spec_step": round(1 + stats.num_accepted_tokens / max(stats.num_drafts, 1), 2),
+           "accepted_per_position": stats.accepted_per_position,
+           "plain_tok_s": round(rates["plain"], 1), "spec_tok_s": round(rates["spec"], 1),
+           "speedup": round(rates["spec"] / rates["plain"], 2), "identical": identical,
+           "plain_s": times["plain"], "spec_s": times["spec"]}
+    print_table([row], ["device", "batch_size", "output_tokens", "acceptance", "tokens_per_spec_step", "plain_tok_s",
+                        "spec_tok_s", "speedup", "identical"])
+    print(f"accepted by position: {stats.accepted_per_position}")
+    for llm in engines.values():
+        llm.shutdown()
+    if args.output_json:
+        write_json(args.output_json, {"speculative_config": spec_args.speculative_config, "results": [row]})

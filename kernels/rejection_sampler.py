@@ -1,0 +1,181 @@
+"""Rejection sampling of speculative drafts with a one-hot draft distribution (n-gram / prompt lookup), which keeps
+the target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023):
+
+    row r, drafts x_0 .. x_{d-1}, target probabilities p_0 .. p_d (p_j: the distribution of the token after x_{j-1},
+    every sampling knob already applied)
+    for j < d:  accept x_j with probability p_j(x_j)         (q(x_j) = 1: min(1, p / q) = p)
+                on the first rejection: sample from p_j with x_j removed, renormalized, and stop
+    all d accepted: a bonus token from p_d
+
+A greedy row's p_j is one-hot at its argmax: a draft is accepted exactly when it equals the argmax, and the token
+after the run is the argmax itself. So one rule serves both.
+
+The randomness of row r's position j comes from one 64-bit key, keys[r, j], through kernels/sampling.py's
+counter-based hash: the uniform that decides acceptance at counter ACCEPT_COUNTER (24 bits, the very uniform the
+Gumbel noise is made of), and the Gumbel noise of the draw (argmax of log q + g, the Gumbel-max trick) at counter t
+for token t. A seeded request's keys depend only on its seed and positions, so its speculative output is
+reproducible. The kernel and the reference compute the same bits (the draw's logarithms up to rounding).
+
+    per row (one program)   the accept loop: K loads of one probability each
+                            the draw: one pass over the vocabulary at the first rejected position (or the bonus one)
+
+Outputs: tokens [R, K + 1] (the accepted drafts, then the token drawn; -1 past them) and num_accepted [R].
+"""
+
+import torch
+
+from kernels._triton import check_launchable, next_power_of_2, pdl_options, tl, triton, use_triton, wait_for_prior
+from kernels.sampling import _MASK32, _U24, _gumbel, _hash32, _hash32_ref, gumbel_ref
+
+ACCEPT_COUNTER = 0x7FFFFFFF  # past any token id: the acceptance uniform's counter
+BLOCK = 2048
+
+
+def uniform_ref(keys: torch.Tensor, counter: int) -> torch.Tensor:
+    """Uniforms in (0, 1) (24 random bits) from keys [...] (int64) at one counter: the u of kernels/sampling.py's
+    Gumbel noise."""
+    key_lo, key_hi = keys & _MASK32, (keys >> 32) & _MASK32
+    h = _hash32_ref((_hash32_ref(counter ^ key_lo) + key_hi) & _MASK32)
+    return ((h >> 8).to(torch.float32) + 0.5) * _U24
+
+
+@triton.jit
+def _uniform(key_lo, key_hi, counter):
+    h = _hash32(_hash32(counter ^ key_lo) + key_hi)
+    return ((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08
+
+
+@triton.jit
+def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_drafts_ptr, key_ptr, stride_key,
+                      out_ptr, stride_out, num_accepted_ptr, vocab, K: tl.constexpr, POSITIONS: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    num_drafts = tl.load(num_drafts_ptr + row).to(tl.int32)
+    accept_counter = (tl.zeros([1], tl.int32) + 0x7FFFFFFF).to(tl.uint32)
+    accepted = tl.min(tl.zeros([1], tl.int32), 0)
+    going = tl.min(tl.zeros([1], tl.int32), 0) + 1
+    for j in tl.static_range(K):
+        if (going == 1) & (j < num_drafts):
+            draft = tl.load(draft_ptr + row * stride_d + j)
+            p = tl.load(probs_ptr + row * stride_pr + j * stride_pk + draft)
+            key = tl.load(key_ptr + row * stride_key + j)
+            key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+            key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            u = tl.max(_uniform(key_lo, key_hi, accept_counter), 0)
+            if u < p:
+                accepted += 1
+            else:
+                going = 0
+    # The draw at the first rejected position (its draft removed), or the bonus position after all of them.
+    key = tl.load(key_ptr + row * stride_key + accepted)
+    key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    removed = tl.load(draft_ptr + row * stride_d + accepted, mask=accepted < num_drafts, other=-1)
+    base = probs_ptr + row * stride_pr + accepted * stride_pk
+    cols = tl.arange(0, BLOCK)
+    best_q = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        p = tl.load(base + idx, mask=idx < vocab, other=0.0)
+        p = tl.where(idx == removed, 0.0, p)
+        g = _gumbel(key_lo, key_hi, idx.to(tl.uint32))
+        q = tl.where((p > 0.0) & (idx < vocab), tl.log(tl.where(p > 0.0, p, 1.0)) + g, float("-inf"))
+        better = q > best_q  # strict: a lane keeps its first maximum
+        best_i = tl.where(better, idx, best_i)
+        best_q = tl.where(better, q, best_q)
+    top = tl.max(best_q, 0)
+    drawn = tl.min(tl.where(best_q == top, best_i, vocab), 0)
+    drawn = tl.where(top == float("-inf"), 0, drawn)  # nothing left to draw: as torch's argmax of all -inf
+    positions = tl.arange(0, POSITIONS)
+    drafts = tl.load(draft_ptr + row * stride_d + positions, mask=positions < accepted, other=0)
+    tokens = tl.where(positions < accepted, drafts, tl.where(positions == accepted, drawn.to(tl.int64), -1))
+    tl.store(out_ptr + row * stride_out + positions, tokens, mask=positions < K + 1)
+    tl.store(num_accepted_ptr + row, accepted.to(tl.int64))
+
+
+def _check_inputs(probs, draft_ids, num_drafts, keys) -> None:
+    if probs.dim() != 3:
+        raise ValueError(f"probs must be [rows, K + 1, vocab], got shape {tuple(probs.shape)}")
+    rows, positions, _ = probs.shape
+    if draft_ids.shape != (rows, positions - 1):
+        raise ValueError(f"draft_ids must be [rows={rows}, K={positions - 1}], got {tuple(draft_ids.shape)}")
+    if num_drafts.shape != (rows,):
+        raise ValueError(f"num_drafts must be [rows={rows}], got {tuple(num_drafts.shape)}")
+    if keys.shape != (rows, positions):
+        raise ValueError(f"keys must be [rows={rows}, K + 1={positions}], got {tuple(keys.shape)}")
+    if probs.dtype != torch.float32:
+        raise ValueError(f"probs must be float32, got {probs.dtype}")
+    for name, t in (("draft_ids", draft_ids), ("num_drafts", num_drafts), ("keys", keys)):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+
+
+def rejection_sample_ref(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                         keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [R, K + 1, V] float32 (row r's positions past num_drafts[r] + 1 are ignored), draft_ids [R, K] int64
+    (padding past num_drafts: any id), num_drafts [R] int64, keys [R, K + 1] int64.
+    Returns (tokens [R, K + 1] int64, -1 past the accepted drafts and the drawn token; num_accepted [R] int64)."""
+    _check_inputs(probs, draft_ids, num_drafts, keys)
+    rows, positions, vocab = probs.shape
+    k = positions - 1
+    is_draft = torch.arange(k, device=probs.device)[None, :] < num_drafts[:, None]  # [R, K]
+    safe_ids = torch.where(is_draft, draft_ids, 0)
+    p_draft = probs[:, :k].gather(-1, safe_ids[..., None]).squeeze(-1)  # [R, K]
+    accepted = (uniform_ref(keys[:, :k], ACCEPT_COUNTER) < p_draft) & is_draft
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [R]: the first rejection ends the run
+    # The draw at each position: from p with the draft removed (a rejection), or p itself (past the drafts).
+    residual = probs.clone()
+    residual[:, :k].scatter_(-1, safe_ids[..., None], torch.where(is_draft, 0.0, p_draft)[..., None])
+    token_ids = torch.arange(vocab, device=probs.device)[None, :]
+    noise = gumbel_ref(keys.reshape(-1), token_ids).reshape(rows, positions, vocab)
+    drawn = (residual.log() + noise).argmax(dim=-1)  # [R, K + 1]
+    final = drawn.gather(1, num_accepted[:, None])  # [R, 1]
+    column = torch.arange(positions, device=probs.device)[None, :]
+    padded_drafts = torch.cat([safe_ids, safe_ids[:, :1]], dim=1)
+    tokens = torch.where(column < num_accepted[:, None], padded_drafts,
+                         torch.where(column == num_accepted[:, None], final, -1))
+    return tokens, num_accepted
+
+
+def greedy_accept_ref(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: `rejection_sample_ref` of one-hot targets, without their probabilities. target_ids [R, K + 1]
+    (each position's argmax), draft_ids [R, K], num_drafts [R], all int64. Same outputs."""
+    rows, positions = target_ids.shape
+    if draft_ids.shape != (rows, positions - 1) or num_drafts.shape != (rows,):
+        raise ValueError(f"draft_ids must be [{rows}, {positions - 1}] and num_drafts [{rows}], got "
+                         f"{tuple(draft_ids.shape)} and {tuple(num_drafts.shape)}")
+    k = positions - 1
+    is_draft = torch.arange(k, device=target_ids.device)[None, :] < num_drafts[:, None]
+    num_accepted = ((target_ids[:, :k] == draft_ids) & is_draft).long().cumprod(dim=1).sum(dim=1)
+    column = torch.arange(positions, device=target_ids.device)[None, :]
+    return torch.where(column <= num_accepted[:, None], target_ids, -1), num_accepted
+
+
+def rejection_sample_triton(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                            keys: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of `rejection_sample`: one program per row."""
+    _check_inputs(probs, draft_ids, num_drafts, keys)
+    check_launchable(probs, draft_ids, num_drafts, keys)
+    if probs.stride(2) != 1 or (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1:
+        raise ValueError("probs, draft_ids and keys must be contiguous in their last dimension")
+    rows, positions, vocab = probs.shape
+    tokens = torch.empty(rows, positions, dtype=torch.int64, device=probs.device)
+    num_accepted = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    if rows:
+        _rejection_kernel[(rows,)](probs, probs.stride(0), probs.stride(1), draft_ids, draft_ids.stride(0),
+                                   num_drafts.contiguous(), keys, keys.stride(0), tokens, tokens.stride(0),
+                                   num_accepted, vocab, K=positions - 1, POSITIONS=next_power_of_2(positions),
+                                   BLOCK=min(block, next_power_of_2(vocab)),
+                                   **pdl_options(probs.device))
+    return tokens, num_accepted
+
+
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                     keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `rejection_sample_ref`: the Triton kernel on a GPU, the reference elsewhere."""
+    if use_triton(probs):
+        return rejection_sample_triton(probs, draft_ids, num_drafts, keys)
+    return rejection_sample_ref(probs, draft_ids, num_drafts, keys)

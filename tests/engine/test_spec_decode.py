@@ -1,0 +1,384 @@
+"""Speculative decoding (#34): the n-gram proposer, the config, and the engine with speculation against the engine
+without it. Greedy: the same tokens, logprobs and finish reasons, whatever was accepted; sampling: the same token
+distributions (chi-square over seeded draws). Acceptance is forced where the tiny model's gibberish gives the n-gram
+proposer nothing to find: an oracle proposer that proposes the non-speculative output, with every few drafts wrong."""
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from engine import SamplingParams
+from engine.arg_utils import add_engine_args, engine_args
+from engine.config import EngineArgs, SpeculativeConfig
+from engine.errors import ParamError
+from engine.spec_decode import NgramProposer
+from kernels.rejection_sampler import greedy_accept_ref, rejection_sample_ref
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+# ---- config ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "speculative_config.lookahead"),
+    ({"method": "medusa2", "num_speculative_tokens": 4}, "speculative_config.method"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "speculative_config.method"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "speculative_config.prompt_lookup_min"),
+    ([1, 2], "speculative_config"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_key(bad, field):
+    with pytest.raises(ParamError) as e:
+        EngineArgs(speculative_config=bad)
+    assert e.value.param == field
+    if bad == {"method": "draft_model", "num_speculative_tokens": 4}:
+        assert "not built" in str(e.value)
+
+
+def test_speculative_config_from_the_cli_and_the_defaults():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                                  '"prompt_lookup_max": 2}']))
+    assert SpeculativeConfig.from_dict(args.speculative_config) == SpeculativeConfig("ngram", 3, 1, 2)
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_min": 6}) == \
+        SpeculativeConfig("ngram", 2, 6, 6)
+    assert SpeculativeConfig.from_dict(None) is None
+    with pytest.raises(SystemExit):  # argparse: not JSON
+        parser.parse_args(["--speculative-config", "ngram"])
+
+
+def test_serve_app_args_take_the_speculative_config():
+    from cluster.app import ModelArgs
+
+    args = ModelArgs(model="tiny", speculative_config=NGRAM)
+    assert args.engine.speculative_config == NGRAM
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        ModelArgs(model="tiny", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+# ---- proposer --------------------------------------------------------------------------------------------------------
+def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, one position at a time."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposer_finds_the_latest_longest_match():
+    proposer = NgramProposer(3, 1, 3)
+    seq = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert proposer.propose(seq) == [7, 8, 5]  # "2 3" last seen before 7 8 5 (longest n = 3: "5 2 3" not seen)
+    assert proposer.propose(np.array([4, 4])) == [4]
+    assert proposer.propose(np.array([1, 2, 3])) == []
+    assert proposer.propose(np.array([7])) == []
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=rng.integers(1, 40)).tolist()
+        k, min_n = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        max_n = min_n + int(rng.integers(0, 3))
+        got = NgramProposer(k, min_n, max_n).propose(np.array(tokens, dtype=np.int64))
+        assert got == _ngram_reference(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+
+
+# ---- the rejection sampler -------------------------------------------------------------------------------------------
+def test_rejection_sampler_keeps_the_target_distribution():
+    """Row after row of one target and one pair of drafts: the first token follows p_0, and the second, where the
+    first draft was accepted, follows p_1 (chi-square goodness of fit)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 6, 40_000
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, dim=-1)
+    p[1, 4] = 0.0  # a token the target never gives (top-k / top-p cut it)
+    p[1] /= p[1].sum()
+    probs = p[None].expand(rows, 3, vocab).contiguous()
+    drafts = torch.tensor([[2, 4]]).expand(rows, 2).contiguous()
+    keys = torch.randint(0, 1 << 62, (rows, 3), generator=gen)
+    tokens, num_accepted = rejection_sample_ref(probs, drafts, torch.full((rows,), 2), keys)
+    assert 0 < int((num_accepted > 0).sum()) < rows
+    assert not bool(((tokens[:, 1] == 4) & (num_accepted == 1)).any())  # draft 4 is never accepted at p = 0
+    expected = p.double().numpy()
+    first = torch.bincount(tokens[:, 0], minlength=vocab).numpy()
+    assert stats.chisquare(first, expected[0] / expected[0].sum() * rows).pvalue > 1e-3
+    after = tokens[num_accepted >= 1, 1]
+    second = torch.bincount(after, minlength=vocab).numpy()
+    keep = expected[1] > 0
+    assert second[~keep].sum() == 0
+    assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
+
+
+def test_rejection_sampler_greedy_rows_take_the_argmax_run():
+    one_hot = torch.nn.functional.one_hot(torch.tensor([[3, 1, 2], [3, 1, 2]]), 5).float()
+    tokens, num_accepted = rejection_sample_ref(one_hot, torch.tensor([[3, 1], [3, 4]]), torch.tensor([2, 2]),
+                                                torch.zeros(2, 3, dtype=torch.long))
+    assert tokens.tolist() == [[3, 1, 2], [3, 1, -1]]
+    assert num_accepted.tolist() == [2, 1]
+    fast, fast_accepted = greedy_accept_ref(torch.tensor([[3, 1, 2], [3, 1, 2]]), torch.tensor([[3, 1], [3, 4]]),
+                                            torch.tensor([2, 2]))
+    assert torch.equal(fast, tokens) and torch.equal(fast_accepted, num_accepted)
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------------
+class OracleProposer:
+    """Proposes the non-speculative run's own continuation of a sequence (every `wrong_every`-th proposal's last
+    draft changed), or nothing for a sequence it does not know."""
+
+    def __init__(self, references: list[tuple[list[int], list[int]]], k: int, wrong_every: int = 3):
+        self.references, self.k, self.wrong_every, self.calls = references, k, wrong_every, 0
+
+    def propose(self, token_ids: np.ndarray) -> list[int]:
+        tokens = token_ids.tolist()
+        for prompt, output in self.references:
+            m = len(tokens) - len(prompt)
+            if m >= 0 and tokens[:len(prompt)] == prompt and tokens[len(prompt):] == output[:m]:
+                drafts = output[m:m + self.k]
+                self.calls += 1
+                if drafts and self.calls % self.wrong_every == 0:
+                    drafts[-1] = (drafts[-1] + 1) % 500
+                return drafts
+        return []
+
+
+def _llm(**kwargs):
+    from pagoda import LLM
+
+    return LLM(**({"model": "tiny", "device": "cpu", "num_kv_blocks": 64, "block_size": 4} | kwargs))
+
+
+def _run(prompts, params, oracle_k: int | None = None, references=None, **kwargs):
+    """(outputs, the engine) of one offline run; with oracle_k, speculative with the oracle proposer."""
+    llm = _llm(**kwargs)
+    if oracle_k is not None:
+        assert llm.engine.spec is not None
+        llm.engine.spec.proposer = OracleProposer(references, oracle_k)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    llm.shutdown()
+    return outs, llm.engine
+
+
+def _assert_same(plain, spec, atol=1e-4):  # float32: a recomputed KV (preemption) moves the last bits
+    for a, b in zip(plain, spec):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert (x.text, x.finish_reason, x.stop_reason) == (y.text, y.finish_reason, y.stop_reason)
+            if x.logprobs is not None:
+                for la, lb in zip(x.logprobs, y.logprobs):
+                    assert la.keys() == lb.keys()
+                    for t in la:
+                        assert la[t] == pytest.approx(lb[t], abs=atol)
+
+
+def _references(prompts, outs):
+    return [(list(o.prompt_token_ids), list(c.token_ids)) for o in outs for c in o.outputs]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [1, 2, 3, 4] * 5, [11, 12, 13], list(range(20, 61))]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},  # continuous batching: the fourth prompt is not speculated (the oracle does not know it)
+    {"max_num_batched_tokens": 7},  # chunked prefill, and drafts trimmed to the token budget
+    {"num_kv_blocks": 26, "enable_prefix_caching": False},  # preemption
+])
+def test_greedy_speculation_gives_the_plain_output(engine_kwargs):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (37, 40, 23, 30)]
+    plain, _ = _run(PROMPTS, params, **engine_kwargs)
+    references = _references(PROMPTS, plain)[:3]
+    spec, engine = _run(PROMPTS, params, 4, references, speculative_config=NGRAM, **engine_kwargs)
+    _assert_same(plain, spec)
+    stats_ = engine.scheduler.spec_stats
+    assert stats_.num_accepted_tokens > 0 and stats_.num_accepted_tokens < stats_.num_draft_tokens
+    if "num_kv_blocks" in engine_kwargs:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_with_speculation():
+    """Blocks filled by rejected drafts are never cached: a second run over the same prompts hits only what the
+    first computed, and gives the same output."""
+    shared = list(range(100, 124))
+    prompts = [shared + [1, 2, 3], shared + [4, 5], shared + [1, 2, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
+    plain, _ = _run(prompts, params)
+    references = _references(prompts, plain)
+    llm = _llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = OracleProposer(references, 3)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert llm.engine.block_manager.prefix_hits_tokens > 0
+    _assert_same(plain, first)
+    _assert_same(plain, second)
+    llm.shutdown()
+
+
+def test_stops_cut_the_accepted_run():
+    """A stop token id, a stop string and max_tokens that fall inside an accepted run end the output where the plain
+    run ends it."""
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain, _ = _run(PROMPTS[:3], base)
+    refs = _references(PROMPTS[:3], plain)
+    stop_token = refs[0][1][9]
+    tokenizer = _llm().get_tokenizer()
+    stop_string = tokenizer.decode(refs[1][1][12:14])
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_string]),
+              SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)]
+    plain, _ = _run(PROMPTS[:3], params)
+    assert plain[0].outputs[0].finish_reason == plain[1].outputs[0].finish_reason == "stop"
+    spec, engine = _run(PROMPTS[:3], params, 4, refs, speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_ngram_speculation_on_the_tiny_model_changes_nothing():
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1, ignore_eos=True)
+    plain, _ = _run(PROMPTS, params)
+    spec, engine = _run(PROMPTS, params, speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    assert engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+ALLOWED = [3, 17, 40, 41, 99, 123, 300, 311]
+
+
+class FixedDrafts:
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def propose(self, token_ids):
+        return list(self.drafts)
+
+
+def test_sampled_distributions_are_the_plain_ones():
+    """Thousands of seeded requests over an 8-token vocabulary (allowed_token_ids) with logit_bias, temperature,
+    top-k, top-p, min-p and penalties: each position's token distribution, and the joint of the first two, are the
+    same with drafts proposed as without (chi-square on the contingency tables)."""
+    num = 2000
+    bias = {3: 1.5, 17: 1.0, 40: 0.5, 300: -1.0}
+    params = [SamplingParams(temperature=0.8, top_k=6, top_p=0.95, min_p=0.02, repetition_penalty=1.5,
+                             presence_penalty=1.0, frequency_penalty=0.5, logit_bias=bias, allowed_token_ids=ALLOWED,
+                             max_tokens=3, ignore_eos=True, seed=s) for s in range(num)]
+    prompts = [[5, 6, 7, 8]] * num
+    kwargs = dict(num_kv_blocks=2048, max_num_seqs=256)
+    plain, _ = _run(prompts, params, **kwargs)
+    llm = _llm(speculative_config=NGRAM, **kwargs)
+    llm.engine.spec.proposer = FixedDrafts([3, 17])
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    stats_ = llm.engine.scheduler.spec_stats
+    assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
+    llm.shutdown()
+    a = np.array([o.outputs[0].token_ids for o in plain])
+    b = np.array([o.outputs[0].token_ids for o in spec])
+    assert a.shape == b.shape == (num, 3)
+    index = {t: i for i, t in enumerate(ALLOWED)}
+    for j in range(3):
+        table = np.array([np.bincount([index[t] for t in x[:, j]], minlength=8) for x in (a, b)])
+        table = table[:, table.sum(axis=0) > 0]
+        assert stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
+    pairs = np.array([np.bincount([index[s] * 8 + index[t] for s, t in x[:, :2]], minlength=64) for x in (a, b)])
+    pairs = pairs[:, pairs.sum(axis=0) >= 5]
+    assert stats.chi2_contingency(pairs).pvalue > 1e-3
+    assert not (a == b).all()  # the draws themselves differ: only their distributions agree
+
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
+           "notebook in which he recorded the weather, the ships that passed, and the colour of the sea.")
+CODE = ("def area(width, height):\n    return width * height\n\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n")
+COPY_PROMPTS = [
+    [{"role": "user", "content": f"Repeat this passage exactly, word for word:\n\n{PASSAGE}"}],
+    [{"role": "user", "content": f"Rename the function area to rect_area and print the whole code:\n\n{CODE}"}],
+]
+
+
+def test_smollm2_copy_workload_gives_the_plain_output_with_drafts_accepted(real_llm, real_model_dir):
+    """SmolLM2-135M-Instruct copying a passage and editing code: n-gram drafts are accepted (more than half of them
+    here) and the output, tokens and logprobs, is the plain engine's."""
+    from pagoda import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+    plain = real_llm.chat(COPY_PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256, speculative_config=NGRAM)
+    spec = llm.chat(COPY_PROMPTS, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    stats_ = llm.engine.scheduler.spec_stats
+    llm.shutdown()
+    _assert_same(plain, spec)
+    assert "lighthouse keeper climbed" in spec[0].outputs[0].text and "rect_area" in spec[1].outputs[0].text
+    print(f"acceptance {stats_.acceptance_rate:.2f} ({stats_.num_accepted_tokens}/{stats_.num_draft_tokens}), "
+          f"{1 + stats_.num_accepted_tokens / stats_.num_drafts:.2f} tokens a speculative step, "
+          f"by position {stats_.accepted_per_position}")
+    assert stats_.acceptance_rate > 0.3
+
+
+def test_engine_stats_and_metrics_count_drafts_with_vllms_names():
+    from cluster.metrics import ReplicaMetrics
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain, _ = _run(PROMPTS[:2], params)
+    llm = _llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = OracleProposer(_references(PROMPTS[:2], plain), 4)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    stats_ = llm.engine.get_stats()
+    llm.shutdown()
+    spec = llm.engine.scheduler.spec_stats
+    assert stats_.spec_decode_num_draft_tokens == spec.num_draft_tokens > stats_.spec_decode_num_accepted_tokens > 0
+    assert sum(stats_.spec_decode_num_accepted_tokens_per_pos) == stats_.spec_decode_num_accepted_tokens
+    assert stats_.generation_tokens == 60
+    metrics = ReplicaMetrics("m", "r", use_ray=False)
+    metrics.sync_engine_stats(stats_)
+    samples = {(s[0], s[1].get("position")): s[2] for f in metrics.snapshot() for s in f.samples}
+    assert samples[("pagoda:spec_decode_num_draft_tokens_total", None)] == stats_.spec_decode_num_draft_tokens
+    assert samples[("pagoda:spec_decode_num_accepted_tokens_total", None)] == stats_.spec_decode_num_accepted_tokens
+    assert samples[("pagoda:spec_decode_num_drafts_total", None)] == stats_.spec_decode_num_drafts
+    assert samples[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", "0")] == \
+        stats_.spec_decode_num_accepted_tokens_per_pos[0]
+
+
+def test_constrained_requests_are_not_speculated_and_run_beside_speculating_ones():
+    """A request with a grammar gets no drafts (it samples under its bitmask as in a plain step) while others in the
+    same steps speculate; both give the plain output."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,12}")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    plain, _ = _run(prompts, params)
+    references = _references(prompts, plain)  # the oracle would propose for all three, were they speculated
+    spec, engine = _run(prompts, params, 4, references, speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert spec[1].outputs[0].text.isalpha() and spec[2].outputs[0].text.isalpha()
+
+
+def test_greedy_with_every_knob_over_the_accepted_history():
+    """Greedy rows whose argmax depends on the history (repetition, frequency and presence penalties over the
+    accepted drafts before each position), logit_bias, min_tokens with a stop token, n = 2, prompt logprobs: the
+    plain output."""
+    plain_params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, prompt_logprobs=1, n=2,
+                                  repetition_penalty=1.2, frequency_penalty=1.0, presence_penalty=0.3,
+                                  logit_bias={7: 8.0, 8: 7.5, 9: -3.0}, min_tokens=12)
+    plain, _ = _run(PROMPTS[:3], plain_params)
+    stop_token = plain[0].outputs[0].token_ids[5]  # inside min_tokens: it must not stop there
+    params = SamplingParams(**{**{f: getattr(plain_params, f) for f in ("temperature", "max_tokens", "logprobs",
+                                                                          "prompt_logprobs", "n",
+                                                                          "repetition_penalty", "frequency_penalty",
+                                                                          "presence_penalty", "logit_bias",
+                                                                          "min_tokens")},
+                               "stop_token_ids": [stop_token]})
+    plain, _ = _run(PROMPTS[:3], params)
+    favoured = sum(o.outputs[0].token_ids.count(7) + o.outputs[0].token_ids.count(8) for o in plain)
+    assert favoured > 8  # favoured, then penalized: the history decides when they come back
+    spec, engine = _run(PROMPTS[:3], params, 4, _references(PROMPTS[:3], plain), speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    for a, b in zip(plain, spec):
+        assert a.prompt_logprobs == b.prompt_logprobs
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
