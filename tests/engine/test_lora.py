@@ -16,6 +16,7 @@ from pagoda import LLM, LoRARequest, SamplingParams
 from tests.hf_oracle import assert_matches_hf, hf_logprobs
 from tests.lora_adapters import edit_config, make_adapter, peft_model
 from tests.prompts import PARITY_PROMPTS, PREFIX
+from tests.spec_proposers import OracleProposer
 
 MAX_NEW = 8
 ATOL = 1e-4
@@ -140,6 +141,29 @@ def test_preemption(tiny_model_dir, adapters):
     loras = [adapters["qv"], adapters["all"], None, adapters["qv"], adapters["all"], None, adapters["all"]]
     run_and_check(llm, tiny_model_dir, PARITY_PROMPTS, loras)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_speculative_decoding_with_adapters(tiny_model_dir, adapters):
+    """Drafts verified under each row's adapter: speculative greedy output equals the plain run's (which equals
+    peft's), with base and adapter rows in the same steps and most drafts accepted."""
+    loras = [None, adapters["qv"], adapters["all"], adapters["mlp-rs"]]
+    prompts = PARITY_PROMPTS[:4]
+    llm = lora_llm(tiny_model_dir, max_loras=3)
+    plain = run_and_check(llm, tiny_model_dir, prompts, loras)
+    llm.shutdown()
+    references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
+    llm = lora_llm(tiny_model_dir, max_loras=3,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.spec.proposer = OracleProposer(references, 3)
+    spec = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
+    llm.engine.check_integrity()
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < ATOL for t in x)
+    llm.shutdown()
 
 
 def test_more_adapters_than_gpu_slots(tiny_model_dir, adapters):

@@ -16,6 +16,7 @@ from engine.config import EngineArgs, SpeculativeConfig
 from engine.errors import ParamError
 from engine.spec_decode import NgramProposer
 from kernels.rejection_sampler import greedy_accept_ref, rejection_sample_ref
+from tests.spec_proposers import OracleProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -124,26 +125,6 @@ def test_rejection_sampler_greedy_rows_take_the_argmax_run():
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
-class OracleProposer:
-    """Proposes the non-speculative run's own continuation of a sequence (every `wrong_every`-th proposal's last
-    draft changed), or nothing for a sequence it does not know."""
-
-    def __init__(self, references: list[tuple[list[int], list[int]]], k: int, wrong_every: int = 3):
-        self.references, self.k, self.wrong_every, self.calls = references, k, wrong_every, 0
-
-    def propose(self, token_ids: np.ndarray) -> list[int]:
-        tokens = token_ids.tolist()
-        for prompt, output in self.references:
-            m = len(tokens) - len(prompt)
-            if m >= 0 and tokens[:len(prompt)] == prompt and tokens[len(prompt):] == output[:m]:
-                drafts = output[m:m + self.k]
-                self.calls += 1
-                if drafts and self.calls % self.wrong_every == 0:
-                    drafts[-1] = (drafts[-1] + 1) % 500
-                return drafts
-        return []
-
-
 def _llm(**kwargs):
     from pagoda import LLM
 
