@@ -60,6 +60,11 @@ class EngineStats:
     swapped_out_tokens: int = 0
     swapped_in_tokens: int = 0
     preemption_recomputed_tokens: int = 0
+    # LoRA (vLLM's lora_requests_info): the adapters of the running and of the waiting requests, by name, and the
+    # GPU slots (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass
@@ -409,7 +414,18 @@ class LLMEngine:
                            kv_onloaded_bytes=bm.num_onloaded_blocks * self.executor.kv_block_bytes,
                            host_kv_cache_usage=bm.host_usage, swapped_out_tokens=bm.swapped_out_tokens,
                            swapped_in_tokens=bm.swapped_in_tokens,
-                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens)
+                           preemption_recomputed_tokens=bm.preemption_recomputed_tokens,
+                           **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.request.name for r in requests if r.lora is not None}))
+
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting), "max_loras": self.lora_slots.num_slots}
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
