@@ -245,7 +245,9 @@ class Ingress:
                                                    self.config.max_prompts.get(name))
             except Exception as e:  # noqa: BLE001 - the document without that model's bounds
                 logger.warning("/openapi.json without the bounds of %s: %s", name, e)
-        return JSONResponse(openapi_schema(base, list(self.models), facts))
+        adapters = await self.lora.list()  # each a model name too, with its base's bounds
+        facts |= {a.name: facts[a.base_model_name] for a in adapters if a.base_model_name in facts}
+        return JSONResponse(openapi_schema(base, list(self.models) + [a.name for a in adapters], facts))
 
     async def _completions(self, request: Request, body: bytes, request_id: str) -> Response:
         req = CompletionRequest.model_validate_json(body)
@@ -317,11 +319,11 @@ class Ingress:
                 **adapter.card()}
 
     # ---- LoRA adapters at run time (vLLM's endpoints) -------------------------------------------------------------
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", include_in_schema=False)
     async def load_lora_adapter(self, request: Request):
         return await self._serve(request, self._load_lora_adapter)
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
     async def unload_lora_adapter(self, request: Request):
         return await self._serve(request, self._unload_lora_adapter)
 

@@ -116,6 +116,13 @@ def test_models_list_the_adapters_with_their_parent(client, adapters):
     assert client.models.retrieve("qv").model_dump()["parent"] == "base"
 
 
+def test_the_openapi_document_names_the_adapters_as_models(http):
+    document = http.get("/openapi.json").json()
+    assert set(document["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"]) >= \
+        {"base", "qv", "all"}
+    assert "/v1/load_lora_adapter" not in document["paths"]  # an operator's endpoint, as /metrics
+
+
 def test_completions_and_chats_with_an_adapter_equal_offline_generate(client, offline, adapters):
     for prompt in PROMPTS:
         texts = {model: complete(client, model, prompt) for model in ("base", "qv", "all")}
