@@ -189,3 +189,32 @@ def test_the_lora_cards_are_vllms_shape():
 
     card = LoRAModule("base", LoRARequest("sql", 3, "/adapters/sql")).card()
     assert json.loads(json.dumps(card)) == {"root": "/adapters/sql", "parent": "base"}
+
+
+def test_a_request_waiting_for_a_slot_is_a_waiting_request_and_names_its_adapter(tiny_model_dir, adapter_dir,
+                                                                                  tmp_path):
+    """What the metrics and the autoscaling policy read: with one GPU slot, the second adapter's request waits, and
+    the engine's stats say which adapters run and which wait."""
+    from cluster.autoscaling import autoscaling_stats
+    from engine.lora import LoRARequest
+    from pagoda import LLM, SamplingParams
+    from tests.lora_adapters import make_adapter
+
+    other = make_adapter(tiny_model_dir, str(tmp_path / "other"), rank=4, seed=1)
+    llm = LLM(model=tiny_model_dir, device="cpu", enable_lora=True, max_loras=1, num_kv_blocks=64)
+    try:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.add_request("a", "one prompt", params, lora_request=LoRARequest("first", 1, adapter_dir))
+        engine.add_request("b", "another prompt", params, lora_request=LoRARequest("second", 2, other))
+        engine.add_request("c", "a base prompt", params)
+        engine.step()
+        stats = engine.get_stats()
+        assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras) == (("first",),
+                                                                                               ("second",), 1)
+        assert stats.num_running == 2 and autoscaling_stats(stats)["num_waiting"] == 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.get_stats().running_lora_adapters == engine.get_stats().waiting_lora_adapters == ()
+    finally:
+        llm.shutdown()
