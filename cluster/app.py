@@ -21,6 +21,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling import POLICY_PATH
 from cluster.ingress import Ingress
+from cluster.lora_registry import adapter_id
 from cluster.placement import ReplicaPlacement, ingress_options
 from cluster.ray_utils import resolve_cluster_device
 from cluster.router import DEFAULT_CHUNK_CHARS, DEFAULT_IMBALANCE_THRESHOLD, PrefixAffinityRouter
@@ -213,13 +214,12 @@ def build_app(args: dict | None = None) -> serve.Application:
     """The Serve application for `args` (see AppArgs; the shape of deploy/serve.yaml's `args`)."""
     app_args = parse_args(args)
     handles, cards, devices = {}, {}, set()
-    adapter_ids = {a.name: i + 1 for i, a in enumerate(a for m in app_args.models for a in m.lora_modules)}
     for m in app_args.models:
         device = resolve_cluster_device(m.engine.device)
         devices.add(device)
         placement = m.placement(device)
         name = m.names[0]
-        adapters = tuple(LoRARequest(a.name, adapter_ids[a.name], a.path) for a in m.lora_modules)
+        adapters = tuple(LoRARequest(a.name, adapter_id(a.name, a.path), a.path) for a in m.lora_modules)
         settings = ServerSettings(name, placement, drain_timeout_s=m.graceful_shutdown_timeout_s, debug=app_args.debug,
                                   allow_request_chat_template=m.allow_request_chat_template,
                                   chat_template_time_limit_s=m.chat_template_time_limit_s,
@@ -234,7 +234,7 @@ def build_app(args: dict | None = None) -> serve.Application:
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
               "default_max_tokens": app_args.default_max_tokens,
               "max_prompts": {alias: m.max_prompts_at_once for m in app_args.models for alias in m.names},
-              "prepare_structured_outputs": "cuda" in devices, "lora": _lora_config(app_args, adapter_ids)}
+              "prepare_structured_outputs": "cuda" in devices, "lora": _lora_config(app_args)}
     # The ingress drains its streams for as long as the models drain theirs (Serve's default, 20 s, cut the
     # streams of a 30 s model drain), plus a margin for their last chunks.
     drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.models) + 5.0
@@ -245,17 +245,17 @@ def build_app(args: dict | None = None) -> serve.Application:
     return ingress.bind(handles, cards, config)
 
 
-def _lora_config(app_args: AppArgs, adapter_ids: dict[str, int]) -> dict[str, Any]:
+def _lora_config(app_args: AppArgs) -> dict[str, Any]:
     """What the ingress knows of adapters (cluster/lora_registry.py LoRAConfig's fields): those named at start, the
     models that take adapters at run time, and the key of the store of those loaded at run time (new at each build:
     a redeployed app starts from its lora_modules again)."""
     allow = app_args.allow_runtime_lora_updating
     if allow is None:
         allow = bool(envs.get("PAGODA_ALLOW_RUNTIME_LORA_UPDATING"))
-    modules = [{"name": a.name, "id": adapter_ids[a.name], "path": a.path, "base_model_name": a.base_model_name}
+    modules = [{"name": a.name, "id": adapter_id(a.name, a.path), "path": a.path, "base_model_name": a.base_model_name}
                for m in app_args.models for a in m.lora_modules]
     return {"modules": modules, "models": [m.names[0] for m in app_args.models if m.engine.enable_lora],
-            "allow_runtime_updating": allow, "store_key": uuid.uuid4().hex, "first_runtime_id": len(modules) + 1}
+            "allow_runtime_updating": allow, "store_key": uuid.uuid4().hex}
 
 
 def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]:

@@ -6,15 +6,16 @@
 
 A request carries its `LoRARequest` to whichever replica runs it; the replica's engine reads and checks the
 adapter's files when its id first comes (engine/lora.py). So replicas hold no list of adapters, and one started
-later by the autoscaler serves every adapter at once. Only the ingress replicas must agree on names and ids: the
-adapters loaded at run time live in Ray's GCS key-value store (the one Serve keeps its own state in), under a key
-that build_app draws anew for each deployment of the app:
+later by the autoscaler serves every adapter at once. An adapter's id is a hash of its name and path
+(`adapter_id`): the same adapter has the same id wherever and whenever it is named, and an engine that outlives a
+redeployment never sees one id stand for two adapters. Only the ingress replicas must agree on names: the adapters
+loaded at run time live in Ray's GCS key-value store (the one Serve keeps its own state in), under a key that
+build_app draws anew for each deployment of the app:
 
     pagoda_lora / <store_key>/name/<name> -> {"id", "path", "base_model_name"}
-                  <store_key>/id/<id>     -> <name>     (an id is claimed once, never reused)
 
-Claims are atomic (a put that does not overwrite), so two ingress replicas loading at once cannot give one name or
-one id twice. Unloading deletes the name: requests already running keep their adapter (they carry it) and finish;
+A name is claimed atomically (a put that does not overwrite), so two ingress replicas loading at once cannot give
+it twice. Unloading deletes the name: requests already running keep their adapter (they carry it) and finish;
 later requests for the name get a 404; the adapter's GPU slot and host-cache copy go to other adapters by LRU. A
 redeployed app starts again from its lora_modules (its store key is new); the old keys stay in the GCS, a few
 bytes an adapter.
@@ -23,6 +24,7 @@ bytes an adapter.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -30,6 +32,12 @@ from cluster import errors
 from engine.lora import LoRARequest
 
 KV_NAMESPACE = "pagoda_lora"
+
+
+def adapter_id(name: str, path: str) -> int:
+    """The engine's id of an adapter: 63 bits of a hash of its name and path (>= 1)."""
+    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,6 @@ class LoRAConfig:
     models: list[str] = field(default_factory=list)  # served models that take adapters (enable_lora)
     allow_runtime_updating: bool = False
     store_key: str = ""
-    first_runtime_id: int = 1
 
 
 class LoRARegistry:
@@ -67,7 +74,6 @@ class LoRARegistry:
         self.config = config
         self.static = {m["name"]: LoRAModule(m["base_model_name"], LoRARequest(m["name"], m["id"], m["path"]), True)
                        for m in config.modules}
-        self._next_id = config.first_runtime_id  # a hint: ids below it were claimed already
 
     async def get(self, name: str) -> LoRAModule | None:
         module = self.static.get(name)
@@ -80,14 +86,13 @@ class LoRARegistry:
         return list(self.static.values()) + runtime
 
     async def add(self, name: str, path: str, base_model_name: str, check) -> LoRAModule:
-        """Claims an id, awaits `check(module)` (which raises for a bad adapter: the id is then left unused), and
-        publishes the name; InvalidRequestError if the name is taken (also by another ingress meanwhile)."""
+        """Awaits `check(module)` (which raises for a bad adapter), then publishes the name; InvalidRequestError if
+        the name is taken (also by another ingress replica meanwhile)."""
         if name in self.static or await self.get(name) is not None:
             raise _duplicate(name)
-        adapter_id = await asyncio.to_thread(self._claim_id, name)
-        module = LoRAModule(base_model_name, LoRARequest(name, adapter_id, path))
+        module = LoRAModule(base_model_name, LoRARequest(name, adapter_id(name, path), path))
         await check(module)
-        value = json.dumps({"id": adapter_id, "path": path, "base_model_name": base_model_name})
+        value = json.dumps({"id": module.request.id, "path": path, "base_model_name": base_model_name})
         if await asyncio.to_thread(_kv_put, self._name_key(name), value):
             raise _duplicate(name)
         return module
@@ -121,12 +126,6 @@ class LoRARegistry:
         prefix = self._name_key("")
         names = sorted(key.decode()[len(prefix):] for key in _internal_kv_list(prefix, namespace=KV_NAMESPACE))
         return [m for m in map(self._read, names) if m is not None]  # (one unloaded meanwhile is left out)
-
-    def _claim_id(self, name: str) -> int:
-        while _kv_put(f"{self.config.store_key}/id/{self._next_id}", name):  # taken: by this replica or another
-            self._next_id += 1
-        self._next_id += 1
-        return self._next_id - 1
 
 
 def _kv_put(key: str, value: str) -> bool:

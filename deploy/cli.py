@@ -113,15 +113,17 @@ def check_lora_modules(app_args: dict) -> None:
     """Reads every adapter of --lora-modules against the model's config here, before Ray starts: a bad one is an
     error naming it (its replicas check them again where they run)."""
     from cluster.app import parse_args
+    from cluster.lora_registry import adapter_id
     from engine.lora import LoRARequest, read_adapter
 
     for m in parse_args(app_args).models:
         if not m.lora_modules:
             continue
         config = m.engine.create_engine_config()
-        for j, a in enumerate(m.lora_modules):
+        for a in m.lora_modules:
             try:
-                read_adapter(LoRARequest(a.name, j + 1, a.path), config.model.hf_config, config.lora.max_lora_rank)
+                read_adapter(LoRARequest(a.name, adapter_id(a.name, a.path), a.path), config.model.hf_config,
+                             config.lora.max_lora_rank)
             except ValueError as e:
                 raise ValueError(f"--lora-modules: {getattr(e, 'message', e)}") from None
 

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from cluster.app import build_app, parse_args
+from cluster.lora_registry import adapter_id
 from cluster.metrics import ReplicaMetrics, merge_families
 from cluster.router import PrefixAffinity
 from deploy.cli import build_parser, main, serve_app_args
@@ -63,7 +64,7 @@ def test_bad_lora_app_args_are_refused_naming_the_field(args, says):
         parse_args(args)
 
 
-def test_build_app_numbers_the_adapters_and_reads_the_runtime_switch(monkeypatch):
+def test_build_app_gives_each_adapter_its_id_and_reads_the_runtime_switch(monkeypatch):
     args = {"models": [{"model": "tiny", "served_model_name": "m1", "enable_lora": True,
                         "lora_modules": [{"name": "a", "path": "/p"}, {"name": "b", "path": "/q"}]},
                        {"model": "tiny", "served_model_name": "m2", "enable_lora": True,
@@ -76,8 +77,8 @@ def test_build_app_numbers_the_adapters_and_reads_the_runtime_switch(monkeypatch
 
     lora = lora_config(build_app(args))
     assert [(m["name"], m["id"], m["base_model_name"]) for m in lora["modules"]] == \
-        [("a", 1, "m1"), ("b", 2, "m1"), ("c", 3, "m2")]
-    assert lora["models"] == ["m1", "m2"] and lora["first_runtime_id"] == 4
+        [("a", adapter_id("a", "/p"), "m1"), ("b", adapter_id("b", "/q"), "m1"), ("c", adapter_id("c", "/r"), "m2")]
+    assert lora["models"] == ["m1", "m2"]
     assert lora["allow_runtime_updating"] is False
     monkeypatch.setenv("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "1")
     again = lora_config(build_app(args))
@@ -94,8 +95,8 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(("problem", "says"), [
-    ("missing", "adapter 'bad' (id 2): has no adapter_config.json"),  # after a good one
-    ("rank", "adapter 'bad' (id 1): r = 8 is larger than max_lora_rank (4)"),
+    ("missing", "adapter 'bad' (id {id}): has no adapter_config.json"),  # after a good one
+    ("rank", "adapter 'bad' (id {id}): r = 8 is larger than max_lora_rank (4)"),
 ])
 def test_pagoda_serve_refuses_a_bad_adapter_before_ray_starts(problem, says, adapter_dir, tmp_path, monkeypatch,
                                                               capsys):
@@ -106,13 +107,14 @@ def test_pagoda_serve_refuses_a_bad_adapter_before_ray_starts(problem, says, ada
 
     monkeypatch.setattr(ray, "init", started)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    bad = str(tmp_path / "nothing") if problem == "missing" else adapter_dir
     if problem == "missing":
-        flags = ["--lora-modules", f"good={adapter_dir}", f"bad={tmp_path / 'nothing'}"]
+        flags = ["--lora-modules", f"good={adapter_dir}", f"bad={bad}"]
     else:
-        flags = ["--max-lora-rank", "4", "--lora-modules", f"bad={adapter_dir}"]
+        flags = ["--max-lora-rank", "4", "--lora-modules", f"bad={bad}"]
     assert main(["serve", "--model", "tiny", "--enable-lora", *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("pagoda: error: --lora-modules:") and says in err, err
+    assert err.startswith("pagoda: error: --lora-modules:") and says.format(id=adapter_id("bad", bad)) in err, err
 
 
 # ---- routing -----------------------------------------------------------------------------------------------------
@@ -181,6 +183,12 @@ def test_finished_requests_are_counted_by_adapter():
         'replica="r0"} 1.0']
     assert 'pagoda:request_success_total{finished_reason="stop",model_name="tiny",replica="r0"} 2.0' in \
         lines(metrics, "pagoda:request_success_total")
+
+
+def test_an_adapters_id_is_its_name_and_path_and_the_same_wherever_it_is_named():
+    ids = {adapter_id(name, path) for name in ("a", "b", "a/b") for path in ("/p", "/q", "/p/q")}
+    assert len(ids) == 9 and all(1 <= i < 2 ** 63 for i in ids)
+    assert adapter_id("a", "/p") == adapter_id("a", "/p") != adapter_id("a/", "p")
 
 
 def test_the_lora_cards_are_vllms_shape():

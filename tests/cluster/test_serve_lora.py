@@ -149,6 +149,17 @@ def test_base_and_adapter_requests_interleaved_each_equal_their_own_run(client, 
         assert text == expected(offline, adapters, prompt, None if model == "base" else model), (model, prompt)
 
 
+def test_tokenizer_endpoints_take_an_adapters_name_as_its_bases(http):
+    def tokens(model):
+        r = http.post("/tokenize", json={"model": model, "prompt": PROMPTS[0]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert tokens("qv") == tokens("base") and tokens("qv")
+    r = http.post("/detokenize", json={"model": "all", "tokens": tokens("base")})
+    assert r.status_code == 200 and r.json()["prompt"].endswith(PROMPTS[0])
+
+
 def test_an_unknown_model_is_the_usual_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-adapter", prompt="x", max_tokens=1)
@@ -249,14 +260,14 @@ def test_runtime_updating_off_is_a_404_saying_how_to_turn_it_on(serve_base, tiny
 
 def test_ingress_replicas_share_runtime_adapters_through_the_gcs(ray_cluster):
     """Two registries with one store key stand for two ingress replicas: what one loads the other serves, one
-    name or id is never given twice, even to loads at the same moment, and unloading shows at both."""
+    name is never given twice, even to loads at the same moment, and unloading shows at both."""
     import asyncio
 
     from cluster import errors
-    from cluster.lora_registry import LoRAConfig, LoRARegistry
+    from cluster.lora_registry import LoRAConfig, LoRARegistry, adapter_id
 
     config = LoRAConfig(modules=[{"name": "static", "id": 1, "path": "/s", "base_model_name": "base"}],
-                        models=["base"], allow_runtime_updating=True, store_key=uuid.uuid4().hex, first_runtime_id=2)
+                        models=["base"], allow_runtime_updating=True, store_key=uuid.uuid4().hex)
     first, second = LoRARegistry(config), LoRARegistry(config)
     checked = []
 
@@ -265,22 +276,22 @@ def test_ingress_replicas_share_runtime_adapters_through_the_gcs(ray_cluster):
 
     async def scenario():
         added = await first.add("a", "/a", "base", check)
-        assert (await second.get("a")) == added and added.request == LoRARequest("a", 2, "/a")
+        assert (await second.get("a")) == added and added.request == LoRARequest("a", adapter_id("a", "/a"), "/a")
         results = await asyncio.gather(*(r.add("b", f"/b{i}", "base", check) for i, r in enumerate((first, second))),
                                        return_exceptions=True)
         assert sum(isinstance(r, errors.InvalidRequestError) for r in results) == 1  # one name, once
         with pytest.raises(errors.InvalidRequestError):
             await second.add("static", "/x", "base", check)
-        c = await second.add("c", "/c", "base", check)
-        ids = [m.request.id for m in await first.list()]
-        assert len(ids) == len(set(ids)) == 4 and c.request.id not in (1, 2)
+        await second.add("c", "/c", "base", check)
+        assert sorted(m.name for m in await first.list()) == ["a", "b", "c", "static"]
+        assert [m.request.path for m in await first.list() if m.name == "b"] in (["/b0"], ["/b1"])
         await second.remove("a")
         assert await first.get("a") is None
         with pytest.raises(errors.NotFoundError):
             await first.remove("a")
 
     asyncio.run(scenario())
-    assert len({lora.id for lora in checked}) == len(checked)  # every check ran under an id of its own
+    assert [lora.name for lora in checked] == ["a", "b", "b", "c"]  # each load checked before it was published
 
 
 @pytest.mark.slow
