@@ -67,7 +67,10 @@ class LLMServer:
         self.replica_id = _replica_tag()
         config = engine_args.create_engine_config()
         for lora in settings.lora_modules:  # a bad adapter stops the replica (so the app) from starting
-            read_adapter(lora, config.model.hf_config, config.lora.max_lora_rank)
+            try:
+                read_adapter(lora, config.model.hf_config, config.lora.max_lora_rank)
+            except ParamError as e:
+                raise ValueError(f"lora_modules: {e.message}") from None
         if settings.placement.engine_process:
             from cluster.engine_core import RayConnection
             from cluster.ray_utils import actor_env_vars

@@ -319,3 +319,26 @@ def test_a_hot_adapter_spreads_when_its_replica_is_busy(serve_base, tiny_model_d
         assert len(app_replicas) == 2
     finally:
         serve.delete("pagoda-lora-hot")
+
+
+@pytest.mark.slow
+def test_an_app_whose_adapter_is_bad_does_not_start(serve_base, tiny_model_dir, adapters, tmp_path):
+    """A Serve config (no CLI check before it): each replica reads its lora_modules as it starts, so a bad one fails
+    the deployment (no replica of the model runs), and Serve's status names the adapter."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    app = build_app({"models": [{"model": tiny_model_dir, "served_model_name": "broken", "enable_lora": True,
+                                 "num_kv_blocks": 64, "replica_num_cpus": 0.5, "engine_process": False,
+                                 "lora_modules": [{"name": "fine", "path": adapters["qv"]},
+                                                  {"name": "broken-adapter", "path": str(tmp_path / "none")}]}]})
+    try:
+        with pytest.raises(RuntimeError, match="LLMServer_broken"):
+            serve.run(app, name="pagoda-lora-broken", route_prefix="/pagoda-lora-broken")
+        status = serve.status().applications["pagoda-lora-broken"]  # what `serve status` and a RayService show
+        message = status.deployments["LLMServer_broken"].message
+        assert "lora_modules: adapter 'broken-adapter'" in message and "has no adapter_config.json" in message
+        assert status.status == "DEPLOY_FAILED" and status.deployments["LLMServer_broken"].status == "DEPLOY_FAILED"
+    finally:
+        serve.delete("pagoda-lora-broken")
