@@ -11,6 +11,7 @@ fields of `ModelArgs`. They are validated here, with the field named; an unknown
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -20,13 +21,16 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling import POLICY_PATH
 from cluster.ingress import Ingress
+from cluster.lora_registry import adapter_id
 from cluster.placement import ReplicaPlacement, ingress_options
 from cluster.ray_utils import resolve_cluster_device
 from cluster.router import DEFAULT_CHUNK_CHARS, DEFAULT_IMBALANCE_THRESHOLD, PrefixAffinityRouter
 from cluster.server import LLMServer, ServerSettings
 from cluster.tool_parsers import TOOL_CALL_PARSERS
+from engine import envs
 from engine.config import EngineArgs
 from engine.errors import ParamError
+from engine.lora import LoRARequest
 
 DEFAULT_STREAM_INTERVAL_S = 0.1
 # A replica's max_ongoing_requests unless given: at least its engine's max_num_seqs (fewer would leave its batch
@@ -72,6 +76,17 @@ class RouterArgs(BaseModel):
     imbalance_threshold: float = Field(DEFAULT_IMBALANCE_THRESHOLD, ge=0)
 
 
+class LoRAModuleArgs(BaseModel):
+    """An adapter served by name from the start (vLLM's --lora-modules): a PEFT directory on every replica's node.
+    base_model_name: the served name `/v1/models` gives as its parent (default: the model's first name)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+
 class ModelArgs(BaseModel):
     """One served model: its EngineArgs fields (flat, validated by EngineArgs) and how to serve it."""
 
@@ -100,6 +115,7 @@ class ModelArgs(BaseModel):
     chat_template_time_limit_s: float = Field(1.0, gt=0)
     tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # tool_choice "auto"; None: the chat template's
     router: RouterArgs = RouterArgs()
+    lora_modules: list[LoRAModuleArgs] = Field(default_factory=list)  # needs enable_lora
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +144,18 @@ class ModelArgs(BaseModel):
             self.max_ongoing_requests = max(self.engine.max_num_seqs, DEFAULT_MAX_ONGOING_REQUESTS)
         if isinstance(self.served_model_name, list) and not self.served_model_name:
             raise ValueError("served_model_name must not be an empty list")
+        self._check_lora_modules()
         return self
+
+    def _check_lora_modules(self) -> None:
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError(f"lora_modules ({[m.name for m in self.lora_modules]}) need enable_lora: true")
+        for m in self.lora_modules:
+            if m.base_model_name is None:
+                m.base_model_name = self.names[0]
+            elif m.base_model_name not in self.names:
+                raise ValueError(f"lora_modules: adapter {m.name!r} names base_model_name {m.base_model_name!r}, "
+                                 f"which is not a name of its model ({self.names})")
 
     @property
     def max_prompts_at_once(self) -> int | None:
@@ -162,13 +189,15 @@ class AppArgs(BaseModel):
     accept_timeout_s: float = Field(60.0, gt=0)
     default_max_tokens: int | None = Field(None, ge=1)  # chat without max_tokens; None: the rest of the context
     debug: bool = False  # /debug/integrity and /debug/fail_engine
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter; None: $PAGODA_ALLOW_RUNTIME_LORA_UPDATING
+    allow_runtime_lora_updating: bool | None = None
 
     @model_validator(mode="after")
     def _check(self):
-        names = [name for m in self.models for name in m.names]
+        names = [name for m in self.models for name in m.names] + [a.name for m in self.models for a in m.lora_modules]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"served_model_name must be unique, repeated: {duplicates}")
+            raise ValueError(f"served_model_name and lora_modules names must be unique, repeated: {duplicates}")
         return self
 
 
@@ -190,11 +219,12 @@ def build_app(args: dict | None = None) -> serve.Application:
         devices.add(device)
         placement = m.placement(device)
         name = m.names[0]
+        adapters = tuple(LoRARequest(a.name, adapter_id(a.name, a.path), a.path) for a in m.lora_modules)
         settings = ServerSettings(name, placement, drain_timeout_s=m.graceful_shutdown_timeout_s, debug=app_args.debug,
                                   allow_request_chat_template=m.allow_request_chat_template,
                                   chat_template_time_limit_s=m.chat_template_time_limit_s,
                                   engine_stall_timeout_s=m.engine_stall_timeout_s,
-                                  tool_call_parser=m.tool_call_parser)
+                                  tool_call_parser=m.tool_call_parser, lora_modules=adapters)
         server = LLMServer.options(name=f"LLMServer_{_slug(name)}", **_server_options(m, placement))
         handle = server.bind(replace(m.engine, device=device), settings)
         for alias in m.names:
@@ -204,7 +234,7 @@ def build_app(args: dict | None = None) -> serve.Application:
               "accept_timeout_s": app_args.accept_timeout_s, "debug": app_args.debug,
               "default_max_tokens": app_args.default_max_tokens,
               "max_prompts": {alias: m.max_prompts_at_once for m in app_args.models for alias in m.names},
-              "prepare_structured_outputs": "cuda" in devices}
+              "prepare_structured_outputs": "cuda" in devices, "lora": _lora_config(app_args)}
     # The ingress drains its streams for as long as the models drain theirs (Serve's default, 20 s, cut the
     # streams of a 30 s model drain), plus a margin for their last chunks.
     drain_s = max(m.graceful_shutdown_timeout_s for m in app_args.models) + 5.0
@@ -213,6 +243,19 @@ def build_app(args: dict | None = None) -> serve.Application:
                               ray_actor_options=ingress_options(app_args.ingress_num_cpus, app_args.ingress_resources,
                                                                 app_args.ingress_label_selector))
     return ingress.bind(handles, cards, config)
+
+
+def _lora_config(app_args: AppArgs) -> dict[str, Any]:
+    """What the ingress knows of adapters (cluster/lora_registry.py LoRAConfig's fields): those named at start, the
+    models that take adapters at run time, and the key of the store of those loaded at run time (new at each build:
+    a redeployed app starts from its lora_modules again)."""
+    allow = app_args.allow_runtime_lora_updating
+    if allow is None:
+        allow = bool(envs.get("PAGODA_ALLOW_RUNTIME_LORA_UPDATING"))
+    modules = [{"name": a.name, "id": adapter_id(a.name, a.path), "path": a.path, "base_model_name": a.base_model_name}
+               for m in app_args.models for a in m.lora_modules]
+    return {"modules": modules, "models": [m.names[0] for m in app_args.models if m.engine.enable_lora],
+            "allow_runtime_updating": allow, "store_key": uuid.uuid4().hex}
 
 
 def _server_options(m: ModelArgs, placement: ReplicaPlacement) -> dict[str, Any]:

@@ -13,6 +13,11 @@ factors around the policy. It scales down only when every signal fits in fewer r
 drained first (graceful_shutdown_timeout_s: its streams finish). `policy: ongoing_requests` in the app args keeps
 Serve's own policy.
 
+LoRA adapters are no signal of their own: a request counts as ongoing (and as running or waiting in its engine)
+whatever its adapter, and one that waits for a GPU slot (more adapters at once than max_loras) is a waiting request,
+so adapter churn scales the model up as any queue does. Where each adapter's requests go is the router's business
+(cluster/router.py: an adapter's replicas first, spreading when they are busy).
+
 The host KV tier (--swap-space) is not a signal of its own. Written through and evicted least recently used, it is
 full once the replica has computed its size in tokens, whatever the load, so its usage says nothing. When it is too
 small for the prefixes that come back, they are computed again: more prefill, longer queues and fuller device

@@ -2,9 +2,11 @@
 
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true)     GET /v1/models, /openapi.json
     POST /tokenize, /detokenize                   GET /health, /metrics      GET /debug/integrity (debug only)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (allow_runtime_lora_updating only)
 
 Each request: authorize (Bearer key) → read the body (size limit, before parsing) → validate (strict pydantic) →
-pick the model's LLMServer handle by `model` → one streaming handle call per prompt → wait for every replica to
+pick the model's LLMServer handle by `model` (a LoRA adapter's name picks its base model's, and the request carries
+the adapter: cluster/lora_registry.py) → one streaming handle call per prompt → wait for every replica to
 accept (or refuse) → answer: JSON built from each prompt's final delta, or SSE, one chunk per delta, whose status
 is already known to be 200. A client that disconnects aborts its requests, streaming or not (the request's streams,
 their retry after a lost replica, the disconnect watch and the SSE body: cluster/request_run.py). Any exception
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import errors
 from cluster.errors import ErrorInfo
+from cluster.lora_registry import LoRAConfig, LoRAModule, LoRARegistry
 from cluster.metrics import merge_families
 from cluster.openapi import openapi_schema
 from cluster.protocol import (
@@ -41,7 +44,9 @@ from cluster.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     generation_prompt,
 )
 from cluster.request_run import AcceptTimeout, Admission, RequestRun, is_replica_loss, sse_response, unless_disconnected
@@ -49,6 +54,7 @@ from cluster.responses import chat_body, chat_chunks, completion_body, completio
 from cluster.schema_rules import ModelFacts
 from cluster.tool_choice import tool_parser_for_choice
 from engine.errors import shortened
+from engine.lora import LoRARequest
 from engine.structured_outputs import import_in_background
 
 logger = logging.getLogger(__name__)
@@ -79,6 +85,18 @@ class IngressConfig:
     max_prompts: dict[str, int | None] = field(default_factory=dict)
     # import xgrammar when the replica starts, not in the first constrained request (seconds that stall its streams)
     prepare_structured_outputs: bool = False
+    lora: dict = field(default_factory=dict)  # LoRAConfig's fields (cluster/app.py _lora_config)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` names: `name` (echoed in responses), the served model that runs it (`base`: its
+    deployment's handle, limits and admission) and the adapter it runs with (None: the base model itself)."""
+
+    name: str
+    base: str
+    handle: object
+    lora: LoRARequest | None = None
 
 
 def _error_response(exc: BaseException, request_id: str | None) -> Response:
@@ -142,11 +160,11 @@ def _deployment_of(handle):
     return getattr(handle, "deployment_id", id(handle))
 
 
-async def _broadcast(handle, method: str, timeout_s: float) -> list:
+async def _broadcast(handle, method: str, timeout_s: float, *args) -> list:
     """`method` on every replica: its result, or the exception it raised, or a TimeoutError for a replica that did
     not answer within timeout_s. Serve's `results_async(timeout_s=...)` fails the whole call when one replica
     hangs (a node that stopped answering), which made /health report the model down while others served."""
-    response = handle.broadcast(method)
+    response = handle.broadcast(method, *args)
     try:  # Serve's own API has no per-replica timeout: its replica results, each awaited on its own
         replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
     except AttributeError:  # a Serve without that private method: the whole broadcast under one timeout
@@ -172,6 +190,7 @@ class Ingress:
         self._admissions = {name: by_deployment.setdefault(_deployment_of(handle),
                                                            Admission(self.config.max_prompts.get(name)))
                             for name, handle in models.items()}
+        self.lora = LoRARegistry(LoRAConfig(**self.config.lora))
 
     # ---- OpenAI API -----------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -190,9 +209,12 @@ class Ingress:
     async def retrieve_model(self, request: Request, model: str):
         """The openai client's models.retrieve(id); a model name may hold slashes (org/name)."""
         async def card(request: Request, body: bytes, request_id: str) -> Response:
-            if model not in self.model_cards:
-                raise errors.ModelNotFoundError(model, list(self.models))
-            return JSONResponse(self._card(model))
+            if model in self.model_cards:
+                return JSONResponse(self._card(model))
+            adapter = await self.lora.get(model)
+            if adapter is None:
+                raise errors.ModelNotFoundError(model, await self._served_names())
+            return JSONResponse(self._adapter_card(adapter))
 
         return await self._serve(request, card, read_body=False)
 
@@ -208,8 +230,8 @@ class Ingress:
     async def tokenizer_info(self, request: Request, model: str | None = None):
         """vLLM's: the tokenizer's configuration (lm-eval's remote tokenizer asks for it)."""
         async def info(request: Request, body: bytes, request_id: str) -> Response:
-            _, handle = self._model(model)
-            return JSONResponse(await self._call(handle.tokenizer_info.remote()))
+            target = await self._target(model)
+            return JSONResponse(await self._call(target.handle.tokenizer_info.remote()))
 
         return await self._serve(request, info, read_body=False)
 
@@ -223,11 +245,14 @@ class Ingress:
                                                    self.config.max_prompts.get(name))
             except Exception as e:  # noqa: BLE001 - the document without that model's bounds
                 logger.warning("/openapi.json without the bounds of %s: %s", name, e)
-        return JSONResponse(openapi_schema(base, list(self.models), facts))
+        adapters = await self.lora.list()  # each a model name too, with its base's bounds
+        facts |= {a.name: facts[a.base_model_name] for a in adapters if a.base_model_name in facts}
+        return JSONResponse(openapi_schema(base, list(self.models) + [a.name for a in adapters], facts))
 
     async def _completions(self, request: Request, body: bytes, request_id: str) -> Response:
         req = CompletionRequest.model_validate_json(body)
-        name, handle = self._model(req.model)
+        target = await self._target(req.model)
+        name, handle = target.base, target.handle
         info = await self._model_info(name, handle)
         params = await asyncio.to_thread(req.to_sampling_params, info["sampling_defaults"])  # a grammar compiles
         prompts = req.prompts()
@@ -242,9 +267,10 @@ class Ingress:
         run = await self._start(name, handle, [
             GenerateRequest(f"{_engine_id(request_id)}-{i}", params, prompt=p, stream=req.stream, echo=req.echo,
                             return_token_ids=req.return_token_ids, arrival_time=arrival,
-                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)))
+                            routing_key=p if isinstance(p, str) else " ".join(map(str, p)), lora_request=target.lora)
             for i, p in enumerate(prompts)], params.n, request_id)
-        meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": name}
+        meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": target.name}
         if req.stream:
             return sse_response(completion_chunks(meta, req, run.accepted, run.n, run.deltas()), run)
         out = await unless_disconnected(request, run, run.outputs())
@@ -252,7 +278,8 @@ class Ingress:
 
     async def _chat(self, request: Request, body: bytes, request_id: str) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
-        name, handle = self._model(req.model)
+        target = await self._target(req.model)
+        name, handle = target.base, target.handle
         info = await self._model_info(name, handle)
         params = await asyncio.to_thread(req.to_sampling_params, self.config.default_max_tokens,
                                          info["sampling_defaults"])
@@ -265,13 +292,13 @@ class Ingress:
                               continue_final_message=req.continue_final_message,
                               chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts(),
                               return_token_ids=req.return_token_ids, routing_key=req.routing_key(),
-                              arrival_time=time.time())
+                              arrival_time=time.time(), lora_request=target.lora)
         try:
             run = await self._start(name, handle, [gen], params.n, request_id)
         except errors.PagodaHTTPError as e:
             raise e.renamed(req.param_name(e.param)) from None
         meta = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
-                "model": name}
+                "model": target.name}
         if req.stream:
             chunk_meta = {**meta, "object": "chat.completion.chunk"}
             return sse_response(chat_chunks(chunk_meta, req, run.accepted, run.n, run.deltas(), tool_parser), run)
@@ -279,21 +306,87 @@ class Ingress:
         return JSONResponse(chat_body(meta, req, run.accepted, out, tool_parser), headers=run.headers)
 
     async def _models(self, request: Request, body: bytes, request_id: str) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card(name) for name in self.model_cards]})
+        cards = [self._card(name) for name in self.model_cards]
+        cards += [self._adapter_card(adapter) for adapter in await self.lora.list()]
+        return JSONResponse({"object": "list", "data": cards})
 
     def _card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", **self.model_cards[name]}
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "parent": None,
+                **self.model_cards[name]}
+
+    def _adapter_card(self, adapter: LoRAModule) -> dict:
+        return {"id": adapter.name, "object": "model", "created": self.created, "owned_by": "pagoda",
+                **adapter.card()}
+
+    # ---- LoRA adapters at run time (vLLM's endpoints) -------------------------------------------------------------
+    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    async def load_lora_adapter(self, request: Request):
+        return await self._serve(request, self._load_lora_adapter)
+
+    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    async def unload_lora_adapter(self, request: Request):
+        return await self._serve(request, self._unload_lora_adapter)
+
+    async def _load_lora_adapter(self, request: Request, body: bytes, request_id: str) -> Response:
+        """Every replica of the base model checks the adapter (its files on that node, its shapes and rank), then
+        its name is published to every ingress replica; a bad adapter is a 400 naming it and nothing changes."""
+        self._require_runtime_lora(request)
+        req = LoadLoRAAdapterRequest.model_validate_json(body)
+        base = self._lora_base(req.base_model_name)
+        if req.lora_name in self.models:
+            raise errors.InvalidRequestError(f"a model or LoRA adapter named {req.lora_name!r} is served already",
+                                             "lora_name")
+
+        async def check(module: LoRAModule) -> None:
+            results = await self._broadcast(base, "check_lora_adapter", module.request)
+            answered = [r for r in results if not isinstance(r, BaseException)]
+            if not answered:
+                raise errors.ServiceUnavailableError(f"no replica of {base!r} answered; retry shortly")
+            for r in answered:
+                if isinstance(r, ErrorInfo):
+                    raise r.to_exception()
+
+        await self.lora.add(req.lora_name, req.lora_path, base, check)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    async def _unload_lora_adapter(self, request: Request, body: bytes, request_id: str) -> Response:
+        """The name stops resolving at every ingress replica; requests that run with the adapter finish."""
+        self._require_runtime_lora(request)
+        req = UnloadLoRAAdapterRequest.model_validate_json(body)
+        await self.lora.remove(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
+    def _require_runtime_lora(self, request: Request) -> None:
+        if not self.lora.config.allow_runtime_updating:
+            raise errors.NotFoundError(f"{request.method} {request.url.path}: Not Found (loading LoRA adapters at "
+                                       "run time is off: set PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1 or the app arg "
+                                       "allow_runtime_lora_updating)")
+
+    def _lora_base(self, name: str | None) -> str:
+        """The served model a runtime adapter goes on: the one given, or the only one that takes adapters."""
+        models = self.lora.config.models
+        if name is None:
+            if len(models) == 1:
+                return models[0]
+            raise errors.InvalidRequestError(f"base_model_name is required: models that take LoRA adapters: {models}"
+                                             if models else "no served model takes LoRA adapters (enable_lora)",
+                                             "base_model_name")
+        base = next((m for m in models if self.models.get(name) is self.models.get(m)), None)
+        if base is None:
+            raise errors.InvalidRequestError(f"base_model_name {name!r} is not a served model that takes LoRA "
+                                             f"adapters ({models})", "base_model_name")
+        return base
 
     async def _tokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = TokenizeRequest.model_validate_json(body)
         tokenize = req.to_input()
-        _, handle = self._model(req.model)
-        return JSONResponse(await self._call(handle.tokenize.remote(tokenize)))
+        target = await self._target(req.model)
+        return JSONResponse(await self._call(target.handle.tokenize.remote(tokenize)))
 
     async def _detokenize(self, request: Request, body: bytes, request_id: str) -> Response:
         req = DetokenizeRequest.model_validate_json(body)
-        _, handle = self._model(req.model)
-        return JSONResponse(await self._call(handle.detokenize.remote(req.tokens)))
+        target = await self._target(req.model)
+        return JSONResponse(await self._call(target.handle.detokenize.remote(req.tokens)))
 
     # ---- operations ---------------------------------------------------------------------------------------------
     @app.get("/health")
@@ -395,6 +488,19 @@ class Ingress:
             raise errors.ModelNotFoundError(model, list(self.models))
         return model, self.models[model]
 
+    async def _target(self, model: str | None) -> Target:
+        """A served model, or a LoRA adapter on one (404 for neither)."""
+        if model is None or model in self.models:
+            name, handle = self._model(model)
+            return Target(name, name, handle)
+        adapter = await self.lora.get(model)
+        if adapter is None:
+            raise errors.ModelNotFoundError(model, await self._served_names())
+        return Target(model, adapter.base_model_name, self.models[adapter.base_model_name], adapter.request)
+
+    async def _served_names(self) -> list[str]:
+        return list(self.models) + [adapter.name for adapter in await self.lora.list()]
+
     async def _model_info(self, name: str, handle) -> dict:
         """What the edge needs of a model (its longest prompt, its sampling defaults), asked of a replica. Kept until
         a replica this ingress has not seen answers (a model redeployed with other limits has new replicas; a
@@ -483,11 +589,8 @@ class Ingress:
             raise result.to_exception()
         return result
 
-    async def _broadcast(self, name: str, method: str) -> list:
-        return await self._broadcast_handle(self.models[name], method)
-
-    async def _broadcast_handle(self, handle, method: str) -> list:
-        return await _broadcast(handle, method, self.config.control_timeout_s)
+    async def _broadcast(self, name: str, method: str, *args) -> list:
+        return await _broadcast(self.models[name], method, self.config.control_timeout_s, *args)
 
     def _name_of(self, handle) -> str:
         return next(name for name, h in self.models.items() if h is handle)

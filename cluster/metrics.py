@@ -5,7 +5,10 @@
                                           └─► prometheus_client registry (one per replica) ─► snapshot()
     Ingress GET /metrics ── handle.broadcast("collect_metrics") to every replica ─► merge_families() ─► text
 
-Every series carries the labels model_name and replica; `pagoda:request_success` also finished_reason. Engine
+Every series carries the labels model_name and replica; `pagoda:request_success` also finished_reason. With LoRA on,
+`pagoda:lora_requests_info` is vLLM's: one series a replica whose labels list the adapters of its running and
+waiting requests (comma-separated names) and max_lora, whose value is when they were last read; and
+`pagoda:lora_request_success` counts finished requests by adapter (lora_name) and finish reason. Engine
 counters (prompt tokens, prefix-cache queries, ...) are cumulative in `EngineStats`; `sync_engine_stats` adds the
 difference since the last sync, so both paths see monotonic counters.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -31,6 +35,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ("model_name", "replica")
+_LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")  # vLLM's
 
 # name -> (kind, help, extra label names, histogram buckets)
 METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
@@ -80,6 +85,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] =
     "pagoda:gpu_memory_used_bytes": ("gauge", "Device memory in use by the replica's engine (all its ranks).", (),
                                      None),
     "pagoda:gpu_utilization_perc": ("gauge", "Device utilization of the replica's GPUs (1 = busy).", (), None),
+    "pagoda:lora_requests_info": ("gauge", "Running stats on LoRA requests (the adapters of the running and the "
+                                           "waiting requests; value: when they were read).", _LORA_INFO_LABELS, None),
+    "pagoda:lora_request_success": ("counter", "Finished requests of each LoRA adapter by finish reason.",
+                                    ("lora_name", "finished_reason"), None),
 }
 
 # EngineStats field -> counter fed by its growth.
@@ -133,6 +142,7 @@ class ReplicaMetrics:
             if use_ray:
                 self._ray[name] = _make_ray_metric(name, kind, doc, extra, buckets, self._labels)
         self._last_counts: dict[str, float] = {}
+        self._lora_info: dict[str, str] | None = None  # the labels of this replica's lora_requests_info series
         self._sync_lock = threading.Lock()
 
     def sync_engine_stats(self, stats) -> None:
@@ -155,7 +165,21 @@ class ReplicaMetrics:
             self._last_counts[key] = float(total)
             if delta > 0:
                 self._inc("pagoda:spec_decode_num_accepted_tokens_per_pos", delta, position=str(position))
+        if stats.max_loras:
+            self._set_lora_info(stats)
 
+    def _set_lora_info(self, stats) -> None:
+        """One series a replica, as vLLM's: a change of adapters replaces it (the old labels go)."""
+        labels = {"running_lora_adapters": ",".join(stats.running_lora_adapters),
+                  "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters), "max_lora": str(stats.max_loras)}
+        name = "pagoda:lora_requests_info"
+        if self._lora_info is not None and self._lora_info != labels:
+            self._prom[name].remove(*(self._labels | self._lora_info).values())
+        self._lora_info = labels
+        now = time.time()
+        self._prom[name].labels(**self._labels, **labels).set(now)
+        if name in self._ray:
+            self._ray[name].set(now, tags=labels)
     def observe_first_token(self, ttft_s: float) -> None:
         self._observe("pagoda:time_to_first_token_seconds", ttft_s)
 
@@ -169,10 +193,13 @@ class ReplicaMetrics:
         if name in self._ray:
             self._ray[name].observe(itl_s)
 
-    def observe_finished(self, finished_reason: str, e2e_s: float | None, metrics=None) -> None:
+    def observe_finished(self, finished_reason: str, e2e_s: float | None, metrics=None,
+                         lora_name: str | None = None) -> None:
         """A finished request: its reason, its latency from the server's arrival, and the engine's RequestMetrics
-        (phases and token counts) when it got that far."""
+        (phases and token counts) when it got that far; lora_name: the adapter it ran with."""
         self._inc("pagoda:request_success", 1.0, finished_reason=finished_reason)
+        if lora_name is not None:
+            self._inc("pagoda:lora_request_success", 1.0, lora_name=lora_name, finished_reason=finished_reason)
         if e2e_s is not None:
             self._observe("pagoda:e2e_request_latency_seconds", e2e_s)
         if metrics is None:

@@ -166,7 +166,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str
+    root: str  # a LoRA adapter's: its path
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -22,6 +22,7 @@ from typing_extensions import Annotated
 from cluster.errors import ErrorInfo, InvalidRequestError
 from cluster.tool_choice import tool_choice_constraint
 from engine.errors import ParamError
+from engine.lora import LoRARequest
 from engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -92,6 +93,7 @@ class GenerateRequest:
     return_token_ids: bool = False  # return the prompt's token ids in Accepted
     routing_key: str = ""  # prompt text the router hashes for prefix-cache affinity (see cluster/router.py)
     arrival_time: float | None = None  # time.time() when the ingress received the request (TTFT, E2E)
+    lora_request: LoRARequest | None = None  # the adapter the `model` field named (None: the base model)
 
 
 @dataclass
@@ -484,6 +486,20 @@ def generation_prompt(req: TokenizeRequest | ChatCompletionRequest) -> bool:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                   "continue_final_message")
     return False
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter body; base_model_name (Pagoda's) picks the model when several take
+    adapters."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: NonEmptyStr
+    lora_int_id: int | None = None  # vLLM's body may carry it; the name decides
 
 
 class DetokenizeRequest(_Body):

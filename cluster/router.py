@@ -16,8 +16,15 @@ their requests) far longer. Routing:
 
 1. longest known prefix → its replica, if that replica is not much busier than the least-loaded candidate
    (`queue_len <= min_queue_len + imbalance_threshold`);
-2. otherwise (no known prefix, or loads unbalanced) power of two choices: two random replicas, Serve picks the one
+2. a request for a LoRA adapter: the replicas it last routed that adapter to (the adapter is likely resident there:
+   in a GPU slot or the workers' host cache), those not much busier than the least-loaded candidate, Serve picking
+   the shortest queue among them; when every one of them is that busy, the next rule sends it to another replica,
+   which holds it from then on too: a hot adapter spreads over as many replicas as its load needs;
+3. otherwise (no known prefix, or loads unbalanced) power of two choices: two random replicas, Serve picks the one
    with the shorter queue.
+
+A LoRA request's chunk hashes start from its adapter's name, as the engine's block hashes start from its id: the
+same prompt under two adapters (or the base) shares no prefix.
 
 `PrefixAffinity` is the policy without Ray (tested directly); `PrefixAffinityRouter` plugs it into Serve's
 request-router API (`RequestRouterConfig(request_router_class=...)` in the deployment options). Each handle
@@ -70,6 +77,8 @@ class PrefixAffinity:
         self._owner: OrderedDict[bytes, Hashable] = OrderedDict()  # chunk hash -> replica id, LRU order
         self._held: dict[Hashable, OrderedDict[bytes, None]] = {}  # replica -> its chunks, LRU order
         self._capacity: dict[Hashable, int] = {}  # replica -> chunks its caches hold (unknown: only max_entries)
+        # adapter name -> the replicas its requests went to (most recent last); adapters in LRU order
+        self._holders: OrderedDict[str, OrderedDict[Hashable, None]] = OrderedDict()
         self._rng = rng or random.Random()
 
     def set_capacity(self, replica: Hashable, num_tokens: int) -> None:
@@ -83,8 +92,8 @@ class PrefixAffinity:
     def capacity(self, replica: Hashable) -> int | None:
         return self._capacity.get(replica)
 
-    def chunk_hashes(self, text: str) -> list[bytes]:
-        hashes, parent = [], b""
+    def chunk_hashes(self, text: str, adapter: str | None = None) -> list[bytes]:
+        hashes, parent = [], b"" if adapter is None else b"lora:" + adapter.encode()
         for start in range(0, len(text) - self.chunk_chars + 1, self.chunk_chars):
             parent = hashlib.blake2b(parent + text[start:start + self.chunk_chars].encode(), digest_size=16).digest()
             hashes.append(parent)
@@ -99,7 +108,14 @@ class PrefixAffinity:
                 return owner, i + 1
         return None, 0
 
-    def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
+    def record(self, hashes: Sequence[bytes], replica: Hashable, adapter: str | None = None) -> None:
+        if adapter is not None:
+            holders = self._holders.setdefault(adapter, OrderedDict())
+            holders[replica] = None
+            holders.move_to_end(replica)
+            self._holders.move_to_end(adapter)
+            while len(self._holders) > self.max_entries:
+                self._holders.popitem(last=False)
         held = self._held.setdefault(replica, OrderedDict())
         for h in hashes:
             previous = self._owner.get(h)
@@ -127,19 +143,32 @@ class PrefixAffinity:
             if self._owner.get(h) == replica:
                 del self._owner[h]
         self._capacity.pop(replica, None)
+        for holders in self._holders.values():
+            holders.pop(replica, None)
 
-    def choose(self, text: str, replicas: Sequence[Hashable],
-               queue_lens: dict[Hashable, int | None]) -> list[list[Hashable]]:
+    def holders(self, adapter: str) -> list[Hashable]:
+        """The replicas requests for the adapter went to, most recent last."""
+        return list(self._holders.get(adapter, ()))
+
+    def choose(self, text: str, replicas: Sequence[Hashable], queue_lens: dict[Hashable, int | None],
+               adapter: str | None = None) -> list[list[Hashable]]:
         """Ranks of replicas, most preferred first (Serve tries each rank, picking its shortest queue)."""
-        fallback = [self.two_choices(replicas)]
-        owner, _ = self.lookup(self.chunk_hashes(text), set(replicas)) if text else (None, 0)
-        if owner is None:
-            return fallback
+        ranks = []
+        owner, _ = self.lookup(self.chunk_hashes(text, adapter), set(replicas)) if text else (None, 0)
+        if owner is not None and not self._is_busy(owner, queue_lens):
+            ranks.append([owner])
+        if adapter is not None:
+            alive = set(replicas)
+            holders = [r for r in self.holders(adapter) if r in alive and not self._is_busy(r, queue_lens)]
+            if holders:
+                ranks.append(holders)
+        return ranks + [self.two_choices(replicas)]
+
+    def _is_busy(self, replica: Hashable, queue_lens: dict[Hashable, int | None]) -> bool:
+        """Much busier than the least-loaded replica (imbalance_threshold more ongoing requests)."""
         known = [q for q in queue_lens.values() if q is not None]
-        owner_len = queue_lens.get(owner)
-        if owner_len is not None and known and owner_len > min(known) + self.imbalance_threshold:
-            return fallback
-        return [[owner]] + fallback
+        queue_len = queue_lens.get(replica)
+        return queue_len is not None and bool(known) and queue_len > min(known) + self.imbalance_threshold
 
     def two_choices(self, replicas: Sequence[Hashable]) -> list[Hashable]:
         """Two random replicas, in random order (Serve takes the first of equal queues)."""
@@ -157,6 +186,17 @@ def routing_key(pending_request: PendingRequest | None) -> str:
     return ""
 
 
+def routing_adapter(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter's name of a `GenerateRequest` call; None for the base model and other methods."""
+    if pending_request is None:
+        return None
+    for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
+        lora = getattr(arg, "lora_request", None)
+        if lora is not None:
+            return lora.name
+    return None
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Serve's request-router plug-in around `PrefixAffinity`."""
 
@@ -172,15 +212,15 @@ class PrefixAffinityRouter(RequestRouter):
             num_tokens = cached_tokens(replica.routing_stats or {})
             if num_tokens is not None:
                 self.affinity.set_capacity(replica.replica_id, num_tokens)
-        key = routing_key(pending_request)
-        queue_lens = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id} if key else {}
-        ranks = self.affinity.choose(key, list(by_id), queue_lens)
+        key, adapter = routing_key(pending_request), routing_adapter(pending_request)
+        queue_lens = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id} if key or adapter else {}
+        ranks = self.affinity.choose(key, list(by_id), queue_lens, adapter)
         return [[by_id[rid] for rid in rank] for rank in ranks if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        key = routing_key(pending_request)
-        if key:
-            self.affinity.record(self.affinity.chunk_hashes(key), replica_id)
+        key, adapter = routing_key(pending_request), routing_adapter(pending_request)
+        if key or adapter:
+            self.affinity.record(self.affinity.chunk_hashes(key, adapter), replica_id, adapter)
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
         """Gives the replica to the very request it was chosen for.

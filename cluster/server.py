@@ -33,6 +33,7 @@ from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, ParamError
+from engine.lora import LoRARequest, read_adapter
 from engine.request_output import RequestDelta
 from engine.sampling_params import default_sampling_overrides
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
@@ -54,6 +55,7 @@ class ServerSettings:
     chat_template_time_limit_s: float = 1.0  # ... for at most this long
     engine_stall_timeout_s: float | None = None  # requests in flight, no step this long: unhealthy (None: the env's)
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format; None: the chat template's
+    lora_modules: tuple[LoRARequest, ...] = ()  # adapters given at start: checked before the replica serves
 
 
 @serve.deployment(name="LLMServer")
@@ -64,6 +66,11 @@ class LLMServer:
         self.model_name = settings.served_model_name
         self.replica_id = _replica_tag()
         config = engine_args.create_engine_config()
+        for lora in settings.lora_modules:  # a bad adapter stops the replica (so the app) from starting
+            try:
+                read_adapter(lora, config.model.hf_config, config.lora.max_lora_rank)
+            except ParamError as e:
+                raise ValueError(f"lora_modules: {e.message}") from None
         if settings.placement.engine_process:
             from cluster.engine_core import RayConnection
             from cluster.ray_utils import actor_env_vars
@@ -145,19 +152,23 @@ class LLMServer:
         arrival = request.arrival_time or time.time()
         last_token_time, finished = None, False
         try:
-            generator = self.engine.generate(token_ids, request.params, request.request_id, request.stream, arrival)
+            generator = self.engine.generate(token_ids, request.params, request.request_id, request.stream, arrival,
+                                             request.lora_request)
+            lora_name = request.lora_request.name if request.lora_request is not None else None
             async with contextlib.aclosing(generator) as batches:
                 async for batch in batches:
-                    last_token_time = self._observe(batch, arrival, last_token_time)
+                    last_token_time = self._observe(batch, arrival, last_token_time, lora_name)
                     finished = batch[-1].finished
                     yield batch
         except EngineDeadError:
             yield ErrorInfo(503, "the model's engine stopped; retry shortly")
         finally:
             if not finished:
-                self.metrics.observe_finished("abort", time.time() - arrival)
+                self.metrics.observe_finished("abort", time.time() - arrival,
+                                              lora_name=request.lora_request and request.lora_request.name)
 
-    def _observe(self, batch: list[RequestDelta], arrival: float, last_token_time: float | None) -> float | None:
+    def _observe(self, batch: list[RequestDelta], arrival: float, last_token_time: float | None,
+                 lora_name: str | None = None) -> float | None:
         now = time.time()
         new_tokens = sum(d.num_new_tokens for d in batch)
         if new_tokens and last_token_time is None:
@@ -169,7 +180,7 @@ class LLMServer:
         last = batch[-1]
         if last.finished:
             reason = "error" if last.error else next((s.finish_reason for s in last.seqs if s.finish_reason), "stop")
-            self.metrics.observe_finished(reason, now - arrival, last.metrics)
+            self.metrics.observe_finished(reason, now - arrival, last.metrics, lora_name)
         return last_token_time
 
     # ---- tokenizer endpoints -------------------------------------------------------------------------------------
@@ -224,6 +235,18 @@ class LLMServer:
                 "tool_call_parser": parser, "allow_request_chat_template": self.settings.allow_request_chat_template}
 
     # ---- control plane (broadcast by the ingress) -----------------------------------------------------------------
+    async def check_lora_adapter(self, lora: LoRARequest) -> ErrorInfo | None:
+        """/v1/load_lora_adapter asks every replica: can this adapter run here (its files, on this node, fit the
+        model)? None, or a 400 naming it. Nothing is loaded: the engine reads it when its first request comes."""
+        config = self.engine.config
+        if config.lora is None:
+            return ErrorInfo(400, f"{self.model_name!r} takes no LoRA adapters (start it with enable_lora)", "model")
+        try:
+            await asyncio.to_thread(read_adapter, lora, config.model.hf_config, config.lora.max_lora_rank)
+        except ParamError as e:
+            return ErrorInfo(400, e.message, "lora_path")
+        return None
+
     def collect_metrics(self):
         self._sync_metrics()
         return self.metrics.snapshot()

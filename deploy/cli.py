@@ -64,6 +64,8 @@ def serve_app_args(args: argparse.Namespace) -> dict:
             model[name] = getattr(args, name)
     if args.engine_in_replica:
         model["engine_process"] = False
+    if args.lora_modules:
+        model["lora_modules"] = args.lora_modules
     scaling = {k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas),
                                  ("target_ongoing_requests", args.target_ongoing_requests)) if v is not None}
     if scaling and args.num_replicas is not None:
@@ -84,7 +86,46 @@ def serve_app_args(args: argparse.Namespace) -> dict:
         app["default_max_tokens"] = args.default_max_tokens
     if args.ingress_resources:
         app["ingress_resources"] = args.ingress_resources
+    if args.allow_runtime_lora_updating:
+        app["allow_runtime_lora_updating"] = True
     return app
+
+
+def lora_module(text: str) -> dict:
+    """One --lora-modules item, as vLLM takes it: name=path, or a JSON object with name, path and optionally
+    base_model_name."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        if not isinstance(value, dict) or not {"name", "path"} <= value.keys() \
+                or not value.keys() <= {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(f"{text!r}: a JSON item has name, path and optionally base_model_name")
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not name=path (or a JSON object)")
+    return {"name": name, "path": path}
+
+
+def check_lora_modules(app_args: dict) -> None:
+    """Reads every adapter of --lora-modules against the model's config here, before Ray starts: a bad one is an
+    error naming it (its replicas check them again where they run)."""
+    from cluster.app import parse_args
+    from cluster.lora_registry import adapter_id
+    from engine.lora import LoRARequest, read_adapter
+
+    for m in parse_args(app_args).models:
+        if not m.lora_modules:
+            continue
+        config = m.engine.create_engine_config()
+        for a in m.lora_modules:
+            try:
+                read_adapter(LoRARequest(a.name, adapter_id(a.name, a.path), a.path), config.model.hf_config,
+                             config.lora.max_lora_rank)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {getattr(e, 'message', e)}") from None
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -116,6 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         names = ", ".join(n for m in parse_args(app_args).models for n in m.names)
     except ValueError as e:
         raise ValueError(_as_flags(str(e), args.command_parser)) from None
+    if not args.address:  # joining a cluster: the adapters may be on its nodes only (its replicas check them)
+        check_lora_modules(app_args)
     try:
         build_app(app_args)
     except (ValueError, TypeError) as e:
@@ -265,6 +308,12 @@ def _add_serve_parser(sub) -> None:
                           "template implies, if any)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's flag: requires --tool-call-parser ('auto' is on whenever a parser is known)")
+    srv.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) served by name, with --enable-lora: name=path or "
+                          "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                          "PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (shown by ps: prefer --api-key-file or $PAGODA_API_KEY)")
     srv.add_argument("--api-key-file", default=None, metavar="PATH", help="--api-key, read from this file")

@@ -76,6 +76,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup only)')
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="LoRA adapters per request (PEFT directories; `pagoda serve --lora-modules` names them)")
+    parser.add_argument("--max-loras", type=int, default=_DEFAULTS["max_loras"],
+                        help="adapters resident on the GPU at once (a step runs at most this many)")
+    parser.add_argument("--max-lora-rank", type=int, default=_DEFAULTS["max_lora_rank"],
+                        help="the largest adapter rank accepted (the slots are this wide)")
+    parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS["max_cpu_loras"],
+                        help="adapters cached in each worker's host memory (default: --max-loras)")
 
 
 def _json_object(text: str) -> dict:
@@ -108,4 +116,6 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   onload_gb_per_s=args.onload_gb_per_s, onload_latency_s=args.onload_latency_s,
                   prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks,
                   speculative_config=getattr(args, "speculative_config", None))
+    for name in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"):  # not every parser has them
+        values[name] = getattr(args, name, _DEFAULTS[name])
     return EngineArgs(**(values | overrides))

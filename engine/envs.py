@@ -26,6 +26,9 @@ class EnvVar:
 _VARS = [
     EnvVar("PAGODA_CACHE", str, "", "where built-in models and preset configs are prepared (default ~/.cache/pagoda)"),
     EnvVar("PAGODA_API_KEY", str, "", "`pagoda serve`: the API key when --api-key is not given"),
+    EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", bool, False,
+           "`pagoda serve` / the Serve app: 1 turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+           "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; the app arg allow_runtime_lora_updating too)"),
     EnvVar("PAGODA_TORCH_THREADS", int, 1, "CPU only: torch threads of the step thread and of each worker actor"),
     EnvVar("PAGODA_GIL_SWITCH_INTERVAL_S", float, 0.0005,
            "the engine process's GIL switch interval (the step thread waits no longer than this for the GIL)"),

@@ -66,6 +66,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
+    # LoRA (vLLM's lora_requests_info): the adapters of the running and of the waiting requests, by name, and the
+    # GPU slots (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass
@@ -433,7 +438,18 @@ class LLMEngine:
                            preemption_recomputed_tokens=bm.preemption_recomputed_tokens,
                            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
                            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-                           spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position))
+                           spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_position),
+                           **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.request.name for r in requests if r.lora is not None}))
+
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting), "max_loras": self.lora_slots.num_slots}
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

@@ -51,6 +51,8 @@ ENGINE_METRICS = {
     "pagoda:iteration_tokens_total": "histogram",
     "pagoda:gpu_memory_used_bytes": "gauge",
     "pagoda:gpu_utilization_perc": "gauge",
+    "pagoda:lora_requests_info": "gauge",
+    "pagoda:lora_request_success": "counter",
 }
 
 # Ray Serve's own metrics that the dashboard reads, each seen in a scrape of Ray 2.60.

@@ -63,10 +63,11 @@ def _probe_deployment():
                 host_kv_cache_usage=0.25, swapped_out_tokens=n // 2, swapped_in_tokens=n // 4,
                 preemption_recomputed_tokens=n // 8, spec_decode_num_drafts=n // 8,
                 spec_decode_num_draft_tokens=n // 2, spec_decode_num_accepted_tokens=n // 4,
-                spec_decode_num_accepted_tokens_per_pos=[n // 8, n // 8]))
+                spec_decode_num_accepted_tokens_per_pos=[n // 8, n // 8],
+                running_lora_adapters=("sql",), waiting_lora_adapters=("chat",), max_loras=2))
             self.metrics.observe_first_token(0.05)
             self.metrics.observe_inter_token(0.02)
-            self.metrics.observe_finished("stop", 0.5, RequestMetrics(10.0, 10.1, 10.2, 10.5, 8, 4))
+            self.metrics.observe_finished("stop", 0.5, RequestMetrics(10.0, 10.1, 10.2, 10.5, 8, 4), "sql")
             self.metrics.observe_steps([8, 64])
             self.colon.inc(1, tags={"model_name": MODEL})
             return "ok"
@@ -132,6 +133,9 @@ def test_ray_exports_pagoda_metrics_under_the_dashboards_names(probe, known_metr
     assert any({"model_name", "replica"} <= s for s in samples["ray_pagoda_kv_cache_usage_perc"])
     assert any("finished_reason" in s for s in samples["ray_pagoda_request_success_total"])
     assert any("le" in s for s in samples["ray_pagoda_time_to_first_token_seconds_bucket"])
+    assert any({"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= s
+               for s in samples["ray_pagoda_lora_requests_info"])
+    assert any({"lora_name", "finished_reason"} <= s for s in samples["ray_pagoda_lora_request_success_total"])
     assert not any("colon_probe" in name for name in samples), "Ray exported a metric named with ':'"
 
     # Serve's request metrics carry the labels the dashboard groups and filters by.

@@ -68,3 +68,21 @@ def test_pagoda_policy_is_on_and_serves_own_one_flag_away(repo, name):
     serves_own["models"][0]["autoscaling_config"]["policy"] = "ongoing_requests"
     config = app.parse_args(serves_own).models[0].autoscaling_config.serve_config()
     assert "policy" not in config and config["upscale_delay_s"] == scaling["upscale_delay_s"]
+
+
+@pytest.mark.parametrize("name", ["deploy/serve.yaml", "k8s/rayservice-8b.yaml"])
+def test_the_commented_lora_example_is_valid_app_args(repo, name):
+    """Uncommented, the LoRA lines of the example are args build_app takes: the adapters, on the model's name."""
+    import re
+
+    app = pytest.importorskip("cluster.app")
+    keys = r"(enable_lora|max_loras|max_lora_rank|max_cpu_loras|lora_modules|  - \{name|allow_runtime_lora_updating)"
+    text = re.sub(rf"^(\s*)# {keys}", r"\1\2", (repo / name).read_text(), flags=re.M)
+    config = yaml.safe_load(text)
+    if name.startswith("k8s/"):
+        config = yaml.safe_load(config["spec"]["serveConfigV2"])
+    args = app.parse_args(config["applications"][0]["args"])
+    (model,) = args.models
+    assert model.engine.enable_lora and args.allow_runtime_lora_updating
+    assert [(m.name, m.base_model_name) for m in model.lora_modules] == [("sql", "llama-3-8b"),
+                                                                         ("support", "llama-3-8b")]
