@@ -73,6 +73,16 @@ def test_every_panel_has_a_datasource_and_targets(dashboard):
         assert grid["x"] + grid["w"] <= 24
 
 
+def test_no_two_panels_overlap(dashboard):
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        for y in range(grid["y"], grid["y"] + grid["h"]):
+            for x in range(grid["x"], grid["x"] + grid["w"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[x, y]!r}"
+                cells[x, y] = panel["title"]
+
+
 def test_promql_reads_only_known_metrics(dashboard, known_metrics):
     for expr in _exprs(dashboard):
         names = metric_names(expr)
