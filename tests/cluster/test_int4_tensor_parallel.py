@@ -14,6 +14,9 @@ from tests.engine.test_gguf_int import Q4_K_M, gguf_factory
 from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory
 from tests.engine.test_moe_int4 import moe_int4_factory
 
+# slow: a dozen tp 2 Ray runs, 8-9 s each on 2 cores (make test-slow and CI run them)
+pytestmark = pytest.mark.slow
+
 STRESS_INT4 = {**STRESS, "num_kv_blocks": 16}  # the parity prompts preempt in 16 blocks of 4 tokens, not in 24
 
 

@@ -74,6 +74,7 @@ def test_tokens_and_logprobs_equal_the_dequantized_file(ggufs, arch, qtype):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(qtype)))
 
 
+@pytest.mark.slow  # 50 s on 2 cores: the whole real model from its blocks under the interpreter
 def test_the_builtin_smollm2_from_its_q4_1_blocks():
     """The built-in model's file (linears Q4_1, embeddings Q8_0) served from its blocks equals the same file
     dequantized at load (what the built-in model serves by default on CPU, converted to float32)."""

@@ -20,7 +20,8 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in limit
 MAX_SPILL_BYTES = 128
 # Compiling every case takes 6 minutes on a quiet 2-core machine, past 10 beside other work (the int stream
 # kernel's cases added ~3): the subprocess and this module get 20 / 25.
-pytestmark = pytest.mark.timeout(1500)
+# slow: compiling every kernel for sm_90 takes over 3 minutes on 2 cores (make test-slow and CI run it)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
