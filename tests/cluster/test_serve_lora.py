@@ -243,6 +243,7 @@ def test_lora_metrics_are_exported(http):
     assert len(info) == 2 and all('max_lora="1"' in line for line in info)  # one series a replica
 
 
+@pytest.mark.slow  # deploys a second app (20+ s on 2 cores)
 def test_runtime_updating_off_is_a_404_saying_how_to_turn_it_on(serve_base, tiny_model_dir, adapters, monkeypatch):
     from ray import serve
 
