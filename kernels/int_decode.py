@@ -49,7 +49,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.int_tiles import field_magic, field_zero_term, minus_z
-from kernels.linear import store_output
+from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
 
@@ -256,27 +256,10 @@ def _int_decode_kernel(
     else:
         tile = rows[:, None] * N + offs_n[None, :]
         mask = row_mask[:, None] & n_mask[None, :]
-        if _store_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K):
+        if store_split_k_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K):
             acc, acc_up = _sum_slices(part_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K, BLOCK_M, BLOCK_N)
             store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS,
                          GATED)
-
-
-@triton.jit
-def _store_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Stores this program's slice of a tile's sums (float32 [SPLIT_K, 2, BLOCK_M, N] workspace; only x's rows)
-    and counts it; True for the tile's last program, which then adds them up and resets the count to 0 (for the
-    next launch: a CUDA graph replays the same counts)."""
-    base = part_ptr + tl.program_id(1) * 2 * slot
-    tl.store(base + tile, acc, mask=mask)
-    if GATED:
-        tl.store(base + slot + tile, acc_up, mask=mask)
-    tl.debug_barrier()  # every thread's slice is stored before the count says so
-    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-    is_last = done == SPLIT_K - 1
-    if is_last:
-        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
-    return is_last
 
 
 @triton.jit

@@ -76,6 +76,24 @@ def silu_mul_rounded(acc, acc_up, dtype: tl.constexpr):
 
 
 @triton.jit
+def store_split_k_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, slot, GATED: tl.constexpr,
+                        SPLIT_K: tl.constexpr):
+    """Split K: stores this program's slice of a tile's sums (float32 [SPLIT_K, 2, BLOCK_M, N] workspace) and counts
+    it; True for the tile's last program, which then adds them up and resets the count to 0 (for the next launch: a
+    CUDA graph replays the same counts)."""
+    base = part_ptr + tl.program_id(1) * 2 * slot
+    tl.store(base + tile, acc, mask=mask)
+    if GATED:
+        tl.store(base + slot + tile, acc_up, mask=mask)
+    tl.debug_barrier()  # every thread's slice is stored before the count says so
+    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+    is_last = done == SPLIT_K - 1
+    if is_last:
+        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    return is_last
+
+
+@triton.jit
 def store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
     """A linear kernel's epilogue: + bias, then (GATED) silu(gate) * up, stored in out's dtype. acc, acc_up: float32

@@ -56,7 +56,7 @@ from kernels.fp8 import (
     quantize_ref,
     to_e4m3,
 )
-from kernels.linear import store_output
+from kernels.linear import store_output, store_split_k_slice
 
 MAX_ROWS = 16  # the decode-sized launch settings up to this many rows
 # From here on (per-row weight scales on a GPU): quantize_per_token + torch._scaled_mm. On the H200 it beat the
@@ -166,7 +166,7 @@ def _fp8_linear_swap_kernel(
     side (BLOCK_N = 64 rows a warp group, Hopper's wgmma height) and x's few rows its narrow side (BLOCK_M = 16), so
     x is not padded to 64 rows and both operands stay FP8 (K-major, as FP8 wgmma wants them). SPLIT_K > 1: program
     (n, s) takes the s-th of SPLIT_K slices of K, and the last of a tile's programs to finish adds the slices up
-    (`_add_up_slices`): more programs for a layer of few 64-row tiles (fewer tiles than SMs)."""
+    (`store_split_k_slice`): more programs for a layer of few 64-row tiles (fewer tiles than SMs)."""
     wait_for_prior(PDL)
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
@@ -198,27 +198,11 @@ def _fp8_linear_swap_kernel(
                      GATED)
     else:
         tile = rows[:, None] * N + offs_n[None, :]
-        if _add_up_slices(out, out_up, part_ptr, count_ptr, tile, n_mask, BLOCK_M * N, GATED, SPLIT_K):
+        if store_split_k_slice(out, out_up, part_ptr, count_ptr, tile, n_mask[None, :], BLOCK_M * N, GATED,
+                               SPLIT_K):
             out, out_up = _slices_sum(part_ptr, tile, n_mask, BLOCK_M * N, GATED, SPLIT_K, BLOCK_M, BLOCK_N)
             store_output(out, out_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_row, HAS_BIAS,
                          GATED)
-
-
-@triton.jit
-def _add_up_slices(out, out_up, part_ptr, count_ptr, tile, n_mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Stores this program's slice of a tile's sums (float32 [SPLIT_K, 2, BLOCK_M, N] workspace) and counts it;
-    True for the tile's last program, which then adds them up and resets the count (to 0, for the next launch: a
-    CUDA graph replays the same counts)."""
-    base = part_ptr + tl.program_id(1) * 2 * slot
-    tl.store(base + tile, out, mask=n_mask[None, :])
-    if GATED:
-        tl.store(base + slot + tile, out_up, mask=n_mask[None, :])
-    tl.debug_barrier()  # every thread's slice is stored before the count says so
-    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-    is_last = done == SPLIT_K - 1
-    if is_last:
-        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
-    return is_last
 
 
 @triton.jit

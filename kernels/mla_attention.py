@@ -40,7 +40,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, dequantize, quantize_ref, to_e4m3
-from kernels.paged_attention import LOG2E, MIN_SPLIT_TOKENS, decode_num_splits
+from kernels.paged_attention import LOG2E, MIN_SPLIT_TOKENS, decode_num_splits, find_query_block
 
 
 def _check_cache(name: str, cache: torch.Tensor, dim: int, scale, dtype: torch.dtype) -> None:
@@ -362,19 +362,7 @@ def _mla_prefill_kernel(
     # grid (query blocks, heaviest first; head blocks); rows = BLOCK_Q queries x BLOCK_H heads
     q_block = num_q_blocks - 1 - tl.program_id(0)
     head_block = tl.program_id(1)
-    # Sequence s owns query blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): binary search for it.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_block_local = find_query_block(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)

@@ -149,6 +149,23 @@ def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 # num_pairs (T * K) changes with every step's batch: specializing on it (Triton specializes integers that are
 # multiples of 16) would compile new variants while requests wait.
+@triton.jit
+def store_pair_rows(acc, acc_up, out_ptr, routing_ptr, pairs, row_mask, offs_n, n_mask, stride_o, GATED: tl.constexpr,
+                    WEIGHTED: tl.constexpr):
+    """A grouped GEMM tile's epilogue: its (token, expert) pairs' rows rounded to out's dtype (GATED: silu(gate) * up,
+    each step rounded as transformers rounds it), times their routing weights when WEIGHTED, stored at the pairs."""
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_mul_rounded(acc, acc_up, dtype)
+    else:
+        out = acc.to(dtype)
+    if WEIGHTED:
+        routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * routing[:, None]).to(dtype)
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out,
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
@@ -171,16 +188,7 @@ def _moe_gemm_kernel(
     n_mask = offs_n < N
     acc, acc_up = rows_times_weight(a_ptr, a_rows, row_mask, stride_a, w_ptr + expert * stride_we, offs_n, n_mask,
                                     stride_wn, N, K, GATED, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
-    if GATED:  # silu(gate) * up, each step rounded as transformers rounds it
-        out = silu_mul_rounded(acc, acc_up, dtype)
-    else:
-        out = acc.to(dtype)
-    if WEIGHTED:
-        routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) * routing[:, None]).to(dtype)
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out,
-             mask=row_mask[:, None] & n_mask[None, :])
+    store_pair_rows(acc, acc_up, out_ptr, routing_ptr, pairs, row_mask, offs_n, n_mask, stride_o, GATED, WEIGHTED)
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:

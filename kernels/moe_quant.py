@@ -49,9 +49,15 @@ from kernels._triton import (
 )
 from kernels.fp8 import FP8_DTYPE, dequantize_weight
 from kernels.int_tiles import weight_tile
-from kernels.linear import silu_mul_rounded
 from kernels.linear_int import IntPacking, dequantize_ref
-from kernels.moe import _fits_one_program, align_by_expert_ref, align_by_expert_triton, experts_loop_ref, moe_config
+from kernels.moe import (
+    _fits_one_program,
+    align_by_expert_ref,
+    align_by_expert_triton,
+    experts_loop_ref,
+    moe_config,
+    store_pair_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -282,16 +288,7 @@ def _moe_quant_gemm_kernel(
             if UPCAST:
                 w_up = w_up.to(tl.float32)
             acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
-    out_dtype = out_ptr.dtype.element_ty
-    if GATED:  # silu(gate) * up, each step rounded as transformers rounds it
-        out = silu_mul_rounded(acc, acc_up, out_dtype)
-    else:
-        out = acc.to(out_dtype)
-    if WEIGHTED:
-        routing = tl.load(routing_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) * routing[:, None]).to(out_dtype)
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :], out,
-             mask=row_mask[:, None] & n_mask[None, :])
+    store_pair_rows(acc, acc_up, out_ptr, routing_ptr, pairs, row_mask, offs_n, n_mask, stride_o, GATED, WEIGHTED)
 
 
 def _check_inputs(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids) -> None:

@@ -260,6 +260,25 @@ def _decode_merge_kernel(
 
 # num_seqs and num_q_blocks change with every step's batch: specializing on them (Triton specializes integers
 # that are multiples of 16) would compile new variants while requests wait, seconds each.
+@triton.jit
+def find_query_block(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """The packed prefill's query block `q_block`: (its sequence, the sequence's first query, its query count, the
+    block's index within the sequence). Sequence s owns query blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s
+    + 1): a binary search over query_start_loc finds it."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    return seq, q_start, q_len, q_block - (q_start // BLOCK_Q + seq)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
@@ -277,19 +296,7 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     q_block = num_q_blocks - 1 - pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    # Sequence s owns query blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): binary search for it.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_block_local = find_query_block(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
