@@ -20,6 +20,12 @@ from tests.ports import free_port
 
 APP = "pagoda-prometheus"
 MODEL = "prom-tiny"
+# SmolLM2 with n-gram speculation beside the tiny model: the tiny random model's greedy output never repeats an
+# n-gram of its context, so only a real model's copy accepts drafts (the acceptance panels need accepted tokens).
+SPEC_MODEL = "prom-smollm2"
+MODELS = f"{MODEL}|{SPEC_MODEL}"
+ADAPTER = "prom-adapter"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 # Serve creates this series at the first exception raised inside a replica; Pagoda's replicas return errors as
 # values (the proxy's error counter and pagoda:request_success{finished_reason="error"} count them), so a
 # healthy app has no samples of it. The dashboard keeps the panel for crashes.
@@ -42,21 +48,27 @@ def _request(url: str, body: dict | None = None, timeout_s: float = 60) -> tuple
 
 
 @pytest.fixture(scope="module")
-def running_app(ray_cluster):
+def running_app(ray_cluster, tiny_model_dir, real_model_dir, tmp_path_factory):
     """(base URL of the app, Ray node metrics URL): the real app deployed on the session's Ray cluster."""
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
 
     from cluster.app import build_app
+    from tests.lora_adapters import make_adapter
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http_port = _get_global_client().http_config.port  # another test may have started Serve first
     # A small KV pool (12 blocks of 16 tokens) so that concurrent requests preempt each other, and a host KV tier
     # that they resume from (its counters are on the dashboard).
-    app = build_app({"models": [{"model": "tiny", "served_model_name": MODEL, "device": "cpu", "num_kv_blocks": 12,
-                                 "block_size": 16, "max_num_seqs": 8, "replica_num_cpus": 0.5,
-                                 "num_host_kv_blocks": 64}]})
+    # LoRA on (an adapter peft wrote; its requests fill the LoRA panels) and n-gram speculation on.
+    adapter = make_adapter(tiny_model_dir, str(tmp_path_factory.mktemp("adapter") / ADAPTER))
+    app = build_app({"models": [
+        {"model": tiny_model_dir, "served_model_name": MODEL, "device": "cpu", "num_kv_blocks": 12,
+         "block_size": 16, "max_num_seqs": 8, "replica_num_cpus": 0.5, "num_host_kv_blocks": 64, "enable_lora": True,
+         "max_lora_rank": 8, "lora_modules": [{"name": ADAPTER, "path": adapter}], "speculative_config": NGRAM},
+        {"model": real_model_dir, "served_model_name": SPEC_MODEL, "device": "cpu", "dtype": "float32",
+         "num_kv_blocks": 64, "replica_num_cpus": 0.5, "speculative_config": NGRAM}]})
     serve.run(app, name=APP, route_prefix=f"/{APP}")
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     yield f"http://127.0.0.1:{http_port}/{APP}", f"127.0.0.1:{node['MetricsExportPort']}"
@@ -80,6 +92,10 @@ def _send_traffic(base: str) -> None:
     assert _request(f"{base}/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
                                                     "messages": [{"role": "user", "content": "hi"}]})[0] == 200
     assert _request(f"{base}/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 7})[0] == 400
+    assert _request(f"{base}/v1/completions", {"model": ADAPTER, "prompt": prompt, "max_tokens": 6})[0] == 200
+    passage = "Copy this line exactly: the cat sat on the mat and the dog lay by the door.\n"
+    assert _request(f"{base}/v1/completions", {"model": SPEC_MODEL, "prompt": passage * 2, "max_tokens": 24,
+                                               "temperature": 0})[0] == 200
 
 
 def _query(prometheus: str, expr: str) -> dict:
@@ -88,7 +104,7 @@ def _query(prometheus: str, expr: str) -> dict:
 
 def _ours(name: str) -> str:
     """The series of this app (other tests' apps on the same Ray node export the same names)."""
-    return f'{name}{{model_name="{MODEL}"}}' if name.startswith("ray_pagoda_") else name
+    return f'{name}{{model_name=~"{MODELS}"}}' if name.startswith("ray_pagoda_") else name
 
 
 def _series_labels(prometheus: str, name: str) -> list[set[str]]:
@@ -98,7 +114,7 @@ def _series_labels(prometheus: str, name: str) -> list[set[str]]:
 
 def _dashboard_queries(repo) -> list[str]:
     dashboard = json.loads((repo / "deploy" / "grafana" / "pagoda.json").read_text())
-    return [t["expr"].replace("$model_name", MODEL) for p in dashboard["panels"] for t in p.get("targets", [])]
+    return [t["expr"].replace("$model_name", MODELS) for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 @pytest.fixture(scope="module")
