@@ -5,10 +5,10 @@ slot's load is sent once, in the step that first needs it."""
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.lora import LoRAAdapter, LoRARequest, LoRASlots
-from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from tests.engine.test_scheduler import fake_step
 
 
 def adapter(adapter_id: int) -> LoRAAdapter:
@@ -22,19 +22,6 @@ def make_scheduler(max_loras: int) -> Scheduler:
 
 def request(req_id: str, lora: LoRAAdapter | None, max_tokens: int = 3) -> Request:
     return Request(req_id, [5, 6, 7, 8, 9], SamplingParams(max_tokens=max_tokens), max_tokens, lora=lora)
-
-
-def step(s: Scheduler):
-    out = s.schedule()
-    result = ModelRunnerOutput()
-    for req_id in out.num_scheduled_tokens:
-        req = s.requests[req_id]
-        if req.num_computed_tokens == req.num_tokens:
-            result.req_ids.append(req_id)
-            result.sampled_token_ids.append(1)
-            result.logprobs.append(None)
-    s.update_from_output(out, result)
-    return out
 
 
 def users(s: Scheduler) -> list[int]:
@@ -51,23 +38,23 @@ def test_more_adapters_than_slots_wait_then_take_the_lru_slot():
     for req in [request("x1", a1), request("y2", a2, max_tokens=6), request("z3", a3), request("base", None),
                 request("x1b", a1)]:
         s.add_request(req)
-    first = step(s)
+    first = fake_step(s)
     assert [(slot, a.request.id) for slot, a in first.lora_loads] == [(0, 1), (1, 2)]
     assert set(first.num_scheduled_tokens) == {"x1", "y2", "base", "x1b"}  # z3 waits: both slots in use
     assert {n.req_id: n.lora_slot for n in first.new_reqs} == {"x1": 0, "y2": 1, "base": -1, "x1b": 0}
     assert [r.req_id for r in s.waiting] == ["z3"]
-    outs = [step(s) for _ in range(2)]  # x1 and x1b finish (3 tokens); slot 0 is used by nobody now
+    outs = [fake_step(s) for _ in range(2)]  # x1 and x1b finish (3 tokens); slot 0 is used by nobody now
     assert all(not o.lora_loads for o in outs) and "z3" not in s.running
     s.lora_slots.check_integrity(users(s))
-    fourth = step(s)
+    fourth = fake_step(s)
     assert [(slot, a.request.id) for slot, a in fourth.lora_loads] == [(0, 3)]  # the LRU unused slot: a1's
     assert [n.lora_slot for n in fourth.new_reqs] == [0]
     s.lora_slots.check_integrity(users(s))
     while s.requests:
-        step(s)
+        fake_step(s)
     s.lora_slots.check_integrity([0, 0])
     s.add_request(request("again", a3))  # still resident: no load
-    assert not step(s).lora_loads
+    assert not fake_step(s).lora_loads
 
 
 def test_preemption_releases_the_slot():
@@ -75,11 +62,11 @@ def test_preemption_releases_the_slot():
     s.add_request(request("a", adapter(1), max_tokens=8))
     s.add_request(request("b", adapter(1), max_tokens=8))
     while s.num_preemptions == 0:
-        step(s)
+        fake_step(s)
         s.lora_slots.check_integrity(users(s))
     preempted = next(r for r in s.requests.values() if r not in s.running)
     assert preempted.lora_slot == -1
     while s.requests:
-        step(s)
+        fake_step(s)
         s.lora_slots.check_integrity(users(s))
     assert s.lora_slots.num_loads == 1  # both always ran in the adapter's one slot
