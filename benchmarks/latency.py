@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
+from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
 from checkpoints.presets import model_or_preset
 
@@ -24,11 +26,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="on a GPU, also profile this many decode steps of each case (benchmarks/step_profile.py)")
     add_structured_args(parser)
+    add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None)
 
 
 def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0,
-            structured: str | None = None) -> dict:
+            structured: str | None = None, loras: list | None = None, drafts: str | None = None) -> dict:
+    """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
+    drafts (a speculative engine): "ngram" proposes as configured; "forced" proposes k drafts every step (the last
+    token repeated), so each step verifies k + 1 tokens whatever the model accepts: the verify step's cost."""
     from dataclasses import replace
 
     import torch
@@ -39,8 +45,12 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     # while the last ones prefill, and a limit would let them finish before the decode steps are timed.
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
                             structured_outputs=constraint(structured))
+    loras = loras or [None] * len(prompts)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False)
+        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False, lora_request=loras[i])
+    proposer = engine.spec.proposer if engine.spec is not None else None
+    if drafts == "forced":
+        engine.spec.proposer = RepeatLastProposer(engine.spec.config.num_speculative_tokens)
     start = time.perf_counter()
     while any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill (possibly chunked)
@@ -49,7 +59,9 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
         torch.cuda.synchronize()
     preemptions = engine.get_stats().num_preemptions
     grammar = replace(engine.structured.stats)
+    spec = replace(engine.scheduler.spec_stats, accepted_per_position=[])
     running = []
+    generated = _output_tokens(engine)
     start = time.perf_counter()
     for _ in range(decode_steps):
         engine.step()
@@ -57,10 +69,19 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the last step's work, launched ahead (overlapped scheduling), counts too
     decode_s = time.perf_counter() - start
+    # Tokens per request per step: 1 without speculation (a step in flight at either end counts the same).
+    per_step = (_output_tokens(engine) - generated) / max(len(prompts), 1) / decode_steps
     # Requests preempted for lack of KV blocks make steps smaller than the batch: tokens_per_s would overstate.
-    row = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / decode_steps,
-           "tokens_per_s": sum(running) / decode_s, "min_running": min(running, default=0),
-           "preemptions": engine.get_stats().num_preemptions - preemptions}
+    row = {"prefill_s": prefill_s, "ms_per_step": 1000 * decode_s / decode_steps,
+           "decode_ms_per_token": 1000 * decode_s / decode_steps / max(per_step, 1e-9),
+           "tokens_per_step": per_step, "tokens_per_s": sum(running) * per_step / decode_s,
+           "min_running": min(running, default=0), "preemptions": engine.get_stats().num_preemptions - preemptions}
+    if drafts:
+        stats = engine.scheduler.spec_stats
+        num_draft_tokens = stats.num_draft_tokens - spec.num_draft_tokens
+        row |= {"drafts": drafts, "draft_tokens_per_step": num_draft_tokens / max(len(prompts), 1) / decode_steps,
+                "acceptance": (stats.num_accepted_tokens - spec.num_accepted_tokens) / max(num_draft_tokens, 1)}
+        engine.spec.proposer = proposer
     if structured:
         row |= {"structured": structured} | grammar_figures(engine.structured.stats, grammar)
     if profile_steps and torch.cuda.is_available():
@@ -72,6 +93,33 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     engine.abort_request(list(engine.groups))
     engine.step()
     return row
+
+
+def _output_tokens(engine) -> int:
+    return sum(len(g.seqs[0].output_token_ids) for g in engine.groups.values())
+
+
+@dataclass
+class RepeatLastProposer:
+    """The benchmark's forced drafts: k copies of the last token, every step (engine/spec_decode.py's Proposer)."""
+
+    num_speculative_tokens: int
+
+    def propose(self, token_ids) -> list[int]:
+        return [int(token_ids[-1])] * self.num_speculative_tokens
+
+
+def periodic_prompts(num: int, length: int, vocab_size: int, seed: int, period: int = 16) -> list[list[int]]:
+    """Prompts that repeat a random `period`-token pattern: prompt lookup finds a continuation in each."""
+    patterns = synthetic_prompts(num, (period, period), vocab_size, seed)
+    return [(pattern * (length // period + 1))[:length] for pattern in patterns]
+
+
+def engine_runs(args) -> list[dict]:
+    """The engines a run compares, as overrides of the flags: with --lora-adapters the base engine, then the LoRA
+    engine; with --speculative-config a plain engine, then the speculative one (each of the LoRA runs)."""
+    spec_runs = [{"speculative_config": None}, {}] if getattr(args, "speculative_config", None) else [{}]
+    return [lora | spec for lora in lora_runs(args) for spec in spec_runs]
 
 
 def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_steps: int,
@@ -91,36 +139,70 @@ def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_s
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.lora_adapters > args.max_loras:  # requests that run until aborted: one without a slot would never start
+        raise ValueError(f"--lora-adapters {args.lora_adapters} needs --max-loras >= {args.lora_adapters} here (every "
+                         f"request of a case runs at once); `pagoda bench throughput` takes more adapters than slots")
+    model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
+    args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
+    rows, runs = [], []
+    for overrides in engine_runs(args):
+        run, run_rows = run_engine(args, model_dir, load_format, overrides)
+        runs.append(run)
+        rows.extend(run_rows)
+    print_table(rows, ["lora", "drafts", "batch", "prompt_len", "structured", "decode_ms_per_token", "ms_per_step",
+                       "tokens_per_step", "draft_tokens_per_step", "acceptance", "tokens_per_s", "prefill_s", "min_running",
+                       "preemptions",
+                       "mask_ms_per_step"])
+    result = {"benchmark": "latency", "device": device_name(),
+              "model": args.preset or args.model or "smollm2-135m-instruct",
+              "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config,
+              **runs[0], "runs": runs, "results": rows}
+    write_json(args.output_json, result)
+    return result
+
+
+def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple[dict, list[dict]]:
+    """Every case (prompt length x batch size x variant) on one engine: the flags with `overrides`."""
+    import gc
+
+    import torch
+
     from cluster.executors import pick_executor
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
 
-    model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
-    args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
-    config = engine_args(args, model=model_dir, load_format=load_format,
-                         enable_prefix_caching=False).create_engine_config()
+    config = engine_args(args, model=model_dir, load_format=load_format, enable_prefix_caching=False,
+                         **overrides).create_engine_config()
     engine = LLMEngine(config, pick_executor)
     workers = [{k: v for k, v in w.items() if k != "kv_scales"} for w in engine.executor.describe()]
     print("ranks:", "; ".join(f"{w['device']} all-reduce {w['all_reduce']}" for w in workers),
           f"| {engine.executor.num_kv_blocks} KV blocks of {args.block_size} tokens, {workers[0]['kv_cache_dtype']}")
+    adapters, label = run_adapters(overrides, args, config.model.hf_config), lora_label(overrides, args)
+    spec = config.speculative
+    drafts_variants = ["ngram", "forced"] if spec is not None else [None]
     rows = []
     budget = engine.config.scheduler.max_num_batched_tokens
     for asked_len in args.prompt_lens:
         for batch in args.batch_sizes:
-            steps = max(args.decode_steps, 4)  # the warm-up's too
+            steps = max(args.decode_steps, 4) * (1 + (spec.num_speculative_tokens if spec else 0))  # warm-up's too
             prompt_len = fitting_prompt_len(asked_len, batch, engine.max_model_len, steps, budget)
-            prompts = synthetic_prompts(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len)
+            make = periodic_prompts if args.speculative_config else synthetic_prompts
+            prompts = (make(batch, prompt_len, engine.vocab_size, seed=batch + prompt_len) if args.speculative_config
+                       else make(batch, (prompt_len, prompt_len), engine.vocab_size, seed=batch + prompt_len))
+            loras = spread(adapters, batch)
             for structured in structured_variants(args):
-                measure(engine, prompts[:1], 4, structured=structured)  # warm-up of this shape family
-                measured = measure(engine, prompts, args.decode_steps, args.profile_steps, structured)
-                rows.append({"batch": batch, "prompt_len": prompt_len, **measured})
+                for drafts in drafts_variants:
+                    measure(engine, prompts[:1], 4, structured=structured, loras=loras, drafts=drafts)  # warm-up
+                    measured = measure(engine, prompts, args.decode_steps, args.profile_steps, structured, loras,
+                                       drafts)
+                    rows.append({"lora": label, "speculative": spec is not None, "batch": batch,
+                                 "prompt_len": prompt_len, **measured})
     engine.check_integrity()
+    run = {"quantization": config.model.quantization, "lora": label, "speculative": spec is not None,
+           "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers}
     engine.shutdown()
-    print_table(rows, ["batch", "prompt_len", "structured", "decode_ms_per_token", "tokens_per_s", "prefill_s",
-                       "min_running", "preemptions", "mask_ms_per_step"])
-    result = {"benchmark": "latency", "device": device_name(),
-              "model": args.preset or args.model or "smollm2-135m-instruct",
-              "quantization": config.model.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-              "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers, "results": rows}
-    write_json(args.output_json, result)
-    return result
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run, rows

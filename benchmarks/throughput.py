@@ -27,6 +27,7 @@ from benchmarks.common import (
     synthetic_prompts,
     write_json,
 )
+from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
 from checkpoints.presets import model_or_preset
 
@@ -44,6 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="named sampling settings, each run on the same loaded engine (replaces the flags above)")
     parser.add_argument("--compare", choices=["hf"], default=None)
     add_structured_args(parser)
+    add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None)
 
 
@@ -55,34 +57,35 @@ def sampling_settings(args) -> list[tuple[str, dict]]:
                        "repetition_penalty": args.repetition_penalty})]
 
 
-def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> list[dict]:
-    """One engine; each sampling setting warms up (its kernels compile) and then runs the whole workload."""
+def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]], overrides: dict) -> list[dict]:
+    """One engine (the flags, with `overrides`); each sampling setting warms up (its kernels compile) and then runs
+    the whole workload (over the run's LoRA adapters, if any: benchmarks/lora_workload.py)."""
     from engine.arg_utils import engine_args
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format)))
+    llm = LLM(**asdict(engine_args(args, model=model_dir, load_format=load_format, **overrides)))
     requests = [{"prompt_token_ids": p} for p in prompts]
+    loras = spread(run_adapters(overrides, args, llm.engine.config.model.hf_config), len(requests))
     rows = []
     for (name, setting), structured in [(s, c) for s in sampling_settings(args) for c in structured_variants(args)]:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint(structured),
                                 **setting)
-        llm.generate(requests[:4], params, use_tqdm=False)  # warm-up
+        llm.generate(requests[:4], params, use_tqdm=False, lora_request=loras[:4])  # warm-up
         llm.engine.block_manager.reset_prefix_cache()
         timing, grammar = replace(llm.engine.timing), replace(llm.engine.structured.stats)
         start = time.perf_counter()
-        outs = llm.generate(requests, params, use_tqdm=False)
+        outs = llm.generate(requests, params, use_tqdm=False, lora_request=loras)
         elapsed = time.perf_counter() - start
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         num_blocks = llm.engine.block_manager.num_blocks
         rows.append(_rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
-            "sampling": name, "sampling_params": setting, "structured": structured, "num_kv_blocks": num_blocks,
+            "sampling": name, "sampling_params": setting, "structured": structured, "lora": lora_label(overrides, args),
+            "num_kv_blocks": num_blocks,
             "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)}
             | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {}))
     llm.shutdown()
     del llm
     _free_memory()
-    for row in rows:
-        row["vs_first"] = row["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
     return rows
 
 
@@ -163,13 +166,17 @@ def main(args: argparse.Namespace) -> dict:
         hf, weights_dir = run_hf(args, model_dir, load_format, prompts)
         rows.append(hf)
         model_dir, load_format = weights_dir, "auto"
-    rows.extend(run_pagoda(args, model_dir, load_format, prompts))
+    pagoda_rows = [row for overrides in lora_runs(args)
+                   for row in run_pagoda(args, model_dir, load_format, prompts, overrides)]
+    for row in pagoda_rows:
+        row["vs_first"] = row["total_tokens_per_s"] / pagoda_rows[0]["total_tokens_per_s"]
+    rows.extend(pagoda_rows)
     result = {"benchmark": "throughput", "device": device_name(), "model": args.preset or args.model or "tiny",
               "num_requests": args.num_requests, "input_len_range": list(input_len_range(args)),
               "output_len": args.output_len, "prefix_caching": args.enable_prefix_caching, "results": rows}
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
-    print_table(rows, ["engine", "sampling", "structured", "requests", "elapsed_s", "requests_per_s",
+    print_table(rows, ["engine", "sampling", "structured", "lora", "requests", "elapsed_s", "requests_per_s",
                        "output_tokens_per_s", "total_tokens_per_s", "vs_first"])
     for row in rows[1 if args.compare == "hf" else 0:]:
         steps = row["engine_steps"]
@@ -181,12 +188,16 @@ def main(args: argparse.Namespace) -> dict:
                   f"{row['grammar_compile_ms_max']:.1f} ms (slowest schema), mask {row['mask_ms_per_step']:.3f} "
                   f"ms/step over {row['mask_rows_per_step']:.0f} rows")
     if args.structured:  # each constrained row right after its plain one
-        pagoda_rows = rows[1 if args.compare == "hf" else 0:]
         result["structured_vs_plain_output_tokens"] = [
             constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
             for plain, constrained in zip(pagoda_rows[::2], pagoda_rows[1::2])]
         print("constrained / plain output tokens/s:",
               ", ".join(f"{r:.3f}" for r in result["structured_vs_plain_output_tokens"]))
+    if args.lora_adapters:  # the LoRA engine's rows after the base engine's, setting for setting
+        half = len(pagoda_rows) // 2
+        result["lora_vs_base_total_tokens"] = [lora["total_tokens_per_s"] / base["total_tokens_per_s"]
+                                               for base, lora in zip(pagoda_rows[:half], pagoda_rows[half:])]
+        print("LoRA / base total tokens/s:", ", ".join(f"{r:.3f}" for r in result["lora_vs_base_total_tokens"]))
     if "speedup_total_tokens" in result:
         print(f"pagoda / transformers (total tokens/s): {result['speedup_total_tokens']:.1f}x")
     write_json(args.output_json, result)

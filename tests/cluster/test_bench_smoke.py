@@ -230,3 +230,66 @@ def test_bench_spec_decode_compares_with_the_plain_engine(tmp_path):
     (row,) = result["results"]
     assert row["identical"] and row["output_tokens"] > 0 and row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
     assert result["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
+    """--lora-adapters with --speculative-config: four engines (base and LoRA, each plain then speculative), every
+    case on each; the forced-drafts variant verifies k drafts every step (the verify step's cost)."""
+    result = _run(tmp_path, "bench", "latency", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1", "2",
+                  "--prompt-lens", "32", "--decode-steps", "4", "--num-kv-blocks", "128", "--lora-adapters", "2",
+                  "--lora-rank", "4", "--max-loras", "2",
+                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert [(r["lora"], r["speculative"]) for r in result["runs"]] == [
+        ("base", False), ("base", True), ("2 x r4, 2 slots", False), ("2 x r4, 2 slots", True)]
+    rows = result["results"]
+    assert len(rows) == 2 * (2 + 2 * 2)  # per engine pair: plain (2 batches), speculative (2 batches x 2 variants)
+    for row in rows:
+        assert row["min_running"] == row["batch"] and row["preemptions"] == 0
+        assert row["ms_per_step"] > 0 and row["tokens_per_step"] >= 1.0
+    forced = [r for r in rows if r.get("drafts") == "forced"]
+    assert len(forced) == 4 and all(r["draft_tokens_per_step"] == 3.0 for r in forced)
+    assert all(r["tokens_per_step"] == 1.0 for r in rows if not r["speculative"])
+
+
+def test_bench_latency_refuses_more_adapters_than_slots(capsys):
+    assert pagoda(["bench", "latency", "--model", "tiny", "--lora-adapters", "3", "--max-loras", "2"]) != 0
+    assert "--lora-adapters 3 needs --max-loras >= 3" in capsys.readouterr().err
+
+
+def test_bench_throughput_over_more_lora_adapters_than_slots(tmp_path):
+    """Three adapters through two GPU slots: every request finishes; the LoRA engine's rate is compared with the
+    base engine's on the same requests."""
+    result = _run(tmp_path, "bench", "throughput", "--model", "tiny", "--device", "cpu", "--num-requests", "6",
+                  "--input-len", "12", "--output-len", "4", "--num-kv-blocks", "128", "--lora-adapters", "3",
+                  "--lora-rank", "4", "--max-loras", "2")
+    base, lora = result["results"]
+    assert (base["lora"], lora["lora"]) == ("base", "3 x r4, 2 slots")
+    assert base["output_tokens"] == lora["output_tokens"] == 24
+    assert result["lora_vs_base_total_tokens"] == [lora["total_tokens_per_s"] / base["total_tokens_per_s"]]
+
+
+def test_bench_random_adapters_are_what_peft_reads(tiny_model_dir, tmp_path):
+    """The benchmark's random adapters load in peft with every tensor used, change the model's output, and Pagoda
+    with one gives peft's greedy tokens."""
+    import torch
+
+    from benchmarks.lora_workload import random_adapters
+    from pagoda import LLM, SamplingParams
+    from tests.lora_adapters import peft_model
+
+    with open(f"{tiny_model_dir}/config.json") as f:
+        hf_config = json.load(f)
+    (lora,) = random_adapters(hf_config, 1, 4, seed=3, out_dir=str(tmp_path))
+    model, base = peft_model(tiny_model_dir, lora.path), peft_model(tiny_model_dir, None)
+    tensors = [n for n, _ in model.named_parameters() if "lora_" in n]
+    assert len(tensors) == 2 * 7 * hf_config["num_hidden_layers"]  # A and B of every projection of every layer
+    prompt = [5, 17, 42, 8, 99, 3]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        assert not torch.equal(model(ids).logits, base(ids).logits)
+    llm = LLM(model=tiny_model_dir, dtype="float32", device="cpu", enable_lora=True, max_lora_rank=4)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                         ignore_eos=True), lora_request=lora)
+    llm.shutdown()
+    assert out.outputs[0].token_ids == want
