@@ -73,7 +73,11 @@ def bench_mla(runner, cfg: dict, mla_cfg: dict) -> None:
             q_pe = torch.randn(tokens, heads, rope_dim, dtype=dtype, device=device)
             starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
             args = (q_lat, q_pe, latent, rope, tables, starts, lens, scale)
-            impls = {"torch ref": lambda: mla_attention_ref(*args)}
+            def ref():
+                return mla_attention_ref(*args)
+
+            ref.eager = True  # its sequence loop reads lengths on the host: no graph can capture it
+            impls = {"torch ref": ref}
             if runner.use_triton:
                 impls["triton"] = lambda: mla_prefill_triton(*args, tokens)
 

@@ -10,7 +10,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from benchmarks.common import device_name, print_table, synthetic_prompts, write_json
+from benchmarks.common import device_name, free_device_memory, print_table, synthetic_prompts, write_json
 from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
 from checkpoints.presets import model_or_preset
@@ -150,9 +150,8 @@ def main(args: argparse.Namespace) -> dict:
         runs.append(run)
         rows.extend(run_rows)
     print_table(rows, ["lora", "drafts", "batch", "prompt_len", "structured", "decode_ms_per_token", "ms_per_step",
-                       "tokens_per_step", "draft_tokens_per_step", "acceptance", "tokens_per_s", "prefill_s", "min_running",
-                       "preemptions",
-                       "mask_ms_per_step"])
+                       "tokens_per_step", "draft_tokens_per_step", "acceptance", "tokens_per_s", "prefill_s",
+                       "min_running", "preemptions", "mask_ms_per_step"])
     result = {"benchmark": "latency", "device": device_name(),
               "model": args.preset or args.model or "smollm2-135m-instruct",
               "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config,
@@ -163,10 +162,6 @@ def main(args: argparse.Namespace) -> dict:
 
 def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple[dict, list[dict]]:
     """Every case (prompt length x batch size x variant) on one engine: the flags with `overrides`."""
-    import gc
-
-    import torch
-
     from cluster.executors import pick_executor
     from engine.arg_utils import engine_args
     from engine.llm_engine import LLMEngine
@@ -202,7 +197,5 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
            "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers}
     engine.shutdown()
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return run, rows

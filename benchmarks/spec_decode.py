@@ -1,6 +1,7 @@
 """Speculative decoding on a copy-heavy workload: the same chat requests (repeat a passage, edit code) with and
-without `--speculative-config`, alternated `--repeats` times; prints the acceptance, the tokens a speculative step
-gives, and each engine's output tokens per second (medians), and checks that greedy outputs are identical.
+without `--speculative-config`, one engine after the other, `--repeats` times each; prints the acceptance, the
+tokens a speculative step gives, and each engine's output tokens per second (medians), and checks that greedy
+outputs are identical.
 
     pagoda bench spec-decode --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --batch-size 1
 """
@@ -11,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import device_name, print_table, write_json
+from benchmarks.common import device_name, free_device_memory, print_table, write_json
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
            "notebook in which he recorded the weather, the ships that passed, and the colour of the sea. On stormy "
@@ -51,17 +52,22 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError("--speculative-config is required (the plain engine is the same flags without it)")
     messages = [[{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}] for i in range(args.batch_size)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engines = {"plain": LLM(**asdict(replace(spec_args, speculative_config=None))), "spec": LLM(**asdict(spec_args))}
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    # One engine at a time (two of a real-sized model need not fit on the GPU together): each warms up, then runs
+    # the requests --repeats times.
+    times: dict[str, list[float]] = {}
     outputs = {}
-    for llm in engines.values():
+    for name, engine_args_ in (("plain", replace(spec_args, speculative_config=None)), ("spec", spec_args)):
+        llm = LLM(**asdict(engine_args_))
         _run(llm, messages, params)  # warm-up
-        llm.engine.scheduler.spec_stats = type(llm.engine.scheduler.spec_stats)()
-    for _ in range(args.repeats):
-        for name, llm in engines.items():
+        stats = type(llm.engine.scheduler.spec_stats)()
+        llm.engine.scheduler.spec_stats = stats
+        times[name] = []
+        for _ in range(args.repeats):
             outputs[name], seconds = _run(llm, messages, params)
             times[name].append(seconds)
-    stats = engines["spec"].engine.scheduler.spec_stats
+        llm.shutdown()
+        del llm
+        free_device_memory()
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs["plain"])
     identical = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outputs["plain"], outputs["spec"]))
     rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
@@ -75,7 +81,5 @@ def main(args: argparse.Namespace) -> None:
     print_table([row], ["device", "batch_size", "output_tokens", "acceptance", "tokens_per_spec_step", "plain_tok_s",
                         "spec_tok_s", "speedup", "identical"])
     print(f"accepted by position: {stats.accepted_per_position}")
-    for llm in engines.values():
-        llm.shutdown()
     if args.output_json:
         write_json(args.output_json, {"speculative_config": spec_args.speculative_config, "results": [row]})

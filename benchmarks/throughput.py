@@ -13,7 +13,6 @@ each setting a second time with every request under a fixed JSON schema (benchma
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -22,6 +21,7 @@ from benchmarks.common import (
     SAMPLING_SETTINGS,
     add_workload_args,
     device_name,
+    free_device_memory,
     input_len_range,
     print_table,
     synthetic_prompts,
@@ -85,7 +85,7 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]],
             | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {}))
     llm.shutdown()
     del llm
-    _free_memory()
+    free_device_memory()
     return rows
 
 
@@ -128,7 +128,7 @@ def run_hf(args, model_dir: str, load_format: str, prompts: list[list[int]]) -> 
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(r.generated_tokens) for r in results.values())
     del model, results
-    _free_memory()
+    free_device_memory()
     return _rates("transformers", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
         "sampling": name}, weights_dir
 
@@ -139,13 +139,6 @@ def _rates(name: str, num: int, prompt_tokens: int, output_tokens: int, elapsed:
             "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
-
-def _free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main(args: argparse.Namespace) -> dict:
