@@ -2,6 +2,7 @@
 against its torch reference, on weights packed as the tools pack them (tests/int4_checkpoints.py)."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -229,7 +230,10 @@ def test_dispatch_threshold_is_an_argument():
 
 def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     """benchmarks/kernels_int.py at toy sizes (its GPU run is the lead's): every path builds, matches the reference
-    under --check and is timed (once here), with both rates in its rows and the crossing printed."""
+    under --check and is timed (once here), with both rates in its rows and the crossing printed. (On a GPU the
+    benchmark reads rotating cold copies of each weight, so its byte counts differ: there it is the benchmark.)"""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the benchmark's interpreter run; on a GPU, python -m benchmarks.kernels --only int4")
     import benchmarks.kernels as bench
     from benchmarks import kernels_int
 
