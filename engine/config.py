@@ -223,19 +223,22 @@ class ParallelConfig:
 
 SPEC_METHODS = ("ngram",)  # "draft_model" and "eagle" are vLLM's too: not built, refused by name
 _SPEC_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/spec_decode.py), vLLM's speculative_config: {"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M}. Unknown keys and methods are
-    refused (ParamError, a ValueError naming the key)."""
+    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M, "disable_by_batch_size": B}.
+    Unknown keys and methods are refused (ParamError, a ValueError naming the key). disable_by_batch_size: no
+    drafts while more than B requests decode (None: the engine decides each step from the measured acceptance and
+    step costs, engine/spec_decode.py SpecDecoder.should_speculate)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method in _SPEC_NOT_BUILT:
@@ -247,6 +250,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParamError(f"speculative_config.{name}", f"must be a positive integer, got {value!r}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or isinstance(self.disable_by_batch_size, bool)
+                or self.disable_by_batch_size < 1):
+            raise ParamError("speculative_config.disable_by_batch_size",
+                             f"must be a positive integer, got {self.disable_by_batch_size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ParamError("speculative_config.prompt_lookup_min",
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")

@@ -127,6 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
         self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
+        self._speculating = False  # this step's drafts (SpecDecoder.decide): the step runs without overlap
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
@@ -254,11 +255,12 @@ class LLMEngine:
 
     def _step(self) -> list[RequestDelta]:
         deltas = self._start_grammars() if self.structured.is_compiling else []
+        self._speculating = self.spec is not None and self.spec.decide(len(self.scheduler.running))
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
             return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self._speculating)
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None:
@@ -267,11 +269,19 @@ class LLMEngine:
         if not (overlap and self.executor.supports_deferred_sampling):
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
         if not overlap:
+            started = time.perf_counter()
             try:
                 result = self.executor.execute_model(sched)
             except ExecutorError as e:
                 return deltas + self._fail_step(sched, e)
-            return deltas + self._process(sched, self.scheduler.update_from_output(sched, result))
+            seconds = time.perf_counter() - started
+            stats = self.scheduler.spec_stats
+            drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+            updated = self.scheduler.update_from_output(sched, result)
+            if self.spec is not None:  # the step's time for the cost model, its drafts' acceptance
+                self.spec.cost.record(sched.total_num_scheduled_tokens, seconds)
+                self.spec.observe(stats.num_draft_tokens - drafts, stats.num_accepted_tokens - accepted)
+            return deltas + self._process(sched, updated)
         try:
             handle = self.executor.launch(sched)
         except ExecutorError as e:
@@ -293,7 +303,7 @@ class LLMEngine:
         # the host, unless the executor can defer sampling until the driver supplies it.
         if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
             return False
-        if self.spec is not None:  # drafts are proposed from the tokens of the step before: none can be in flight
+        if self._speculating:  # drafts are proposed from the tokens of the step before: none can be in flight
             return False
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))

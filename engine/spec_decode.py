@@ -19,6 +19,7 @@ accepted tokens on the host).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -79,17 +80,99 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+@dataclass
+class StepCostModel:
+    """A step's time against the tokens it computes, t(n) = fixed + n * per_token (the weights' read, then compute),
+    fitted by least squares over the engine's last `window` steps run without overlap. `ratio(n, m)` = t(m) / t(n):
+    what a verify step of m tokens costs against a plain one of n; None until the samples span enough token counts
+    to fit both terms."""
+
+    window: int = 256
+    samples: deque = field(default_factory=deque)
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.samples.append((num_tokens, seconds))
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+
+    def fit(self) -> tuple[float, float] | None:
+        if len(self.samples) < 8:
+            return None
+        n, t = np.asarray(self.samples, dtype=np.float64).T
+        if n.max() < 2 * n.min():  # one size of step: the per-token term cannot be told from the fixed one
+            return None
+        per_token, fixed = np.polyfit(n, t, 1)
+        per_token = max(float(per_token), 0.0)
+        fixed = max(float(fixed), float(np.min(t - per_token * n)), 1e-9)
+        return fixed, per_token
+
+    def ratio(self, num_tokens: int, spec_tokens: int) -> float | None:
+        fitted = self.fit()
+        if fitted is None:
+            return None
+        fixed, per_token = fitted
+        return (fixed + spec_tokens * per_token) / (fixed + num_tokens * per_token)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify step gives with k drafts each accepted with probability `acceptance` (independently):
+    (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
 class SpecDecoder:
-    """Proposes drafts for the running requests before each schedule() (the scheduler trims them to its budget)."""
+    """Proposes drafts for the running requests before each schedule() (the scheduler trims them to its budget),
+    when speculating pays: `should_speculate` weighs the tokens a verify step is expected to give (the acceptance
+    measured over recent drafts) against its cost over a plain step (`StepCostModel`, from the engine's own step
+    times), so large batches, where a step's extra positions cost nearly what they give, run without drafts (and
+    with overlapped steps again). One step in `PROBE_EVERY` speculates anyway, so the acceptance stays current."""
+
+    PROBE_EVERY = 32
+    ACCEPTANCE_DECAY = 0.9  # per step with drafts: the acceptance is an average over about the last 10
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.proposer: Proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                 config.prompt_lookup_max)
+        self.cost = StepCostModel()
+        self.acceptance: float | None = None  # None until a draft was scored
+        self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
+        self._steps_since_drafts = 0
 
-    def propose(self, running: list[Request]) -> None:
+    def should_speculate(self, num_running: int) -> bool:
+        """Whether a step of `num_running` requests gets drafts (and runs without overlap)."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None:
+            return num_running <= limit
+        if num_running == 0 or self.acceptance is None or self._steps_since_drafts >= self.PROBE_EVERY:
+            return True
+        k = self.config.num_speculative_tokens
+        ratio = self.cost.ratio(num_running, num_running * (1 + k))
+        return ratio is None or expected_tokens(self.acceptance, k) > ratio
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """A step's drafts scored: the acceptance average moves toward its rate."""
+        if num_draft_tokens:
+            rate = num_accepted / num_draft_tokens
+            self.acceptance = rate if self.acceptance is None else (
+                self.ACCEPTANCE_DECAY * self.acceptance + (1 - self.ACCEPTANCE_DECAY) * rate)
+
+    def decide(self, num_running: int) -> bool:
+        """This step's decision (`should_speculate` for its running requests), counted."""
+        speculate = self.should_speculate(num_running)
+        if speculate:
+            self._steps_since_drafts = 0
+        elif num_running:
+            self._steps_since_drafts += 1
+            self.num_steps_off += 1
+        return speculate
+
+    def propose(self, running: list[Request], speculate: bool = True) -> None:
+        """Drafts for the running requests that can take them (none for any when not `speculate`)."""
         for req in running:
-            req.spec_token_ids = self.propose_for(req) if can_speculate(req) else []
+            req.spec_token_ids = self.propose_for(req) if speculate and can_speculate(req) else []
 
     def propose_for(self, req: Request) -> list[int]:
         room = req.max_tokens - req.num_output_tokens - 1  # the step samples one token of its own too

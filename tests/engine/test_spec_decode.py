@@ -363,3 +363,72 @@ def test_greedy_with_every_knob_over_the_accepted_history():
     for a, b in zip(plain, spec):
         assert a.prompt_logprobs == b.prompt_logprobs
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+# ---- when speculation pays -------------------------------------------------------------------------------------------
+def test_step_cost_model_fits_the_fixed_and_per_token_cost():
+    from engine.spec_decode import StepCostModel
+
+    cost = StepCostModel()
+    assert cost.ratio(64, 320) is None  # no samples
+    for n in [1, 1, 4, 16, 64, 64, 256, 2048, 2048, 512]:
+        cost.record(n, 0.004 + 0.00002 * n)
+    assert cost.ratio(64, 320) == pytest.approx((0.004 + 320 * 0.00002) / (0.004 + 64 * 0.00002))
+    one_size = StepCostModel()
+    for _ in range(20):
+        one_size.record(8, 0.005)
+    assert one_size.ratio(8, 40) is None  # one step size: the per-token term is not known
+
+
+def test_expected_tokens_of_a_verify_step():
+    from engine.spec_decode import expected_tokens
+
+    assert expected_tokens(0.5, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+
+
+def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
+    """A memory-bound small step and a compute-bound large one: with acceptance 0.6 (2.3 tokens a 5-token verify
+    step) speculation pays at batch 1, not at batch 256; it probes again every PROBE_EVERY steps it was off;
+    disable_by_batch_size overrides the model."""
+    from engine.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
+    assert spec.should_speculate(256)  # nothing measured yet
+    for n in [1, 8, 64, 256, 1024, 2048, 4096, 1, 16, 512]:
+        spec.cost.record(n, 0.004 + 0.00002 * n)
+    spec.observe(10, 6)
+    assert spec.acceptance == 0.6
+    assert spec.should_speculate(1) and not spec.should_speculate(256)
+    decisions = [spec.decide(256) for _ in range(spec.PROBE_EVERY + 1)]
+    assert decisions == [False] * spec.PROBE_EVERY + [True] and spec.num_steps_off == spec.PROBE_EVERY
+    spec.observe(10, 10)  # the probe's drafts all accepted: the average moves up
+    assert spec.acceptance == pytest.approx(0.9 * 0.6 + 0.1 * 1.0)
+    limited = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=2))
+    assert limited.should_speculate(2) and not limited.should_speculate(3)
+    with pytest.raises(ParamError) as e:
+        SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=0)
+    assert e.value.param == "speculative_config.disable_by_batch_size"
+
+
+def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
+    """disable_by_batch_size 1: while three requests decode there are no drafts and the steps overlap (one in
+    flight while the next is scheduled); once one is left it speculates, without overlap. Greedy output = plain."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (12, 16, 40)]
+    prompts = PROMPTS[:3]
+    plain, _ = _run(prompts, params)
+    llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 1})
+    llm.engine.spec.proposer = OracleProposer(_references(prompts, plain), 4)
+    engine, overlapped, speculated = llm.engine, 0, 0
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, sp, stream=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+        overlapped += engine._pending is not None
+        speculated += engine._speculating
+        engine.check_integrity()
+    assert overlapped > 0 and speculated > 0 and engine.spec.num_steps_off > 0
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    spec_outs = llm.generate(prompts, params, use_tqdm=False)  # the same engine, offline API, end to end
+    _assert_same(plain, spec_outs)
+    llm.shutdown()
