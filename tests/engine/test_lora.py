@@ -153,7 +153,8 @@ def test_speculative_decoding_with_adapters(tiny_model_dir, adapters):
     llm.shutdown()
     references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
     llm = lora_llm(tiny_model_dir, max_loras=3,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "disable_by_batch_size": 64})  # every step speculates, whatever it costs
     llm.engine.spec.proposer = OracleProposer(references, 3)
     spec = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
     llm.engine.check_integrity()

@@ -18,7 +18,10 @@ from engine.spec_decode import NgramProposer
 from kernels.rejection_sampler import greedy_accept_ref, rejection_sample_ref
 from tests.spec_proposers import OracleProposer
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Speculating in every step whatever it costs (a batch limit above any batch here): tests that count drafts must not
+# depend on the machine's step times, which the engine's own decision reads (tested on its own below).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 4096}
 
 
 # ---- config ----------------------------------------------------------------------------------------------------------
@@ -46,6 +49,7 @@ def test_speculative_config_from_the_cli_and_the_defaults():
     args = engine_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
                                                                   '"prompt_lookup_max": 2}']))
     assert SpeculativeConfig.from_dict(args.speculative_config) == SpeculativeConfig("ngram", 3, 1, 2)
+    assert SpeculativeConfig.from_dict(NGRAM).disable_by_batch_size == 4096
     assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_min": 6}) == \
         SpeculativeConfig("ngram", 2, 6, 6)
     assert SpeculativeConfig.from_dict(None) is None
@@ -417,7 +421,7 @@ def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (12, 16, 40)]
     prompts = PROMPTS[:3]
     plain, _ = _run(prompts, params)
-    llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 1})
+    llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 1})  # off while 2 or 3 requests run
     llm.engine.spec.proposer = OracleProposer(_references(prompts, plain), 4)
     engine, overlapped, speculated = llm.engine, 0, 0
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
