@@ -130,6 +130,22 @@ class RequestGrammar:
             self.is_finished = True
         return True
 
+    def valid_prefix(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` (speculative decoding) the grammar accepts from where it is, up to its
+        first stop token (excluded): a draft the grammar rejects could never be accepted. The matcher is left as
+        it was (rolled back)."""
+        matcher = self.matcher
+        if matcher is None or self.is_finished:
+            return []
+        n = 0
+        for token_id in drafts:
+            if token_id in self.stop_token_ids or not matcher.accept_token(token_id):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
+
     def release(self) -> None:
         self.matcher = None
         self._manager.release(self)
@@ -297,20 +313,31 @@ class StructuredOutputManager:
             return self._compiler
 
     # ---- bitmasks ----------------------------------------------------------------------------------------------
-    def fill_bitmask(self, req_ids: list[str], requests: dict[str, Request]) -> GrammarBitmask:
-        """The next-token bitmask of each of req_ids. A request that is gone (finished, aborted, preempted since)
-        gets a row that allows everything: its sample is dropped anyway. The array is reused by the next fill."""
+    def fill_bitmask(self, req_ids: list[str], requests: dict[str, Request],
+                     drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
+        """The next-token bitmask of each of req_ids; a request with `drafts` gets 1 + d rows, the masks after each
+        prefix of its drafts (which its grammar accepts: SpecDecoder proposed them through `valid_prefix`). A
+        request that is gone (finished, aborted, preempted since) gets a row that allows everything: its sample is
+        dropped anyway. The array is reused by the next fill."""
         start = time.perf_counter()
-        if self._buffer.shape[0] < len(req_ids):
-            self._buffer = np.empty((max(len(req_ids), 2 * self._buffer.shape[0]), self.num_words), dtype=np.int32)
-        bitmask = self._buffer[:len(req_ids)]
+        drafts = drafts or {}
+        num_rows = len(req_ids) + sum(len(drafts.get(req_id, ())) for req_id in req_ids)
+        if self._buffer.shape[0] < num_rows:
+            self._buffer = np.empty((max(num_rows, 2 * self._buffer.shape[0]), self.num_words), dtype=np.int32)
+        bitmask = self._buffer[:num_rows]
         matchers: list[xgrammar.GrammarMatcher] = []
         rows: list[int] = []
-        for i, req_id in enumerate(req_ids):
+        row_ids: list[str] = []
+        for req_id in req_ids:
             req = requests.get(req_id)
             grammar = req.grammar if req is not None else None
+            run = drafts.get(req_id, [])
+            i = len(row_ids)
+            row_ids += [req_id] * (1 + len(run))
             if grammar is None or grammar.matcher is None:
-                bitmask[i] = -1
+                bitmask[i:i + 1 + len(run)] = -1
+            elif run:
+                self._fill_draft_rows(grammar.matcher, run, bitmask, i)
             else:
                 matchers.append(grammar.matcher)
                 rows.append(i)
@@ -325,9 +352,20 @@ class StructuredOutputManager:
                 matcher.fill_next_token_bitmask(bitmask, row)
         stats = self.stats
         stats.num_fills += 1
-        stats.num_fill_rows += len(req_ids)
+        stats.num_fill_rows += num_rows
         stats.fill_s += time.perf_counter() - start
-        return GrammarBitmask(list(req_ids), bitmask)
+        return GrammarBitmask(row_ids, bitmask)
+
+    @staticmethod
+    def _fill_draft_rows(matcher, run: list[int], bitmask: np.ndarray, first: int) -> None:
+        """Rows first..first + d: the mask before each draft and after the last, the matcher advanced through the
+        drafts and rolled back."""
+        for j, token_id in enumerate(run):
+            matcher.fill_next_token_bitmask(bitmask, first + j)
+            accepted = matcher.accept_token(token_id)
+            assert accepted, f"draft {j} ({token_id}) is not one the grammar accepts: proposed past valid_prefix"
+        matcher.fill_next_token_bitmask(bitmask, first + len(run))
+        matcher.rollback(len(run))
 
     def launch_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> GrammarBitmask | None:
         """The bitmask of the constrained requests that sample in a step, to travel with it. Only for a step whose
@@ -338,7 +376,7 @@ class StructuredOutputManager:
                    if requests[req_id].grammar is not None and requests[req_id].num_pending_tokens]
         for req_id in req_ids:
             assert requests[req_id].num_pending_tokens == 1, f"{req_id}: a bitmask at launch with a token in flight"
-        return self.fill_bitmask(req_ids, requests) if req_ids else None
+        return self.fill_bitmask(req_ids, requests, sched.scheduled_spec_token_ids) if req_ids else None
 
     def allows_only_stop_tokens(self, matcher: xgrammar.GrammarMatcher, stop_token_ids: tuple[int, ...]) -> bool:
         """Whether the matcher allows nothing next but the stop tokens (it is complete: the request can end now)."""

@@ -48,7 +48,8 @@ class CachedRequestData:
 @dataclass
 class GrammarBitmask:
     """The allowed next tokens of some requests, packed as xgrammar packs them: token t is allowed for req_ids[i]
-    when bit t % 32 of bitmask[i, t // 32] is 1. A numpy array: the contract carries no tensors."""
+    when bit t % 32 of bitmask[i, t // 32] is 1. A numpy array: the contract carries no tensors. A request with d
+    drafts in the step (speculative decoding) has 1 + d consecutive rows: the masks after 0, 1, ..., d of them."""
 
     req_ids: list[str]
     bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]

@@ -12,9 +12,11 @@ to k tokens that followed it. Its draft distribution is one-hot, which is what t
 (kernels/rejection_sampler.py). A draft model or an EAGLE head would be a `Proposer` too, run on the workers, that
 also returns its draft probabilities; neither is built.
 
-Requests that are never speculated: those with a grammar (a draft would need a mask per position), those still in
-prefill, and while overlapped scheduling is on the engine turns it off (a step's drafts need the previous step's
-accepted tokens on the host).
+A request with a grammar speculates within it: its drafts are cut to the longest prefix its grammar accepts
+(`RequestGrammar.valid_prefix`), and the step's bitmask has a row for each of its positions (the grammar's state
+after each prefix of the drafts), which the verification applies as the plain sampler applies one. Requests still in
+prefill (or whose grammar is compiling) are not speculated; a step with drafts runs without overlap (its drafts need
+the previous step's accepted tokens on the host).
 """
 
 from __future__ import annotations
@@ -178,10 +180,12 @@ class SpecDecoder:
         room = req.max_tokens - req.num_output_tokens - 1  # the step samples one token of its own too
         if room <= 0:
             return []
-        return self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))[:room]
+        drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))[:room]
+        return req.grammar.valid_prefix(drafts) if req.grammar is not None and drafts else drafts
 
 
 def can_speculate(req: Request) -> bool:
-    """A decode step (its last token is the only one not in the KV cache) of a request without a grammar."""
-    return (req.grammar is None and req.num_pending_tokens == 0
+    """A decode step (its last token is the only one not in the KV cache) of a request without a grammar or whose
+    grammar is ready (its drafts are cut to what the grammar accepts, and each position is masked)."""
+    return ((req.grammar is None or req.grammar.is_ready) and req.num_pending_tokens == 0
             and req.num_computed_tokens == req.num_tokens - 1)

@@ -18,16 +18,27 @@ def constrained_req_ids(states) -> list[str]:
     return [s.req_id for s in states if s.params.structured_outputs is not None]
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask, req_ids: list[str]) -> None:
-    """logits: [N, V], row i sampling for req_ids[i]. Every constrained request among req_ids must have a bitmask
-    row; bitmask rows of requests that do not sample in this step (a prompt chunk still to come) are skipped."""
-    row_of = {req_id: i for i, req_id in enumerate(req_ids)}
-    keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask, req_ids: list[str],
+                          positions: list[int] | None = None) -> None:
+    """logits: [N, V], row i sampling for req_ids[i] (at its draft position positions[i]: the mask after that many
+    of its drafts; default 0). Every constrained request among req_ids must have a bitmask row; bitmask rows that
+    sample nowhere in this step (a prompt chunk still to come) are skipped."""
+    row_of = {(req_id, j): i for i, (req_id, j) in enumerate(zip(req_ids, positions or [0] * len(req_ids)))}
+    keys = _bitmask_keys(bitmask.req_ids)
+    keep = [i for i, key in enumerate(keys) if key in row_of]
     if not keep:
         return
     host = bitmask.bitmask if len(keep) == len(bitmask.req_ids) else bitmask.bitmask[keep]
-    rows = [row_of[bitmask.req_ids[i]] for i in keep]
+    rows = [row_of[keys[i]] for i in keep]
     apply_token_bitmask_(logits, _copy_beside(host, logits.device), to_device(rows, torch.int32, logits.device))
+
+
+def _bitmask_keys(req_ids: list[str]) -> list[tuple[str, int]]:
+    """(request, position) of each bitmask row: a request's consecutive rows are its positions 0, 1, ..."""
+    keys: list[tuple[str, int]] = []
+    for i, req_id in enumerate(req_ids):
+        keys.append((req_id, keys[-1][1] + 1 if i and req_ids[i - 1] == req_id else 0))
+    return keys
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -74,8 +74,12 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask 
     spec = [i for i, r in enumerate(rows) if r.drafts]
     if spec:
         index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec])
-        spec_tokens, spec_logprobs = _verify_drafts(logits[to_device(index, torch.long, logits.device)].float(),
-                                                    [rows[i] for i in spec], generator)
+        raw = logits[to_device(index, torch.long, logits.device)].float()
+        if bitmask is not None:  # each position's mask (the grammar after the drafts before it), as a plain row's
+            spans = [(rows[i].state.req_id, starts[i + 1] - starts[i]) for i in spec]
+            apply_grammar_bitmask(raw, bitmask, [r for r, n in spans for _ in range(n)],
+                                  [j for _, n in spans for j in range(n)])
+        spec_tokens, spec_logprobs = _verify_drafts(raw, [rows[i] for i in spec], generator)
         for i, t, lp in zip(spec, spec_tokens, spec_logprobs):
             tokens[i], logprobs[i] = t, lp
     return tokens, logprobs

@@ -326,22 +326,67 @@ def test_engine_stats_and_metrics_count_drafts_with_vllms_names():
         stats_.spec_decode_num_accepted_tokens_per_pos[0]
 
 
-def test_constrained_requests_are_not_speculated_and_run_beside_speculating_ones():
-    """A request with a grammar gets no drafts (it samples under its bitmask as in a plain step) while others in the
-    same steps speculate; both give the plain output."""
+def test_constrained_requests_speculate_within_their_grammar():
+    """A request with a grammar speculates: its drafts are cut to what the grammar accepts and each position is
+    sampled under the grammar's mask after the drafts before it; greedy output is the plain output, a sampled one
+    stays in the grammar. Drafts the grammar rejects (digits for [a-z]) are never scored."""
     from engine.structured_outputs import StructuredOutputsParams
 
     regex = StructuredOutputsParams(regex="[a-z]{3,12}")
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex, logprobs=2),
               SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
     plain, _ = _run(prompts, params)
-    references = _references(prompts, plain)  # the oracle would propose for all three, were they speculated
+    assert plain[1].outputs[0].text.isalpha() and len(plain[1].outputs[0].token_ids) > 2
+    references = _references(prompts, plain)[1:2]  # the oracle proposes for the constrained greedy request only
     spec, engine = _run(prompts, params, 4, references, speculative_config=NGRAM)
-    _assert_same(plain, spec)
-    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
-    assert spec[1].outputs[0].text.isalpha() and spec[2].outputs[0].text.isalpha()
+    _assert_same(plain[:2], spec[:2])
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0  # the constrained request's drafts
+    assert spec[2].outputs[0].text.isalpha() and spec[2].outputs[0].finish_reason == "stop"
+
+    tokenizer = _llm().get_tokenizer()
+    digits = [t for t in tokenizer.encode("1 2 3 4 5 6 7 8 9", add_special_tokens=False)
+              if not tokenizer.decode([t]).strip().isalpha()][:4]
+    llm = _llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = FixedDrafts(digits)
+    outs = llm.generate(prompts[1:2], params[1:2], use_tqdm=False)
+    llm.engine.check_integrity()
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens == 0
+    _assert_same(plain[1:2], outs)
+    llm.shutdown()
+
+
+def test_grammar_keeps_its_state_through_proposals_and_masks_each_draft_position():
+    """RequestGrammar.valid_prefix leaves the matcher where it was; fill_bitmask gives a speculating request one row
+    per position, each the mask after that many of its drafts."""
+    import numpy as np
+
+    from engine.structured_outputs import StructuredOutputsParams
+
+    llm = _llm(speculative_config=NGRAM)
+    tokenizer = llm.get_tokenizer()
+    letters = tokenizer.encode("abc", add_special_tokens=False)
+    engine = llm.engine
+    engine.add_request("g", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="abc[0-9]")), stream=False)
+    req = engine.scheduler.requests["g"]
+    engine.structured.wait_for_compile(timeout_s=30)
+    while not req.grammar.is_ready:
+        engine.structured.poll()
+    assert req.grammar.valid_prefix(letters + letters) == letters  # "abcabc": the second "a" is refused
+    assert req.grammar.valid_prefix(letters) == letters  # the matcher was rolled back
+    mask = engine.structured.fill_bitmask(["g"], engine.scheduler.requests, {"g": letters})
+    assert mask.req_ids == ["g"] * (1 + len(letters))
+    allowed = [{t for t in range(engine.vocab_size) if mask.bitmask[j, t // 32] >> (t % 32) & 1}
+               for j in range(1 + len(letters))]
+    for j, token in enumerate(letters):
+        assert token in allowed[j] and all(token not in allowed[i] for i in range(j))
+    assert all(tokenizer.decode([t]).strip().isdigit() for t in allowed[-1] if tokenizer.decode([t]).strip())
+    first_row = mask.bitmask[0].copy()  # (the manager reuses its array)
+    assert np.array_equal(engine.structured.fill_bitmask(["g"], engine.scheduler.requests).bitmask[0], first_row)
+    engine.abort_request(["g"])
+    llm.shutdown()
 
 
 def test_greedy_with_every_knob_over_the_accepted_history():
