@@ -317,20 +317,20 @@ class ModelRunner:
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
-        kept = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.long)
+        width = 1 + max(map(len, drafts))
+        kept = [[-1] * width for _ in states]
         logprobs: list[list] = [[None]] * len(states)
         if self.is_driver:
             rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62))
                     for s, d in zip(states, drafts)]
             tokens, logprobs = verify(logits, rows, sched.grammar_bitmask)
-            for i, t in enumerate(tokens):
-                kept[i, :len(t)] = torch.tensor(t)
+            kept = [t + [-1] * (width - len(t)) for t in tokens]
         from workers import parallel
 
         if parallel.get_tp_size() > 1:
-            kept = parallel.broadcast_from_rank0(kept.to(self.device)).cpu()
+            kept = parallel.broadcast_from_rank0(torch.tensor(kept, device=self.device)).tolist()
         output = ModelRunnerOutput(prompt_logprobs={} if prompt_logprobs is None else prompt_logprobs.outputs())
-        for state, d, row, lps in zip(states, drafts, kept.tolist(), logprobs):
+        for state, d, row, lps in zip(states, drafts, kept, logprobs):
             new = [t for t in row if t >= 0]
             self._append_verified(state, d, new)
             output.req_ids.append(state.req_id)
