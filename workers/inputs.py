@@ -34,6 +34,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+_SCALAR_WRITES = 8  # a sequence of at most this many tokens is written token by token, not with numpy slices
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, has_lora: bool = False):
@@ -81,14 +84,16 @@ class InputBuffers:
             assert lora_slots is not None, "a LoRA runner's step needs its sequences' slots"
             n["lora_slots"][:sum(counts)] = np.repeat(lora_slots, counts)
         bs = self.block_size
+        ids, positions, slots = n["input_ids"], n["positions"], n["slot_mapping"]
         offset, max_blocks = 0, 1
         n["query_start_loc"][0] = 0
         for i, (tokens, start, count, blocks) in enumerate(zip(token_ids, starts, counts, block_ids)):
             end = start + count
-            if count == 1:  # decode: skip numpy's per-call overhead
-                n["input_ids"][offset] = tokens[start] if start < len(tokens) else 0  # 0: fed on the device
-                n["positions"][offset] = start
-                n["slot_mapping"][offset] = blocks[start // bs] * bs + start % bs
+            if count <= _SCALAR_WRITES:  # decode (and its drafts): skip numpy's per-call overhead
+                for j, pos in enumerate(range(start, end), offset):
+                    ids[j] = tokens[pos] if pos < len(tokens) else 0  # 0: fed on the device
+                    positions[j] = pos
+                    slots[j] = blocks[pos // bs] * bs + pos % bs
             else:
                 pos = np.arange(start, end)
                 chunk = tokens[start:end]
