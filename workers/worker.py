@@ -193,6 +193,8 @@ class Worker:
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "all_reduce": parallel.all_reduce_backend(),
                 "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None),
+                "verify_graph_replays": self.runner.graphs.num_verify_replays  # speculative steps run by a graph
+                if self.runner is not None and self.runner.graphs is not None else 0,
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "kv_scales": [(k.tolist(), v.tolist()) for k, v in
                               ((a.k_scale, a.v_scale) for a in attention_layers(self.model))]

@@ -77,7 +77,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [1, 2, 3, 4] * 5, [11, 12, 13], list(range(20, 61))]
 
 
-def _generate(prompts, params, graphs: bool, references=None, **kwargs):
+def _generate(prompts, params, graphs: bool, references=None, lora=None, **kwargs):
     from pagoda import LLM
 
     llm = LLM(**({"model": "tiny", "device": "cpu", "num_kv_blocks": 96, "block_size": 4} | kwargs))
@@ -89,21 +89,38 @@ def _generate(prompts, params, graphs: bool, references=None, **kwargs):
         runner.graphs.capture()
     if references is not None:
         llm.engine.spec.proposer = OracleProposer(references, 4, wrong_every=2)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     llm.engine.check_integrity()
     llm.shutdown()
     return outs, runner
 
 
-@pytest.mark.parametrize("max_num_seqs", [4, 3])  # buckets 1, 2, 4 (padding rows) and 1, 2, 3
-def test_verify_steps_through_the_padded_graph_inputs_give_the_plain_output(max_num_seqs):
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory):
+    from pagoda import LoRARequest
+    from tests.lora_adapters import make_adapter
+
+    path = make_adapter(tiny_model_dir, str(tmp_path_factory.mktemp("adapter") / "a"), 8, 16.0,
+                        ["q_proj", "v_proj", "down_proj"])
+    return LoRARequest("a", 1, path)
+
+
+@pytest.mark.parametrize("max_num_seqs, with_lora", [(4, False), (3, False), (4, True)],
+                         ids=["buckets-1-2-4", "buckets-1-2-3", "lora"])
+def test_verify_steps_through_the_padded_graph_inputs_give_the_plain_output(max_num_seqs, with_lora, request):
     """Mixed draft counts (the oracle proposes 0..4, every second proposal's last draft wrong; the fourth prompt is
-    never proposed for) and batches that do not fill their bucket: tokens and logprobs equal the plain run's."""
+    never proposed for) and batches that do not fill their bucket: tokens and logprobs equal the plain run's. With
+    LoRA: an adapter on two rows, the base model on the others (the padding tokens' slot is -1)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (21, 24, 15, 18)]
-    plain, _ = _generate(PROMPTS, params, graphs=False, max_num_seqs=max_num_seqs)
+    extra = {"max_num_seqs": max_num_seqs}
+    lora = None
+    if with_lora:
+        a = request.getfixturevalue("adapter")
+        lora, extra = [a, None, None, a], extra | {"enable_lora": True, "dtype": "float32"}
+    plain, _ = _generate(PROMPTS, params, graphs=False, lora=lora, **extra)
     references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain][:3]
-    spec, runner = _generate(PROMPTS, params, graphs=True, references=references, speculative_config=NGRAM,
-                             max_num_seqs=max_num_seqs)
+    spec, runner = _generate(PROMPTS, params, graphs=True, references=references, lora=lora,
+                             speculative_config=NGRAM, **extra)
     assert runner.graphs.num_verify_replays > 0
     for a, b in zip(plain, spec):
         x, y = a.outputs[0], b.outputs[0]
