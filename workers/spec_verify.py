@@ -53,7 +53,10 @@ class VerifyRow:
 def logit_indices(counts: list[int], sample_rows: list[int], num_drafts: list[int]) -> np.ndarray:
     """Flat batch indices of the positions scored: the last 1 + d tokens of each sampling row (d its drafts)."""
     ends = np.cumsum(counts) - 1
-    return np.concatenate([np.arange(ends[i] - d, ends[i] + 1) for i, d in zip(sample_rows, num_drafts)])
+    lens = np.asarray(num_drafts, dtype=np.int64) + 1
+    firsts = ends[np.asarray(sample_rows, dtype=np.int64)] - lens + 1  # each row's first scored position
+    run_starts = np.cumsum(lens) - lens  # where each row's run begins in the output
+    return np.repeat(firsts - run_starts, lens) + np.arange(int(lens.sum()))
 
 
 def verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask | None,

@@ -10,7 +10,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from workers.sampler import row_knobs
-from workers.spec_verify import VerifyRow, verify
+from workers.spec_verify import VerifyRow, logit_indices, verify
 
 
 def _row(drafts, logprobs=None, **knobs):
@@ -57,3 +57,10 @@ def test_greedy_rows_accept_the_argmax_run_with_their_logprobs(knob):
             values, ids = lp[start + j].topk(k)
             assert got.top_token_ids == ids.tolist()
             assert got.top_logprobs == pytest.approx(values.tolist(), abs=1e-6)
+
+
+def test_logit_indices_are_each_sampling_rows_last_positions():
+    counts, sample_rows, num_drafts = [5, 1, 3, 5, 2], [0, 1, 3, 4], [0, 0, 4, 1]
+    ends = [4, 5, 8, 13, 15]
+    expected = [p for r, d in zip(sample_rows, num_drafts) for p in range(ends[r] - d, ends[r] + 1)]
+    assert logit_indices(counts, sample_rows, num_drafts).tolist() == expected == [4, 5, 9, 10, 11, 12, 13, 14, 15]
