@@ -46,20 +46,21 @@ def _assert_same(a_outs, b_outs, atol):
                 assert la[t] == pytest.approx(lb[t], abs=atol)
 
 
-def _check(model_dir, atol, lora=None, **kwargs):
+def _check(model_dir, atol, lora=None, against_plain=True, **kwargs):
     plain, _ = _generate(model_dir, eager=True, lora=lora, **kwargs)
     references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
     eager, eager_replays = _generate(model_dir, eager=True, references=references, lora=lora, **kwargs)
     graphed, replays = _generate(model_dir, eager=False, references=references, lora=lora, **kwargs)
     assert eager_replays == 0 and replays > 0
     _assert_same(eager, graphed, atol)
-    _assert_same(plain, graphed, atol)
+    if against_plain:  # (FP8 KV: a key computed in a verify step may round to another e4m3 value than one by one)
+        _assert_same(plain, graphed, atol)
 
 
 @pytest.mark.parametrize("kwargs, atol", [
     ({"dtype": "float32"}, 1e-4),
     ({"dtype": "float32", "max_num_seqs": 3}, 1e-4),  # buckets 1, 2, 3: the largest has no padding row
-    ({"dtype": "float32", "kv_cache_dtype": "fp8"}, 1e-2),
+    ({"dtype": "float32", "kv_cache_dtype": "fp8", "against_plain": False}, 1e-2),
 ], ids=["f32", "f32-3-seqs", "fp8-kv"])
 def test_gpu_verify_graphs_match_eager(tiny_checkpoints, kwargs, atol):
     _check(tiny_checkpoints["llama"], atol, **kwargs)
