@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchmarks.common import device_name, free_device_memory, print_table, synthetic_prompts, write_json
 from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
@@ -35,8 +35,6 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
     drafts (a speculative engine): "ngram" proposes as configured; "forced" proposes k drafts every step (the last
     token repeated), so each step verifies k + 1 tokens whatever the model accepts: the verify step's cost."""
-    from dataclasses import replace
-
     import torch
 
     from engine.sampling_params import SamplingParams
