@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchmarks.common import device_name, free_device_memory, print_table, synthetic_prompts, write_json
 from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
@@ -35,8 +35,6 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
     drafts (a speculative engine): "ngram" proposes as configured; "forced" proposes k drafts every step (the last
     token repeated), so each step verifies k + 1 tokens whatever the model accepts: the verify step's cost."""
-    from dataclasses import replace
-
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -61,6 +59,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     grammar = replace(engine.structured.stats)
     spec = replace(engine.scheduler.spec_stats, accepted_per_position=[])
     running = []
+    graph_steps = _verify_graph_replays(engine)
     generated = _output_tokens(engine)
     start = time.perf_counter()
     for _ in range(decode_steps):
@@ -80,7 +79,8 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
         stats = engine.scheduler.spec_stats
         num_draft_tokens = stats.num_draft_tokens - spec.num_draft_tokens
         row |= {"drafts": drafts, "draft_tokens_per_step": num_draft_tokens / max(len(prompts), 1) / decode_steps,
-                "acceptance": (stats.num_accepted_tokens - spec.num_accepted_tokens) / max(num_draft_tokens, 1)}
+                "acceptance": (stats.num_accepted_tokens - spec.num_accepted_tokens) / max(num_draft_tokens, 1),
+                "graph_steps": (_verify_graph_replays(engine) - graph_steps) / decode_steps}  # verify CUDA graphs
         engine.spec.proposer = proposer
     if structured:
         row |= {"structured": structured} | grammar_figures(engine.structured.stats, grammar)
@@ -93,6 +93,12 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     engine.abort_request(list(engine.groups))
     engine.step()
     return row
+
+
+def _verify_graph_replays(engine) -> int:
+    """Speculative steps rank 0 has run by a verify CUDA graph so far (workers/cuda_graphs.py)."""
+    ranks = engine.executor.describe()
+    return ranks[0].get("verify_graph_replays", 0) if ranks else 0
 
 
 def _output_tokens(engine) -> int:
@@ -150,8 +156,8 @@ def main(args: argparse.Namespace) -> dict:
         runs.append(run)
         rows.extend(run_rows)
     print_table(rows, ["lora", "drafts", "batch", "prompt_len", "structured", "decode_ms_per_token", "ms_per_step",
-                       "tokens_per_step", "draft_tokens_per_step", "acceptance", "tokens_per_s", "prefill_s",
-                       "min_running", "preemptions", "mask_ms_per_step"])
+                       "tokens_per_step", "draft_tokens_per_step", "acceptance", "graph_steps", "tokens_per_s",
+                       "prefill_s", "min_running", "preemptions", "mask_ms_per_step"])
     result = {"benchmark": "latency", "device": device_name(),
               "model": args.preset or args.model or "smollm2-135m-instruct",
               "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config,

@@ -10,6 +10,8 @@ graph replay needs no copies beyond these.
     query_start [max_seqs + 1] ──►     query_start_loc
     block_table [max_seqs, max_blocks] ──► block_tables
     lora_slots  [max_tokens]   ──►     lora_slots                      each token's LoRA slot, -1: base (with LoRA)
+
+The sequence buffers have one row more than max_seqs: a verify graph's (workers/cuda_graphs.py) padding row.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+_SCALAR_WRITES = 8  # a sequence of at most this many tokens is written token by token, not with numpy slices
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, has_lora: bool = False):
@@ -47,9 +52,9 @@ class InputBuffers:
         def host_set():
             return {
                 "input_ids": host(max_tokens, torch.int64), "positions": host(max_tokens, torch.int64),
-                "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs, torch.int32),
-                "query_start_loc": host(max_seqs + 1, torch.int32),
-                "block_tables": host((max_seqs, max_blocks_per_seq), torch.int32),
+                "slot_mapping": host(max_tokens, torch.int64), "seq_lens": host(max_seqs + 1, torch.int32),
+                "query_start_loc": host(max_seqs + 2, torch.int32),
+                "block_tables": host((max_seqs + 1, max_blocks_per_seq), torch.int32),
                 "lora_slots": host(max_tokens if has_lora else 1, torch.int32),
             }
 
@@ -79,14 +84,16 @@ class InputBuffers:
             assert lora_slots is not None, "a LoRA runner's step needs its sequences' slots"
             n["lora_slots"][:sum(counts)] = np.repeat(lora_slots, counts)
         bs = self.block_size
+        ids, positions, slots = n["input_ids"], n["positions"], n["slot_mapping"]
         offset, max_blocks = 0, 1
         n["query_start_loc"][0] = 0
         for i, (tokens, start, count, blocks) in enumerate(zip(token_ids, starts, counts, block_ids)):
             end = start + count
-            if count == 1:  # decode: skip numpy's per-call overhead
-                n["input_ids"][offset] = tokens[start] if start < len(tokens) else 0  # 0: fed on the device
-                n["positions"][offset] = start
-                n["slot_mapping"][offset] = blocks[start // bs] * bs + start % bs
+            if count <= _SCALAR_WRITES:  # decode (and its drafts): skip numpy's per-call overhead
+                for j, pos in enumerate(range(start, end), offset):
+                    ids[j] = tokens[pos] if pos < len(tokens) else 0  # 0: fed on the device
+                    positions[j] = pos
+                    slots[j] = blocks[pos // bs] * bs + pos % bs
             else:
                 pos = np.arange(start, end)
                 chunk = tokens[start:end]
@@ -111,6 +118,33 @@ class InputBuffers:
         n["seq_lens"][num_seqs:padded] = 1
         n["block_tables"][num_seqs:padded, 0] = 0
         n["query_start_loc"][num_seqs + 1:padded + 1] = np.arange(num_seqs + 1, padded + 1)
+
+    def pad_verify(self, num_seqs: int, num_tokens: int, padded_seqs: int, padded_tokens: int) -> None:
+        """Pads a step of num_seqs sequences and num_tokens tokens to a verify graph's layout: padded_seqs + 1
+        sequences over padded_tokens tokens. Rows num_seqs..padded_seqs - 1 get no token (a one-token context in
+        block 0); the last row takes every leftover token slot (none when the real rows fill them), at position 0,
+        writing no KV, over a context of as many tokens, all in block 0. Nothing past the real tokens is read back.
+
+            real rows       padding rows (no token)      last row: the leftover slots
+            [a a | b | c c c] [] [] ... []               [p p p ... p]       padded_tokens in all
+        """
+        assert num_seqs <= padded_seqs and num_tokens <= padded_tokens, \
+            f"{num_seqs} sequences / {num_tokens} tokens do not fit a graph of {padded_seqs} / {padded_tokens}"
+        n = self.np
+        leftover = padded_tokens - num_tokens
+        context = max(leftover, 1)
+        assert context <= self.max_blocks_per_seq * self.block_size, f"{leftover} padding tokens overflow a block table"
+        n["input_ids"][num_tokens:padded_tokens] = 0
+        if self.has_lora:
+            n["lora_slots"][num_tokens:padded_tokens] = -1
+        n["positions"][num_tokens:padded_tokens] = 0
+        n["slot_mapping"][num_tokens:padded_tokens] = -1
+        n["seq_lens"][num_seqs:padded_seqs] = 1
+        n["seq_lens"][padded_seqs] = context
+        n["block_tables"][num_seqs:padded_seqs, 0] = 0
+        n["block_tables"][padded_seqs, :-(-context // self.block_size)] = 0
+        n["query_start_loc"][num_seqs + 1:padded_seqs + 1] = num_tokens
+        n["query_start_loc"][padded_seqs + 1] = padded_tokens
 
     def copy_to_device(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         h, d = self.host, self.dev

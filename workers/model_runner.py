@@ -70,7 +70,7 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
                  scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False,
-                 host_pool: HostKVPool | None = None, lora: LoRAManager | None = None):
+                 host_pool: HostKVPool | None = None, lora: LoRAManager | None = None, spec_tokens: int = 0):
         self.model = model
         self.lora = lora  # LoRA slots in the model's linears (workers/lora.py); None: no adapters
         self.kv_caches = kv_caches
@@ -92,7 +92,9 @@ class ModelRunner:
                                     has_lora=lora is not None)
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
-            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs)
+            # spec_tokens (num_speculative_tokens, 0: no speculation): verify graphs of 1 + k tokens a sequence too
+            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs,
+                                          spec_tokens)
             self.graphs.capture()
 
     # ---- persistent batch ----------------------------------------------------------------------------------------
@@ -260,7 +262,8 @@ class ModelRunner:
 
     def _forward(self, states: list[RequestState], counts: list[int], drafts: dict[str, list[int]],
                  ) -> tuple[torch.Tensor, list[int]]:
-        """Builds the step's inputs and runs the model: a CUDA graph for decode batches, eager otherwise.
+        """Builds the step's inputs and runs the model: a CUDA graph for decode batches and for verify steps of
+        decodes only (each its last token and its drafts: workers/cuda_graphs.py), eager otherwise.
         Returns the hidden states [T, hidden] and the indices of the requests that sample. A request's drafts
         (speculative decoding) are inputs after its known tokens."""
         starts = [s.num_computed_tokens for s in states]
@@ -285,6 +288,10 @@ class ModelRunner:
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
             return self.graphs.replay(len(states), feed), sample_rows
+        if drafts and self.graphs is not None and self.graphs.can_verify(len(states), max_query_len) \
+                and len(sample_rows) == len(states) \
+                and all(count == 1 + len(drafts.get(s.req_id, ())) for s, count in zip(states, counts)):
+            return self.graphs.replay_verify(len(states), num_tokens, feed), sample_rows  # decodes, 0..k drafts
         self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
         feed()
         use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows only skips the adapters
@@ -310,20 +317,20 @@ class ModelRunner:
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
-        kept = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.long)
+        width = 1 + max(map(len, drafts))
+        kept = [[-1] * width for _ in states]
         logprobs: list[list] = [[None]] * len(states)
         if self.is_driver:
             rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62))
                     for s, d in zip(states, drafts)]
             tokens, logprobs = verify(logits, rows, sched.grammar_bitmask)
-            for i, t in enumerate(tokens):
-                kept[i, :len(t)] = torch.tensor(t)
+            kept = [t + [-1] * (width - len(t)) for t in tokens]
         from workers import parallel
 
         if parallel.get_tp_size() > 1:
-            kept = parallel.broadcast_from_rank0(kept.to(self.device)).cpu()
+            kept = parallel.broadcast_from_rank0(torch.tensor(kept, device=self.device)).tolist()
         output = ModelRunnerOutput(prompt_logprobs={} if prompt_logprobs is None else prompt_logprobs.outputs())
-        for state, d, row, lps in zip(states, drafts, kept.tolist(), logprobs):
+        for state, d, row, lps in zip(states, drafts, kept, logprobs):
             new = [t for t in row if t >= 0]
             self._append_verified(state, d, new)
             output.req_ids.append(state.req_id)

@@ -167,7 +167,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     if not rows:
         return SampledBatch(torch.empty(0, dtype=torch.long, device=logits.device), [])
     raw = logits.float()
-    if all(row.params.is_greedy and _is_plain(row) for row in rows):
+    if all(row.params.is_greedy and is_plain(row) for row in rows):
         return _with_logprobs(raw.argmax(dim=-1), _top_logprobs(raw, rows))  # nothing to process
     logprobs = _top_logprobs(raw, rows)  # from the raw logits, before anything below changes them
     x = raw if in_place or raw is not logits else raw.clone()
@@ -197,7 +197,7 @@ def finish(batch: SampledBatch, rows: list[SamplingRow]) -> tuple[list[int], lis
     return tokens, out
 
 
-def _is_plain(row: SamplingRow) -> bool:
+def is_plain(row: SamplingRow) -> bool:
     """No logit processing applies to this row at this step."""
     params = row.params
     return (not params.logit_bias and not params.allowed_token_ids and not uses_penalties(params)

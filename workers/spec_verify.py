@@ -33,6 +33,7 @@ from workers.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     finish,
+    is_plain,
     sample_async,
 )
 
@@ -52,7 +53,10 @@ class VerifyRow:
 def logit_indices(counts: list[int], sample_rows: list[int], num_drafts: list[int]) -> np.ndarray:
     """Flat batch indices of the positions scored: the last 1 + d tokens of each sampling row (d its drafts)."""
     ends = np.cumsum(counts) - 1
-    return np.concatenate([np.arange(ends[i] - d, ends[i] + 1) for i, d in zip(sample_rows, num_drafts)])
+    lens = np.asarray(num_drafts, dtype=np.int64) + 1
+    firsts = ends[np.asarray(sample_rows, dtype=np.int64)] - lens + 1  # each row's first scored position
+    run_starts = np.cumsum(lens) - lens  # where each row's run begins in the output
+    return np.repeat(firsts - run_starts, lens) + np.arange(int(lens.sum()))
 
 
 def verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask | None,
@@ -73,8 +77,11 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask 
             tokens[i], logprobs[i] = [t], [lp]
     spec = [i for i, r in enumerate(rows) if r.drafts]
     if spec:
-        index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec])
-        raw = logits[to_device(index, torch.long, logits.device)].float()
+        spec_logits = logits
+        if plain:  # (a step of speculating rows only scores nothing else: no gather)
+            index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec])
+            spec_logits = logits[to_device(index, torch.long, logits.device)]
+        raw = spec_logits.float()
         if bitmask is not None:  # each position's mask (the grammar after the drafts before it), as a plain row's
             spans = [(rows[i].state.req_id, starts[i + 1] - starts[i]) for i in spec]
             apply_grammar_bitmask(raw, bitmask, [r for r, n in spans for _ in range(n)],
@@ -89,14 +96,19 @@ def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
     """The SamplingRow of the token after `drafts_before` (its history holds them; its key follows the position)."""
     state = row.state
     seed = None if row.seed_key is None else (row.seed_key + len(drafts_before)) % _MAX_KEY
-    return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids + drafts_before, seed,
-                       0, state.knobs)
+    outputs = state.output_token_ids + drafts_before if drafts_before else state.output_token_ids
+    return SamplingRow(state.params, state.prompt_token_ids, outputs, seed, 0, state.knobs)
 
 
 def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None,
                    ) -> tuple[list[list[int]], list[list[Logprobs | None]]]:
     """raw [P, V]: the rows' 1 + d positions each, raw logits. Greedy rows accept while the argmax equals the draft;
     the others are rejection-sampled (kernels/rejection_sampler.py)."""
+    # No knob on any row at any position (min_tokens met at the first one is met at the later ones): the argmax
+    # of the raw logits, with no per-position rows and no knob tensors.
+    if all(row.state.params.is_greedy and is_plain(_sampling_row(row, [])) for row in rows):
+        token_rows = _greedy_accept(raw, rows)
+        return token_rows, _position_logprobs(raw, rows, token_rows)
     positions = [_sampling_row(row, row.drafts[:j]) for row in rows for j in range(len(row.drafts) + 1)]
     x = apply_knobs(raw.clone(), positions)
     device, k = raw.device, max(len(row.drafts) for row in rows)
@@ -125,6 +137,23 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
         out[to_device(sub, torch.long, device)] = tokens
     token_rows = [[t for t in row if t >= 0] for row in out.tolist()]
     return token_rows, _position_logprobs(raw, rows, token_rows)
+
+
+def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
+    """Greedy rows without knobs: each row's drafts while they equal the argmax, then the argmax. One copy of the
+    index tensors to the device and one of the tokens back."""
+    num_rows, k = len(rows), max(len(row.drafts) for row in rows)
+    num_drafts = np.fromiter((len(row.drafts) for row in rows), np.int64, num_rows)
+    starts = np.cumsum(num_drafts + 1) - (num_drafts + 1)
+    # [R, K + 1] -> flat position (past a row's own positions: its last, ignored), then [R, K] drafts, then [R]
+    flat = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], num_drafts[:, None])
+    draft_ids = np.zeros((num_rows, k), np.int64)
+    for i, row in enumerate(rows):
+        draft_ids[i, :len(row.drafts)] = row.drafts
+    packed = to_device(np.concatenate([flat.ravel(), draft_ids.ravel(), num_drafts]), torch.long, raw.device)
+    flat_t, drafts_t, num_t = packed.split([flat.size, draft_ids.size, num_rows])
+    tokens, _ = greedy_accept_ref(raw.argmax(dim=-1)[flat_t.view(num_rows, k + 1)], drafts_t.view(num_rows, k), num_t)
+    return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
 
 def _keys(rows: list[VerifyRow], sub: list[int], k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -162,19 +191,27 @@ def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _position_logprobs(raw: torch.Tensor, rows: list[VerifyRow], token_rows: list[list[int]],
                        ) -> list[list[Logprobs | None]]:
     """Each kept token's logprob and the top alternatives, from the raw logits of its position (as the plain
-    sampler's: before any knob)."""
-    out: list[list[Logprobs | None]] = []
-    start = 0
-    for row, kept in zip(rows, token_rows):
-        k = row.state.params.logprobs
-        if k is None:
-            out.append([None] * len(kept))
-        else:
-            lp = torch.log_softmax(raw[start:start + len(kept)], dim=-1)
-            sampled = lp.gather(-1, torch.tensor(kept, device=raw.device)[:, None]).squeeze(-1).tolist()
-            values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            out.append([Logprobs(s, i, v) for s, i, v in zip(sampled, ids.tolist(), values.tolist())])
-        start += len(row.drafts) + 1
+    sampler's: before any knob, the top max_k of the rows that asked, each row's first k of them). Every row's
+    at once: one copy to the device, one back."""
+    out: list[list[Logprobs | None]] = [[None] * len(kept) for kept in token_rows]
+    wanted = [i for i, row in enumerate(rows) if row.state.params.logprobs is not None]
+    if not wanted:
+        return out
+    starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
+    flat = [int(starts[i]) + j for i in wanted for j in range(len(token_rows[i]))]
+    kept_ids = [t for i in wanted for t in token_rows[i]]
+    index = to_device(flat + kept_ids, torch.long, raw.device)
+    lp = torch.log_softmax(raw[index[:len(flat)]], dim=-1)  # [W, V]
+    sampled = lp.gather(-1, index[len(flat):, None]).squeeze(-1)
+    max_k = max(rows[i].state.params.logprobs for i in wanted)
+    values, ids = lp.topk(max_k, dim=-1) if max_k else (lp[:, :0], lp[:, :0].long())
+    sampled_l, ids_l, values_l = sampled.tolist(), ids.tolist(), values.tolist()
+    w = 0
+    for i in wanted:
+        k = rows[i].state.params.logprobs
+        for j in range(len(token_rows[i])):
+            out[i][j] = Logprobs(sampled_l[w], ids_l[w][:k], values_l[w][:k])
+            w += 1
     return out
 
 

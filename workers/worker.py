@@ -139,12 +139,13 @@ class Worker:
             caches = allocate_kv_caches(self.model.kv_layout, num_blocks, self.config.cache.block_size,
                                         self.kv_dtype, self.device)
             host_pool = HostKVPool(caches, num_host_blocks) if num_host_blocks > 0 else None
-        with self.startup.phase("cuda_graphs"):  # the runner captures the decode graphs as it is built
+        spec = self.config.speculative
+        with self.startup.phase("cuda_graphs"):  # the runner captures the decode (and verify) graphs as it is built
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
                                       use_cuda_graphs=not (self.config.parallel.enforce_eager
                                                            or references_forced()), host_pool=host_pool,
-                                      lora=self.lora)
+                                      lora=self.lora, spec_tokens=spec.num_speculative_tokens if spec else 0)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if host_pool is not None:  # the operator's memory: say how much
@@ -192,6 +193,8 @@ class Worker:
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "all_reduce": parallel.all_reduce_backend(),
                 "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None),
+                "verify_graph_replays": self.runner.graphs.num_verify_replays  # speculative steps run by a graph
+                if self.runner is not None and self.runner.graphs is not None else 0,
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "kv_scales": [(k.tolist(), v.tolist()) for k, v in
                               ((a.k_scale, a.v_scale) for a in attention_layers(self.model))]

@@ -248,6 +248,7 @@ def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
         assert row["ms_per_step"] > 0 and row["tokens_per_step"] >= 1.0
     forced = [r for r in rows if r.get("drafts") == "forced"]
     assert len(forced) == 4 and all(r["draft_tokens_per_step"] == 3.0 for r in forced)
+    assert all(r["graph_steps"] == 0 for r in forced)  # no CUDA graphs on a CPU (on a GPU: 1.0 up to batch 64)
     assert all(r["tokens_per_step"] == 1.0 for r in rows if not r["speculative"])
 
 

@@ -278,6 +278,17 @@ def test_prefill_tile_hint_never_changes_results(max_query_len, device, poisoned
     assert_close(out, paged_attention_prefill_ref(*args), torch.float32)
 
 
+def test_prefill_verify_graph_layout(device, poisoned_allocations):
+    """A verify CUDA graph's step (workers/inputs.py pad_verify): decodes of 1 + 0..4 tokens, padding rows without
+    queries between them and the last row, which holds the leftover slots (more than the tile hint of k + 1)."""
+    seq_lens, q_lens = [40, 9, 23, 1, 1, 11], [1, 3, 5, 0, 0, 11]
+    k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 2, 32, 4, torch.float32, device)
+    q = make_queries(sum(q_lens), 8, 32, torch.float32, device)
+    args = (q, k_cache, v_cache, tables, query_start_loc(q_lens, device), int32(seq_lens, device), 0.2)
+    out = paged_attention_prefill_triton(*args, max_query_len=5)
+    assert_close(out, paged_attention_prefill_ref(*args), torch.float32)
+
+
 def test_prefill_strided_q_view(device, poisoned_allocations):
     """q as the model makes it: a [T, H, D] view into a fused qkv projection output."""
     seq_lens, q_lens = [40, 9], [40, 4]
