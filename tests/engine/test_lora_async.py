@@ -13,11 +13,12 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 import workers.lora
 from engine.request import RequestStatus
 from engine.request_output import RequestError, RequestOutput
-from pagoda import LoRARequest
+from pagoda import LLM, LoRARequest
 from tests.engine.test_lora import MAX_NEW, assert_completion_matches, greedy, lora_llm, oracle, step_until
 from tests.lora_adapters import make_adapter
 from tests.prompts import PARITY_PROMPTS
@@ -149,5 +150,38 @@ def test_a_bad_file_found_in_the_background_fails_its_adapter_only(tiny_model_di
         reqs.run_until(lambda: not engine.has_unfinished_requests())
         assert_completion_matches(oracle(tiny_model_dir, slow), reqs.outputs[again])  # the same weights as slow
         engine.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_slow_read_on_a_gpu_with_cuda_graphs(tiny_model_dir, pair, held_reads):
+    """On a GPU (pinned host parts, the slot filled in the step, decode replayed from CUDA graphs): the other
+    requests finish while the read is held, and every output equals an engine's whose reads were not held."""
+    slow, fast = pair
+    held, release = held_reads
+    plan = [(PARITY_PROMPTS[0], slow), (PARITY_PROMPTS[1], None), (PARITY_PROMPTS[2], fast)]
+    held.add(slow.id)
+    with_held_read = _run_on_gpu(tiny_model_dir, plan, release)
+    held.clear()
+    assert with_held_read == _run_on_gpu(tiny_model_dir, plan, None)
+
+
+def _run_on_gpu(model_dir: str, plan, release: threading.Event | None) -> list[list[int]]:
+    """The greedy tokens of plan's (prompt, adapter) requests; with `release`, the first request's read is held
+    until the others have finished."""
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", enable_lora=True, max_loras=2)
+    try:
+        engine = llm.engine
+        reqs = Requests(engine)
+        ids = [reqs.add(prompt, lora) for prompt, lora in plan]
+        reqs.run_until(lambda: all(i in reqs.outputs for i in ids[1:]))
+        if release is not None:
+            assert engine.scheduler.requests[ids[0]].num_output_tokens == 0
+            release.set()
+        reqs.run_until(lambda: not engine.has_unfinished_requests())
+        engine.check_integrity()
+        return [reqs.outputs[i].outputs[0].token_ids for i in ids]
     finally:
         llm.shutdown()
