@@ -147,6 +147,11 @@ class WorkerActor:
         if torch.cuda.current_device() != self.device_index:
             torch.cuda.set_device(self.device_index)
 
+    def take_lora_reads(self) -> dict[int, str | None]:
+        """This rank's adapter reads finished since the last call (beside the steps: the compiled graph runs them
+        on a thread of its own)."""
+        return self.worker.take_lora_reads()
+
     def ping(self) -> int:
         return self.rank
 
@@ -262,6 +267,8 @@ class RayExecutor(Executor):
         self._is_shut_down = False
         self._last_contact = time.monotonic()
         self._startup_phases: dict[str, float] = {}
+        self._lora_polls: list = []  # each rank's take_lora_reads call in flight (None: none)
+        self._lora_reports: dict[int, list[str | None]] = {}  # read id -> the ranks' answers so far
         ensure_ray_initialized(num_cpus_needed=self.world_size + 1)
         try:
             caller_pg = get_current_placement_group()
@@ -401,6 +408,33 @@ class RayExecutor(Executor):
         self._dead_error = message
         logger.error(message)
         return ExecutorError(message, is_fatal=True)
+
+    def take_lora_reads(self) -> dict[int, str | None]:
+        """Asks every rank (at most one call in flight each) which reads it finished, never waiting for an answer;
+        a read is done once every rank has reported it."""
+        if self._dead_error is not None:
+            raise ExecutorError(self._dead_error, is_fatal=True)
+        if not self._lora_polls:
+            self._lora_polls = [None] * len(self.actors)
+        for rank, actor in enumerate(self.actors):
+            if self._lora_polls[rank] is None:
+                self._lora_polls[rank] = actor.take_lora_reads.remote()
+        ready, _ = ray.wait(self._lora_polls, num_returns=len(self._lora_polls), timeout=0)
+        for rank, ref in enumerate(self._lora_polls):
+            if ref not in ready:
+                continue
+            self._lora_polls[rank] = None
+            try:
+                answer = ray.get(ref)
+            except Exception as e:  # a dead actor
+                raise self._mark_dead(f"worker group failed: {_one_line(e)}") from e
+            for read_id, error in answer.items():
+                self._lora_reports.setdefault(read_id, []).append(error)
+        done = {read_id: next((e for e in errors if e is not None), None)
+                for read_id, errors in self._lora_reports.items() if len(errors) == len(self.actors)}
+        for read_id in done:
+            del self._lora_reports[read_id]
+        return done
 
     def check_health(self) -> None:
         """Raises ExecutorError(is_fatal=True) once a rank is known dead. Cheap while steps run: it pings the

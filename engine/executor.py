@@ -62,6 +62,12 @@ class Executor(ABC):
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Waits for the step and returns rank 0's output. Raises ExecutorError."""
 
+    def take_lora_reads(self) -> dict[int, str | None]:
+        """The background adapter reads (SchedulerOutput.lora_reads) that every rank has finished since the last
+        call: read id -> None (the adapter is in every rank's host memory) or the first failing rank's error. Never
+        waits for a read. Raises ExecutorError."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to its end (a constrained step carries its bitmask)."""
         return self.collect(self.launch(scheduler_output))

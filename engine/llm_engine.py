@@ -18,7 +18,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.errors import ParamError
 from engine.executor import Executor, ExecutorError, ExecutorPicker, StepHandle
 from engine.grammar import StructuredOutputManager
-from engine.lora import LoRAAdapter, LoRARequest, LoRASlots, read_adapter
+from engine.lora import LoRAAdapter, LoRARequest, LoRASlots, load_error, read_adapter
 from engine.onload_cost import NEVER_ONLOAD, OnloadCost
 from engine.outputs import SchedulerOutput
 from engine.prompts import Prompt, PromptLimits, longest_token_chars, process_prompt
@@ -123,7 +123,8 @@ class LLMEngine:
                            config.model.max_model_len, self.max_model_len, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                           self.executor.num_host_kv_blocks, self._min_onload_blocks())
-        self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora is not None else None
+        self.lora_slots = (LoRASlots(config.lora.max_loras, config.lora.max_cpu_loras) if config.lora is not None
+                           else None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
         self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
@@ -255,6 +256,8 @@ class LLMEngine:
 
     def _step(self) -> list[RequestDelta]:
         deltas = self._start_grammars() if self.structured.is_compiling else []
+        if self.lora_slots is not None and self.lora_slots.num_reading:
+            deltas += self._finish_lora_reads()
         self._speculating = self.spec is not None and self.spec.decide(len(self.scheduler.running))
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
@@ -265,6 +268,8 @@ class LLMEngine:
         if self._is_idle(sched):
             if self._pending is None:
                 self.structured.wait_for_compile(timeout_s=0.01)  # nothing to run: rather than spin
+                if self.lora_slots is not None and self.lora_slots.num_reading:
+                    time.sleep(0.001)  # (nor spin while the workers read adapters)
             return deltas + self._finish_pending()
         if not (overlap and self.executor.supports_deferred_sampling):
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
@@ -310,7 +315,8 @@ class LLMEngine:
 
     @staticmethod
     def _is_idle(sched) -> bool:
-        return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids or sched.kv_offloads)
+        return sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids or sched.kv_offloads
+                                       or sched.lora_reads or sched.lora_evictions)
 
     def _finish_pending(self) -> list[RequestDelta]:
         """Reads back the step in flight, advances its requests and makes their deltas."""
@@ -337,6 +343,30 @@ class LLMEngine:
     def _deltas(self, collected) -> list[RequestDelta]:
         sched, seqs, failed = collected
         return failed if seqs is None else self._process(sched, seqs)
+
+    # ---- LoRA --------------------------------------------------------------------------------------------------
+    def _finish_lora_reads(self) -> list[RequestDelta]:
+        """The adapters every rank has read into host memory since the last step become ready for a GPU slot; one
+        whose read failed fails its waiting requests (only those) and is read again when a request next names it."""
+        try:
+            reads = self.executor.take_lora_reads()
+        except ExecutorError as e:  # a dead rank: the next launch says so
+            logger.error("polling the workers' adapter reads failed: %s", e)
+            return []
+        host = self.lora_slots.host if self.lora_slots is not None else None
+        assert host is not None, "adapter reads without a host cache"
+        deltas = []
+        for read_id, error in reads.items():
+            adapter = host.finish(read_id, error)
+            if adapter is None or error is None:
+                continue
+            logger.error("LoRA adapter %r failed to load: %s", adapter.request.name, error)
+            self.loras.pop(adapter.request.id, None)
+            adapter_id = adapter.request.id
+            parents = [r.parent_id for r in self.scheduler.waiting if r.lora is not None
+                       and r.lora.request.id == adapter_id]
+            deltas += self._fail_requests(parents, RequestError.from_exception(load_error(adapter, error)))
+        return deltas
 
     # ---- structured outputs --------------------------------------------------------------------------------------
     def _start_grammars(self) -> list[RequestDelta]:

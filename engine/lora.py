@@ -8,17 +8,21 @@ An adapter is a PEFT directory:
                                A: [r, in_features]   B: [out_features, r]
 
 Its delta on a target linear is `scaling * B @ A @ x`, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
-Only the files' headers are read here (stdlib only); the workers read the tensors.
+Only the files' headers are read here (stdlib only); the workers read the tensors, in the background, into the
+host-memory cache `LoRAHostCache` keeps (`max_cpu_loras` adapters): a request takes a GPU slot only once its
+adapter is there, so no step waits for a file.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.errors import ParamError
@@ -181,6 +185,12 @@ def _read_header(request: LoRARequest) -> dict:
     return header
 
 
+def load_error(adapter: LoRAAdapter, error: str) -> ParamError:
+    """Why the requests of an adapter whose weights failed to load (on a worker, after `read_adapter` passed) fail:
+    the ParamError the checks above give, naming the adapter."""
+    return _error(adapter.request, f"failed to load: {error}")
+
+
 def _config_field(request: LoRARequest, config: dict, name: str, kind: type):
     value = config.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
@@ -196,17 +206,25 @@ class LoRASlots:
     """Which adapter is in which of the workers' `max_loras` GPU slots, and which running requests use each.
 
     A request is admitted only with its adapter in a slot: `can_acquire` says whether it is there or can be put
-    there (a free slot, or the least recently used one that no running request uses), `acquire` takes it (queueing
-    the load the next step makes: `take_loads`), `release` drops a request's use (finished or preempted; the
-    adapter stays loaded until its slot is needed)."""
+    there (a free slot, or the least recently used one that no running request uses; with a host cache, only an
+    adapter the workers hold in host memory already), `acquire` takes it (queueing the load the next step makes:
+    `take_loads`), `release` drops a request's use (finished or preempted; the adapter stays loaded until its slot
+    is needed). `host` (None: the workers read an adapter's file when its slot is loaded) reads the adapters of
+    waiting requests ahead (`prefetch`)."""
 
-    def __init__(self, max_loras: int):
+    def __init__(self, max_loras: int, max_cpu_loras: int | None = None):
         self.num_slots = max_loras
         self._adapters: list[LoRAAdapter | None] = [None] * max_loras
         self._users = [0] * max_loras  # running requests of each slot
         self._recency: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU first
         self._loads: list[tuple[int, LoRAAdapter]] = []
         self.num_loads = 0
+        self.host = LoRAHostCache(max_cpu_loras) if max_cpu_loras is not None else None
+
+    @property
+    def num_reading(self) -> int:
+        """Adapters the workers are reading into host memory now."""
+        return self.host.num_reading if self.host is not None else 0
 
     def slot_of(self, adapter_id: int) -> int | None:
         for slot, adapter in enumerate(self._adapters):
@@ -215,7 +233,22 @@ class LoRASlots:
         return None
 
     def can_acquire(self, adapter_id: int) -> bool:
-        return self.slot_of(adapter_id) is not None or self._victim() is not None
+        if self.slot_of(adapter_id) is not None:
+            return True
+        return (self.host is None or self.host.is_ready(adapter_id)) and self._victim() is not None
+
+    def prefetch(self, adapters: Iterable[LoRAAdapter]) -> None:
+        """Has the host cache read ahead the adapters of waiting requests (in queue order) that have no slot: the
+        first `max_cpu_loras` distinct ones."""
+        if self.host is None:
+            return
+        wanted: dict[int, LoRAAdapter] = {}
+        for adapter in adapters:
+            if len(wanted) >= self.host.capacity:
+                break
+            if adapter.request.id not in wanted and self.slot_of(adapter.request.id) is None:
+                wanted[adapter.request.id] = adapter
+        self.host.prefetch(list(wanted.values()))
 
     def acquire(self, adapter: LoRAAdapter) -> int:
         slot = self.slot_of(adapter.request.id)
@@ -225,6 +258,8 @@ class LoRASlots:
             self._adapters[slot] = adapter
             self._loads.append((slot, adapter))
             self.num_loads += 1
+            if self.host is not None:
+                self.host.touch(adapter.request.id)
         self._users[slot] += 1
         self._recency.move_to_end(slot)
         return slot
@@ -246,3 +281,87 @@ class LoRASlots:
 
     def check_integrity(self, users: list[int]) -> None:
         assert self._users == users, f"slot users {self._users}, running requests per slot {users}"
+        if self.host is not None:
+            self.host.check_integrity()
+
+
+class LoRAHostCache:
+    """The adapters the workers hold in host memory (`max_cpu_loras`, LRU), as the driver decides it, so that every
+    rank's cache is this one.
+
+    `prefetch` (the scheduler, for the adapters its waiting requests name) queues an adapter's read; each worker
+    reads the file and prepares its parts on a thread of its own (workers/lora.py), off the step loop. `finish`
+    (the engine, once every rank reported the read: Executor.take_lora_reads) makes it ready, or drops it with the
+    error. Only a ready adapter is put in a GPU slot. Room is made by evicting the least recently used ready adapter
+    that no waiting request ahead names; evictions and reads reach the workers in step order
+    (SchedulerOutput.lora_evictions, lora_reads: `take_commands`)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[int, bool] = OrderedDict()  # adapter id -> is ready (else being read); LRU first
+        self._reading: dict[int, LoRAAdapter] = {}  # read id -> its adapter
+        self._read_ids = itertools.count(1)
+        self._reads: list[tuple[int, LoRAAdapter]] = []
+        self._evictions: list[int] = []
+        self.num_reads = 0
+
+    @property
+    def num_reading(self) -> int:
+        return len(self._reading)
+
+    def is_ready(self, adapter_id: int) -> bool:
+        return self._entries.get(adapter_id, False)
+
+    def prefetch(self, adapters: list[LoRAAdapter]) -> None:
+        """Starts the reads of those adapters (most wanted first) that are not in host memory, as far as there is
+        room; the others wait for a later call."""
+        wanted = {a.request.id for a in adapters}
+        for adapter in adapters:
+            adapter_id = adapter.request.id
+            if adapter_id in self._entries:
+                continue
+            if len(self._entries) >= self.capacity and not self._evict(wanted):
+                return
+            read_id = next(self._read_ids)
+            self._entries[adapter_id] = False
+            self._reading[read_id] = adapter
+            self._reads.append((read_id, adapter))
+            self.num_reads += 1
+
+    def _evict(self, keep: set[int]) -> bool:
+        victim = next((a for a, is_ready in self._entries.items() if is_ready and a not in keep), None)
+        if victim is None:
+            return False
+        del self._entries[victim]
+        self._evictions.append(victim)
+        return True
+
+    def touch(self, adapter_id: int) -> None:
+        """The adapter was used (put in a GPU slot): the most recent."""
+        if adapter_id in self._entries:
+            self._entries.move_to_end(adapter_id)
+
+    def finish(self, read_id: int, error: str | None) -> LoRAAdapter | None:
+        """Every rank has finished the read (`error`: the first rank's failure, which drops the adapter from every
+        rank's cache). Returns its adapter; None for a read this cache does not know."""
+        adapter = self._reading.pop(read_id, None)
+        if adapter is None:
+            return None
+        if error is None:
+            self._entries[adapter.request.id] = True
+        else:
+            del self._entries[adapter.request.id]
+            self._evictions.append(adapter.request.id)
+        return adapter
+
+    def take_commands(self) -> tuple[list[int], list[tuple[int, LoRAAdapter]]]:
+        """(evictions, reads) for the next step to send."""
+        commands = self._evictions, self._reads
+        self._evictions, self._reads = [], []
+        return commands
+
+    def check_integrity(self) -> None:
+        assert len(self._entries) <= self.capacity, f"{len(self._entries)} adapters in a host cache of {self.capacity}"
+        reading = sorted(a.request.id for a in self._reading.values())
+        assert reading == sorted(a for a, is_ready in self._entries.items() if not is_ready), \
+            f"adapters being read {reading}, cache {dict(self._entries)}"

@@ -76,6 +76,11 @@ class SchedulerOutput:
     # LoRA adapters each rank loads into their slots before the step's forward (slot, adapter): the slot's previous
     # adapter is used by no request of this step (engine/lora.py LoRASlots).
     lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
+    # The workers' host-memory adapter cache, as the driver decides it (engine/lora.py LoRAHostCache), applied before
+    # the loads: adapters dropped from it (ids), then adapters to read into it in the background (read id, adapter),
+    # each reported done through Executor.take_lora_reads.
+    lora_evictions: list[int] = field(default_factory=list)
+    lora_reads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
     # Speculative decoding: the draft tokens a request runs after its last token (vLLM's scheduled_spec_decode_tokens);
     # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -74,6 +74,8 @@ class Scheduler:
                               preempted_req_ids=self.isolated_since_last_step)
         self.finished_since_last_step, self.isolated_since_last_step = [], []
         budget = self.config.max_num_batched_tokens
+        if self.lora_slots is not None:  # the adapters of waiting requests, read into host memory ahead
+            self.lora_slots.prefetch(r.lora for r in self.waiting if r.lora is not None)
         suspect = next((r for r in self.running if r.is_suspect), None)
         if suspect is not None:  # it runs alone until it samples
             self._schedule_running(out, budget, [suspect])
@@ -88,6 +90,8 @@ class Scheduler:
         out.kv_offloads, out.block_copies, out.kv_onloads = self.block_manager.take_transfers()
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
+            if self.lora_slots.host is not None:
+                out.lora_evictions, out.lora_reads = self.lora_slots.host.take_commands()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             num_drafts = len(out.scheduled_spec_token_ids.get(req_id, ()))
@@ -136,7 +140,7 @@ class Scheduler:
                 skipped.append(req)  # n > 1: its leader's prompt is not computed yet
                 continue
             if not self._can_run_adapter(req):
-                skipped.append(req)  # every slot holds an adapter that running requests use: it waits
+                skipped.append(req)  # its adapter is still being read, or every slot is in use: it waits
                 continue
             allocation = self._admit(req, budget)
             if allocation is None:

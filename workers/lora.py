@@ -10,15 +10,25 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
 
 A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
 output (workers/layers/linear.py), every token with its own slot: no loop over adapters. A slot an adapter leaves
-a module out of holds zeros there. Loading reads `adapter_model.safetensors` (through a host-memory LRU cache of
-`max_cpu_loras` adapters, this rank's parts already cut, scaled and cast), zeroes the slot and copies the parts in.
+a module out of holds zeros there.
+
+An adapter reaches a slot in two moves, both ordered by the driver's steps (engine/lora.py LoRAHostCache):
+
+    SchedulerOutput.lora_reads   a thread of this rank reads adapter_model.safetensors and cuts this rank's parts,
+                                 scaled, cast and pinned, into the host cache (`start_read`), while steps run;
+                                 `take_reads` tells the driver (through the executor) which reads are done
+    SchedulerOutput.lora_loads   the step zeroes the slot and copies the parts in from host memory (`load`)
+
+and leaves the host cache by `lora_evictions` (the driver's LRU of `max_cpu_loras`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +40,11 @@ from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
+
+NUM_READ_THREADS = 2
+# A test hook: called on the reading thread with the adapter before its file is read (a test holds a read back with
+# it, as a slow filesystem would). None in production.
+before_read: Callable[[LoRAAdapter], None] | None = None
 
 # checkpoint module -> (the layer's attribute path, its slice, the layer's shard id)
 _MODULES = {
@@ -78,9 +93,12 @@ class LoRAManager:
             for path in dict.fromkeys(_MODULES[m][0] for m in self.modules):
                 linear = layer.get_submodule(path)
                 linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
-        self.cache: OrderedDict[int, list[_Part]] = OrderedDict()  # adapter id -> its parts, least recent first
+        self.cache: dict[int, Future[list[_Part]]] = {}  # adapter id -> its parts, read or being read
         self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
         self.load_errors: dict[int, str] = {}  # slot -> why its last load failed
+        self._reads: dict[int, Future[list[_Part]]] = {}  # read id -> its read, until take_reads reports it
+        self._reads_lock = threading.Lock()  # (the step thread starts reads; the executor's thread takes them)
+        self._pool = ThreadPoolExecutor(NUM_READ_THREADS, thread_name_prefix="lora-read")
 
     def _make_slots(self, linear: torch.nn.Module) -> LoRAWeights:
         slots, rank = self.config.max_loras, self.config.max_lora_rank
@@ -95,6 +113,29 @@ class LoRAManager:
                 starts = (0, linear.sizes_per_rank[0])
         return LoRAWeights(torch.zeros(slots, len(starts), rank, k, dtype=self.dtype, device=self.device),
                            torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device), starts)
+
+    def start_read(self, read_id: int, adapter: LoRAAdapter) -> None:
+        """Reads the adapter's parts into the host cache on a thread of the pool; returns at once."""
+        future = self._pool.submit(self._read, adapter)
+        self.cache[adapter.request.id] = future
+        with self._reads_lock:
+            self._reads[read_id] = future
+
+    def evict(self, adapter_id: int) -> None:
+        """Drops the adapter's parts from the host cache (a read still running finishes into nothing)."""
+        self.cache.pop(adapter_id, None)
+
+    def take_reads(self) -> dict[int, str | None]:
+        """The reads finished since the last call: read id -> None, or why it failed."""
+        with self._reads_lock:
+            done = {read_id: future for read_id, future in self._reads.items() if future.done()}
+            for read_id in done:
+                del self._reads[read_id]
+        errors = {read_id: future.exception() for read_id, future in done.items()}
+        return {read_id: None if e is None else f"{type(e).__name__}: {e}" for read_id, e in errors.items()}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Puts the adapter into the slot (in the step's order on the device: after the steps before it). If its
@@ -120,19 +161,18 @@ class LoRAManager:
         self.slots[slot] = adapter.request.id
 
     def _parts(self, adapter: LoRAAdapter) -> list[_Part]:
-        """The adapter's parts for this rank, from the host cache or read now (evicting the least recent)."""
-        adapter_id = adapter.request.id
-        parts = self.cache.get(adapter_id)
-        if parts is None:
-            parts = self._read(adapter)
-            self.cache[adapter_id] = parts
-            while len(self.cache) > self.config.max_cpu_loras:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(adapter_id)
-        return parts
+        """The adapter's parts for this rank from the host cache, where the driver has them read ahead (it puts an
+        adapter in a slot only once every rank has read it); else read now, in the step (not cached)."""
+        future = self.cache.get(adapter.request.id)
+        if future is None:
+            logger.warning("LoRA adapter %r was not read ahead: reading it in the step", adapter.request.name)
+            return self._read(adapter)
+        return future.result()
 
     def _read(self, adapter: LoRAAdapter) -> list[_Part]:
         request = adapter.request
+        if before_read is not None:
+            before_read(adapter)
         tensors = load_file(os.path.join(request.path, WEIGHTS_FILE))
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():

@@ -100,6 +100,11 @@ class ModelRunner:
     # ---- persistent batch ----------------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
         self._move_kv(sched)  # first: a step that fails after this point has made its moves, as the driver assumes
+        if self.lora is not None:  # the host cache's moves as the driver ordered them, then the slots'
+            for adapter_id in sched.lora_evictions:
+                self.lora.evict(adapter_id)
+            for read_id, adapter in sched.lora_reads:
+                self.lora.start_read(read_id, adapter)
         for slot, adapter in sched.lora_loads:
             self.lora.load(slot, adapter)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:

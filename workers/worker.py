@@ -200,7 +200,13 @@ class Worker:
                               ((a.k_scale, a.v_scale) for a in attention_layers(self.model))]
                 if self.kv_dtype == FP8_DTYPE and self.model is not None else None}
 
+    def take_lora_reads(self) -> dict[int, str | None]:
+        """This rank's adapter reads finished since the last call (workers/lora.py LoRAManager.take_reads)."""
+        return self.lora.take_reads() if self.lora is not None else {}
+
     def shutdown(self) -> None:
+        if self.lora is not None:
+            self.lora.shutdown()
         self.runner = None
         self.model = None
         parallel.destroy_parallel()
@@ -234,6 +240,9 @@ class InProcessExecutor(Executor):
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         return _as_executor_error(handle.payload.result)
+
+    def take_lora_reads(self) -> dict[int, str | None]:
+        return self.worker.take_lora_reads()
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

@@ -206,6 +206,7 @@ def test_a_request_waiting_for_a_slot_is_a_waiting_request_and_names_its_adapter
     from cluster.autoscaling import autoscaling_stats
     from engine.lora import LoRARequest
     from pagoda import LLM, SamplingParams
+    from tests.engine.test_lora import step_until
     from tests.lora_adapters import make_adapter
 
     other = make_adapter(tiny_model_dir, str(tmp_path / "other"), rank=4, seed=1)
@@ -216,7 +217,8 @@ def test_a_request_waiting_for_a_slot_is_a_waiting_request_and_names_its_adapter
         engine.add_request("a", "one prompt", params, lora_request=LoRARequest("first", 1, adapter_dir))
         engine.add_request("b", "another prompt", params, lora_request=LoRARequest("second", 2, other))
         engine.add_request("c", "a base prompt", params)
-        engine.step()
+        first = engine.scheduler.requests["a"]
+        step_until(engine, lambda: first in engine.scheduler.running)  # once its adapter is read (in the background)
         stats = engine.get_stats()
         assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras) == (("first",),
                                                                                                ("second",), 1)

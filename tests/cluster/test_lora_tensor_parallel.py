@@ -1,7 +1,11 @@
 """LoRA under tensor parallelism through the engine: two Ray worker actors over gloo, each loading its slices of the
 adapters (column-parallel layers their rows of B, row-parallel ones their columns of A), give transformers + peft's
 greedy tokens for a batch mixing the base and three adapters through two slots, under preemption, chunked prefill
-and prefix-cache hits."""
+and prefix-cache hits. Every rank reads each adapter in the background; one whose file is found bad there fails its
+own requests only."""
+
+import os
+import shutil
 
 from pagoda import LLM, LoRARequest
 from tests.cluster.test_tensor_parallel import STRESS
@@ -29,5 +33,17 @@ def test_tp2_adapters_match_peft(ray_cluster, tiny_model_dir, tmp_path):
             llm.engine.check_integrity()
         assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits_tokens > 0
         assert llm.engine.lora_slots.num_loads > 3  # three adapters through two slots
+        broken = LoRARequest("broken", 4, str(tmp_path / "broken"))  # its header is whole, its tensors cut short
+        shutil.copytree(loras[0].path, broken.path)
+        weights = os.path.join(broken.path, "adapter_model.safetensors")
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+        mixed = [broken, loras[1], None]
+        outs = llm.generate(PARITY_PROMPTS[:3], greedy(), use_tqdm=False, lora_request=mixed)
+        assert outs[0].outputs[0].finish_reason == "error" and outs[0].error.param == "lora_request"
+        assert "adapter 'broken' (id 4): failed to load" in str(outs[0].error)
+        for out, lora in zip(outs[1:], mixed[1:]):
+            assert_completion_matches(oracle(tiny_model_dir, lora), out)
+        llm.engine.check_integrity()
     finally:
         llm.shutdown()

@@ -67,6 +67,16 @@ def assert_completion_matches(model, out) -> None:
         assert abs(completion.logprobs[j][token_id] - row[token_id].item()) < ATOL, f"output token {j}"
 
 
+def step_until(engine, condition, max_steps: int = 20_000) -> None:
+    """Steps the engine until `condition()` (adapters are read in the background: a request of one not yet read
+    waits some steps). The bound only stops a broken engine."""
+    for _ in range(max_steps):
+        if condition():
+            return
+        engine.step()
+    raise AssertionError(f"not reached in {max_steps} steps")
+
+
 def run_and_check(llm: LLM, model_dir: str, prompts: list[str], loras: list[LoRARequest | None], params=None):
     outs = llm.generate(prompts, params or greedy(), use_tqdm=False, lora_request=loras)
     for out, lora in zip(outs, loras):
@@ -123,8 +133,8 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny_model_dir, adapte
     loras = [None, adapters["qv"], adapters["all"]]
     run_and_check(llm, tiny_model_dir, [prompt], [None])  # the base's blocks of the prompt are cached now
     ids = [engine.add_request(None, prompt, greedy(), lora_request=lora) for lora in loras[1:]]
-    engine.step()
     first, second = (engine.scheduler.requests[i] for i in ids)
+    step_until(engine, lambda: first in engine.scheduler.running and second in engine.scheduler.running)
     assert first.num_cached_tokens == second.num_cached_tokens == 0  # not the base's, nor each other's
     tables = [set(engine.block_manager._tables[i]) for i in ids]
     assert tables[0] and tables[1] and not tables[0] & tables[1]

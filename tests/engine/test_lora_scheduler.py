@@ -1,11 +1,13 @@
 """LoRA admission, driven with hand-made outputs: a request runs only with its adapter in a GPU slot; with more
 adapters than slots the others wait (never fail) and take a slot once no running request uses it (LRU); each
-slot's load is sent once, in the step that first needs it."""
+slot's load is sent once, in the step that first needs it. With a host cache (the engine's), an adapter takes a
+slot only once the workers have read it into host memory in the background; the reads and the cache's evictions
+travel with the steps."""
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.lora import LoRAAdapter, LoRARequest, LoRASlots
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine.test_scheduler import fake_step
@@ -70,3 +72,30 @@ def test_preemption_releases_the_slot():
         fake_step(s)
         s.lora_slots.check_integrity(users(s))
     assert s.lora_slots.num_loads == 1  # both always ran in the adapter's one slot
+
+
+def test_an_adapter_takes_a_slot_only_once_read_into_host_memory():
+    s = Scheduler(SchedulerConfig(8, 64, 1024), BlockManager(64, 4), LoRASlots(1, max_cpu_loras=2))
+    host = s.lora_slots.host
+    a1, a2, a3 = adapter(1), adapter(2), adapter(3)
+    for req in [request("x1", a1), request("y2", a2), request("z3", a3), request("base", None)]:
+        s.add_request(req)
+    first = fake_step(s)
+    assert first.lora_reads == [(1, a1), (2, a2)]  # the first two adapters ahead in the queue: the cache's size
+    assert set(first.num_scheduled_tokens) == {"base"} and not first.lora_loads  # the others wait for their reads
+    assert not fake_step(s).lora_reads  # asked once
+    assert host.finish(2, None) is a2  # a2 read on every rank: y2 takes the slot, x1 (read still out) waits
+    third = fake_step(s)
+    assert [(slot, a.request.id) for slot, a in third.lora_loads] == [(0, 2)] and set(third.num_scheduled_tokens) \
+        >= {"y2"} and "x1" not in third.num_scheduled_tokens
+    host.finish(1, None)  # read, but the one slot is y2's: x1 waits; a2 (in its slot) leaves the host cache to a3
+    fourth = fake_step(s)
+    assert fourth.lora_evictions == [2] and fourth.lora_reads == [(3, a3)] and not fourth.lora_loads
+    s.lora_slots.check_integrity(users(s))
+    assert host.finish(3, "OSError: gone") is a3  # a failed read leaves every rank's cache ...
+    s.finish_request("z3", RequestStatus.FINISHED_ERROR)  # ... and the engine fails its requests
+    assert fake_step(s).lora_evictions == [3] and not host.is_ready(3) and host.num_reading == 0
+    while s.requests:
+        out = fake_step(s)
+        s.lora_slots.check_integrity(users(s))
+    assert out.lora_loads == [] and s.lora_slots.num_loads == 2 and host.num_reads == 3  # x1 ran after y2

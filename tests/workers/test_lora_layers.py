@@ -108,15 +108,24 @@ def _logits(model, lora_slots) -> torch.Tensor:
 
 
 def _load(model_dir: str, loras: list[LoRARequest], max_loras: int = 2):
-    """The tiny model with a LoRAManager (max_cpu_loras = max_loras), adapter i loaded into slot i % max_loras."""
+    """The tiny model with a LoRAManager, adapter i read into its host cache in the background (as the driver's
+    SchedulerOutput.lora_reads has it) and then loaded into slot i % max_loras."""
     from workers.weights import load_model
 
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     model = load_model(hf_config, model_dir, torch.float32, "cpu")
     manager = LoRAManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=16), hf_config, torch.float32, "cpu")
-    for i, lora in enumerate(loras):
-        manager.load(i % max_loras, read_adapter(lora, hf_config, 16))
+    adapters = [read_adapter(lora, hf_config, 16) for lora in loras]
+    for read_id, adapter in enumerate(adapters):
+        manager.start_read(read_id, adapter)
+    reads: dict[int, str | None] = {}
+    for adapter in adapters:
+        manager.cache[adapter.request.id].result()  # (a test may wait; the engine polls take_reads)
+    reads.update(manager.take_reads())
+    assert reads == dict.fromkeys(range(len(adapters))), reads
+    for i, adapter in enumerate(adapters):
+        manager.load(i % max_loras, adapter)
     return model, manager
 
 
@@ -135,9 +144,27 @@ def test_slots_match_peft_and_a_reloaded_slot_holds_only_its_adapter(tiny_model_
     manager.load(0, read_adapter(loras[1], _config(tiny_model_dir), 16))
     fresh, _ = _load(tiny_model_dir, [loras[1]])
     torch.testing.assert_close(_logits(model, [0, -1, 0]), _logits(fresh, [0, -1, 0]), atol=0, rtol=0)
-    assert list(manager.cache) == [loras[0].id, loras[1].id] and manager.slots == [2, 2]
-    _, small = _load(tiny_model_dir, loras, max_loras=1)
-    assert list(small.cache) == [loras[1].id]  # the host cache keeps max_cpu_loras, least recent out
+    assert set(manager.cache) == {loras[0].id, loras[1].id} and manager.slots == [2, 2]
+    assert manager.take_reads() == {}  # each read is reported once
+    manager.evict(loras[0].id)  # the driver's LRU dropped it: gone from host memory, the slots keep what they hold
+    assert set(manager.cache) == {loras[1].id} and manager.slots == [2, 2]
+    manager.load(0, read_adapter(loras[0], _config(tiny_model_dir), 16))  # not read ahead: read in the step
+    assert set(manager.cache) == {loras[1].id} and manager.slots == [1, 2]
+    torch.testing.assert_close(_logits(model, SLOTS), logits, atol=0, rtol=0)
+
+
+def test_a_failed_background_read_is_reported_and_its_slot_stays_empty(tiny_model_dir, tmp_path):
+    loras = _adapters(tiny_model_dir, tmp_path)
+    _, manager = _load(tiny_model_dir, loras[:1], max_loras=2)
+    adapter = read_adapter(loras[1], _config(tiny_model_dir), 16)  # checked, then its file goes
+    os.remove(os.path.join(loras[1].path, "adapter_model.safetensors"))
+    manager.start_read(5, adapter)
+    with pytest.raises(FileNotFoundError):
+        manager.cache[adapter.request.id].result()
+    error = manager.take_reads()[5]
+    assert error is not None and error.startswith("FileNotFoundError")
+    manager.load(1, adapter)  # (the driver never loads a failed read; if it did, the slot is empty and says why)
+    assert manager.slots == [1, None] and "failed to load" in manager.load_errors[1]
 
 
 def _config(model_dir: str) -> dict:
