@@ -32,7 +32,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
-_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "Phi3ForCausalLM")
+_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints (and so PEFT adapters) with qkv_proj and gate_up_proj
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -78,8 +80,9 @@ class LoRAAdapter:
 
 def lora_module_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
     """The base model's LoRA-capable linears: module name -> (in_features, out_features), whole (not sharded).
-    Dense Llama / Mistral / Qwen: every projection; MoE families: attention only (their experts take no adapter).
-    ParamError for a family that takes none."""
+    Dense Llama / Mistral / Qwen: every projection; Phi-3: its checkpoint's fused qkv_proj and gate_up_proj, o_proj
+    and down_proj; MoE families: attention only (their experts take no adapter). ParamError for a family that
+    takes none."""
     architectures = hf_config.get("architectures") or []
     if not any(a in _DENSE_ARCHITECTURES + _MOE_ARCHITECTURES for a in architectures):
         raise ParamError("enable_lora", f"LoRA adapters are not supported on {architectures} (supported: "
@@ -92,6 +95,9 @@ def lora_module_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
     if any(a in _DENSE_ARCHITECTURES for a in architectures):
         inter = int(hf_config["intermediate_size"])
         shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    if any(a in _FUSED_ARCHITECTURES for a in architectures):
+        shapes = {"qkv_proj": (hidden, num_heads * head_dim + 2 * kv), "o_proj": shapes["o_proj"],
+                  "gate_up_proj": (hidden, 2 * shapes["gate_proj"][1]), "down_proj": shapes["down_proj"]}
     return shapes
 
 

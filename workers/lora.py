@@ -53,6 +53,9 @@ _MODULES = {
     "gate_proj": ("mlp.gate_up_proj", 0, 0), "up_proj": ("mlp.gate_up_proj", 1, 1),
     "down_proj": ("mlp.down_proj", 0, None),
 }
+# A fused checkpoint module (Phi-3's) -> its parts: one A for all of them, B's rows in this order. Each part is the
+# module above (its slice and shard), its A the fused one and its B its rows of the fused B: the same delta.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -90,7 +93,7 @@ class LoRAManager:
         self.modules = lora_module_shapes(hf_config)  # the linears that take adapters: the driver checks against it
         self.weights: dict[str, LoRAWeights] = {}  # "{layer}.{attribute path}" -> its slots
         for i, layer in enumerate(self.layers):
-            for path in dict.fromkeys(_MODULES[m][0] for m in self.modules):
+            for path in dict.fromkeys(_MODULES[p][0] for m in self.modules for p in _FUSED.get(m, (m,))):
                 linear = layer.get_submodule(path)
                 linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
         self.cache: dict[int, Future[list[_Part]]] = {}  # adapter id -> its parts, read or being read
@@ -185,20 +188,33 @@ class LoRAManager:
                 raise ValueError(f"adapter {request.name!r}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
                                  f"base model needs {expected}")
             pairs.setdefault(parsed[:2], {})[parsed[2]] = tensor
-        pin = self.device.type == "cuda"
         parts = []
         for (layer, module), pair in sorted(pairs.items()):
-            path, index, shard_id = _MODULES[module]
-            linear = self.layers[layer].get_submodule(path)
             a, b = pair["A"].float(), pair["B"].float() * adapter.scaling  # b: [out, r]
-            if isinstance(linear, RowParallelLinear):
-                cols = linear.shard().src_cols
-                a, rows = a[:, cols], slice(None)
-            else:
-                shard = linear.shard(shard_id)
-                b, rows = b[shard.src_rows], shard.dst
-            a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
-            if pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            parts.append(_Part(self.weights[f"{layer}.{path}"], index, rows, a, b))
+            for name, b_rows in self._unfused(layer, module, b):
+                parts.append(self._part(layer, name, a, b_rows))
         return parts
+
+    def _unfused(self, layer: int, module: str, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(module, its B) of a checkpoint module: itself, or a fused module's parts (B's rows cut in order)."""
+        if module not in _FUSED:
+            return [(module, b)]
+        linear = self.layers[layer].get_submodule(_MODULES[_FUSED[module][0]][0])
+        sizes = ((linear.num_heads * linear.head_dim, linear.num_kv_heads * linear.head_dim,
+                  linear.num_kv_heads * linear.head_dim) if module == "qkv_proj" else (b.shape[0] // 2,) * 2)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [(name, b[start:start + size]) for name, start, size in zip(_FUSED[module], starts, sizes)]
+
+    def _part(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> _Part:
+        """One module's pair, cut to this rank, cast (and pinned on a GPU)."""
+        path, index, shard_id = _MODULES[module]
+        linear = self.layers[layer].get_submodule(path)
+        if isinstance(linear, RowParallelLinear):
+            a, rows = a[:, linear.shard().src_cols], slice(None)
+        else:
+            shard = linear.shard(shard_id)
+            b, rows = b[shard.src_rows], shard.dst
+        a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
+        if self.device.type == "cuda":
+            a, b = a.pin_memory(), b.pin_memory()
+        return _Part(self.weights[f"{layer}.{path}"], index, rows, a, b)

@@ -7,6 +7,8 @@ own requests only."""
 import os
 import shutil
 
+import pytest
+
 from pagoda import LLM, LoRARequest
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_lora import assert_completion_matches, greedy, oracle
@@ -44,6 +46,24 @@ def test_tp2_adapters_match_peft(ray_cluster, tiny_model_dir, tmp_path):
         assert "adapter 'broken' (id 4): failed to load" in str(outs[0].error)
         for out, lora in zip(outs[1:], mixed[1:]):
             assert_completion_matches(oracle(tiny_model_dir, lora), out)
+        llm.engine.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow  # a second tp 2 engine (~25 s)
+def test_tp2_phi3_fused_adapter_matches_peft(ray_cluster, tiny_checkpoints, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj adapter: each rank cuts the fused B into its q/k/v and gate/up rows."""
+    model_dir = tiny_checkpoints["phi3"]
+    lora = LoRARequest("phi3", 1, make_adapter(model_dir, str(tmp_path / "phi3"), 8, 16.0,
+                                               ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, enable_lora=True,
+              max_lora_rank=8)
+    try:
+        per_prompt = [lora, None, lora]
+        outs = llm.generate(PARITY_PROMPTS[:3], greedy(), use_tqdm=False, lora_request=per_prompt)
+        for out, adapter in zip(outs, per_prompt):
+            assert_completion_matches(oracle(model_dir, adapter), out)
         llm.engine.check_integrity()
     finally:
         llm.shutdown()

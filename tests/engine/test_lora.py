@@ -352,3 +352,14 @@ def test_an_adapter_whose_file_breaks_after_it_was_checked_fails_alone(tiny_mode
         assert_completion_matches(oracle(tiny_model_dir, lora), out)
     run_and_check(llm, tiny_model_dir, PARITY_PROMPTS[:2], [adapters["mlp-rs"], None])  # the slot takes another
     llm.shutdown()
+
+
+def test_phi3_adapters_on_its_fused_projections(tiny_checkpoints, tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up, so peft's adapters target qkv_proj and gate_up_proj: one A for
+    the fused output, whose B rows Pagoda cuts into its q/k/v and gate/up slices (and o_proj, down_proj as usual)."""
+    model_dir = tiny_checkpoints["phi3"]
+    lora = LoRARequest("phi3", 1, make_adapter(model_dir, str(tmp_path / "phi3"), 8, 16.0,
+                                               ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    llm = lora_llm(model_dir, max_lora_rank=8)
+    run_and_check(llm, model_dir, PARITY_PROMPTS[:3], [lora, None, lora])
+    llm.shutdown()
