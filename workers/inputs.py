@@ -107,14 +107,19 @@ class InputBuffers:
             max_blocks = max(max_blocks, len(blocks))
         return offset, max_blocks
 
+    def _pad_tokens(self, start: int, stop: int) -> None:
+        """Token slots start..stop of a padded batch: token 0 at position 0, no adapter, no KV write."""
+        n = self.np
+        n["input_ids"][start:stop] = 0
+        if self.has_lora:
+            n["lora_slots"][start:stop] = -1
+        n["positions"][start:stop] = 0
+        n["slot_mapping"][start:stop] = -1
+
     def pad_decode(self, num_seqs: int, padded: int) -> None:
         """Rows num_seqs..padded of a padded decode batch: no KV write, a one-token context in block 0."""
         n = self.np
-        n["input_ids"][num_seqs:padded] = 0
-        if self.has_lora:
-            n["lora_slots"][num_seqs:padded] = -1
-        n["positions"][num_seqs:padded] = 0
-        n["slot_mapping"][num_seqs:padded] = -1
+        self._pad_tokens(num_seqs, padded)
         n["seq_lens"][num_seqs:padded] = 1
         n["block_tables"][num_seqs:padded, 0] = 0
         n["query_start_loc"][num_seqs + 1:padded + 1] = np.arange(num_seqs + 1, padded + 1)
@@ -134,11 +139,7 @@ class InputBuffers:
         leftover = padded_tokens - num_tokens
         context = max(leftover, 1)
         assert context <= self.max_blocks_per_seq * self.block_size, f"{leftover} padding tokens overflow a block table"
-        n["input_ids"][num_tokens:padded_tokens] = 0
-        if self.has_lora:
-            n["lora_slots"][num_tokens:padded_tokens] = -1
-        n["positions"][num_tokens:padded_tokens] = 0
-        n["slot_mapping"][num_tokens:padded_tokens] = -1
+        self._pad_tokens(num_tokens, padded_tokens)
         n["seq_lens"][num_seqs:padded_seqs] = 1
         n["seq_lens"][padded_seqs] = context
         n["block_tables"][num_seqs:padded_seqs, 0] = 0
