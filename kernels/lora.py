@@ -77,6 +77,21 @@ def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_m
 
 
 @triton.jit
+def _rows_times_b(acc, yv, bv, HI_LO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + y [M, R] (float32, zeros on the rows of other slots) @ B [N, R].T of one slot."""
+    if HI_LO:  # y = hi + lo, both in B's dtype: two 16-bit dots keep 16 bits of y's mantissa
+        hi = yv.to(bv.dtype)
+        lo = (yv - hi.to(tl.float32)).to(bv.dtype)
+        if UPCAST:
+            hi, lo, bv = hi.to(tl.float32), lo.to(tl.float32), bv.to(tl.float32)
+        acc += tl.dot(hi, tl.trans(bv), input_precision=PRECISION)
+        acc += tl.dot(lo, tl.trans(bv), input_precision=PRECISION)
+    else:
+        acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
     """y's slice; Y_ALIGNED (its strides multiples of 4, as shrink writes it): so the compiler knows, and loads
     and stores 4 floats at a time (the slice stride, T * R, is not specialized on)."""
@@ -163,15 +178,7 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_b
                      mask=is_slot[:, None] & rank_mask[None, :], other=0.0)
         bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
                      mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
-        if HI_LO:  # y = hi + lo, both in B's dtype: two 16-bit dots keep 16 bits of y's mantissa
-            hi = yv.to(bv.dtype)
-            lo = (yv - hi.to(tl.float32)).to(bv.dtype)
-            if UPCAST:
-                hi, lo, bv = hi.to(tl.float32), lo.to(tl.float32), bv.to(tl.float32)
-            acc += tl.dot(hi, tl.trans(bv), input_precision=PRECISION)
-            acc += tl.dot(lo, tl.trans(bv), input_precision=PRECISION)
-        else:
-            acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+        acc = _rows_times_b(acc, yv, bv, HI_LO, UPCAST, PRECISION)
         slot = _next_slot(slots, slot)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
     out_mask = (row_mask & (slots >= 0))[:, None] & col_mask[None, :]
