@@ -102,6 +102,8 @@ class ColumnParallelLinear(nn.Module):
             return self._forward(x, gated, quantize_output)
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
         out = self._forward(x, False, False)  # the adapters add to the [gate ; up] output before the SiLU-and-mul
+        if gated and not quantize_output:
+            return self.lora.apply_gated(out, x, lora_slots)  # one kernel adds the deltas and activates
         self.lora.apply(out, x, lora_slots)
         return silu_and_mul(out, quantize_output) if gated else out
 
