@@ -66,6 +66,7 @@ from kernels.lora import (
 )
 
 FUSED_MAX_TOKENS = 4  # steps of at most this many tokens take the fused kernel (see the module docstring)
+SILU_MAX_RANK = 64  # past it the expand + SiLU kernel spills registers: the expand, then silu_and_mul
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -114,6 +115,24 @@ def _lora_fused_kernel(out_ptr, x_ptr, a_ptr, b_ptr, slots_ptr, num_tokens, K, R
         tl.store(out_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=out_mask)
 
 
+@triton.jit
+def _expanded(out_ptrs, mask, y_ptr, rows, slots, stride_yt, b_ptr, cols, col_mask, stride_bs, stride_bn, ranks,
+              rank_mask, HI_LO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """round(out + y[rows] @ B[slot(row), cols].T) at out_ptrs, in out's dtype (not stored), as lora_expand rounds."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    slot = _next_slot(slots, -1)
+    while slot < (1 << 30):
+        yv = tl.load(y_ptr + rows[:, None] * stride_yt + ranks[None, :],
+                     mask=(slots == slot)[:, None] & rank_mask[None, :], other=0.0)
+        bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
+                     mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
+        acc = _rows_times_b(acc, yv, bv, HI_LO, UPCAST, PRECISION)
+        slot = _next_slot(slots, slot)
+    old = tl.load(out_ptrs, mask=mask, other=0.0)
+    return (old.to(tl.float32) + acc).to(old.dtype)  # rows of slot -1 add zeros: unchanged
+
+
 @triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
 def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, inter_size, stride_at,
                              stride_ot, stride_yi, stride_yt, stride_bs, stride_bn, HI_LO: tl.constexpr,
@@ -121,7 +140,9 @@ def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, num_toke
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                              PDL: tl.constexpr):
     """act[rows, cols] = silu(round(gate + y[0] @ B_gate.T)) * round(up + y[1] @ B_up.T), rounded as
-    silu_and_mul rounds; gate = out[:, cols], up = out[:, I + cols]. Grid: (column blocks of I, row tiles)."""
+    silu_and_mul rounds; gate = out[:, cols], up = out[:, I + cols]. Grid: (column blocks of I, row tiles). Gate's
+    sum is finished (and held in 16 bits) before up's starts: one slice's y and B tiles live at a time, which keeps
+    rank 64 and 128 in registers."""
     wait_for_prior(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter_size
@@ -131,49 +152,39 @@ def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, num_toke
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    slot = _next_slot(slots, -1)
-    while slot < (1 << 30):
-        y_offsets = rows[:, None] * stride_yt + ranks[None, :]
-        y_mask = (slots == slot)[:, None] & rank_mask[None, :]
-        y_gate = tl.load(_y_slice(y_ptr, 0, stride_yi, Y_ALIGNED) + y_offsets, mask=y_mask, other=0.0)
-        y_up = tl.load(_y_slice(y_ptr, 1, stride_yi, Y_ALIGNED) + y_offsets, mask=y_mask, other=0.0)
-        b_cols = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :]
-        b_mask = col_mask[:, None] & rank_mask[None, :]
-        b_gate = tl.load(b_cols, mask=b_mask, other=0.0)
-        b_up = tl.load(b_cols + inter_size * stride_bn, mask=b_mask, other=0.0)
-        acc_gate = _rows_times_b(acc_gate, y_gate, b_gate, HI_LO, UPCAST, PRECISION)
-        acc_up = _rows_times_b(acc_up, y_up, b_up, HI_LO, UPCAST, PRECISION)
-        slot = _next_slot(slots, slot)
     mask = row_mask[:, None] & col_mask[None, :]
     gate_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
-    up = tl.load(gate_ptrs + inter_size, mask=mask, other=0.0)
-    # the expand's rounding (rows of slot -1 add zeros: unchanged), then silu_and_mul's (kernels/activation.py)
-    g = (gate.to(tl.float32) + acc_gate).to(gate.dtype).to(tl.float32)
-    u = (up.to(tl.float32) + acc_up).to(gate.dtype).to(tl.float32)
+    gate = _expanded(gate_ptrs, mask, _y_slice(y_ptr, 0, stride_yi, Y_ALIGNED), rows, slots, stride_yt, b_ptr, cols,
+                     col_mask, stride_bs, stride_bn, ranks, rank_mask, HI_LO, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+    up = _expanded(gate_ptrs + inter_size, mask, _y_slice(y_ptr, 1, stride_yi, Y_ALIGNED), rows, slots, stride_yt,
+                   b_ptr, inter_size + cols, col_mask, stride_bs, stride_bn, ranks, rank_mask, HI_LO, UPCAST,
+                   PRECISION, BLOCK_M, BLOCK_N)
+    g = gate.to(tl.float32)  # then silu_and_mul's roundings (kernels/activation.py)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], (silu * u).to(gate.dtype), mask=mask)
+    tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], (silu * up.to(tl.float32)).to(gate.dtype),
+             mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
 def fused_config(num_tokens: int, num_cols: int, rank: int, dtype: torch.dtype, device: torch.device) -> dict:
     """One row tile (16 rows) for decode; columns in 128s (64 for float32 or past rank 32), N_CHUNKS of them a
     program so that the programs number about a third of the SMs (each re-reads A: fewer is less L2 traffic, too
-    few leaves the expand's B reads on few SMs); BLOCK_K and warps as the shrink's."""
+    few leaves the expand's B reads on few SMs); BLOCK_K as the shrink's; 4 warps (rank 128's 8 warps spilled)."""
     block_r = _block_r(rank)
     block_n = 128 if block_r <= 32 and dtype != torch.float32 else 64
     chunks = max(1, cdiv(num_cols, block_n) // max(1, num_sms(device) // 3))
     return {"BLOCK_M": 16 if num_tokens <= 16 else 32, "BLOCK_N": block_n, "N_CHUNKS": chunks,
             "BLOCK_K": 128 if block_r <= 64 and dtype != torch.float32 else 64,
-            "num_warps": 4 if block_r <= 64 else 8, "num_stages": 3}
+            "num_warps": 4, "num_stages": 3}
 
 
 @functools.lru_cache(maxsize=None)
 def expand_silu_config(num_tokens: int, rank: int, dtype: torch.dtype) -> dict:
-    """The expand's tiles (kernels/lora.py `expand_config`) with 8 warps: two accumulators, gate's and up's."""
-    return {**expand_config(num_tokens, rank, dtype), "num_warps": 8}
+    """The expand's row tiles (kernels/lora.py `expand_config`), 64 columns: two slices' sums, compiled for sm_90,
+    take 130 registers a thread at rank 16 and 182 at rank 64 with 64 x 64 tiles and 8 warps, none spilled
+    (64 x 128 needed 192 and spilled from rank 64 on; rank 128 spills at every tile tried, hence SILU_MAX_RANK)."""
+    block_m = expand_config(num_tokens, rank, dtype)["BLOCK_M"]
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 8 if block_m == 64 else 4, "num_stages": 1}
 
 
 def lora_fused_triton(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -262,11 +273,12 @@ def lora_apply(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
 def lora_silu_and_mul(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                       slots: torch.Tensor, *, use_kernel: bool | None = None) -> torch.Tensor:
     """A gate_up layer's activation with its adapters: silu_and_mul(out + delta) [T, I], out [T, 2I] = [gate ; up]
-    (two slices of I columns). out may be changed (decode: the delta added in place) or not (larger steps)."""
+    (two slices of I columns). The expand fused into the activation from FUSED_MAX_TOKENS + 1 tokens on and up to
+    SILU_MAX_RANK, else lora_apply then silu_and_mul; out may be changed (the delta added in place) or not."""
     if not _kernel_wanted(out, use_kernel):
         lora_expand_ref(out, lora_shrink_ref(x, lora_a, slots), lora_b, slots, (0, out.shape[1] // 2))
         return silu_and_mul_ref(out)
-    if x.shape[0] <= FUSED_MAX_TOKENS:
-        lora_fused_triton(out, x, lora_a, lora_b, slots, (0, out.shape[1] // 2))
+    if x.shape[0] <= FUSED_MAX_TOKENS or lora_a.shape[2] > SILU_MAX_RANK:
+        lora_apply(out, x, lora_a, lora_b, slots, (0, out.shape[1] // 2), use_kernel=True)
         return silu_and_mul_triton(out)
     return lora_expand_silu_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b, slots)

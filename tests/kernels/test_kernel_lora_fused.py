@@ -9,6 +9,7 @@ from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from kernels.lora_fused import (
     FUSED_MAX_TOKENS,
+    SILU_MAX_RANK,
     fused_config,
     lora_apply,
     lora_expand_silu_triton,
@@ -138,6 +139,16 @@ def test_dispatchers_equal_the_references_on_either_side_of_the_threshold(num_to
     torch.testing.assert_close(act, silu_and_mul_ref(expected), atol=tol, rtol=tol)
     assert torch.equal(lora_silu_and_mul(out.clone(), x, lora_a, lora_b, slots, use_kernel=False),
                        silu_and_mul_ref(expected))
+
+
+def test_gate_up_past_silu_max_rank_takes_the_expand_then_silu(device):
+    """Rank 80 (128-wide tiles, where the fused activation would spill): lora_apply then silu_and_mul."""
+    assert SILU_MAX_RANK < 80
+    x, lora_a, lora_b, _, out, slots = make_case(9, 24, (20, 20), 80, 2, torch.float16, decode_slots(9, 2), device)
+    expected = out.clone()
+    lora_expand_ref(expected, lora_shrink_ref(x, lora_a, slots), lora_b, slots, (0, 20))
+    act = lora_silu_and_mul(out, x, lora_a, lora_b, slots, use_kernel=True)
+    torch.testing.assert_close(act, silu_and_mul_ref(expected), atol=4 * ulps(out.dtype), rtol=4 * ulps(out.dtype))
 
 
 def test_fused_config_fills_a_third_of_the_sms():
