@@ -9,11 +9,14 @@ Llama-3-8B's projections (qkv 4096 -> 4096 + 1024 + 1024 in three slices, o 4096
     lora triton         shrink + expand, the LoRA delta alone, added into the layer's output (two launches)
     lora fused          the fused kernel (one launch, y in registers), at every batch: where it stops paying is
                         where kernels/lora_fused.py's FUSED_MAX_TOKENS belongs
+    lora sorted         shrink + expand tiling the rows sorted by slot (`order`, argsort outside the timing, as an
+                        engine would sort once a step): a decode tile then walks 1-2 slots instead of up to 8
     base + lora         the base matmul and the delta as a layer runs it (lora_apply: fused up to FUSED_MAX_TOKENS)
     lora torch ref      the references (a loop over the adapters in use, host syncs: eager)
   gate_up only, the activation included (what the MLP runs):
     silu unfused        shrink + expand + silu_and_mul (the expand reads and writes [T, 2I], the activation reads it)
     silu fused          shrink + the expand fused into the SiLU-and-mul ([T, 2I] read once, [T, I] written)
+    silu fused sorted   the same on the rows sorted by slot
     silu base           silu_and_mul alone: the base model's share
 
 Each is scored in the bytes it must move: the LoRA's are x read, the A and B of the adapters in use read once,
@@ -72,6 +75,7 @@ def lora_bytes(x, weight, lora_a, lora_b, slots) -> dict:
     silu = num_tokens * n * size * 3 // 2
     return dict(bytes=lora, impl_bytes={"base matmul": base, "base + lora": base + lora,
                                         "lora fused": lora - y_round_trip, "silu base": silu,
+                                        "silu fused sorted": lora - 2 * num_tokens * n * size + silu,
                                         "silu unfused": lora + silu, "silu fused": lora - 2 * num_tokens * n * size
                                         + silu})
 
@@ -102,10 +106,13 @@ def bench_lora(runner, cfg: dict, lora_cfg: dict):
                 impls["lora triton"] = lambda: lora_expand_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b,
                                                                   slots, starts)
                 impls["lora fused"] = lambda: lora_fused_triton(out, x, lora_a, lora_b, slots, starts)
+                order = torch.argsort(slots).to(torch.int32)  # once a step, were the engine to sort
+                impls["lora sorted"] = lambda: lora_expand_triton(
+                    out, lora_shrink_triton(x, lora_a, slots, order=order), lora_b, slots, starts, order=order)
                 impls["base + lora"] = lambda: (torch.matmul(x, weight.T, out=out),
                                                 lora_apply(out, x, lora_a, lora_b, slots, starts, use_kernel=True))
                 if len(widths) == 2:  # gate_up: its activation, unfused and fused
-                    impls.update(_silu_impls(out, x, lora_a, lora_b, slots))
+                    impls.update(_silu_impls(out, x, lora_a, lora_b, slots, order))
             impls["lora torch ref"] = ref
 
             def check():
@@ -117,6 +124,10 @@ def bench_lora(runner, cfg: dict, lora_cfg: dict):
                 torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
                 lora_fused_triton(fused, x, lora_a, lora_b, slots, starts)
                 torch.testing.assert_close(fused, expected, atol=1e-2, rtol=1e-2)
+                order, ordered = torch.argsort(slots).to(torch.int32), out.clone()
+                lora_expand_triton(ordered, lora_shrink_triton(x, lora_a, slots, order=order), lora_b, slots, starts,
+                                   order=order)
+                torch.testing.assert_close(ordered, expected, atol=1e-2, rtol=1e-2)
                 if len(widths) == 2:
                     torch.testing.assert_close(lora_expand_silu_triton(out, y, lora_b, slots),
                                                silu_and_mul_triton(got), atol=1e-2, rtol=1e-2)
@@ -127,8 +138,9 @@ def bench_lora(runner, cfg: dict, lora_cfg: dict):
         runner.case(f"lora {layer}", f"{case} r{lora_cfg['rank']}", build)
 
 
-def _silu_impls(out, x, lora_a, lora_b, slots) -> dict:
-    """gate_up's activation with the adapters: the expand then silu_and_mul, the fused kernel, and the base's."""
+def _silu_impls(out, x, lora_a, lora_b, slots, order) -> dict:
+    """gate_up's activation with the adapters: the expand then silu_and_mul, the fused kernel (on rows as they come
+    and sorted by slot), and the base's."""
     starts = (0, out.shape[1] // 2)
 
     def unfused():
@@ -137,6 +149,8 @@ def _silu_impls(out, x, lora_a, lora_b, slots) -> dict:
 
     return {"silu unfused": unfused,
             "silu fused": lambda: lora_expand_silu_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b, slots),
+            "silu fused sorted": lambda: lora_expand_silu_triton(out, lora_shrink_triton(x, lora_a, slots, order=order),
+                                                                 lora_b, slots, order=order),
             "silu base": lambda: silu_and_mul_triton(out)}
 
 
@@ -187,9 +201,13 @@ def print_lora_overhead(results: list[dict]) -> None:
         if impl == "lora triton" and base:
             with_lora = times.get((kernel, case, "base + lora"), float("nan"))
             fused = times.get((kernel, case, "lora fused"), float("nan"))
+            ordered = times.get((kernel, case, "lora sorted"), float("nan"))
             print(f"lora overhead {kernel[5:]:<8} {case:<28} {100 * ms / base:6.1f}% of the base matmul, fused "
-                  f"{100 * fused / base:6.1f}% (base + lora {with_lora / base:.3f}x)")
+                  f"{100 * fused / base:6.1f}%, sorted {100 * ordered / base:6.1f}% (base + lora "
+                  f"{with_lora / base:.3f}x)")
         if impl == "silu unfused" and base:
             fused = times.get((kernel, case, "silu fused"), float("nan"))
+            ordered = times.get((kernel, case, "silu fused sorted"), float("nan"))
             print(f"lora silu     {kernel[5:]:<8} {case:<28} unfused {1000 * ms:8.1f} us, fused {1000 * fused:8.1f} us "
-                  f"({100 * (ms - fused) / base:+6.1f}% of the base matmul saved)")
+                  f"({100 * (ms - fused) / base:+6.1f}% of the base matmul saved), fused sorted "
+                  f"{1000 * ordered:8.1f} us")

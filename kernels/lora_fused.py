@@ -51,12 +51,14 @@ from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.lora import (
     _block_r,
     _check_expand,
+    _check_order,
     _check_shrink,
     _is_aligned,
     _next_slot,
     _rows_times_a,
     _rows_times_b,
     _slice_of,
+    _tile_rows,
     _y_slice,
     expand_config,
     lora_expand_ref,
@@ -134,11 +136,11 @@ def _expanded(out_ptrs, mask, y_ptr, rows, slots, stride_yt, b_ptr, cols, col_ma
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
-def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, inter_size, stride_at,
+def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens, R, inter_size, stride_at,
                              stride_ot, stride_yi, stride_yt, stride_bs, stride_bn, HI_LO: tl.constexpr,
                              Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                             PDL: tl.constexpr):
+                             SORTED: tl.constexpr, PDL: tl.constexpr):
     """act[rows, cols] = silu(round(gate + y[0] @ B_gate.T)) * round(up + y[1] @ B_up.T), rounded as
     silu_and_mul rounds; gate = out[:, cols], up = out[:, I + cols]. Grid: (column blocks of I, row tiles). Gate's
     sum is finished (and held in 16 bits) before up's starts: one slice's y and B tiles live at a time, which keeps
@@ -146,9 +148,7 @@ def _lora_expand_silu_kernel(act_ptr, out_ptr, y_ptr, b_ptr, slots_ptr, num_toke
     wait_for_prior(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter_size
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_tokens
-    rows = rows.to(tl.int64)
+    rows, row_mask = _tile_rows(order_ptr, num_tokens, BLOCK_M, SORTED)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
@@ -230,10 +230,12 @@ def _check_gate_up(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slo
 
 
 def lora_expand_silu_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(out after lora_expand(out, y, lora_b, slots, (0, I))) in one kernel: [T, I] in out's dtype;
-    out itself is left unchanged. config overrides `expand_silu_config`'s keys."""
+    out itself is left unchanged. config overrides `expand_silu_config`'s keys; order: the rows sorted by slot
+    (kernels/lora.py `lora_shrink_triton`)."""
     inter_size = _check_gate_up(out, y, lora_b, slots)
+    _check_order(order, out.shape[0])
     check_dtype("out", out, FLOAT_DTYPES)
     check_launchable(out, y, lora_b, slots)
     for name, t in (("out", out), ("y", y), ("lora_b", lora_b)):
@@ -245,11 +247,12 @@ def lora_expand_silu_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Te
     cfg = {**expand_silu_config(num_tokens, rank, out.dtype), **(config or {})}
     grid = (cdiv(inter_size, cfg["BLOCK_N"]), cdiv(num_tokens, cfg["BLOCK_M"]))
     _lora_expand_silu_kernel[grid](
-        act, out, y, lora_b, slots, num_tokens, rank, inter_size, act.stride(0), out.stride(0), y.stride(0),
+        act, out, y, lora_b, slots, slots if order is None else order, num_tokens, rank, inter_size, act.stride(0),
+        out.stride(0), y.stride(0),
         y.stride(1), lora_b.stride(0), lora_b.stride(1), HI_LO=out.dtype != torch.float32, Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=_block_r(rank), **pdl_options(out.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=_block_r(rank), SORTED=order is not None,
+        **pdl_options(out.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return act
 
 
@@ -258,20 +261,24 @@ def _kernel_wanted(tensor: torch.Tensor, use_kernel: bool | None) -> bool:
 
 
 def lora_apply(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-               slice_starts: tuple[int, ...], *, use_kernel: bool | None = None) -> None:
+               slice_starts: tuple[int, ...], *, use_kernel: bool | None = None,
+               order: torch.Tensor | None = None) -> None:
     """In place: out [T, N] += each token's adapter delta, (x [T, K] @ lora_a[slot].T) @ lora_b[slot].T per slice
     (kernels/lora.py's shapes; slot -1 rows untouched). The fused kernel for T <= FUSED_MAX_TOKENS, else the shrink
-    and the expand; use_kernel as `lora_shrink`'s (False: the references)."""
+    and the expand (given `order`, the rows sorted by slot, they tile the sorted rows); use_kernel as
+    `lora_shrink`'s (False: the references)."""
     if not _kernel_wanted(out, use_kernel):
         lora_expand_ref(out, lora_shrink_ref(x, lora_a, slots), lora_b, slots, slice_starts)
     elif x.shape[0] <= FUSED_MAX_TOKENS:
         lora_fused_triton(out, x, lora_a, lora_b, slots, slice_starts)
     else:
-        lora_expand_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b, slots, slice_starts)
+        y = lora_shrink_triton(x, lora_a, slots, order=order)
+        lora_expand_triton(out, y, lora_b, slots, slice_starts, order=order)
 
 
 def lora_silu_and_mul(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      slots: torch.Tensor, *, use_kernel: bool | None = None) -> torch.Tensor:
+                      slots: torch.Tensor, *, use_kernel: bool | None = None,
+                      order: torch.Tensor | None = None) -> torch.Tensor:
     """A gate_up layer's activation with its adapters: silu_and_mul(out + delta) [T, I], out [T, 2I] = [gate ; up]
     (two slices of I columns). The expand fused into the activation from FUSED_MAX_TOKENS + 1 tokens on and up to
     SILU_MAX_RANK, else lora_apply then silu_and_mul; out may be changed (the delta added in place) or not."""
@@ -279,6 +286,7 @@ def lora_silu_and_mul(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
         lora_expand_ref(out, lora_shrink_ref(x, lora_a, slots), lora_b, slots, (0, out.shape[1] // 2))
         return silu_and_mul_ref(out)
     if x.shape[0] <= FUSED_MAX_TOKENS or lora_a.shape[2] > SILU_MAX_RANK:
-        lora_apply(out, x, lora_a, lora_b, slots, (0, out.shape[1] // 2), use_kernel=True)
+        lora_apply(out, x, lora_a, lora_b, slots, (0, out.shape[1] // 2), use_kernel=True, order=order)
         return silu_and_mul_triton(out)
-    return lora_expand_silu_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b, slots)
+    return lora_expand_silu_triton(out, lora_shrink_triton(x, lora_a, slots, order=order), lora_b, slots,
+                                   order=order)

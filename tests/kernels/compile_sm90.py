@@ -410,17 +410,19 @@ def compile_int_gemm() -> None:
 LORA_8B = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8):
-    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked)."""
+def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted=False):
+    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked; is_sorted: tiling the rows
+    sorted by slot)."""
     in_features, widths = LORA_8B[layer]
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
+    order = int32(rows) if is_sorted else None
     CASE[0] = f"lora shrink {name}"
     lora.lora_shrink_triton(empty(rows, in_features, dtype=dtype),
-                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows))
+                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows), order=order)
     CASE[0] = f"lora expand {name}"
     lora.lora_expand_triton(empty(rows, sum(widths), dtype=dtype), empty(len(widths), rows, rank,
                                                                          dtype=torch.float32),
-                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts)
+                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts, order=order)
 
 
 def compile_lora() -> None:
@@ -437,6 +439,8 @@ def compile_lora() -> None:
         lora_layer(f"qkv r128, {rows} rows", rows, "qkv", 128)
     lora_layer("qkv r16 fp32, 4 rows", 4, "qkv", 16, dtype=torch.float32)
     lora_layer("gate_up r16 fp16, 512 rows", 512, "gate_up", 16, dtype=torch.float16)
+    for rank in (16, 64):
+        lora_layer(f"qkv r{rank}, 256 rows sorted", 256, "qkv", rank, is_sorted=True)
 
 
 def compile_lora_fused() -> None:
@@ -459,6 +463,9 @@ def compile_lora_fused() -> None:
     lora_fused.lora_fused_triton(empty(4, 6144, dtype=torch.float32), empty(4, 4096, dtype=torch.float32),
                                  empty(8, 3, 16, 4096, dtype=torch.float32), empty(8, 6144, 16, dtype=torch.float32),
                                  int32(4), (0, 4096, 5120))
+    CASE[0] = "lora expand_silu gate_up r16, 256 rows sorted"
+    lora_fused.lora_expand_silu_triton(empty(256, 2 * 14336), empty(2, 256, 16, dtype=torch.float32),
+                                       empty(8, 2 * 14336, 16), int32(256), order=int32(256))
     CASE[0] = "lora expand_silu gate_up r16 fp16, 512 rows"
     lora_fused.lora_expand_silu_triton(empty(512, 2 * 14336, dtype=torch.float16),
                                        empty(2, 512, 16, dtype=torch.float32),

@@ -328,9 +328,10 @@ def test_benchmark_runs_and_checks_at_toy_sizes(device, monkeypatch, capsys):
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
     cases = ("decode batch 3", "prefill 20 tokens")
-    silu = ("silu unfused", "silu fused", "silu base")
+    silu = ("silu unfused", "silu fused", "silu fused sorted", "silu base")
     assert impls == {(f"lora {layer}", f"{case} r16", impl) for layer in ("qkv", "gate_up", "down") for case in cases
-                     for impl in ("base matmul", "lora triton", "lora fused", "base + lora", "lora torch ref")
+                     for impl in ("base matmul", "lora triton", "lora fused", "lora sorted", "base + lora",
+                                  "lora torch ref")
                      + (silu if layer == "gate_up" else ())}
     print_lora_overhead(runner.results)
     printed = capsys.readouterr().out

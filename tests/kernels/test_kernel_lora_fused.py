@@ -217,3 +217,37 @@ def test_gpu_fused_in_a_cuda_graph(num_tokens, cuda):
         expected = base.clone()
         lora_expand_ref(expected, lora_shrink_ref(x, lora_a, slots), lora_b, slots, starts_of(widths))
         torch.testing.assert_close(out, expected, atol=ulps(out.dtype), rtol=ulps(out.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill", "none"])
+def test_rows_sorted_by_slot_give_the_same_results(pattern, dtype, device):
+    """order = argsort(slots): shrink, expand and expand + SiLU tile the sorted rows (gathered x, y and out rows,
+    tiles of one or two slots) and give what they give unsorted; the dispatchers take it through."""
+    num_tokens = 37
+    slots = SLOT_PATTERNS[pattern](num_tokens, 4)
+    x, lora_a, lora_b, y, out, slots = make_case(num_tokens, 40, (24, 24), 16, 4, dtype, slots, device)
+    order = torch.argsort(slots.cpu(), stable=True).to(device=device, dtype=torch.int32)
+    config = dict(BLOCK_M=16)
+    torch.testing.assert_close(lora_shrink_triton(x, lora_a, slots, config=config, order=order),
+                               lora_shrink_ref(x, lora_a, slots), atol=1e-5, rtol=1e-4)
+    expected, got = out.clone(), out.clone()
+    lora_expand_ref(expected, y, lora_b, slots, (0, 24))
+    lora_expand_triton(got, y, lora_b, slots, (0, 24), config=dict(BLOCK_M=16, BLOCK_N=16), order=order)
+    torch.testing.assert_close(got, expected, atol=ulps(dtype), rtol=ulps(dtype))
+    assert torch.equal(got[slots < 0], out[slots < 0])
+    torch.testing.assert_close(lora_expand_silu_triton(out, y, lora_b, slots, config=dict(BLOCK_M=16), order=order),
+                               silu_and_mul_triton(got), atol=2 * ulps(dtype), rtol=2 * ulps(dtype))
+    applied = out.clone()
+    lora_apply(applied, x, lora_a, lora_b, slots, (0, 24), use_kernel=True, order=order)
+    full = out.clone()
+    lora_expand_ref(full, lora_shrink_ref(x, lora_a, slots), lora_b, slots, (0, 24))
+    torch.testing.assert_close(applied, full, atol=ulps(dtype), rtol=ulps(dtype))
+
+
+def test_order_must_cover_the_rows(device):
+    x, lora_a, lora_b, y, out, slots = make_case(4, 24, (16, 8), 8, 2, torch.float32, [0, 1, -1, 1], device)
+    with pytest.raises(ValueError, match="order"):
+        lora_shrink_triton(x, lora_a, slots, order=slots[:3])
+    with pytest.raises(ValueError, match="order"):
+        lora_expand_triton(out, y, lora_b, slots, (0, 16), order=slots.float())
