@@ -68,14 +68,15 @@ class LoRAWeights:
     b: torch.Tensor  # [max_loras, out_features (this rank's part), max_lora_rank], scaling folded in
     slice_starts: tuple[int, ...]  # each slice's first output column
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]
-        lora_apply(out, x, self.a, self.b, slots, self.slice_starts)
+    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: the rows sorted by slot
+        lora_apply(out, x, self.a, self.b, slots, self.slice_starts, order=order)
 
-    def apply_gated(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def apply_gated(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
+                    order: torch.Tensor | None = None) -> torch.Tensor:
         # a gate_up layer: silu(gate') * up' [T, N / 2] of out [T, N] + each token's delta (out may change)
         assert self.slice_starts == (0, out.shape[1] // 2), "a gated layer's slices are gate ; up, of equal widths"
-        return lora_silu_and_mul(out, x, self.a, self.b, slots)
+        return lora_silu_and_mul(out, x, self.a, self.b, slots, order=order)
 
 
 @dataclass
