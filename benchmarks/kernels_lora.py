@@ -9,9 +9,10 @@ Llama-3-8B's projections (qkv 4096 -> 4096 + 1024 + 1024 in three slices, o 4096
     lora triton         shrink + expand, the LoRA delta alone, added into the layer's output (two launches)
     lora fused          the fused kernel (one launch, y in registers), at every batch: where it stops paying is
                         where kernels/lora_fused.py's FUSED_MAX_TOKENS belongs
-    lora sorted         shrink + expand tiling the rows sorted by slot (`order`, argsort outside the timing, as an
-                        engine would sort once a step): a decode tile then walks 1-2 slots instead of up to 8
-    base + lora         the base matmul and the delta as a layer runs it (lora_apply: fused up to FUSED_MAX_TOKENS)
+    lora sorted         shrink + expand tiling the rows sorted by slot (`order`, argsorted outside the timing, as the
+                        engine does once a step): a decode tile then walks 1-2 slots instead of up to 8
+    base + lora         the base matmul and the delta as a layer runs it (lora_apply: fused up to FUSED_MAX_TOKENS,
+                        else shrink + expand on the rows sorted by slot)
     lora torch ref      the references (a loop over the adapters in use, host syncs: eager)
   gate_up only, the activation included (what the MLP runs):
     silu unfused        shrink + expand + silu_and_mul (the expand reads and writes [T, 2I], the activation reads it)
@@ -102,15 +103,15 @@ def bench_lora(runner, cfg: dict, lora_cfg: dict):
 
             ref.eager = True  # the references loop over the adapters in use (host syncs): no graph captures them
             impls = {"base matmul": lambda: torch.matmul(x, weight.T, out=out)}
+            order = torch.argsort(slots).to(torch.int32)  # the engine's InputBuffers sort once a step, on the host
             if runner.use_triton:
                 impls["lora triton"] = lambda: lora_expand_triton(out, lora_shrink_triton(x, lora_a, slots), lora_b,
                                                                   slots, starts)
                 impls["lora fused"] = lambda: lora_fused_triton(out, x, lora_a, lora_b, slots, starts)
-                order = torch.argsort(slots).to(torch.int32)  # once a step, were the engine to sort
                 impls["lora sorted"] = lambda: lora_expand_triton(
                     out, lora_shrink_triton(x, lora_a, slots, order=order), lora_b, slots, starts, order=order)
-                impls["base + lora"] = lambda: (torch.matmul(x, weight.T, out=out),
-                                                lora_apply(out, x, lora_a, lora_b, slots, starts, use_kernel=True))
+                impls["base + lora"] = lambda: (torch.matmul(x, weight.T, out=out), lora_apply(
+                    out, x, lora_a, lora_b, slots, starts, use_kernel=True, order=order))
                 if len(widths) == 2:  # gate_up: its activation, unfused and fused
                     impls.update(_silu_impls(out, x, lora_a, lora_b, slots, order))
             impls["lora torch ref"] = ref
