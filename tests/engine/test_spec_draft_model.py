@@ -330,3 +330,21 @@ def test_the_decision_counts_the_proposers_time():
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert llm.engine.spec.propose_s >= 0.05
     llm.shutdown()
+
+
+def test_constrained_requests_beside_the_draft_model():
+    """A request with a grammar takes the draft model's drafts cut to what its grammar accepts (the draft knows no
+    grammar); greedy output is the plain output for it and for an unconstrained request beside it, and a sampled
+    constrained one stays in its grammar."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,12}")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex, logprobs=2),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    plain, _ = _run(prompts, params)
+    spec, engine = _run(prompts, params, speculative_config=_draft(3))
+    _assert_same(plain[:2], spec[:2])
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert spec[2].outputs[0].text.isalpha() and spec[2].outputs[0].finish_reason == "stop"
