@@ -33,8 +33,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0,
             structured: str | None = None, loras: list | None = None, drafts: str | None = None) -> dict:
     """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
-    drafts (a speculative engine): "ngram" proposes as configured; "forced" proposes k drafts every step (the last
-    token repeated), so each step verifies k + 1 tokens whatever the model accepts: the verify step's cost."""
+    drafts (a speculative engine): its method ("ngram", "draft_model") proposes as configured; "forced" proposes k
+    drafts every step (the last token repeated), so each step verifies k + 1 tokens whatever the model accepts: the
+    verify step's cost."""
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -184,7 +185,7 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
           f"| {engine.executor.num_kv_blocks} KV blocks of {args.block_size} tokens, {workers[0]['kv_cache_dtype']}")
     adapters, label = run_adapters(overrides, args, config.model.hf_config), lora_label(overrides, args)
     spec = config.speculative
-    drafts_variants = ["ngram", "forced"] if spec is not None else [None]
+    drafts_variants = [spec.method, "forced"] if spec is not None else [None]
     rows = []
     budget = engine.config.scheduler.max_num_batched_tokens
     for asked_len in args.prompt_lens:

@@ -41,7 +41,7 @@ from cluster.ray_utils import actor_env_vars, ensure_ray_initialized, resolve_cl
 from engine import envs
 from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorError, StepHandle
-from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from engine.outputs import DraftAsk, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +116,15 @@ class WorkerActor:
     def startup_phases(self) -> dict[str, float]:
         return dict(self.worker.startup.phases)
 
-    def execute_model(self, message: SchedulerOutput | SampleStep,
-                      ) -> ModelRunnerOutput | AwaitingBitmask | StepFailure | None:
-        """A step (its output, or AwaitingBitmask when its constrained rows wait for the driver's bitmask), or the
-        SampleStep of the step that waits (its output)."""
+    def execute_model(self, message: SchedulerOutput | SampleStep | DraftAsk,
+                      ) -> ModelRunnerOutput | AwaitingBitmask | StepFailure | dict | None:
+        """A step (its output, or AwaitingBitmask when its constrained rows wait for the driver's bitmask), the
+        SampleStep of the step that waits (its output), or a DraftAsk (the draft model's drafts, before a step)."""
         try:
             if self.is_cuda:
                 self._ensure_current_device()
+            if isinstance(message, DraftAsk):
+                return self.worker.propose_drafts(message)
             if isinstance(message, SampleStep):
                 step, self.awaiting = self.awaiting, None
                 if step is None:
@@ -154,6 +156,10 @@ class WorkerActor:
 
     def ping(self) -> int:
         return self.rank
+
+    def check_integrity(self) -> None:
+        if self.worker.draft is not None:
+            self.worker.draft.check_integrity()
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()
@@ -375,7 +381,15 @@ class RayExecutor(Executor):
             step.output = self._collect(step.refs)
         return step.output
 
-    def _launch(self, message: SchedulerOutput | SampleStep) -> list:
+    def propose_drafts(self, ask: DraftAsk) -> dict[str, list[int]]:
+        """Every rank runs the draft model's passes (sharded as the target); rank 0's answer. No step is in flight:
+        speculation turns overlapped steps off."""
+        return self._collect(self._launch(ask))
+
+    def check_integrity(self) -> None:
+        ray.get([a.check_integrity.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
+
+    def _launch(self, message: SchedulerOutput | SampleStep | DraftAsk) -> list:
         if self._dead_error is not None:
             raise ExecutorError(self._dead_error, is_fatal=True)
         if self._is_shut_down:

@@ -73,7 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "dequantized at load (the default)")
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup only)')
+                             '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (n-gram prompt lookup) or '
+                             '\'{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}\' (a smaller '
+                             'model with the same tokenizer)')
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: the KV cache in float8_e4m3fn (twice the tokens), scales per KV head")
     parser.add_argument("--enable-lora", action="store_true",

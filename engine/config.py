@@ -221,31 +221,41 @@ class ParallelConfig:
             raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
 
-SPEC_METHODS = ("ngram",)  # "draft_model" and "eagle" are vLLM's too: not built, refused by name
-_SPEC_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+SPEC_METHODS = ("ngram", "draft_model")  # "eagle" is vLLM's too: not built, refused by name
+_SPEC_NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+              "model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/spec_decode.py), vLLM's speculative_config: {"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M, "disable_by_batch_size": B}.
-    Unknown keys and methods are refused (ParamError, a ValueError naming the key). disable_by_batch_size: no
-    drafts while more than B requests decode (None: the engine decides each step from the measured acceptance and
-    step costs, engine/spec_decode.py SpecDecoder.should_speculate)."""
+    "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M, "disable_by_batch_size": B} or
+    {"method": "draft_model", "model": a smaller model with the target's vocabulary, "num_speculative_tokens": k,
+    "disable_by_batch_size": B}. Unknown keys and methods are refused (ParamError, a ValueError naming the key).
+    disable_by_batch_size: no drafts while more than B requests decode (None: the engine decides each step from the
+    measured acceptance and step costs, engine/spec_decode.py SpecDecoder.should_speculate). `draft_model_config` is
+    the draft's checkpoint as read by create_engine_config (not a key users give)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: any name checkpoints.source.resolve_model takes
+    draft_model_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.method in _SPEC_NOT_BUILT:
             raise ParamError("speculative_config.method", f"{self.method!r} is not built in Pagoda (only "
-                                                          f"{SPEC_METHODS}): no draft-model or EAGLE proposer yet")
+                                                          f"{SPEC_METHODS}): no EAGLE proposer yet")
         if self.method not in SPEC_METHODS:
             raise ParamError("speculative_config.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ParamError("speculative_config.model", f"draft_model needs the draft's model (a checkpoint "
+                                                         f"directory or name), got {self.model!r}")
+        if self.method != "draft_model" and self.model is not None:
+            raise ParamError("speculative_config.model", f"is for method 'draft_model' only, not {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -406,8 +416,28 @@ class EngineArgs:
 
             lora_module_shapes(model_config.hf_config)  # a family that takes no adapter fails here
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            speculative = replace(speculative, draft_model_config=self._draft_model_config(speculative, model_config))
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s, lora, speculative)
+
+    def _draft_model_config(self, speculative: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+        """The draft model's checkpoint, read as the target's (same dtype, seed and context); its vocabulary must be
+        the target's: the drafts are the target's token ids."""
+        from checkpoints.source import resolve_model
+
+        try:
+            draft = ModelConfig.from_path(resolve_model(speculative.model), dtype=self.dtype,
+                                          max_model_len=target.max_model_len, load_format=self.load_format,
+                                          seed=self.seed)
+        except (ParamError, OSError, ValueError) as e:
+            raise ParamError("speculative_config.model", f"cannot be read as a draft model: {e}") from e
+        draft_vocab, target_vocab = draft.hf_config.get("vocab_size"), target.hf_config.get("vocab_size")
+        if draft_vocab != target_vocab:
+            raise ParamError("speculative_config.model", f"{speculative.model!r} has a vocabulary of {draft_vocab} "
+                                                         f"tokens, the target {target_vocab}: a draft model must share "
+                                                         f"the target's tokenizer")
+        return draft
 
     def _checkpoint_and_quantization(self) -> tuple[str, str | None]:
         """The checkpoint to load and its quantization. Given none: with GGUF_BLOCKS_BY_DEFAULT_ON_GPU, a .gguf

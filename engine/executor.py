@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from engine.outputs import DraftAsk, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class ExecutorError(RuntimeError):
@@ -71,6 +71,15 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to its end (a constrained step carries its bitmask)."""
         return self.collect(self.launch(scheduler_output))
+
+    def propose_drafts(self, ask: DraftAsk) -> dict[str, list[int]]:
+        """Speculative decoding with a draft model (SpeculativeConfig.method "draft_model"): the draft model on the
+        workers proposes up to `ask.max_drafts[r]` tokens for each request r; a request it fails for gets none.
+        Raises ExecutorError when the whole ask failed (the engine then steps without drafts)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no draft model")
+
+    def check_integrity(self) -> None:
+        """Asserts the workers' own books (a draft model's KV blocks) are consistent. Tests."""
 
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""

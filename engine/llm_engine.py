@@ -127,7 +127,7 @@ class LLMEngine:
                            else None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
-        self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
+        self.spec = SpecDecoder(config.speculative, self.executor) if config.speculative is not None else None
         self._speculating = False  # this step's drafts (SpecDecoder.decide): the step runs without overlap
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
@@ -493,6 +493,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+        self.executor.check_integrity()  # the workers' own books (a draft model's KV blocks)
         for req in self.scheduler.running:
             assert req.status == RequestStatus.RUNNING, req
         if self.lora_slots is not None:

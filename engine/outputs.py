@@ -127,3 +127,14 @@ class ModelRunnerOutput:
     # (req_id -> tokens, and their logprobs where asked); the rest of its drafts were rejected.
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_draft_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class DraftAsk:
+    """The driver's ask to a draft model on the workers (speculative decoding, method "draft_model"), before a step:
+    for each running decode request, how many tokens it knows (the worker's copy must hold as many: it catches up
+    on those its draft has not seen) and how many drafts it may take. The answer: req id -> its drafts (possibly
+    fewer, or none)."""
+
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    max_drafts: dict[str, int] = field(default_factory=dict)

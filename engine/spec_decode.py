@@ -6,11 +6,16 @@
                             and one token of its own: 1 to d + 1 tokens a step
              update_from_output() ──► appends them; the rejected drafts' KV slots are given back (BlockManager.shrink)
 
-A proposer sees only token ids on the driver. The n-gram proposer (prompt lookup) finds the latest earlier
-occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the up
-to k tokens that followed it. Its draft distribution is one-hot, which is what the verification assumes
-(kernels/rejection_sampler.py). A draft model or an EAGLE head would be a `Proposer` too, run on the workers, that
-also returns its draft probabilities; neither is built.
+Two kinds of proposer plug in here. A `Proposer` sees one sequence's token ids on the driver: the n-gram proposer
+(prompt lookup) finds the latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down
+to prompt_lookup_min) and proposes the up to k tokens that followed it. A `BatchProposer` sees the step's speculating
+requests at once: the draft-model proposer asks the executor (`Executor.propose_drafts`), whose workers run a smaller
+model with the target's vocabulary (workers/draft_runner.py: it catches up on the tokens it has not seen, then k
+greedy steps). Both give one-hot draft distributions, which is what the verification assumes
+(kernels/rejection_sampler.py); a sampled draft with its probabilities, or an EAGLE head (a BatchProposer whose
+workers also read the target's hidden states), would return those probabilities too: neither is built.
+
+A proposer that fails proposes nothing: the step runs without drafts, and no request fails for it.
 
 A request with a grammar speculates within it: its drafts are cut to the longest prefix its grammar accepts
 (`RequestGrammar.valid_prefix`), and the step's bitmask has a row for each of its positions (the grammar's state
@@ -21,21 +26,53 @@ the previous step's accepted tokens on the host).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from engine.config import SpeculativeConfig
+from engine.outputs import DraftAsk
 
 if TYPE_CHECKING:
+    from engine.executor import Executor
     from engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 class Proposer(Protocol):
     def propose(self, token_ids: np.ndarray) -> list[int]:
         """Up to k draft tokens to follow `token_ids` (the sequence's known tokens, int64), possibly none."""
         ...
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Up to max_drafts[i] draft tokens for each request (decode requests: every known token but the last is in
+        the KV cache), possibly none."""
+        ...
+
+
+@dataclass
+class DraftModelProposer:
+    """A draft model on the workers: one executor call a step for every speculating request. A failed call (a
+    worker's draft forward raised) gives no drafts; the worker drops its draft state and catches up next time."""
+
+    executor: Executor
+
+    def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        ask = DraftAsk({r.req_id: r.num_tokens for r in requests},
+                       {r.req_id: n for r, n in zip(requests, max_drafts)})
+        try:
+            drafts = self.executor.propose_drafts(ask)
+        except Exception:  # noqa: BLE001 - a draft that fails fails no request: the step runs without drafts
+            logger.exception("the draft model failed: this step runs without drafts")
+            return [[] for _ in requests]
+        return [list(drafts.get(r.req_id, ()))[:n] for r, n in zip(requests, max_drafts)]
 
 
 @dataclass
@@ -128,19 +165,27 @@ class SpecDecoder:
     """Proposes drafts for the running requests before each schedule() (the scheduler trims them to its budget),
     when speculating pays: `should_speculate` weighs the tokens a verify step is expected to give (the acceptance
     measured over recent drafts) against its cost over a plain step (`StepCostModel`, from the engine's own step
-    times), so large batches, where a step's extra positions cost nearly what they give, run without drafts (and
-    with overlapped steps again). One step in `PROBE_EVERY` speculates anyway, so the acceptance stays current."""
+    times) plus the proposer's (`propose_s`: a draft model's passes before the step), so large batches, where a
+    step's extra positions cost nearly what they give, run without drafts (and with overlapped steps again). One
+    step in `PROBE_EVERY` speculates anyway, so the acceptance stays current."""
 
     PROBE_EVERY = 32
     ACCEPTANCE_DECAY = 0.9  # per step with drafts: the acceptance is an average over about the last 10
+    PROPOSE_DECAY = 0.9  # the proposer's time a step, likewise
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, executor: Executor | None = None):
         self.config = config
-        self.proposer: Proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                                config.prompt_lookup_max)
+        self.proposer: Proposer | BatchProposer
+        if config.method == "draft_model":
+            assert executor is not None, "a draft model runs on the executor's workers"
+            self.proposer = DraftModelProposer(executor)
+        else:
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                          config.prompt_lookup_max)
         self.cost = StepCostModel()
         self.acceptance: float | None = None  # None until a draft was scored
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
+        self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self._steps_since_drafts = 0
 
     def should_speculate(self, num_running: int) -> bool:
@@ -151,8 +196,18 @@ class SpecDecoder:
         if num_running == 0 or self.acceptance is None or self._steps_since_drafts >= self.PROBE_EVERY:
             return True
         k = self.config.num_speculative_tokens
-        ratio = self.cost.ratio(num_running, num_running * (1 + k))
-        return ratio is None or expected_tokens(self.acceptance, k) > ratio
+        fitted = self.cost.fit()
+        if fitted is None:
+            return True
+        fixed, per_token = fitted
+        plain_s = fixed + num_running * per_token
+        verify_s = fixed + num_running * (1 + k) * per_token + (self.propose_s or 0.0)  # the drafts' own cost too
+        return expected_tokens(self.acceptance, k) > verify_s / plain_s
+
+    def record_propose(self, seconds: float) -> None:
+        """A step's proposer time (a draft model's passes, the n-gram lookup): its average moves toward it."""
+        self.propose_s = seconds if self.propose_s is None else (
+            self.PROPOSE_DECAY * self.propose_s + (1 - self.PROPOSE_DECAY) * seconds)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """A step's drafts scored: the acceptance average moves toward its rate."""
@@ -172,16 +227,27 @@ class SpecDecoder:
         return speculate
 
     def propose(self, running: list[Request], speculate: bool = True) -> None:
-        """Drafts for the running requests that can take them (none for any when not `speculate`)."""
+        """Drafts for the running requests that can take them (none for any when not `speculate`): one call of a
+        BatchProposer for all of them, or the Proposer for each."""
+        k = self.config.num_speculative_tokens
+        asked, rooms = [], []
         for req in running:
-            req.spec_token_ids = self.propose_for(req) if speculate and can_speculate(req) else []
-
-    def propose_for(self, req: Request) -> list[int]:
-        room = req.max_tokens - req.num_output_tokens - 1  # the step samples one token of its own too
-        if room <= 0:
-            return []
-        drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))[:room]
-        return req.grammar.valid_prefix(drafts) if req.grammar is not None and drafts else drafts
+            req.spec_token_ids = []
+            room = min(k, req.max_tokens - req.num_output_tokens - 1)  # the step samples one token of its own too
+            if speculate and room > 0 and can_speculate(req):
+                asked.append(req)
+                rooms.append(room)
+        if not asked:
+            return
+        start = time.perf_counter()
+        if isinstance(self.proposer, BatchProposer):
+            drafts = self.proposer.propose_batch(asked, rooms)
+        else:
+            drafts = [self.proposer.propose(np.asarray(r.all_token_ids, dtype=np.int64)) for r in asked]
+        self.record_propose(time.perf_counter() - start)
+        for req, room, d in zip(asked, rooms, drafts):
+            d = list(d[:room])  # a grammar keeps the longest prefix it accepts
+            req.spec_token_ids = req.grammar.valid_prefix(d) if req.grammar is not None and d else d
 
 
 def can_speculate(req: Request) -> bool:

@@ -15,12 +15,13 @@ import torch
 from engine import envs
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
-from engine.outputs import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.outputs import DraftAsk, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.startup import StartupTimes
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
 from kernels.fp8 import FP8_DTYPE
 from workers import parallel
+from workers.draft_runner import DraftRunner
 from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import (
     HostKVPool,
@@ -55,6 +56,8 @@ class Worker:
         self.model = None
         self.lora: LoRAManager | None = None  # adapter slots, with enable_lora
         self.runner: ModelRunner | None = None
+        self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the target
+        self.draft: DraftRunner | None = None
         self.startup = StartupTimes()
         configure_kernels(kernel_settings())
 
@@ -82,6 +85,10 @@ class Worker:
             self.model = load_model(model_config.hf_config, model_config.model, self.dtype, self.device,
                                     model_config.load_format, model_config.seed, model_config.max_model_len,
                                     model_config.quant_config)
+            draft = self._draft_model_config()
+            if draft is not None:  # before the KV profile: its weights take their memory first
+                self.draft_model = load_model(draft.hf_config, draft.model, self.dtype, self.device, draft.load_format,
+                                              draft.seed, draft.max_model_len, draft.quant_config)
             if self.config.lora is not None:  # before the KV profile: the slots take their memory first
                 self.lora = LoRAManager(self.model, self.config.lora, model_config.hf_config, self.dtype, self.device)
         if self.kv_dtype == FP8_DTYPE:
@@ -91,20 +98,35 @@ class Worker:
             logger.info("rank %d: KV cache in float8_e4m3fn, per-head scales %s .. %s (K), %s .. %s (V)", self.rank,
                         *_scale_range(k for k, _ in scales), *_scale_range(v for _, v in scales))
 
+    def _draft_model_config(self):
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.draft_model_config is not None, "create_engine_config reads the draft model's checkpoint"
+        return spec.draft_model_config
+
     @property
     def block_bytes(self) -> int:
         return self.model.kv_layout.bytes_per_block(self.config.cache.block_size, self.kv_dtype)
 
+    @property
+    def draft_block_bytes(self) -> int:
+        """A block of the draft's pool (as many blocks as the target's, in the model dtype); 0 without a draft."""
+        if self.draft_model is None:
+            return 0
+        return self.draft_model.kv_layout.bytes_per_block(self.config.cache.block_size, self.dtype)
+
     def determine_num_blocks(self) -> int:
-        """How many KV blocks fit on this rank (the executor takes the minimum over ranks)."""
+        """How many KV blocks fit on this rank (the executor takes the minimum over ranks). A draft model's pool
+        has as many blocks as the target's: each block's bytes count both."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if self.device_kind == "cpu":
-            return num_blocks_cpu(cache.cpu_kv_cache_bytes, self.block_bytes)
+            return num_blocks_cpu(cache.cpu_kv_cache_bytes, self.block_bytes + self.draft_block_bytes)
         with self.startup.phase("kv_profile"):
             self._profile_run()
-            return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes)
+            return num_blocks_gpu(self.device, cache.gpu_memory_utilization, self.block_bytes + self.draft_block_bytes)
 
     def determine_num_host_blocks(self) -> int:
         """How many blocks the host tier holds on this rank (the executor takes the minimum over ranks)."""
@@ -146,6 +168,8 @@ class Worker:
                                       use_cuda_graphs=not (self.config.parallel.enforce_eager
                                                            or references_forced()), host_pool=host_pool,
                                       lora=self.lora, spec_tokens=spec.num_speculative_tokens if spec else 0)
+        if self.draft_model is not None:
+            self._init_draft(num_blocks)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
                     self.config.cache.block_size, num_blocks * self.block_bytes / 2**30, self.kv_dtype)
         if host_pool is not None:  # the operator's memory: say how much
@@ -157,6 +181,20 @@ class Worker:
                 if self.rank == 0:  # the rank that samples
                     warm_up_grammar_mask(self.model.vocab_size, self.device)
                     warm_up_sampler(self.model.vocab_size, self.device)
+
+    def _init_draft(self, num_blocks: int) -> None:
+        """The draft model's runner and its own KV pool (num_blocks blocks in the model dtype)."""
+        with self.startup.phase("kv_alloc"):
+            caches = allocate_kv_caches(self.draft_model.kv_layout, num_blocks, self.config.cache.block_size,
+                                        self.dtype, self.device)
+        self.draft = DraftRunner(self.draft_model, caches, num_blocks, self.config.cache.block_size, self.device,
+                                 self.config.scheduler, self.config.speculative.num_speculative_tokens, self.runner)
+        logger.info("rank %d: draft model %s, %d KV blocks of its own (%.2f GiB)", self.rank,
+                    self.config.speculative.model, num_blocks, num_blocks * self.draft_block_bytes / 2**30)
+
+    def propose_drafts(self, ask: DraftAsk) -> dict[str, list[int]]:
+        assert self.draft is not None, "no draft model on this worker"
+        return self.draft.propose(ask)
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_blocks: int) -> None:
@@ -209,6 +247,8 @@ class Worker:
             self.lora.shutdown()
         self.runner = None
         self.model = None
+        self.draft = None
+        self.draft_model = None
         parallel.destroy_parallel()
 
 
@@ -243,6 +283,13 @@ class InProcessExecutor(Executor):
 
     def take_lora_reads(self) -> dict[int, str | None]:
         return self.worker.take_lora_reads()
+
+    def propose_drafts(self, ask: DraftAsk) -> dict[str, list[int]]:
+        return _as_executor_error(self.worker.propose_drafts, ask)
+
+    def check_integrity(self) -> None:
+        if self.worker.draft is not None:
+            self.worker.draft.check_integrity()
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

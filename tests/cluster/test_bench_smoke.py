@@ -232,6 +232,17 @@ def test_bench_spec_decode_compares_with_the_plain_engine(tmp_path):
     assert result["speculative_config"]["num_speculative_tokens"] == 3
 
 
+def test_bench_spec_decode_with_a_draft_model(tmp_path):
+    """The tiny model drafting for itself: every draft accepted, the plain engine's output."""
+    config = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}'
+    result = _run(tmp_path, "bench", "spec-decode", "--model", "tiny", "--device", "cpu", "--block-size", "4",
+                  "--num-kv-blocks", "64", "--speculative-config", config, "--batch-size", "2", "--max-tokens", "12",
+                  "--repeats", "1")
+    (row,) = result["results"]
+    assert row["identical"] and row["output_tokens"] > 0 and row["acceptance"] == 1.0
+    assert result["speculative_config"]["method"] == "draft_model"
+
+
 def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
     """--lora-adapters with --speculative-config: four engines (base and LoRA, each plain then speculative), every
     case on each; the forced-drafts variant verifies k drafts every step (the verify step's cost)."""

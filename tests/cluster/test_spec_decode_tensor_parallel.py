@@ -28,3 +28,27 @@ def test_tp2_speculation_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoint
         _assert_same(plain[:2], again)
     finally:
         llm.shutdown()
+
+
+def test_tp2_draft_model_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoints):
+    """The draft model sharded over the same two ranks as the target (the tiny Llama drafting for itself): every
+    rank runs its passes (rank 0's argmax broadcast as the next input), rank 0's drafts are the step's; the plain
+    tp=2 output, every draft accepted, and both ranks' draft books consistent, under preemption and chunked
+    prefill."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, ignore_eos=True)
+    model = tiny_checkpoints["llama"]
+    args = dict(model=model, dtype="float32", device="cpu", tensor_parallel_size=2,
+                **(STRESS | {"max_num_batched_tokens": 24}))
+    plain_llm = LLM(**args)
+    plain = plain_llm.generate(PROMPTS, params, use_tqdm=False)
+    plain_llm.shutdown()
+    llm = LLM(**args, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    try:
+        spec = llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.engine.check_integrity()  # both ranks' draft pools (RayExecutor.check_integrity)
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_draft_tokens > 30 and stats.acceptance_rate == 1.0
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_same(plain, spec)
+    finally:
+        llm.shutdown()

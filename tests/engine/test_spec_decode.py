@@ -28,7 +28,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 @pytest.mark.parametrize("bad, field", [
     ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "speculative_config.lookahead"),
     ({"method": "medusa2", "num_speculative_tokens": 4}, "speculative_config.method"),
-    ({"method": "draft_model", "num_speculative_tokens": 4}, "speculative_config.method"),
+    ({"method": "eagle", "num_speculative_tokens": 4}, "speculative_config.method"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
@@ -39,7 +39,7 @@ def test_bad_speculative_configs_are_refused_naming_the_key(bad, field):
     with pytest.raises(ParamError) as e:
         EngineArgs(speculative_config=bad)
     assert e.value.param == field
-    if bad == {"method": "draft_model", "num_speculative_tokens": 4}:
+    if bad == {"method": "eagle", "num_speculative_tokens": 4}:
         assert "not built" in str(e.value)
 
 
