@@ -77,34 +77,6 @@ def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_m
 
 
 @triton.jit
-def _rows_times_b(acc, yv, bv, HI_LO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + y [M, R] (float32, zeros on the rows of other slots) @ B [N, R].T of one slot."""
-    if HI_LO:  # y = hi + lo, both in B's dtype: two 16-bit dots keep 16 bits of y's mantissa
-        hi = yv.to(bv.dtype)
-        lo = (yv - hi.to(tl.float32)).to(bv.dtype)
-        if UPCAST:
-            hi, lo, bv = hi.to(tl.float32), lo.to(tl.float32), bv.to(tl.float32)
-        acc += tl.dot(hi, tl.trans(bv), input_precision=PRECISION)
-        acc += tl.dot(lo, tl.trans(bv), input_precision=PRECISION)
-    else:
-        acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _tile_rows(order_ptr, num_tokens, BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
-    """The rows of this program's tile (program_id(1)) and which exist: BLOCK_M consecutive rows, or with SORTED
-    the rows at those positions of `order` (the rows sorted by slot: a tile then holds one or two slots)."""
-    positions = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = positions < num_tokens
-    if SORTED:
-        rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
-    else:
-        rows = positions.to(tl.int64)
-    return rows, row_mask
-
-
-@triton.jit
 def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
     """y's slice; Y_ALIGNED (its strides multiples of 4, as shrink writes it): so the compiler knows, and loads
     and stores 4 floats at a time (the slice stride, T * R, is not specialized on)."""
@@ -117,17 +89,19 @@ def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
 # The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
 # while requests wait.
 @triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
                         stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
                         NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[slice, rows of the tile] (+)= x[rows] @ A[slot(row), slice].T over one K split. Grid: (slices x splits,
     row tiles); a tile's slices run side by side and share its x rows in L2."""
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     slice_id, split = pid % NUM_SLICES, pid // NUM_SLICES
-    rows, row_mask = _tile_rows(order_ptr, num_tokens, BLOCK_M, SORTED)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_tokens
+    rows = rows.to(tl.int64)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     ranks = tl.arange(0, BLOCK_R)
     k_lo = split * k_blocks_per_split * BLOCK_K  # a multiple of BLOCK_K, as the compiler sees: vector loads, pipelined
@@ -163,17 +137,19 @@ def _slice_of(pid_n, first_block1, first_block2, start0, start1, start2, end0, e
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
-def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens, R, first_block1, first_block2,
+def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_block1, first_block2,
                         start0, start1, start2, end0, end1, end2, stride_ot, stride_yi, stride_yt, stride_bs,
                         stride_bn, HI_LO: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """out[rows, columns of one slice's block] = round(out + y[slice, rows] @ B[slot(row), columns].T), rows of
     slot -1 untouched. Grid: (column blocks of all slices, row tiles)."""
     wait_for_prior(PDL)
     slice_id, first, end = _slice_of(tl.program_id(0), first_block1, first_block2, start0, start1, start2, end0,
                                      end1, end2, BLOCK_N)
-    rows, row_mask = _tile_rows(order_ptr, num_tokens, BLOCK_M, SORTED)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_tokens
+    rows = rows.to(tl.int64)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     cols = first + tl.arange(0, BLOCK_N)
     col_mask = cols < end
@@ -187,7 +163,15 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens,
                      mask=is_slot[:, None] & rank_mask[None, :], other=0.0)
         bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + ranks[None, :],
                      mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
-        acc = _rows_times_b(acc, yv, bv, HI_LO, UPCAST, PRECISION)
+        if HI_LO:  # y = hi + lo, both in B's dtype: two 16-bit dots keep 16 bits of y's mantissa
+            hi = yv.to(bv.dtype)
+            lo = (yv - hi.to(tl.float32)).to(bv.dtype)
+            if UPCAST:
+                hi, lo, bv = hi.to(tl.float32), lo.to(tl.float32), bv.to(tl.float32)
+            acc += tl.dot(hi, tl.trans(bv), input_precision=PRECISION)
+            acc += tl.dot(lo, tl.trans(bv), input_precision=PRECISION)
+        else:
+            acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
         slot = _next_slot(slots, slot)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
     out_mask = (row_mask & (slots >= 0))[:, None] & col_mask[None, :]
@@ -269,20 +253,10 @@ def _block_r(rank: int) -> int:
     return max(16, next_power_of_2(rank))
 
 
-def _check_order(order: torch.Tensor | None, num_tokens: int) -> None:
-    if order is not None and (order.dim() != 1 or order.shape[0] != num_tokens):
-        raise ValueError(f"order must be [T={num_tokens}] (a permutation of the rows), got {tuple(order.shape)}")
-    if order is not None:
-        check_dtype("order", order, (torch.int32, torch.int64))
-
-
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
-                       config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning). order: the rows
-    sorted by slot (`torch.argsort(slots)`, a permutation of 0..T-1), for tiles of one or two slots where a decode
-    batch's rows interleave many adapters; the same y either way."""
+                       config: dict | None = None) -> torch.Tensor:
+    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning)."""
     _check_shrink(x, lora_a, slots)
-    _check_order(order, x.shape[0])
     check_launchable(x, lora_a, slots)
     for name, t in (("x", x), ("lora_a", lora_a)):
         check_last_dim_contiguous(name, t)
@@ -297,23 +271,19 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
     k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
     _lora_shrink_kernel[grid](
-        x, lora_a, slots, slots if order is None else order, y, num_tokens, k, rank, k_blocks_per_split,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), y.stride(0), y.stride(1),
-        NUM_SLICES=num_slices, ATOMIC=split_k > 1,
+        x, lora_a, slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices, ATOMIC=split_k > 1,
         Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], SORTED=order is not None, **pdl_options(x.device),
-        num_warps=cfg["num_warps"],
+        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return y
 
 
 def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                       slice_starts: tuple[int, ...], config: dict | None = None,
-                       order: torch.Tensor | None = None) -> None:
-    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys; order as `lora_shrink_triton`'s."""
+                       slice_starts: tuple[int, ...], config: dict | None = None) -> None:
+    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys."""
     _check_expand(out, y, lora_b, slots, slice_starts)
-    _check_order(order, out.shape[0])
     check_launchable(out, y, lora_b, slots)
     for name, t in (("out", out), ("y", y), ("lora_b", lora_b)):
         check_last_dim_contiguous(name, t)
@@ -333,13 +303,11 @@ def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     if grid[0] == 0:
         return
     _lora_expand_kernel[grid](
-        out, y, lora_b, slots, slots if order is None else order, num_tokens, rank, *first_blocks, *slice_starts,
-        *pad, *ends, *pad, out.stride(0), y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1),
-        HI_LO=out.dtype != torch.float32,
+        out, y, lora_b, slots, num_tokens, rank, *first_blocks, *slice_starts, *pad, *ends, *pad, out.stride(0),
+        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), HI_LO=out.dtype != torch.float32,
         Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), SORTED=order is not None,
-        **pdl_options(out.device),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), **pdl_options(out.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

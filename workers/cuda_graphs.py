@@ -12,11 +12,6 @@ attention launch shape is fixed at capture time.
                         and `InputBuffers.pad_verify` gives the rest to the last row (no KV write). The packed-prefill
                         attention kernel reads each row's query length from query_start_loc on the device; its
                         grid depends only on the token and sequence counts (kernels/paged_attention.py)
-
-With LoRA slots each decode bucket has two graphs: one that runs the adapters' kernels (each token's slot and the
-rows' order read from the device buffers at replay) and one without them, replayed when no sequence of the step has
-an adapter, so a step of base requests launches none of them. The host picks the graph; neither depends on host
-values. The verify graphs always carry the adapters.
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ class CudaGraphRunner:
         max_tokens = buffers.dev["input_ids"].shape[0]
         self.verify_buckets = verify_buckets(self.buckets, spec_tokens, max_tokens,
                                              buffers.max_blocks_per_seq * buffers.block_size)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, use_lora)
-        self.lora_variants = (True, False) if buffers.has_lora else (False,)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_verify_replays = 0  # verify steps run by a graph (tests and benchmarks read it)
         self.pool = None
@@ -92,16 +86,14 @@ class CudaGraphRunner:
         for batch in reversed(self.buckets):
             self.buffers.pad_decode(0, batch)
             self.buffers.copy_to_device(batch, batch, cols)
-            for use_lora in self.lora_variants:
-                self.graphs[batch, use_lora] = self._capture(batch, batch, 1, use_lora)
+            self.graphs[batch] = self._capture(batch, batch, 1)
         logger.info("captured %d decode CUDA graphs (batch 1..%d) and %d verify graphs (%d tokens a sequence) in "
                     "%.1f s", len(self.graphs), self.max_batch, len(self.verify_graphs), self.spec_tokens + 1,
                     time.perf_counter() - start)
 
-    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int, use_lora: bool | None = None,
+    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int,
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq,
-                                               use_lora)
+        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self.model(ids, pos, self.kv_caches, meta)
         torch.cuda.synchronize()
@@ -115,16 +107,15 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         return graph, hidden
 
-    def replay(self, num_seqs: int, feed=None, use_lora: bool = True) -> torch.Tensor:
+    def replay(self, num_seqs: int, feed=None) -> torch.Tensor:
         """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows; `feed` then
-        writes device-resident input tokens (overlapped steps) before the replay. use_lora=False (no sequence has
-        an adapter) replays the graph without the adapters' kernels, where there is one."""
+        writes device-resident input tokens (overlapped steps) before the replay."""
         padded = self.padded_size(num_seqs)
         self.buffers.pad_decode(num_seqs, padded)
         self.buffers.copy_to_device(padded, padded, self.buffers.max_blocks_per_seq)
         if feed is not None:
             feed()
-        graph, hidden = self.graphs[padded, use_lora and self.buffers.has_lora]
+        graph, hidden = self.graphs[padded]
         graph.replay()
         return hidden[:num_seqs]
 

@@ -8,10 +8,9 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
     o_proj         -              this rank's input columns         out (whole)
     down_proj      -              this rank's input columns         out (whole)
 
-A step's forward adds each token's delta, `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)`,
-to each such layer's output (workers/layers/linear.py), every token with its own slot: no loop over adapters
-(kernels/lora_fused.py: one fused kernel for decode-sized steps; gate_up's expand fused into its SiLU-and-mul).
-A slot an adapter leaves a module out of holds zeros there.
+A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
+output (workers/layers/linear.py), every token with its own slot: no loop over adapters. A slot an adapter leaves
+a module out of holds zeros there.
 
 An adapter reaches a slot in two moves, both ordered by the driver's steps (engine/lora.py LoRAHostCache):
 
@@ -37,8 +36,7 @@ from safetensors.torch import load_file
 
 from engine.config import LoRAConfig
 from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
-from kernels.lora import MAX_RANK
-from kernels.lora_fused import lora_apply, lora_silu_and_mul
+from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -68,15 +66,9 @@ class LoRAWeights:
     b: torch.Tensor  # [max_loras, out_features (this rank's part), max_lora_rank], scaling folded in
     slice_starts: tuple[int, ...]  # each slice's first output column
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, order: torch.Tensor | None = None) -> None:
-        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: the rows sorted by slot
-        lora_apply(out, x, self.a, self.b, slots, self.slice_starts, order=order)
-
-    def apply_gated(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
-                    order: torch.Tensor | None = None) -> torch.Tensor:
-        # a gate_up layer: silu(gate') * up' [T, N / 2] of out [T, N] + each token's delta (out may change)
-        assert self.slice_starts == (0, out.shape[1] // 2), "a gated layer's slices are gate ; up, of equal widths"
-        return lora_silu_and_mul(out, x, self.a, self.b, slots, order=order)
+    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]
+        lora_expand(out, lora_shrink(x, self.a, slots), self.b, slots, self.slice_starts)
 
 
 @dataclass

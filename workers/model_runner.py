@@ -291,15 +291,15 @@ class ModelRunner:
                        if start + count == len(tokens) + s.num_pending]
         feed = self._feed(feed_positions, feed_rows)
         max_query_len = max(counts)
-        use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows only skips the adapters
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
-            return self.graphs.replay(len(states), feed, use_lora), sample_rows
+            return self.graphs.replay(len(states), feed), sample_rows
         if drafts and self.graphs is not None and self.graphs.can_verify(len(states), max_query_len) \
                 and len(sample_rows) == len(states) \
                 and all(count == 1 + len(drafts.get(s.req_id, ())) for s, count in zip(states, counts)):
             return self.graphs.replay_verify(len(states), num_tokens, feed), sample_rows  # decodes, 0..k drafts
         self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
         feed()
+        use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows only skips the adapters
         ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols,
                                                      use_lora)
         return self.model(ids, positions, self.kv_caches, meta), sample_rows

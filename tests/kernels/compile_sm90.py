@@ -76,7 +76,6 @@ import kernels.linear as linear  # noqa: E402
 import kernels.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.linear_int as linear_int  # noqa: E402
 import kernels.lora as lora  # noqa: E402
-import kernels.lora_fused as lora_fused  # noqa: E402
 import kernels.mla_attention as mla_attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.moe_quant as moe_quant  # noqa: E402
@@ -86,13 +85,12 @@ import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
-for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, lora_fused, mla_attention,
-               moe, moe_quant, paged_attention, rms_norm, rotary, sampling, rejection_sampler):
+for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe,
+               moe_quant, paged_attention, rms_norm, rotary, sampling, rejection_sampler):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
 linear_int.upcast_dot_operands = moe_quant.upcast_dot_operands = lora.upcast_dot_operands = lambda *args: False
-lora_fused.upcast_dot_operands = lambda *args: False
 mla_attention.upcast_dot_operands = lambda *args: False
 
 CASE = ["?"]
@@ -410,19 +408,17 @@ def compile_int_gemm() -> None:
 LORA_8B = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted=False):
-    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked; is_sorted: tiling the rows
-    sorted by slot)."""
+def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8):
+    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked)."""
     in_features, widths = LORA_8B[layer]
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
-    order = int32(rows) if is_sorted else None
     CASE[0] = f"lora shrink {name}"
     lora.lora_shrink_triton(empty(rows, in_features, dtype=dtype),
-                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows), order=order)
+                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows))
     CASE[0] = f"lora expand {name}"
     lora.lora_expand_triton(empty(rows, sum(widths), dtype=dtype), empty(len(widths), rows, rank,
                                                                          dtype=torch.float32),
-                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts, order=order)
+                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts)
 
 
 def compile_lora() -> None:
@@ -439,37 +435,6 @@ def compile_lora() -> None:
         lora_layer(f"qkv r128, {rows} rows", rows, "qkv", 128)
     lora_layer("qkv r16 fp32, 4 rows", 4, "qkv", 16, dtype=torch.float32)
     lora_layer("gate_up r16 fp16, 512 rows", 512, "gate_up", 16, dtype=torch.float16)
-    for rank in (16, 64):
-        lora_layer(f"qkv r{rank}, 256 rows sorted", 256, "qkv", rank, is_sorted=True)
-
-
-def compile_lora_fused() -> None:
-    """kernels/lora_fused.py: the fused decode kernel (shrink and expand in one) at decode sizes, every rank's tiles
-    and float32; the expand fused into the SiLU-and-mul at gate_up's shape from decode batches to prefill, at the
-    ranks its dispatcher gives it (up to SILU_MAX_RANK)."""
-    for rank in (16, 64, 128):
-        for layer in LORA_8B:
-            for rows in (1, 3, 16):
-                CASE[0] = f"lora fused {layer} r{rank}, {rows} rows"
-                in_features, widths = LORA_8B[layer]
-                lora_fused.lora_fused_triton(empty(rows, sum(widths)), empty(rows, in_features),
-                                             empty(8, len(widths), rank, in_features), empty(8, sum(widths), rank),
-                                             int32(rows), tuple(sum(widths[:i]) for i in range(len(widths))))
-        for rows in (16, 64, 256, 2048, 8192) if rank <= lora_fused.SILU_MAX_RANK else ():
-            CASE[0] = f"lora expand_silu gate_up r{rank}, {rows} rows"
-            lora_fused.lora_expand_silu_triton(empty(rows, 2 * 14336), empty(2, rows, rank, dtype=torch.float32),
-                                               empty(8, 2 * 14336, rank), int32(rows))
-    CASE[0] = "lora fused qkv r16 fp32, 4 rows"
-    lora_fused.lora_fused_triton(empty(4, 6144, dtype=torch.float32), empty(4, 4096, dtype=torch.float32),
-                                 empty(8, 3, 16, 4096, dtype=torch.float32), empty(8, 6144, 16, dtype=torch.float32),
-                                 int32(4), (0, 4096, 5120))
-    CASE[0] = "lora expand_silu gate_up r16, 256 rows sorted"
-    lora_fused.lora_expand_silu_triton(empty(256, 2 * 14336), empty(2, 256, 16, dtype=torch.float32),
-                                       empty(8, 2 * 14336, 16), int32(256), order=int32(256))
-    CASE[0] = "lora expand_silu gate_up r16 fp16, 512 rows"
-    lora_fused.lora_expand_silu_triton(empty(512, 2 * 14336, dtype=torch.float16),
-                                       empty(2, 512, 16, dtype=torch.float32),
-                                       empty(8, 2 * 14336, 16, dtype=torch.float16), int32(512))
 
 
 def main() -> int:
@@ -560,7 +525,6 @@ def main() -> int:
         compile_moe_quant()
         compile_mla()
         compile_lora()
-        compile_lora_fused()
     except Exception as exc:  # noqa: BLE001
         print(f"compile failed in {CASE[0]}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         return 1

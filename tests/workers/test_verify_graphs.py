@@ -67,9 +67,8 @@ class _EagerGraph:
 
 
 class _CpuGraphRunner(CudaGraphRunner):
-    def _capture(self, num_tokens, num_seqs, max_query_len, use_lora=None):
-        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq,
-                                               use_lora)
+    def _capture(self, num_tokens, num_seqs, max_query_len):
+        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
         graph = _EagerGraph(lambda: self.model(ids, pos, self.kv_caches, meta))
         return graph, graph.output
 
