@@ -1,6 +1,7 @@
 """Quality of a quantized model against its full-precision self, teacher-forced at fixed positions:
 
     pagoda bench quality --model DIR --quantization fp8 --kv-cache-dtype fp8 [--positions 256]
+    pagoda bench quality --model DIR --quantization awq|gptq [--int4-group-size 128] [--int4-sym|--no-int4-sym]
 
 transformers (float32) reads a fixed English passage (PASSAGE, as many copies as the positions need) and gives
 the log-softmax at every position; Pagoda, built as `pagoda` would build it from the same flags, runs the same
@@ -15,11 +16,23 @@ SmolLM2-135M-Instruct (checkpoints/builtin.py); any Hugging Face checkpoint dire
 (an FP8 checkpoint with `--reference` its full-precision source). `--ablations` adds FP8 weights alone and FP8 KV
 alone; `--kv-scales layer` calibrates one KV scale per layer instead of per head (the comparison behind the
 default). Runs on one rank (tensor_parallel_size 1).
+
+`--quantization awq` or `gptq` on a float checkpoint first writes, into a temporary directory, its round-to-nearest
+int4 checkpoint (checkpoints/int4_rtn.py, packed as AutoAWQ / AutoGPTQ pack: AWQ asymmetric in its GEMM layout,
+GPTQ v1 symmetric by default or asymmetric with `--no-int4-sym`, no act-order) with `--int4-group-size` groups, or
+the largest halving of it that every linear's input features are a multiple of (SmolLM2-135M's hidden 576: 64),
+said in the output; and beside it the float32 checkpoint of the dequantized weights. Pagoda runs on the int4 one;
+two more figures: transformers on the dequantized weights against the unquantized model (the quantization error
+alone, the row "transformers, int4 weights dequantized"), and Pagoda's int4 run against that dequantized model
+(`int4.pagoda_vs_dequantized`: the kernels' error alone, float tolerance in float32). The FP8 bar is not applied.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
 
 import torch
@@ -55,6 +68,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="the full-precision checkpoint to compare with (default: --model; give it for an FP8 one)")
     parser.add_argument("--ablations", action="store_true",
                         help="also run the FP8 weights alone (kv auto) and the FP8 KV alone (weights as stored)")
+    parser.add_argument("--int4-group-size", type=int, default=128,
+                        help="awq / gptq on a float model: the group of the int4 checkpoint written (or the largest "
+                             "halving of it that divides every linear's input features)")
+    parser.add_argument("--int4-sym", action=argparse.BooleanOptionalAction, default=None,
+                        help="gptq: symmetric (default) or asymmetric zero points; awq is always asymmetric")
     parser.add_argument("--output-json", default=None)
 
 
@@ -126,6 +144,30 @@ def build_worker(args, model_dir: str, quantization, kv_cache_dtype: str, num_to
     return worker
 
 
+def int4_format(args, model_dir: str):
+    """awq / gptq on a float checkpoint: the Int4Format to write and a line saying it (group chosen); None when
+    the quantization is another or the checkpoint carries its own quantization_config."""
+    from checkpoints import int4_rtn
+
+    if args.quantization not in ("awq", "gptq") or not os.path.isdir(model_dir):
+        return None
+    with open(os.path.join(model_dir, "config.json")) as f:
+        if "quantization_config" in json.load(f):
+            return None
+    if args.quantization == "awq" and args.int4_sym:
+        raise ValueError("--int4-sym: AWQ checkpoints are asymmetric (zero points); it is for gptq")
+    sym = args.quantization == "gptq" and args.int4_sym is not False
+    in_features = int4_rtn.linear_in_features(int4_rtn.read_tensors(model_dir))
+    group = int4_rtn.fit_group_size(in_features, args.int4_group_size)
+    fmt = int4_rtn.Int4Format(args.quantization, group, sym=sym)
+    note = f"{fmt.name} round-to-nearest (4 bits, group {group}"
+    if group != args.int4_group_size:
+        misfit = sorted({k for k in in_features.values() if k % args.int4_group_size})
+        note += f": input features {misfit} are not multiples of {args.int4_group_size}"
+    note += ", " + ("asymmetric, zero points" if not sym else "symmetric") + ")"
+    return fmt, note
+
+
 def main(args: argparse.Namespace) -> dict:
     from checkpoints.source import resolve_model
     from engine.tokenizer import load_tokenizer
@@ -134,23 +176,45 @@ def main(args: argparse.Namespace) -> dict:
     ids = passage_ids(load_tokenizer(model_dir), args.positions)
     start = time.perf_counter()
     ref = reference_logprobs(args.reference or model_dir, ids)
-    runs = [(None, "auto"), (args.quantization, args.kv_cache_dtype)]
-    if args.ablations:
-        runs += [(args.quantization, "auto"), (None, args.kv_cache_dtype)]
-    rows = []
-    for quantization, kv in runs:
-        name = f"pagoda, weights {quantization or 'as stored'}, kv {kv}" if rows else "pagoda, unquantized"
-        worker = build_worker(args, model_dir, quantization, kv, len(ids))
-        row = {"run": name, **compare(ref, pagoda_logprobs(worker, ids, args.chunk), args.positions)}
-        worker.shutdown()
-        rows.append(row)
-        print(f"{name:<48} top-1 {100 * row['top1_agreement']:6.2f}%  mean |dlogprob| "
+    with tempfile.TemporaryDirectory(prefix="pagoda-int4-") as tmp:
+        int4 = int4_format(args, model_dir)
+        quantized_dir = model_dir
+        if int4 is not None:
+            from checkpoints.int4_rtn import write_int4_checkpoint
+
+            quantized_dir, oracle_dir = os.path.join(tmp, int4[0].name), os.path.join(tmp, "dequantized")
+            write_int4_checkpoint(model_dir, quantized_dir, oracle_dir, int4[0])
+            print(f"int4 checkpoint: {int4[1]}")
+            oracle = reference_logprobs(oracle_dir, ids)
+        runs = [(None, "auto"), (args.quantization, args.kv_cache_dtype)]
+        if args.ablations:
+            runs += [(args.quantization, "auto"), (None, args.kv_cache_dtype)]
+        rows, ours = [], []
+        for quantization, kv in runs:
+            name = f"pagoda, weights {quantization or 'as stored'}, kv {kv}" if rows else "pagoda, unquantized"
+            worker = build_worker(args, quantized_dir if quantization else model_dir, quantization, kv, len(ids))
+            ours.append(pagoda_logprobs(worker, ids, args.chunk))
+            worker.shutdown()
+            rows.append({"run": name, **compare(ref, ours[-1], args.positions)})
+        if int4 is not None:
+            rows.append({"run": "transformers, int4 weights dequantized", **compare(ref, oracle, args.positions)})
+    for row in rows:
+        print(f"{row['run']:<48} top-1 {100 * row['top1_agreement']:6.2f}%  mean |dlogprob| "
               f"{row['mean_abs_delta_logprob']:.4f}  max {row['max_abs_delta_logprob']:.4f}")
-    quantized = rows[1]
-    passed = quantized["top1_agreement"] >= 0.97 and quantized["mean_abs_delta_logprob"] <= 0.05
-    print(f"target (>= 97% top-1, mean |dlogprob| <= 0.05): {'met' if passed else 'NOT MET'} "
-          f"({time.perf_counter() - start:.0f} s)")
     result = {"benchmark": "quality", "device": device_name(), "model": model_dir, "dtype": args.dtype,
-              "chunk": args.chunk, "kv_scales": args.kv_scales, "results": rows, "target_met": passed}
+              "chunk": args.chunk, "kv_scales": args.kv_scales, "results": rows}
+    if int4 is not None:
+        kernels = compare(oracle, ours[1], args.positions)
+        print(f"{'pagoda int4 against transformers dequantized':<48} top-1 {100 * kernels['top1_agreement']:6.2f}%  "
+              f"mean |dlogprob| {kernels['mean_abs_delta_logprob']:.2e}  max {kernels['max_abs_delta_logprob']:.2e}"
+              f" ({time.perf_counter() - start:.0f} s)")
+        result["int4"] = {"format": int4[0].name, "checkpoint": int4[1], "group_size": int4[0].group_size,
+                          "requested_group_size": args.int4_group_size, "sym": int4[0].sym,
+                          "quantization_config": int4[0].quantization_config(), "pagoda_vs_dequantized": kernels}
+    else:
+        quantized = rows[1]
+        result["target_met"] = quantized["top1_agreement"] >= 0.97 and quantized["mean_abs_delta_logprob"] <= 0.05
+        print(f"target (>= 97% top-1, mean |dlogprob| <= 0.05): {'met' if result['target_met'] else 'NOT MET'} "
+              f"({time.perf_counter() - start:.0f} s)")
     write_json(args.output_json, result)
     return result

@@ -102,6 +102,41 @@ def test_bench_quality_on_the_tiny_model(tmp_path):
         assert row["mean_abs_delta_logprob"] > 1e-5  # FP8 is a different computation, and it shows
 
 
+@pytest.mark.parametrize("method, sym", [("awq", None), ("gptq", True), ("gptq", False)])
+def test_bench_quality_int4_on_the_tiny_model(tmp_path, method, sym):
+    """--quantization awq / gptq on a float model: its round-to-nearest int4 checkpoint (group 128 asked, 64 taken:
+    the tiny model's hidden 64), Pagoda on it equal to transformers on the dequantized weights to float tolerance
+    (the kernels' error), both far from the unquantized model (the quantization's); the unquantized run exact."""
+    sym_flag = [] if sym is None else ["--int4-sym" if sym else "--no-int4-sym"]
+    result = _run(tmp_path, "bench", "quality", "--model", "tiny", "--positions", "40", "--quantization", method,
+                  *sym_flag, "--device", "cpu", "--dtype", "float32")
+    unquantized, int4, dequantized = result["results"]
+    assert (int4["run"], dequantized["run"]) == (f"pagoda, weights {method}, kv auto",
+                                                  "transformers, int4 weights dequantized")
+    assert unquantized["top1_agreement"] == 1.0 and unquantized["max_abs_delta_logprob"] < 1e-3
+    info = result["int4"]
+    assert (info["group_size"], info["requested_group_size"], info["sym"]) == (64, 128, method == "gptq" and sym)
+    assert "group 64: input features [64] are not multiples of 128" in info["checkpoint"]
+    qc = info["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"]) == (method, 4, 64)
+    assert qc.get("version", "gemm") == "gemm" and not qc.get("desc_act", False)
+    kernels = info["pagoda_vs_dequantized"]
+    assert kernels["top1_agreement"] == 1.0 and kernels["max_abs_delta_logprob"] < 1e-4
+    assert int4["mean_abs_delta_logprob"] > 1e-2  # int4 is another model, and it shows
+    assert int4["mean_abs_delta_logprob"] == pytest.approx(dequantized["mean_abs_delta_logprob"], abs=1e-4)
+
+
+def test_int4_group_size_fits_the_linears_or_is_refused():
+    from checkpoints.int4_rtn import fit_group_size
+
+    smollm2 = {"q_proj": 576, "o_proj": 576, "down_proj": 1536}  # SmolLM2-135M's input features
+    assert fit_group_size(smollm2, 128) == 64
+    assert fit_group_size({"down_proj": 1536}, 128) == 128
+    assert fit_group_size(smollm2, -1) == -1
+    with pytest.raises(ValueError, match="group_size 128: q_proj has 80 input features"):
+        fit_group_size({"q_proj": 80, "down_proj": 1536}, 128)
+
+
 @pytest.mark.slow  # runs transformers beside Pagoda: ~20 s
 def test_bench_throughput_beside_transformers(tmp_path):
     result = _run(tmp_path, "bench", "throughput", "--num-requests", "6", "--input-len-range", "8", "24",

@@ -8,7 +8,7 @@ logprobs agree to 1e-4 with, one rank on the dequantized float32 checkpoint.
 
 import pytest
 
-from tests import int4_checkpoints as ic
+from checkpoints import int4_rtn as ic
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_gguf_int import Q4_K_M, gguf_factory
 from tests.engine.test_int4_checkpoints import assert_same, generate, int4_factory

@@ -258,10 +258,10 @@ def test_a_gguf_on_a_gpu_is_served_from_its_blocks_by_default(ggufs, tmp_path_fa
     built-in SmolLM2 its Q4_1 file, not the float32 conversion), on CPU none (dequantized at load);
     quantization="none" dequantizes on a GPU too, and is refused for a checkpoint that is quantized. Only the config
     is made ("cuda" is not checked until a worker starts), so this runs here."""
+    from checkpoints import int4_rtn as ic
     from checkpoints.builtin import default_gguf_path
     from engine import config
     from engine.config import EngineArgs
-    from tests import int4_checkpoints as ic
 
     monkeypatch.setattr(config, "GGUF_BLOCKS_BY_DEFAULT_ON_GPU", True)  # the default once the kernels are faster
 

@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints served as stored (int4 packed in int32, dequantized per matmul, never held as floats).
 
-The checkpoints are written by tests/int4_checkpoints.py, which quantizes a tiny Llama round-to-nearest and packs
+The checkpoints are written by checkpoints/int4_rtn.py, which quantizes a tiny Llama round-to-nearest and packs
 it as AutoAWQ (GEMM) and AutoGPTQ / GPTQModel (v1) pack (the libraries cannot be installed here). The oracle is
 Pagoda on the same model with the dequantized weights written as a float32 checkpoint: the int layers dequantize
 to exactly those floats and hand them to the same matmul, so tokens are equal and logprobs agree to 1e-4.
@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from engine.quantization import resolve_quantization
 from kernels.linear_int import AWQ_GEMM, gptq_v1, offset_binary, unpack_weight, unpack_zeros
 from pagoda import LLM, SamplingParams
-from tests import int4_checkpoints as ic
 from tests.prompts import PARITY_PROMPTS
 
 MAX_NEW = 8

@@ -2,7 +2,7 @@
 the routed experts too (packed int32s stacked per layer, dequantized tile by tile in kernels/moe_quant.py; on CPU its
 reference dequantizes the experts a step chose).
 
-tests/int4_checkpoints.py quantizes a tiny model of each family round-to-nearest and packs every linear, each
+checkpoints/int4_rtn.py quantizes a tiny model of each family round-to-nearest and packs every linear, each
 expert's w1/w3/w2 (gate_proj/up_proj/down_proj) and Qwen2-MoE's shared expert included, as AutoAWQ, GPTQModel and
 llm-compressor pack them; routers and shared_expert_gate stay float, as the tools leave them. The oracle is
 transformers on the same model with the dequantized weights (a float32 checkpoint in the original per-expert
@@ -15,9 +15,9 @@ import re
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from engine.quantization import resolve_quantization
 from pagoda import LLM, SamplingParams
-from tests import int4_checkpoints as ic
 from tests.hf_oracle import assert_matches_hf
 from tests.prompts import PARITY_PROMPTS
 

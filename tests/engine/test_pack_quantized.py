@@ -1,6 +1,6 @@
 """compressed-tensors `format: "pack-quantized"` checkpoints (llm-compressor's W4A16 / W8A16) served as stored.
 
-tests/int4_checkpoints.py writes them as compressed-tensors' PackedQuantizationCompressor does (llm-compressor is
+checkpoints/int4_rtn.py writes them as compressed-tensors' PackedQuantizationCompressor does (llm-compressor is
 not installed here): weight_packed [N, K / p] holding the signed integers plus 2^(bits-1), packed along K;
 weight_scale [N, G] in bf16; weight_zero_point [N / p, G] when asymmetric; weight_g_idx under actorder "group".
 Pagoda holds the int32 words transposed into the int layer's K-packed layout (kernels.linear_int.offset_binary)
@@ -10,9 +10,9 @@ and must equal Pagoda on the dequantized float32 checkpoint: tokens equal, logpr
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from engine.quantization import resolve_quantization
 from kernels.linear_int import offset_binary, unpack_weight, unpack_zeros
-from tests import int4_checkpoints as ic
 from tests.engine.test_int4_checkpoints import (
     assert_holds_packed_weights,
     assert_random_packed_weights,
@@ -135,7 +135,7 @@ def test_random_weights_are_drawn_packed(ct, fmt):
 
 def test_a_k_that_does_not_fill_int32s_is_refused(tmp_path):
     """intermediate_size 252: down_proj's rows are 31.5 int32s of 4-bit values, which compressed-tensors pads to 32
-    (tests/int4_checkpoints.py pads as it does); refused when the engine reads the config, naming the tensor."""
+    (checkpoints/int4_rtn.py pads as it does); refused when the engine reads the config, naming the tensor."""
     from checkpoints.tiny import make_tiny_model
     from pagoda import LLM
 

@@ -1,5 +1,5 @@
 """linear_int: the decode-sized W4A16 / W8A16 Triton kernel (AWQ's and GPTQ's packings, g_idx, the gated epilogue)
-against its torch reference, on weights packed as the tools pack them (tests/int4_checkpoints.py)."""
+against its torch reference, on weights packed as the tools pack them (checkpoints/int4_rtn.py)."""
 
 import functools
 import os
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from kernels.linear_int import AWQ_GEMM, gptq_v1, linear_int, linear_int_ref, linear_int_triton, offset_binary
-from tests import int4_checkpoints as ic
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
 CONFIGS = [None, dict(BLOCK_N=16, BLOCK_K=32), dict(BLOCK_N=64, BLOCK_K=128, num_stages=3)]

@@ -1,7 +1,7 @@
 """Fused MoE over quantized experts: the reference is kernels/moe.py's over the dequantized weights (bit for bit), and
 the Triton kernel, which dequantizes each weight tile in registers, matches it across packings (AWQ, GPTQ v1 with
 and without act-order, 8 bits, compressed-tensors' offset binary, one group), FP8 per-row and per-block scales, and
-shapes that cross tile, group and scale-block boundaries. The experts are packed by tests/int4_checkpoints.py, as the
+shapes that cross tile, group and scale-block boundaries. The experts are packed by checkpoints/int4_rtn.py, as the
 tools pack them."""
 
 import dataclasses
@@ -10,11 +10,11 @@ import functools
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from kernels.fp8 import quantize_weight, quantize_weight_blocks
 from kernels.linear_int import AWQ_GEMM, gptq_v1, offset_binary
 from kernels.moe import fused_moe_ref, topk_route
 from kernels.moe_quant import Fp8Experts, IntExperts, fused_moe_quant, fused_moe_quant_ref, fused_moe_quant_triton
-from tests import int4_checkpoints as ic
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
 

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
+from checkpoints import int4_rtn as ic
 from engine.quantization import resolve_quantization
 from kernels.fp8 import dequantize_weight, quantize_weight
 from tests import fp8_oracle
-from tests import int4_checkpoints as ic
 from tests.engine.test_moe_int4 import moe_int4_factory
 from workers.layers.moe import FusedMoE
 from workers.layers.moe_quant import quantized_experts

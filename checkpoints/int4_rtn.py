@@ -1,7 +1,7 @@
-"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints written here, packed as the producing tools pack them
-(AutoAWQ, AutoGPTQ and llm-compressor are not installed here), from a tiny float checkpoint quantized
-round-to-nearest per group; and the oracle: the same model with the dequantized weights, written as a float32
-checkpoint.
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints written from a float one, quantized round-to-nearest
+per group and packed as the producing tools pack them (AutoAWQ, AutoGPTQ and llm-compressor are not installed
+here); and the oracle: the same model with the dequantized weights, written as a float32 checkpoint. The tests
+write their int checkpoints with it, and `pagoda bench quality --quantization awq|gptq` its int4 SmolLM2.
 
 The packing, restated from the tools (not from Pagoda's unpacking, which the tests check against it):
 - AutoAWQ, version "gemm" (awq/modules/linear/gemm.py, awq/utils/packing_utils.py): the integers as [K, N];
@@ -183,14 +183,56 @@ def pack(qz: Quantized, fmt: Int4Format) -> dict[str, torch.Tensor]:
     return pack_compressed_tensors(qz, fmt.bits, fmt.sym, fmt.desc_act)
 
 
-def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format, seed: int = 0,
+def linear_in_features(tensors: dict[str, torch.Tensor], float_modules: tuple[str, ...] = ()) -> dict[str, int]:
+    """module -> input features, for each linear module `write_int4_checkpoint` quantizes."""
+    return {name.rpartition(".")[0]: t.shape[1] for name, t in tensors.items()
+            if name.endswith(".weight") and t.dim() == 2 and name.rsplit(".", 2)[-2] in LINEARS
+            and not any(part in name.rpartition(".")[0] for part in float_modules)}
+
+
+def fit_group_size(in_features: dict[str, int], requested: int) -> int:
+    """A group size every linear's input features are a multiple of: `requested`, else the largest of its halvings
+    down to 32 (the smallest group the tools and Pagoda take) that is. -1 (one group a row) fits any. Raises
+    ValueError naming a linear no such group divides."""
+    if requested == -1:
+        return -1
+    group = requested
+    while any(k % group for k in in_features.values()):
+        if group % 2 or group // 2 < 32:
+            bad = min(name for name, k in in_features.items() if k % group)
+            raise ValueError(f"group_size {requested}: {bad} has {in_features[bad]} input features, not a multiple "
+                             f"of {requested} or of any halving of it down to 32")
+        group //= 2
+    return group
+
+
+def read_tensors(src: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the float checkpoint `src` (one safetensors file or several shards)."""
+    files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model {src!r}: no .safetensors file to quantize")
+    tensors: dict[str, torch.Tensor] = {}
+    for fname in files:
+        tensors.update(load_file(os.path.join(src, fname)))
+    return tensors
+
+
+def write_int4_checkpoint(src: str, dst: str, oracle_dst: str | None, fmt: Int4Format, seed: int = 0,
                           float_modules: tuple[str, ...] = ()) -> dict[str, Quantized]:
-    """The checkpoint `src` (float, one safetensors file) as `fmt` in `dst`, and its dequantized weights as a
-    float32 checkpoint in `oracle_dst`. Biases are stored fp16, as the tools store them (the oracle's rounded
-    alike). Linear modules whose name contains one of `float_modules` are left as they are (a tool's ignore list).
-    Returns each quantized linear module's quantization."""
+    """The checkpoint `src` (float safetensors, one file or shards) as `fmt` in `dst` (one model.safetensors, the
+    other files copied: config.json with the `quantization_config`, the tokenizer), and its dequantized weights as
+    a float32 checkpoint in `oracle_dst` (None: not written). Biases are stored fp16, as the tools store them (the
+    oracle's rounded alike). Linear modules whose name contains one of `float_modules` are left as they are (a
+    tool's ignore list). Every quantized linear's input features must be a multiple of the group size
+    (`fit_group_size`). Returns each quantized linear module's quantization."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors = read_tensors(src)
+    if fmt.group_size != -1:
+        misfit = {m: k for m, k in linear_in_features(tensors, float_modules).items() if k % fmt.group_size}
+        if misfit:
+            name = min(misfit)
+            raise ValueError(f"group_size {fmt.group_size}: {name} has {misfit[name]} input features, not a "
+                             "multiple of it (fit_group_size picks one that is)")
     packed, oracle, layers, orders = {}, {}, {}, {}
     for name in sorted(tensors):
         t = tensors[name]
@@ -211,10 +253,12 @@ def write_int4_checkpoint(src: str, dst: str, oracle_dst: str, fmt: Int4Format, 
             parts = pack(qz, fmt)
             packed.update({f"{module}.{k}": v for k, v in parts.items()})
             oracle[name] = qz.dequantized()
-    for path, state, qc in ((dst, packed, fmt.quantization_config()), (oracle_dst, oracle, None)):
+    outputs = [(dst, packed, fmt.quantization_config())] + ([(oracle_dst, oracle, None)] if oracle_dst else [])
+    for path, state, qc in outputs:
         os.makedirs(path, exist_ok=True)
         for fname in os.listdir(src):
-            if not fname.endswith(".safetensors"):
+            if not fname.endswith((".safetensors", ".safetensors.index.json")) and os.path.isfile(
+                    os.path.join(src, fname)):
                 shutil.copy(os.path.join(src, fname), path)
         save_file(state, os.path.join(path, "model.safetensors"))
         if qc is not None:
