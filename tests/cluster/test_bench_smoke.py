@@ -268,8 +268,9 @@ def test_bench_spec_decode_compares_with_the_plain_engine(tmp_path):
 
 
 def test_bench_spec_decode_with_a_draft_model(tmp_path):
-    """The tiny model drafting for itself: every draft accepted, the plain engine's output."""
-    config = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}'
+    """The tiny model drafting for itself: every draft accepted, the plain engine's output. (Every step speculates:
+    the engine's own choice reads this machine's step times.)"""
+    config = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "disable_by_batch_size": 1024}'
     result = _run(tmp_path, "bench", "spec-decode", "--model", "tiny", "--device", "cpu", "--block-size", "4",
                   "--num-kv-blocks", "64", "--speculative-config", config, "--batch-size", "2", "--max-tokens", "12",
                   "--repeats", "1")

@@ -42,7 +42,8 @@ def test_tp2_draft_model_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoint
     plain_llm = LLM(**args)
     plain = plain_llm.generate(PROMPTS, params, use_tqdm=False)
     plain_llm.shutdown()
-    llm = LLM(**args, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    llm = LLM(**args, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3,
+                                          "disable_by_batch_size": 1024})  # every step speculates, whatever it costs
     try:
         spec = llm.generate(PROMPTS, params, use_tqdm=False)
         llm.engine.check_integrity()  # both ranks' draft pools (RayExecutor.check_integrity)
