@@ -210,7 +210,8 @@ class SpecDecoder:
             self.PROPOSE_DECAY * self.propose_s + (1 - self.PROPOSE_DECAY) * seconds)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """A step's drafts scored: the acceptance average moves toward its rate."""
+        """A step's drafts scored (and the positions `propose` found no draft for): the acceptance average moves
+        toward its rate."""
         if num_draft_tokens:
             rate = num_accepted / num_draft_tokens
             self.acceptance = rate if self.acceptance is None else (
@@ -226,9 +227,11 @@ class SpecDecoder:
             self.num_steps_off += 1
         return speculate
 
-    def propose(self, running: list[Request], speculate: bool = True) -> None:
+    def propose(self, running: list[Request], speculate: bool = True) -> int:
         """Drafts for the running requests that can take them (none for any when not `speculate`): one call of a
-        BatchProposer for all of them, or the Proposer for each."""
+        BatchProposer for all of them, or the Proposer for each. Returns the draft positions it was asked for and
+        found nothing to fill (a request the n-gram lookup finds no match for): to `observe` as drafts not accepted,
+        so a proposer that finds nothing turns speculation off as one whose drafts are all rejected would."""
         k = self.config.num_speculative_tokens
         asked, rooms = [], []
         for req in running:
@@ -238,16 +241,19 @@ class SpecDecoder:
                 asked.append(req)
                 rooms.append(room)
         if not asked:
-            return
+            return 0
         start = time.perf_counter()
         if isinstance(self.proposer, BatchProposer):
             drafts = self.proposer.propose_batch(asked, rooms)
         else:
             drafts = [self.proposer.propose(np.asarray(r.all_token_ids, dtype=np.int64)) for r in asked]
         self.record_propose(time.perf_counter() - start)
+        missed = 0
         for req, room, d in zip(asked, rooms, drafts):
             d = list(d[:room])  # a grammar keeps the longest prefix it accepts
             req.spec_token_ids = req.grammar.valid_prefix(d) if req.grammar is not None and d else d
+            missed += room - len(req.spec_token_ids)
+        return missed
 
 
 def can_speculate(req: Request) -> bool:

@@ -481,3 +481,27 @@ def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
     spec_outs = llm.generate(prompts, params, use_tqdm=False)  # the same engine, offline API, end to end
     _assert_same(plain, spec_outs)
     llm.shutdown()
+
+
+class NoDrafts:
+    def propose(self, token_ids):
+        return []
+
+
+def test_a_proposer_that_finds_nothing_turns_speculation_off():
+    """Draft positions the proposer finds nothing for count as drafts not accepted: with acceptance 0 a verify step
+    can give only its one token, never worth more than a plain step, so once the engine has fitted its step costs
+    the steps run without drafts, overlapped (one in PROBE_EVERY asks the proposer again)."""
+    llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    engine = llm.engine
+    engine.spec.proposer = NoDrafts()
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[3]}, params, stream=False)
+    overlapped = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        overlapped += engine._pending is not None
+    # (acceptance 0.0, not None: no draft was ever scored, the positions found empty count)
+    assert engine.spec.acceptance == 0.0 and engine.spec.num_steps_off > 0 and overlapped > 0
+    assert engine.scheduler.spec_stats.num_draft_tokens == 0
+    llm.shutdown()
