@@ -326,17 +326,23 @@ def test_engine_stats_and_metrics_count_drafts_with_vllms_names():
         stats_.spec_decode_num_accepted_tokens_per_pos[0]
 
 
-def test_constrained_requests_speculate_within_their_grammar():
-    """A request with a grammar speculates: its drafts are cut to what the grammar accepts and each position is
-    sampled under the grammar's mask after the drafts before it; greedy output is the plain output, a sampled one
-    stays in the grammar. Drafts the grammar rejects (digits for [a-z]) are never scored."""
+def constrained_case() -> tuple[list[list[int]], list[SamplingParams]]:
+    """(prompts, params): a plain greedy request, a greedy one under [a-z]{3,12} (with logprobs) and a seeded
+    sampled one under it."""
     from engine.structured_outputs import StructuredOutputsParams
 
     regex = StructuredOutputsParams(regex="[a-z]{3,12}")
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex, logprobs=2),
               SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    return [PROMPTS[0], PROMPTS[1], PROMPTS[1]], params
+
+
+def test_constrained_requests_speculate_within_their_grammar():
+    """A request with a grammar speculates: its drafts are cut to what the grammar accepts and each position is
+    sampled under the grammar's mask after the drafts before it; greedy output is the plain output, a sampled one
+    stays in the grammar. Drafts the grammar rejects (digits for [a-z]) are never scored."""
+    prompts, params = constrained_case()
     plain, _ = _run(prompts, params)
     assert plain[1].outputs[0].text.isalpha() and len(plain[1].outputs[0].token_ids) > 2
     references = _references(prompts, plain)[1:2]  # the oracle proposes for the constrained greedy request only

@@ -10,7 +10,7 @@ import torch
 from engine import SamplingParams
 from engine.config import EngineArgs
 from engine.errors import ParamError
-from tests.engine.test_spec_decode import PROMPTS, _assert_same, _llm, _run
+from tests.engine.test_spec_decode import PROMPTS, _assert_same, _llm, _run, constrained_case
 
 
 def _draft(k: int, model: str = "tiny") -> dict:
@@ -336,13 +336,7 @@ def test_constrained_requests_beside_the_draft_model():
     """A request with a grammar takes the draft model's drafts cut to what its grammar accepts (the draft knows no
     grammar); greedy output is the plain output for it and for an unconstrained request beside it, and a sampled
     constrained one stays in its grammar."""
-    from engine.structured_outputs import StructuredOutputsParams
-
-    regex = StructuredOutputsParams(regex="[a-z]{3,12}")
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex, logprobs=2),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=30, structured_outputs=regex)]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    prompts, params = constrained_case()
     plain, _ = _run(prompts, params)
     spec, engine = _run(prompts, params, speculative_config=_draft(3))
     _assert_same(plain[:2], spec[:2])
