@@ -109,18 +109,17 @@ def lora_module(text: str) -> dict:
     return {"name": name, "path": path}
 
 
-def check_lora_modules(app_args: dict) -> None:
-    """Reads every adapter of --lora-modules against the model's config here, before Ray starts: a bad one is an
-    error naming it (its replicas check them again where they run)."""
+def check_models(app_args: dict) -> None:
+    """Reads every model's checkpoint config (and its draft model's, its --lora-modules adapters) here, before Ray
+    starts: a missing or unreadable one is an error naming it, not a failed deployment after Ray has started (its
+    replicas read them again where they run)."""
     from cluster.app import parse_args
     from cluster.lora_registry import adapter_id
     from engine.lora import LoRARequest, read_adapter
 
     for m in parse_args(app_args).models:
-        if not m.lora_modules:
-            continue
         config = m.engine.create_engine_config()
-        for a in m.lora_modules:
+        for a in m.lora_modules or ():
             try:
                 read_adapter(LoRARequest(a.name, adapter_id(a.name, a.path), a.path), config.model.hf_config,
                              config.lora.max_lora_rank)
@@ -157,8 +156,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         names = ", ".join(n for m in parse_args(app_args).models for n in m.names)
     except ValueError as e:
         raise ValueError(_as_flags(str(e), args.command_parser)) from None
-    if not args.address:  # joining a cluster: the adapters may be on its nodes only (its replicas check them)
-        check_lora_modules(app_args)
+    if not args.address:  # joining a cluster: the model may be on its nodes only (its replicas check it)
+        try:
+            check_models(app_args)
+        except ValueError as e:
+            raise ValueError(_as_flags(str(e), args.command_parser)) from None
     try:
         build_app(app_args)
     except (ValueError, TypeError) as e:

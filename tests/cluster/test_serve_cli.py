@@ -159,6 +159,9 @@ def test_a_cluster_environment_inside_another_removes_only_its_own_directory(mon
     (["--port", "70000"], "--port"),
     (["--host", "no-such-host.invalid"], "--host"),
     (["--num-cpus", "0"], "--num-cpus"),
+    (["--model", "/no/such/model"], "'/no/such/model' is not a checkpoint directory"),  # was a failed deployment
+    (["--speculative-config", '{"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}'],
+     "speculative_config.model"),
 ])
 def test_pagoda_serve_refuses_a_bad_flag_before_anything_starts(flags, named, monkeypatch, capsys):
     import ray
