@@ -211,6 +211,17 @@ def _greedy(engine, req_id: str, prompt: list[int]) -> tuple[list[int], list]:
     return seq.token_ids, [(entry.logprob, [(t, v) for t, _, v in entry.top]) for entry in seq.logprobs]
 
 
+def _assert_same(out, reference, atol: float = 1e-5) -> None:
+    """The same tokens and top-2 ids, logprobs within atol: a prompt whose prefix came from the host is computed
+    over its last block only, which a CPU's matmul may round differently from the whole prompt's (seen at 1e-6)."""
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = out, reference
+    assert tokens == ref_tokens
+    for (lp, top), (ref_lp, ref_top) in zip(logprobs, ref_logprobs, strict=True):
+        assert lp == pytest.approx(ref_lp, abs=atol)
+        assert [t for t, _ in top] == [t for t, _ in ref_top]
+        assert [v for _, v in top] == pytest.approx([v for _, v in ref_top], abs=atol)
+
+
 # (engine args, the threshold they give): copy back (a prefill so slow that one block's copy pays), or compute
 # again (a threshold past the prefix's 9 blocks, or a prefill so fast that no copy pays)
 ONLOAD = ({"prefill_tokens_per_s": 1.0}, 1)
@@ -234,12 +245,12 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_mo
     assert engine.executor.num_host_kv_blocks == 64
     bm = engine.block_manager
     assert bm.min_onload_blocks == choice[1]
-    assert _greedy(engine, "first", prompt) == reference
+    _assert_same(_greedy(engine, "first", prompt), reference)
     for i, other in enumerate(others):  # 120 more tokens through a 96-token pool: the prompt's blocks are evicted
         _greedy(engine, f"other{i}", other)
     assert bm.num_offloaded_blocks >= 10 + 3 * 9
     onloaded_before = bm.num_onloaded_blocks
-    assert _greedy(engine, "again", prompt) == reference
+    _assert_same(_greedy(engine, "again", prompt), reference)
     stats = engine.get_stats()
     block_bytes = engine.executor.kv_block_bytes
     assert block_bytes == engine.executor.worker.block_bytes > 0
