@@ -57,7 +57,8 @@ class CudaGraphRunner:
                                              buffers.max_blocks_per_seq * buffers.block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_verify_replays = 0  # verify steps run by a graph (tests and benchmarks read it)
+        self.num_replays = 0  # decode steps run by a graph (tests and benchmarks read both)
+        self.num_verify_replays = 0  # verify steps run by a graph
         self.pool = None
 
     @property
@@ -117,6 +118,7 @@ class CudaGraphRunner:
             feed()
         graph, hidden = self.graphs[padded]
         graph.replay()
+        self.num_replays += 1
         return hidden[:num_seqs]
 
     def replay_verify(self, num_seqs: int, num_tokens: int, feed=None) -> torch.Tensor:

@@ -14,7 +14,11 @@ runner's request states on the same worker, so the driver's ask carries only req
     afterwards          c = n: the drafts' KV is written over next time, when the accepted ones are caught up on
 
 Drafts are greedy (argmax): a one-hot draft distribution, which the verification (workers/spec_verify.py) assumes.
-Sampled drafts with their probabilities are a later step, and so are CUDA graphs for the draft (it runs eagerly).
+Sampled drafts with their probabilities are a later step.
+
+On a GPU (unless enforce_eager) the k - 1 decode passes replay the draft's own decode CUDA graphs (a
+`CudaGraphRunner` over its model, pool and input buffers, one graph per batch bucket, as the target's decode steps);
+catch-up passes (several tokens a sequence) run eagerly.
 
 A draft state is dropped, its blocks back on the free list, when the target runner no longer holds its request
 (finished, aborted, preempted: checked at each ask), when the pool has no room for it (that request gets no drafts
@@ -34,6 +38,7 @@ import torch
 from engine.config import SchedulerConfig
 from engine.outputs import DraftAsk
 from workers import parallel
+from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches
 
@@ -59,7 +64,8 @@ class _Seq:
 
 class DraftRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, num_blocks: int, block_size: int,
-                 device: torch.device, scheduler_config: SchedulerConfig, num_speculative_tokens: int, target):
+                 device: torch.device, scheduler_config: SchedulerConfig, num_speculative_tokens: int, target,
+                 use_cuda_graphs: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.num_blocks = num_blocks
@@ -72,6 +78,10 @@ class DraftRunner:
         max_blocks = -(-(scheduler_config.max_model_len + num_speculative_tokens) // block_size)
         self.buffers = InputBuffers(self.max_tokens + scheduler_config.max_num_seqs, scheduler_config.max_num_seqs,
                                     max_blocks, block_size, device)
+        self.graphs = None
+        if use_cuda_graphs and device.type == "cuda":
+            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs)
+            self.graphs.capture()
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,12 +161,16 @@ class DraftRunner:
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], counts: list[int],
                  block_ids: list[list[int]]) -> list[int]:
-        """One eager forward of the draft over the flat batch; the argmax token after each sequence's last input
-        (rank 0's logits: the other ranks learn the tokens, their next inputs, from its broadcast)."""
+        """One forward of the draft over the flat batch (a decode pass through its CUDA graphs where it has them);
+        the argmax token after each sequence's last input (rank 0's logits: the other ranks learn the tokens, their
+        next inputs, from its broadcast)."""
         num_tokens, num_block_cols = self.buffers.fill(token_lists, starts, counts, block_ids)
-        self.buffers.copy_to_device(num_tokens, len(counts), num_block_cols)
-        ids, positions, meta = self.buffers.metadata(num_tokens, len(counts), max(counts), num_block_cols)
-        hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if max(counts) == 1 and self.graphs is not None and len(counts) <= self.graphs.max_batch:
+            hidden = self.graphs.replay(len(counts))  # [B, hidden]
+        else:
+            self.buffers.copy_to_device(num_tokens, len(counts), num_block_cols)
+            ids, positions, meta = self.buffers.metadata(num_tokens, len(counts), max(counts), num_block_cols)
+            hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, hidden]
         last = to_device(np.cumsum(counts) - 1, torch.long, self.device)
         logits = self.model.compute_logits(hidden[last])  # [B, V] on rank 0, None on the others
         tokens = (logits.argmax(dim=-1) if logits is not None

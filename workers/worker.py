@@ -165,8 +165,7 @@ class Worker:
         with self.startup.phase("cuda_graphs"):  # the runner captures the decode (and verify) graphs as it is built
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
-                                      use_cuda_graphs=not (self.config.parallel.enforce_eager
-                                                           or references_forced()), host_pool=host_pool,
+                                      use_cuda_graphs=self.use_cuda_graphs, host_pool=host_pool,
                                       lora=self.lora, spec_tokens=spec.num_speculative_tokens if spec else 0)
         if self.draft_model is not None:
             self._init_draft(num_blocks)
@@ -182,13 +181,19 @@ class Worker:
                     warm_up_grammar_mask(self.model.vocab_size, self.device)
                     warm_up_sampler(self.model.vocab_size, self.device)
 
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return not (self.config.parallel.enforce_eager or references_forced())
+
     def _init_draft(self, num_blocks: int) -> None:
         """The draft model's runner and its own KV pool (num_blocks blocks in the model dtype)."""
         with self.startup.phase("kv_alloc"):
             caches = allocate_kv_caches(self.draft_model.kv_layout, num_blocks, self.config.cache.block_size,
                                         self.dtype, self.device)
-        self.draft = DraftRunner(self.draft_model, caches, num_blocks, self.config.cache.block_size, self.device,
-                                 self.config.scheduler, self.config.speculative.num_speculative_tokens, self.runner)
+        with self.startup.phase("cuda_graphs"):  # the draft's decode graphs
+            self.draft = DraftRunner(self.draft_model, caches, num_blocks, self.config.cache.block_size, self.device,
+                                     self.config.scheduler, self.config.speculative.num_speculative_tokens,
+                                     self.runner, self.use_cuda_graphs)
         logger.info("rank %d: draft model %s, %d KV blocks of its own (%.2f GiB)", self.rank,
                     self.config.speculative.model, num_blocks, num_blocks * self.draft_block_bytes / 2**30)
 
@@ -233,6 +238,8 @@ class Worker:
                 "cuda_graphs": bool(self.runner is not None and self.runner.graphs is not None),
                 "verify_graph_replays": self.runner.graphs.num_verify_replays  # speculative steps run by a graph
                 if self.runner is not None and self.runner.graphs is not None else 0,
+                "draft_graph_replays": self.draft.graphs.num_replays  # the draft model's decode passes, likewise
+                if self.draft is not None and self.draft.graphs is not None else 0,
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "kv_scales": [(k.tolist(), v.tolist()) for k, v in
                               ((a.k_scale, a.v_scale) for a in attention_layers(self.model))]

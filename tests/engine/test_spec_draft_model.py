@@ -94,6 +94,29 @@ def test_tiny_with_another_tiny_draft_gives_the_plain_output(other_tiny, engine_
     assert stats.num_draft_tokens > 100 and stats.acceptance_rate < 0.5  # random weights: they disagree
 
 
+@pytest.mark.parametrize("max_num_seqs", [4, 3], ids=["buckets-1-2-4", "buckets-1-2-3"])
+def test_the_drafts_decode_passes_through_its_graph_inputs(max_num_seqs):
+    """The draft's decode passes as its CUDA graphs run them (workers/draft_runner.py; the CPU stand-in of
+    tests/cpu_graphs.py replays each graph eagerly over the padded inputs it was captured with): with itself as
+    draft every draft is still accepted, so each graph-made draft is the target's own next token, and the output is
+    the plain engine's; batches that do not fill their bucket included."""
+    from tests.cpu_graphs import CpuGraphRunner
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (37, 40, 23, 30)]
+    plain, _ = _run(PROMPTS, params, max_num_seqs=max_num_seqs)
+    llm = _llm(speculative_config=_draft(3), max_num_seqs=max_num_seqs)
+    draft = llm.engine.executor.worker.draft
+    draft.graphs = CpuGraphRunner(draft.model, draft.kv_caches, draft.buffers, max_num_seqs)
+    draft.graphs.capture()
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    _settle(llm)
+    stats = llm.engine.scheduler.spec_stats
+    llm.shutdown()
+    _assert_same(plain, spec)
+    assert draft.graphs.num_replays >= 10  # k - 1 = 2 decode passes a step, about 10 steps (4 tokens each)
+    assert stats.num_draft_tokens > 60 and stats.acceptance_rate == 1.0
+
+
 def test_prefix_caching_with_a_draft_model():
     """Requests that share a cached prefix in the target's pool each catch up in the draft's own pool; a second run
     hits the prefix cache and gives the same output, every draft accepted."""

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from tests.cpu_graphs import CpuGraphRunner
 from tests.spec_proposers import OracleProposer
-from workers.cuda_graphs import MAX_VERIFY_BATCH, CudaGraphRunner, batch_buckets, verify_buckets
+from workers.cuda_graphs import MAX_VERIFY_BATCH, batch_buckets, verify_buckets
 from workers.inputs import InputBuffers
 
 
@@ -54,25 +55,6 @@ def test_pad_verify_puts_the_leftover_slots_in_one_last_row_that_writes_no_kv():
         buffers.pad_verify(3, 9, 2, 10)
 
 
-class _EagerGraph:
-    """Stands in for a captured torch.cuda.CUDAGraph on the CPU: replay reruns the captured call over the same
-    input views and writes the same static output tensor."""
-
-    def __init__(self, run):
-        self.run = run
-        self.output = run()
-
-    def replay(self):
-        self.output.copy_(self.run())
-
-
-class _CpuGraphRunner(CudaGraphRunner):
-    def _capture(self, num_tokens, num_seqs, max_query_len):
-        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
-        graph = _EagerGraph(lambda: self.model(ids, pos, self.kv_caches, meta))
-        return graph, graph.output
-
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [1, 2, 3, 4] * 5, [11, 12, 13], list(range(20, 61))]
 
@@ -84,7 +66,7 @@ def _generate(prompts, params, graphs: bool, references=None, lora=None, **kwarg
     runner = llm.engine.executor.worker.runner
     if graphs:
         k = NGRAM["num_speculative_tokens"] if "speculative_config" in kwargs else 0
-        runner.graphs = _CpuGraphRunner(runner.model, runner.kv_caches, runner.buffers,
+        runner.graphs = CpuGraphRunner(runner.model, runner.kv_caches, runner.buffers,
                                         llm.engine.config.scheduler.max_num_seqs, k)
         runner.graphs.capture()
     if references is not None:
