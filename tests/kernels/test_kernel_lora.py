@@ -396,7 +396,7 @@ def test_benchmark_runs_and_checks_at_toy_sizes(device, monkeypatch, capsys):
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
     assert impls == {(f"lora {layer}", f"{case} r16", impl) for layer in ("qkv", "down")
                      for case in ("decode batch 3", "prefill 20 tokens")
-                     for impl in ("base matmul", "lora triton", "base + lora", "lora torch ref")}
+                     for impl in ("base matmul", "lora triton", "lora sorted", "base + lora", "lora torch ref")}
     print_lora_overhead(runner.results)
     assert "lora overhead qkv      decode batch 3 r16" in capsys.readouterr().out
     x, weight = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
