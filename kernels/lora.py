@@ -10,17 +10,21 @@ per slot whose column ranges [slice_starts[i], slice_starts[i + 1]) (the last up
 below R are padded with zeros, and slot -1 means no adapter: y = 0 and the output row untouched.
 
 One Triton kernel each serves prefill (SGMV: a sequence's rows are contiguous and share a slot) and decode
-(BGMV: one row per sequence, each its own slot) without sorting the rows by slot: a program owns BLOCK_M rows
-and walks the distinct slots among them (a data-dependent loop, usually one trip in prefill), multiplying only
-the rows of each slot against that slot's A or B tile:
+(BGMV: one row per sequence, each its own slot): a program owns BLOCK_M rows and walks the distinct slots among
+them (a data-dependent loop, usually one trip in prefill), multiplying only the rows of each slot against that
+slot's A or B tile:
 
     rows of a tile   slots   [ 3 3 3 3 | 3 3 1 1 | -1 0 5 0 ]    trips: 1 | 2 (slots 1, 3) | 2 (slots 0, 5)
 
-A decode tile re-reads a slot's weights for each tile holding it (from L2: an adapter's A and B are some 100 KB
-at rank 16), which is what sorting would save, at the price of a sort per call. Shrink splits K over programs
-when the tiles alone would not fill the GPU (float32 atomics into y: its low bits then vary run to run); expand
-adds to `out` in float32 and rounds once. No host sync, no per-adapter loop: a decode call is CUDA-graph
-capturable, and the slots may change between replays.
+Each trip re-reads the slot's A or B tile (from L2: an adapter's A and B are some 100 KB at rank 16), so a decode
+tile of rows that interleave 8 adapters walks up to 8 slots. Given `order`, the rows sorted by slot (an argsort of
+`slots`: the engine's InputBuffers compute it on the host once a step), a tile takes the rows at its positions of
+`order` instead (it gathers their x, y and out rows): only the few slots of its run of sorted rows (some 32
+rows an adapter at 256 rows over 8), the same sums. The launchers ignore it where the rows fit one tile, whose walk
+sorting cannot shorten. Shrink splits K over programs when the tiles alone would not fill the GPU (float32
+atomics into y: its low bits then vary run to run); expand adds to `out` in float32 and rounds once. No host sync,
+no per-adapter loop: a decode call is CUDA-graph capturable, and the slots (and the order) may change between
+replays.
 
 Float32 y meets 16-bit B in expand as two 16-bit tensor-core dots, y = hi + lo with hi = y rounded to B's dtype
 and lo the rest: 16 bits of y's mantissa instead of 8, at the cost of a second dot on a memory-bound kernel (fp16
@@ -77,6 +81,19 @@ def _rows_times_a(acc, x_ptr, rows, is_slot, stride_xt, a_ptr, stride_ar, rank_m
 
 
 @triton.jit
+def _tile_rows(order_ptr, num_tokens, BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+    """The rows of this program's tile (program_id(1)) and which exist: BLOCK_M consecutive rows, or with SORTED
+    the rows at those positions of `order` (the rows sorted by slot: a tile then holds few slots)."""
+    positions = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = positions < num_tokens
+    if SORTED:
+        rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+    else:
+        rows = positions.to(tl.int64)
+    return rows, row_mask
+
+
+@triton.jit
 def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
     """y's slice; Y_ALIGNED (its strides multiples of 4, as shrink writes it): so the compiler knows, and loads
     and stores 4 floats at a time (the slice stride, T * R, is not specialized on)."""
@@ -89,19 +106,17 @@ def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
 # The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
 # while requests wait.
 @triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
                         stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
                         NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
     """y[slice, rows of the tile] (+)= x[rows] @ A[slot(row), slice].T over one K split. Grid: (slices x splits,
     row tiles); a tile's slices run side by side and share its x rows in L2."""
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     slice_id, split = pid % NUM_SLICES, pid // NUM_SLICES
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_tokens
-    rows = rows.to(tl.int64)
+    rows, row_mask = _tile_rows(order_ptr, num_tokens, BLOCK_M, SORTED)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     ranks = tl.arange(0, BLOCK_R)
     k_lo = split * k_blocks_per_split * BLOCK_K  # a multiple of BLOCK_K, as the compiler sees: vector loads, pipelined
@@ -137,19 +152,17 @@ def _slice_of(pid_n, first_block1, first_block2, start0, start1, start2, end0, e
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_yi"])
-def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, num_tokens, R, first_block1, first_block2,
+def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens, R, first_block1, first_block2,
                         start0, start1, start2, end0, end1, end2, stride_ot, stride_yi, stride_yt, stride_bs,
                         stride_bn, HI_LO: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
     """out[rows, columns of one slice's block] = round(out + y[slice, rows] @ B[slot(row), columns].T), rows of
     slot -1 untouched. Grid: (column blocks of all slices, row tiles)."""
     wait_for_prior(PDL)
     slice_id, first, end = _slice_of(tl.program_id(0), first_block1, first_block2, start0, start1, start2, end0,
                                      end1, end2, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_tokens
-    rows = rows.to(tl.int64)
+    rows, row_mask = _tile_rows(order_ptr, num_tokens, BLOCK_M, SORTED)
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
     cols = first + tl.arange(0, BLOCK_N)
     col_mask = cols < end
@@ -183,6 +196,20 @@ def _check_slots(slots: torch.Tensor, num_tokens: int) -> None:
     if slots.dim() != 1 or slots.shape[0] != num_tokens:
         raise ValueError(f"slots must be [T={num_tokens}], got {tuple(slots.shape)}")
     check_dtype("slots", slots, (torch.int32, torch.int64))
+
+
+def _check_order(order: torch.Tensor | None, num_tokens: int) -> None:
+    if order is None:
+        return
+    if order.dim() != 1 or order.shape[0] != num_tokens:
+        raise ValueError(f"order must be [T={num_tokens}] (a permutation of the rows), got {tuple(order.shape)}")
+    check_dtype("order", order, (torch.int32, torch.int64))
+
+
+def _sorted(order: torch.Tensor | None, num_tokens: int, block_m: int) -> bool:
+    """Whether the tiles take the rows through `order`: not when they are one tile, which walks the same slots
+    either way (sorting would only add a load)."""
+    return order is not None and num_tokens > block_m
 
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> None:
@@ -254,10 +281,12 @@ def _block_r(rank: int) -> int:
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
-                       config: dict | None = None) -> torch.Tensor:
-    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning)."""
+                       config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning); order as
+    `lora_shrink`'s."""
     _check_shrink(x, lora_a, slots)
-    check_launchable(x, lora_a, slots)
+    _check_order(order, x.shape[0])
+    check_launchable(x, lora_a, slots, *(() if order is None else (order,)))
     for name, t in (("x", x), ("lora_a", lora_a)):
         check_last_dim_contiguous(name, t)
     num_tokens, k = x.shape
@@ -270,21 +299,24 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
     y = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
     k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
+    is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
     _lora_shrink_kernel[grid](
-        x, lora_a, slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices, ATOMIC=split_k > 1,
-        Y_ALIGNED=_is_aligned(y),
+        x, lora_a, slots, order if is_sorted else slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices,
+        ATOMIC=split_k > 1, Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], SORTED=is_sorted, **pdl_options(x.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 
 def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                       slice_starts: tuple[int, ...], config: dict | None = None) -> None:
-    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys."""
+                       slice_starts: tuple[int, ...], config: dict | None = None,
+                       order: torch.Tensor | None = None) -> None:
+    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys; order as `lora_shrink`'s."""
     _check_expand(out, y, lora_b, slots, slice_starts)
-    check_launchable(out, y, lora_b, slots)
+    _check_order(order, out.shape[0])
+    check_launchable(out, y, lora_b, slots, *(() if order is None else (order,)))
     for name, t in (("out", out), ("y", y), ("lora_b", lora_b)):
         check_last_dim_contiguous(name, t)
     num_slices, num_tokens, rank = y.shape
@@ -302,13 +334,14 @@ def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     grid = (sum(n_blocks), cdiv(num_tokens, cfg["BLOCK_M"]))
     if grid[0] == 0:
         return
+    is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
     _lora_expand_kernel[grid](
-        out, y, lora_b, slots, num_tokens, rank, *first_blocks, *slice_starts, *pad, *ends, *pad, out.stride(0),
-        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), HI_LO=out.dtype != torch.float32,
-        Y_ALIGNED=_is_aligned(y),
+        out, y, lora_b, slots, order if is_sorted else slots, num_tokens, rank, *first_blocks, *slice_starts, *pad,
+        *ends, *pad, out.stride(0), y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1),
+        HI_LO=out.dtype != torch.float32, Y_ALIGNED=_is_aligned(y),
         UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), **pdl_options(out.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), SORTED=is_sorted,
+        **pdl_options(out.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _slots_in_use(slots: torch.Tensor, num_slots: int) -> list[int]:
@@ -349,26 +382,30 @@ def _kernel_wanted(tensor: torch.Tensor, use_kernel: bool | None) -> bool:
     return use_triton(tensor) if use_kernel is None else use_kernel
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, *,
-                use_kernel: bool | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, *, use_kernel: bool | None = None,
+                order: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (model dtype), lora_a [S, n_slices, R, K] (stacked adapter slots; rank padded with zeros to R),
     slots [T] int32 (slot of each token's adapter, -1 = no adapter). Returns y [n_slices, T, R] float32,
     y[i, t] = lora_a[slots[t], i] @ x[t] (zeros where slots[t] == -1).
 
     use_kernel: None, the Triton kernel for CUDA tensors and the reference elsewhere; True, the kernel (CPU tensors
-    under TRITON_INTERPRET=1 too); False, the reference."""
+    under TRITON_INTERPRET=1 too); False, the reference. order: None, or the rows sorted by slot, int32 or int64
+    [T] (`torch.argsort(slots)`, a permutation of 0..T-1): the kernel's tiles then take the rows in that order
+    (a few slots a tile where a decode batch interleaves adapters); the same y either way, and the reference needs
+    none."""
     if _kernel_wanted(x, use_kernel):
-        return lora_shrink_triton(x, lora_a, slots)
+        return lora_shrink_triton(x, lora_a, slots, order=order)
     return lora_shrink_ref(x, lora_a, slots)
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                slice_starts: tuple[int, ...], *, use_kernel: bool | None = None) -> None:
+                slice_starts: tuple[int, ...], *, use_kernel: bool | None = None,
+                order: torch.Tensor | None = None) -> None:
     """In place: out [T, N] (model dtype) += for each slice i, columns [slice_starts[i], slice_starts[i+1]) (the
     last slice ends at N): y[i] [T, R] @ lora_b[slots[t], cols, :].T, with lora_b [S, N, R] (the adapter's
     scaling already folded into B). Rows with slots[t] == -1 unchanged. Accumulate in float32, one rounding.
-    use_kernel as `lora_shrink`'s."""
+    use_kernel and order as `lora_shrink`'s."""
     if _kernel_wanted(out, use_kernel):
-        lora_expand_triton(out, y, lora_b, slots, slice_starts)
+        lora_expand_triton(out, y, lora_b, slots, slice_starts, order=order)
     else:
         lora_expand_ref(out, y, lora_b, slots, slice_starts)

@@ -10,6 +10,7 @@ graph replay needs no copies beyond these.
     query_start [max_seqs + 1] ──►     query_start_loc
     block_table [max_seqs, max_blocks] ──► block_tables
     lora_slots  [max_tokens]   ──►     lora_slots                      each token's LoRA slot, -1: base (with LoRA)
+    lora_order  [max_tokens]   ──►     lora_order                      the rows sorted by slot (argsort, at the copy)
 
 The sequence buffers have one row more than max_seqs: a verify graph's (workers/cuda_graphs.py) padding row.
 """
@@ -56,6 +57,7 @@ class InputBuffers:
                 "query_start_loc": host(max_seqs + 2, torch.int32),
                 "block_tables": host((max_seqs + 1, max_blocks_per_seq), torch.int32),
                 "lora_slots": host(max_tokens if has_lora else 1, torch.int32),
+                "lora_order": host(max_tokens if has_lora else 1, torch.int32),
             }
 
         # Two host sets, used in turn: with overlapped steps the host writes step N+1's inputs while step N's
@@ -149,7 +151,10 @@ class InputBuffers:
 
     def copy_to_device(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         h, d = self.host, self.dev
-        for name in ("input_ids", "positions", "slot_mapping") + (("lora_slots",) if self.has_lora else ()):
+        if self.has_lora:  # after any padding: the LoRA kernels tile the rows in this order (kernels/lora.py)
+            self.np["lora_order"][:num_tokens] = np.argsort(self.np["lora_slots"][:num_tokens], kind="stable")
+        lora = ("lora_slots", "lora_order") if self.has_lora else ()
+        for name in ("input_ids", "positions", "slot_mapping") + lora:
             d[name][:num_tokens].copy_(h[name][:num_tokens], non_blocking=True)
         d["seq_lens"][:num_seqs].copy_(h["seq_lens"][:num_seqs], non_blocking=True)
         d["query_start_loc"][:num_seqs + 1].copy_(h["query_start_loc"][:num_seqs + 1], non_blocking=True)
@@ -170,5 +175,6 @@ class InputBuffers:
             slot_mapping=d["slot_mapping"][:num_tokens], query_start_loc=d["query_start_loc"][:num_seqs + 1],
             seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs, :num_block_cols],
             max_query_len=max_query_len, is_decode_only=max_query_len == 1,
-            lora_slots=d["lora_slots"][:num_tokens] if use_lora else None)
+            lora_slots=d["lora_slots"][:num_tokens] if use_lora else None,
+            lora_order=d["lora_order"][:num_tokens] if use_lora else None)
         return d["input_ids"][:num_tokens], d["positions"][:num_tokens], meta

@@ -9,7 +9,8 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
     down_proj      -              this rank's input columns         out (whole)
 
 A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
-output (workers/layers/linear.py), every token with its own slot: no loop over adapters. A slot an adapter leaves
+output (workers/layers/linear.py), every token with its own slot: no loop over adapters; the kernels tile the rows
+sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A slot an adapter leaves
 a module out of holds zeros there.
 
 An adapter reaches a slot in two moves, both ordered by the driver's steps (engine/lora.py LoRAHostCache):
@@ -66,9 +67,10 @@ class LoRAWeights:
     b: torch.Tensor  # [max_loras, out_features (this rank's part), max_lora_rank], scaling folded in
     slice_starts: tuple[int, ...]  # each slice's first output column
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]
-        lora_expand(out, lora_shrink(x, self.a, slots), self.b, slots, self.slice_starts)
+    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: int32 [T], the rows sorted
+        # by slot (kernels/lora.py: the kernels' tiles; None: as they come)
+        lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts, order=order)
 
 
 @dataclass

@@ -408,22 +408,25 @@ def compile_int_gemm() -> None:
 LORA_8B = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8):
-    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked)."""
+def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted=False):
+    """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked; is_sorted: tiling the rows
+    sorted by slot, as the engine runs them)."""
     in_features, widths = LORA_8B[layer]
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
+    order = int32(rows) if is_sorted else None
     CASE[0] = f"lora shrink {name}"
     lora.lora_shrink_triton(empty(rows, in_features, dtype=dtype),
-                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows))
+                            empty(slots, len(widths), rank, in_features, dtype=dtype), int32(rows), order=order)
     CASE[0] = f"lora expand {name}"
     lora.lora_expand_triton(empty(rows, sum(widths), dtype=dtype), empty(len(widths), rows, rank,
                                                                          dtype=torch.float32),
-                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts)
+                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts, order=order)
 
 
 def compile_lora() -> None:
     """The LoRA shrink (split-K atomics at decode sizes) and expand at Llama-3-8B's projections, ranks 16 and 64,
-    decode (16- and 32-row tiles) and prefill (32- and 64-row tiles) batches; float32 and the largest rank."""
+    decode (16- and 32-row tiles) and prefill (32- and 64-row tiles) batches; float32 and the largest rank; the
+    tiles of rows sorted by slot (a decode batch of 256, every projection at rank 16, qkv at 64 and 128)."""
     for rank in (16, 32, 64):
         for layer in LORA_8B:
             for rows in (1, 256, 2048):
@@ -435,6 +438,10 @@ def compile_lora() -> None:
         lora_layer(f"qkv r128, {rows} rows", rows, "qkv", 128)
     lora_layer("qkv r16 fp32, 4 rows", 4, "qkv", 16, dtype=torch.float32)
     lora_layer("gate_up r16 fp16, 512 rows", 512, "gate_up", 16, dtype=torch.float16)
+    for layer in LORA_8B:
+        lora_layer(f"{layer} r16, 256 rows sorted", 256, layer, 16, is_sorted=True)
+    for rank in (64, 128):
+        lora_layer(f"qkv r{rank}, 256 rows sorted", 256, "qkv", rank, is_sorted=True)
 
 
 def main() -> int:

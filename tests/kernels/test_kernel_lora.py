@@ -1,6 +1,6 @@
 """Batched LoRA: the torch references against peft and against a per-token einsum, and the Triton shrink / expand
 kernels against the references, over mixed slots (with -1), every slice layout, ranks 8-64 and the three dtypes,
-at sizes that cross the row, column and K tiles."""
+at sizes that cross the row, column and K tiles, with the rows as they come and sorted by slot."""
 
 import pytest
 import torch
@@ -190,6 +190,55 @@ def test_slices_need_not_start_at_zero_nor_be_wide(device):
     assert torch.equal(out[:, :6], before[:, :6])
 
 
+SORTED_PATTERNS = {**SLOT_PATTERNS, "padded": lambda t, s: decode_slots(t - 5, s, seed=t) + [-1] * 5}
+
+
+@pytest.mark.parametrize("order_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", SORTED_PATTERNS)
+def test_rows_sorted_by_slot_give_the_same_results(pattern, dtype, order_dtype, device):
+    """order = argsort(slots), as InputBuffers computes it: shrink and expand tile the sorted rows (their x, y and
+    out rows gathered; a tile of interleaved adapters then holds few) and give what the references give,
+    rows without an adapter (-1, interleaved or the padding at the end) untouched; the public functions pass it on."""
+    num_tokens, widths = 37, (24, 8, 16)
+    slots = SORTED_PATTERNS[pattern](num_tokens, 4)
+    x, lora_a, lora_b, y, out, slots = make_case(num_tokens, 40, widths, 16, 4, dtype, slots, device)
+    order = torch.argsort(slots.cpu(), stable=True).to(device=device, dtype=order_dtype)
+    for config in (dict(BLOCK_M=16, SPLIT_K=1), dict(BLOCK_M=16, BLOCK_K=16, SPLIT_K=2)):  # 3 row tiles
+        torch.testing.assert_close(lora_shrink_triton(x, lora_a, slots, config=config, order=order),
+                                   lora_shrink_ref(x, lora_a, slots), atol=1e-5, rtol=1e-4)
+    expected, got = out.clone(), out.clone()
+    lora_expand_ref(expected, y, lora_b, slots, starts_of(widths))
+    lora_expand_triton(got, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16), order=order)
+    torch.testing.assert_close(got, expected, atol=ulps(dtype), rtol=ulps(dtype))
+    assert torch.equal(got[slots < 0], out[slots < 0])
+    applied, full = out.clone(), out.clone()  # the public functions at their default tiles (32 rows: two tiles)
+    lora_expand(applied, lora_shrink(x, lora_a, slots, use_kernel=True, order=order), lora_b, slots,
+                starts_of(widths), use_kernel=True, order=order)
+    lora_expand_ref(full, lora_shrink_ref(x, lora_a, slots), lora_b, slots, starts_of(widths))
+    torch.testing.assert_close(applied, full, atol=ulps(dtype), rtol=ulps(dtype))
+
+
+def test_tiles_read_through_the_order_unless_the_rows_fit_one(device, poisoned_allocations):
+    """An order naming row 0 everywhere: over several tiles the shrink computes row 0 alone and the other rows of y
+    stay unwritten (NaN here), so the tiles read through it; rows that fit one tile ignore it (its walk is the
+    same either way)."""
+    x, lora_a, _, _, _, slots = make_case(20, 24, (16,), 8, 2, torch.float32, decode_slots(20, 2), device)
+    order = torch.zeros(20, dtype=torch.int32, device=device)
+    y = lora_shrink_triton(x, lora_a, slots, config=dict(BLOCK_M=16, SPLIT_K=1), order=order)
+    assert not y[:, 0].isnan().any() and y[:, 1:].isnan().all()
+    torch.testing.assert_close(lora_shrink_triton(x, lora_a, slots, config=dict(BLOCK_M=32, SPLIT_K=1), order=order),
+                               lora_shrink_ref(x, lora_a, slots), atol=1e-5, rtol=1e-4)
+
+
+def test_order_must_cover_the_rows(device):
+    x, lora_a, lora_b, y, out, slots = make_case(4, 24, (16, 8), 8, 2, torch.float32, [0, 1, -1, 1], device)
+    with pytest.raises(ValueError, match="order"):
+        lora_shrink_triton(x, lora_a, slots, order=slots[:3])
+    with pytest.raises(ValueError, match="order"):
+        lora_expand_triton(out, y, lora_b, slots, (0, 16), order=slots.float())
+
+
 def test_decode_defaults_split_k_and_prefill_does_not():
     cpu = torch.device("cpu")
     assert shrink_config(1, 4096, 16, 3, torch.bfloat16, cpu)["SPLIT_K"] > 1
@@ -278,18 +327,36 @@ def test_gpu_llama3_8b_layers(layer, num_tokens, cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [64, 256])
+@pytest.mark.parametrize("layer", LLAMA3_8B)
+def test_gpu_sorted_rows_llama3_8b(layer, num_tokens, cuda):
+    """Decode batches over 8 interleaved adapters (and base rows) tiled sorted by slot, as the engine runs them."""
+    in_features, widths = LLAMA3_8B[layer]
+    x, lora_a, lora_b, _, out, slots = make_case(num_tokens, in_features, widths, 16, 8, torch.bfloat16,
+                                                 decode_slots(num_tokens, 8), cuda)
+    order = torch.argsort(slots).to(torch.int32)
+    expected, got = out.clone(), out.clone()
+    lora_expand_ref(expected, lora_shrink_ref(x, lora_a, slots), lora_b, slots, starts_of(widths))
+    lora_expand(got, lora_shrink(x, lora_a, slots, order=order), lora_b, slots, starts_of(widths), order=order)
+    torch.testing.assert_close(got, expected, atol=ulps(out.dtype), rtol=ulps(out.dtype))
+    assert torch.equal(got[slots < 0], out[slots < 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_sorted", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 64])
-def test_gpu_decode_in_a_cuda_graph(num_tokens, cuda):
+def test_gpu_decode_in_a_cuda_graph(num_tokens, is_sorted, cuda):
     """A decode step's LoRA as the engine runs it: shrink and expand captured once, replayed with other slots
-    (written into the captured slots tensor) and other inputs."""
+    (written into the captured slots tensor, and their argsort into the captured order) and other inputs."""
     in_features, widths = LLAMA3_8B["qkv"]
     x, lora_a, lora_b, _, out, slots = make_case(num_tokens, in_features, widths, 16, 8, torch.bfloat16,
                                                  decode_slots(num_tokens, 8), cuda)
     base = out.clone()
+    order = torch.argsort(slots).to(torch.int32) if is_sorted else None
 
     def step():
         out.copy_(base)
-        lora_expand(out, lora_shrink(x, lora_a, slots), lora_b, slots, starts_of(widths))
+        lora_expand(out, lora_shrink(x, lora_a, slots, order=order), lora_b, slots, starts_of(widths), order=order)
 
     step()  # compiles outside the capture
     torch.cuda.synchronize()
@@ -298,6 +365,8 @@ def test_gpu_decode_in_a_cuda_graph(num_tokens, cuda):
         step()
     for seed in range(1, 4):
         slots.copy_(torch.tensor(decode_slots(num_tokens, 8, seed=seed), dtype=torch.int32))
+        if order is not None:
+            order.copy_(torch.argsort(slots))
         x.copy_(torch.randn_like(x))
         graph.replay()
         expected = base.clone()
@@ -327,7 +396,7 @@ def test_benchmark_runs_and_checks_at_toy_sizes(device, monkeypatch, capsys):
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
     assert impls == {(f"lora {layer}", f"{case} r16", impl) for layer in ("qkv", "down")
                      for case in ("decode batch 3", "prefill 20 tokens")
-                     for impl in ("base matmul", "lora triton", "base + lora", "lora torch ref")}
+                     for impl in ("base matmul", "lora triton", "lora sorted", "base + lora", "lora torch ref")}
     print_lora_overhead(runner.results)
     assert "lora overhead qkv      decode batch 3 r16" in capsys.readouterr().out
     x, weight = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)

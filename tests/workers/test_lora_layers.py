@@ -195,3 +195,21 @@ def test_tp2_matches_tp1(tiny_model_dir, tmp_path):
                        nprocs=2, start_method="spawn")
     assert torch.load(tmp_path / "rank1.pt") is None
     torch.testing.assert_close(torch.load(tmp_path / "rank0.pt"), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_input_buffers_sort_the_rows_by_slot_after_padding():
+    """The step's lora_order (the LoRA kernels' tiles, kernels/lora.py `order`): the rows, padding included, sorted
+    by slot, stable, beside the slots themselves; the base-only metadata carries neither."""
+    from workers.inputs import InputBuffers
+
+    buffers = InputBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"),
+                           has_lora=True)
+    slots = [2, -1, 0, 2, 1]
+    num_tokens, cols = buffers.fill([[7]] * 5, [0] * 5, [1] * 5, [[i] for i in range(5)], slots)
+    buffers.pad_decode(num_tokens, 8)
+    buffers.copy_to_device(8, 8, cols)
+    _, _, meta = buffers.metadata(8, 8, 1, cols)
+    assert meta.lora_slots.tolist() == slots + [-1] * 3
+    assert meta.lora_order.tolist() == [1, 5, 6, 7, 2, 4, 0, 3]
+    _, _, base = buffers.metadata(8, 8, 1, cols, use_lora=False)
+    assert base.lora_slots is None and base.lora_order is None

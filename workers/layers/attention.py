@@ -32,6 +32,7 @@ class AttentionMetadata:
     max_query_len: int
     is_decode_only: bool  # every query length is 1
     lora_slots: torch.Tensor | None = None  # int32 [T]: each token's LoRA slot (-1: base); None: no adapter
+    lora_order: torch.Tensor | None = None  # int32 [T]: the rows sorted by slot (the LoRA kernels' tiles), with them
 
 
 class KVScaledAttention(nn.Module):

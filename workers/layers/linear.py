@@ -94,15 +94,16 @@ class ColumnParallelLinear(nn.Module):
         return takes_quantized_rows(self)
 
     def forward(self, x: torch.Tensor | QuantizedRows, gated: bool = False, quantize_output: bool = False,
-                lora_slots: torch.Tensor | None = None):
+                lora_slots: torch.Tensor | None = None, lora_order: torch.Tensor | None = None):
         # x: [T, in] -> [T, out / tp]; gated: SiLU-and-mul of a [gate ; up] output -> [T, out / (2 tp)], as
         # QuantizedRows with quantize_output (for an FP8 layer after that takes_quantized_rows); lora_slots: int32
-        # [T], each token's adapter slot (None: no adapter in the step)
+        # [T], each token's adapter slot (None: no adapter in the step); lora_order: int32 [T], the rows sorted by
+        # slot (optional: the kernels then tile the sorted rows)
         if lora_slots is None or self.lora is None:
             return self._forward(x, gated, quantize_output)
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
         out = self._forward(x, False, False)  # the adapters add to the [gate ; up] output before the SiLU-and-mul
-        self.lora.apply(out, x, lora_slots)
+        self.lora.apply(out, x, lora_slots, lora_order)
         return silu_and_mul(out, quantize_output) if gated else out
 
     def _forward(self, x: torch.Tensor | QuantizedRows, gated: bool, quantize_output: bool):
@@ -227,10 +228,12 @@ class RowParallelLinear(nn.Module):
     def takes_quantized_rows(self) -> bool:
         return takes_quantized_rows(self)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, in / tp] -> [T, out]; lora_slots: int32 [T], each token's adapter slot (None: no adapter in the step)
+    def forward(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor | None = None,
+                lora_order: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in / tp] -> [T, out]; lora_slots: int32 [T], each token's adapter slot (None: no adapter in the step);
+        # lora_order: as ColumnParallelLinear's
         if lora_slots is not None and self.lora is not None:
-            return self._forward_lora(x, lora_slots)
+            return self._forward_lora(x, lora_slots, lora_order)
         if self.quant_config is not None and self.quant_config.is_packed_int:
             y = linear_int(self, x, None)
             if not self.reduce_results:
@@ -247,7 +250,8 @@ class RowParallelLinear(nn.Module):
             y = linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
-    def _forward_lora(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor) -> torch.Tensor:
+    def _forward_lora(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor,
+                      lora_order: torch.Tensor | None) -> torch.Tensor:
         """This rank's partial output plus its partial adapter delta (its input columns of A), then the all-reduce:
         both are linear in x's columns, so the sum over ranks is the whole delta."""
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
@@ -257,7 +261,7 @@ class RowParallelLinear(nn.Module):
             y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
         else:
             y = linear(x, self.weight)
-        self.lora.apply(y, x, lora_slots)
+        self.lora.apply(y, x, lora_slots, lora_order)
         if not self.reduce_results:
             return y
         y = all_reduce(y)

@@ -84,8 +84,10 @@ class DeepseekV2MoE(nn.Module):
             self.shared_experts = LlamaMLP(args, False, dtype, device,
                                            args.moe_intermediate_size * args.n_shared_experts, reduce_results=False)
 
-    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
-        # lora_slots: unused (engine/lora.py: DeepSeek-V2 takes no adapter; the decoder layer passes them to any MLP)
+    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                lora_order: torch.Tensor | None = None) -> torch.Tensor:
+        # lora_slots, lora_order: unused (engine/lora.py: DeepSeek-V2 takes no adapter; the decoder layer passes them
+        # to any MLP)
         topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
         out = self.experts(h, topk_weights, topk_ids)  # this rank's partial sum [T, hidden]
         if self.shared_experts is not None:

@@ -80,7 +80,8 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, positions, h, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # h: [T, hidden] (or QuantizedRows, see takes_quantized_rows) -> [T, hidden]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(h, lora_slots=meta.lora_slots))  # [T, H*D], [T, H_kv*D] x2
+        qkv = self.qkv_proj(h, lora_slots=meta.lora_slots, lora_order=meta.lora_order)
+        q, k, v = self.qkv_proj.split(qkv)  # [T, H*D], [T, H_kv*D] x2
         num_tokens = h.shape[0]
         if self.qk_norm:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
             q = self.q_norm(q.reshape(-1, self.head_dim))
@@ -91,7 +92,7 @@ class LlamaAttentionBlock(nn.Module):
         self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
                                          *self.attn.kv_scales(k_cache))
         out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
-        return self.o_proj(out, meta.lora_slots)
+        return self.o_proj(out, meta.lora_slots, meta.lora_order)
 
 
 class LlamaMLP(nn.Module):
@@ -110,11 +111,14 @@ class LlamaMLP(nn.Module):
     def takes_quantized_rows(self) -> bool:
         return self.gate_up_proj.takes_quantized_rows
 
-    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                lora_order: torch.Tensor | None = None) -> torch.Tensor:
         # h: [T, hidden] (or QuantizedRows, see takes_quantized_rows) -> silu(gate) * up [T, I / tp] (one kernel
-        # for decode batches; quantized for an FP8 down_proj) -> [T, hidden]; lora_slots: see AttentionMetadata
+        # for decode batches; quantized for an FP8 down_proj) -> [T, hidden]; lora_slots, lora_order: see
+        # AttentionMetadata
         return self.down_proj(self.gate_up_proj(h, gated=True, quantize_output=self.down_proj.takes_quantized_rows,
-                                                lora_slots=lora_slots), lora_slots)
+                                                lora_slots=lora_slots, lora_order=lora_order),
+                              lora_slots, lora_order)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -135,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual, quantize)
         h = self.self_attn(positions, h, k_cache, v_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual, self.mlp.takes_quantized_rows)
-        return self.mlp(h, meta.lora_slots), residual
+        return self.mlp(h, meta.lora_slots, meta.lora_order), residual
 
 
 class LlamaModel(nn.Module):

@@ -53,8 +53,9 @@ class SparseMoeBlock(nn.Module):
                                               reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
 
-    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
-        # lora_slots: unused, the experts take no adapter (engine/lora.py: attention only on MoE families)
+    def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                lora_order: torch.Tensor | None = None) -> torch.Tensor:
+        # lora_slots, lora_order: unused, the experts take no adapter (engine/lora.py: attention only on MoE families)
         topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
         if self.round_weights:
             topk_weights = topk_weights.to(h.dtype)
