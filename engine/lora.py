@@ -36,6 +36,7 @@ _DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausa
                         "Phi3ForCausalLM")
 _FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints (and so PEFT adapters) with qkv_proj and gate_up_proj
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM",)  # an MoE family with latent attention
 _TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -81,13 +82,16 @@ class LoRAAdapter:
 def lora_module_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
     """The base model's LoRA-capable linears: module name -> (in_features, out_features), whole (not sharded).
     Dense Llama / Mistral / Qwen: every projection; Phi-3: its checkpoint's fused qkv_proj and gate_up_proj, o_proj
-    and down_proj; MoE families: attention only (their experts take no adapter). ParamError for a family that
-    takes none."""
+    and down_proj; MoE families: attention only (their experts take no adapter), DeepSeek-V2's latent attention
+    too (`_mla_module_shapes`). ParamError for a family that takes none."""
     architectures = hf_config.get("architectures") or []
-    if not any(a in _DENSE_ARCHITECTURES + _MOE_ARCHITECTURES for a in architectures):
+    supported = _DENSE_ARCHITECTURES + _MOE_ARCHITECTURES + _MLA_ARCHITECTURES
+    if not any(a in supported for a in architectures):
         raise ParamError("enable_lora", f"LoRA adapters are not supported on {architectures} (supported: "
-                                        f"{list(_DENSE_ARCHITECTURES + _MOE_ARCHITECTURES)})")
+                                        f"{list(supported)})")
     hidden, num_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+    if any(a in _MLA_ARCHITECTURES for a in architectures):
+        return _mla_module_shapes(hf_config, hidden, num_heads)
     head_dim = int(hf_config.get("head_dim") or hidden // num_heads)
     kv = int(hf_config.get("num_key_value_heads") or num_heads) * head_dim
     shapes = {"q_proj": (hidden, num_heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
@@ -99,6 +103,20 @@ def lora_module_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
         shapes = {"qkv_proj": (hidden, num_heads * head_dim + 2 * kv), "o_proj": shapes["o_proj"],
                   "gate_up_proj": (hidden, 2 * shapes["gate_proj"][1]), "down_proj": shapes["down_proj"]}
     return shapes
+
+
+def _mla_module_shapes(hf_config: dict, hidden: int, num_heads: int) -> dict[str, tuple[int, int]]:
+    """DeepSeek-V2's attention: q_proj (or q_a_proj and q_b_proj), kv_a_proj_with_mqa, kv_b_proj (whose delta the
+    workers fold into the absorbed queries and outputs as they fold its weight: workers/lora.py
+    `LatentLoRAWeights`) and o_proj. Its MLPs take none, as the other MoE families' (peft itself turns gate/up/down
+    targets on this family into its experts' parameters)."""
+    nope, rope = int(hf_config["qk_nope_head_dim"]), int(hf_config["qk_rope_head_dim"])
+    latent, v, q_rank = int(hf_config["kv_lora_rank"]), int(hf_config["v_head_dim"]), hf_config.get("q_lora_rank")
+    q_rows = num_heads * (nope + rope)
+    shapes = ({"q_proj": (hidden, q_rows)} if not q_rank else
+              {"q_a_proj": (hidden, int(q_rank)), "q_b_proj": (int(q_rank), q_rows)})
+    return shapes | {"kv_a_proj_with_mqa": (hidden, latent + rope), "kv_b_proj": (latent, num_heads * (nope + v)),
+                     "o_proj": (num_heads * v, hidden)}
 
 
 def parse_tensor_name(name: str) -> tuple[int, str, str] | None:

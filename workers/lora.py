@@ -7,6 +7,8 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
     gate_up_proj   gate, up       hidden (whole)                    this rank's gate ; up rows
     o_proj         -              this rank's input columns         out (whole)
     down_proj      -              this rank's input columns         out (whole)
+    (DeepSeek-V2)  q_proj / q_b_proj: this rank's heads' rows; q_a_proj, kv_a_proj_with_mqa: replicated, whole;
+                   kv_b_proj: this rank's heads' rows, used as `LatentLoRAWeights` (below), never as a linear
 
 A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
 output (workers/layers/linear.py), every token with its own slot: no loop over adapters; the kernels tile the rows
@@ -39,6 +41,7 @@ from engine.config import LoRAConfig
 from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
 from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.mla import ReplicatedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,12 @@ _MODULES = {
     "v_proj": ("self_attn.qkv_proj", 2, "v"), "o_proj": ("self_attn.o_proj", 0, None),
     "gate_proj": ("mlp.gate_up_proj", 0, 0), "up_proj": ("mlp.gate_up_proj", 1, 1),
     "down_proj": ("mlp.down_proj", 0, None),
+}
+# DeepSeek-V2's (workers/models/deepseek_v2.py): its latent attention's projections, as its checkpoint names them
+_MLA_MODULES = {
+    "q_proj": ("self_attn.q_proj", 0, None), "q_a_proj": ("self_attn.q_a_proj", 0, None),
+    "q_b_proj": ("self_attn.q_b_proj", 0, None), "kv_a_proj_with_mqa": ("self_attn.kv_a_proj_with_mqa", 0, None),
+    "kv_b_proj": ("self_attn.kv_b_proj", 0, None), "o_proj": ("self_attn.o_proj", 0, None),
 }
 # A fused checkpoint module (Phi-3's) -> its parts: one A for all of them, B's rows in this order. Each part is the
 # module above (its slice and shard), its A the fused one and its B its rows of the fused B: the same delta.
@@ -71,6 +80,56 @@ class LoRAWeights:
         # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: int32 [T], the rows sorted
         # by slot (kernels/lora.py: the kernels' tiles; None: as they come)
         lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts, order=order)
+
+
+    def refresh(self, slot: int) -> None:
+        """After a load into the slot (or its zeroing): what the layer derives from a and b (none here)."""
+
+
+@dataclass
+class LatentLoRAWeights(LoRAWeights):
+    """kv_b_proj's slots under multi-head latent attention (workers/layers/mla.py), which never runs kv_b_proj: it
+    folds each head's rows [W_UK[h] ; W_UV[h]] into the queries and the outputs. An adapter's B A adds B_K[h] A and
+    B_V[h] A to them, so the same reassociation takes the delta per token and head, through the LoRA kernels with
+    the (token, head) pairs as rows (slot s, head h: row slot s * H + h where B differs by head):
+
+        q_lat[t, h]  += ((q_nope[t, h] B_K[s, h]) A[s])        shrink by bk_t [S*H, 1, R, nope], expand by a_t
+        out[t, h]    += ((out_lat[t, h] A[s]^T) B_V[s, h]^T)   shrink by a, expand by bv [S*H, v, R]
+
+    bk_t, a_t and bv are copies of a and b in those layouts, made when a slot is loaded (`refresh`)."""
+
+    num_heads: int = 0  # this rank's
+    nope: int = 0  # qk_nope_head_dim
+    a_t: torch.Tensor | None = None  # [S, L, R]
+    bk_t: torch.Tensor | None = None  # [S * H, 1, R, nope]
+    bv: torch.Tensor | None = None  # [S * H, v, R]
+
+    def refresh(self, slot: int) -> None:
+        assert self.a_t is not None and self.bk_t is not None and self.bv is not None
+        h, rank = self.num_heads, self.b.shape[-1]
+        self.a_t[slot].copy_(self.a[slot, 0].T)
+        b = self.b[slot].view(h, -1, rank)  # [H, nope + v, R]
+        heads = slice(slot * h, (slot + 1) * h)
+        self.bk_t[heads, 0].copy_(b[:, :self.nope].transpose(1, 2))
+        self.bv[heads].copy_(b[:, self.nope:])
+
+    def _head_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """[T] adapter slots -> [T * H] rows of the per-head tensors (-1 stays -1)."""
+        h = self.num_heads
+        rows = slots[:, None] * h + torch.arange(h, dtype=slots.dtype, device=slots.device)
+        return torch.where(slots[:, None] >= 0, rows, -1).reshape(-1)
+
+    def absorb_query(self, q_lat: torch.Tensor, q_nope: torch.Tensor, slots: torch.Tensor) -> None:
+        # q_lat [T, H, L] (contiguous) += each token's delta; q_nope [T, H, nope]; slots int32 [T]
+        rows = q_lat.shape[0] * self.num_heads
+        u = lora_shrink(q_nope.reshape(rows, self.nope), self.bk_t, self._head_slots(slots))  # [1, T*H, R]
+        lora_expand(q_lat.view(rows, -1), u, self.a_t, slots.repeat_interleave(self.num_heads), (0,))
+
+    def absorb_output(self, out: torch.Tensor, out_lat: torch.Tensor, slots: torch.Tensor) -> None:
+        # out [T, H, v] (contiguous) += each token's delta; out_lat [T, H, L]; slots int32 [T]
+        rows = out.shape[0] * self.num_heads
+        u = lora_shrink(out_lat.reshape(rows, -1), self.a, slots.repeat_interleave(self.num_heads))  # [1, T*H, R]
+        lora_expand(out.view(rows, -1), u, self.bv, self._head_slots(slots), (0,))
 
 
 @dataclass
@@ -93,11 +152,13 @@ class LoRAManager:
             raise ValueError(f"max_lora_rank {config.max_lora_rank}: the LoRA kernels take ranks up to {MAX_RANK}")
         self.layers = model.model.layers
         self.modules = lora_module_shapes(hf_config)  # the linears that take adapters: the driver checks against it
+        self.paths = _MLA_MODULES if "kv_b_proj" in self.modules else _MODULES
         self.weights: dict[str, LoRAWeights] = {}  # "{layer}.{attribute path}" -> its slots
         for i, layer in enumerate(self.layers):
-            for path in dict.fromkeys(_MODULES[p][0] for m in self.modules for p in _FUSED.get(m, (m,))):
-                linear = layer.get_submodule(path)
-                linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
+            for path in dict.fromkeys(self.paths[p][0] for m in self.modules for p in _FUSED.get(m, (m,))):
+                linear = _submodule(layer, path)
+                if linear is not None:  # (a family's layers could differ: skip one without the module)
+                    linear.lora = self.weights[f"{i}.{path}"] = self._make_slots(linear)
         self.cache: dict[int, Future[list[_Part]]] = {}  # adapter id -> its parts, read or being read
         self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
         self.load_errors: dict[int, str] = {}  # slot -> why its last load failed
@@ -109,15 +170,30 @@ class LoRAManager:
         slots, rank = self.config.max_loras, self.config.max_lora_rank
         if isinstance(linear, RowParallelLinear):
             k, n, starts = linear.in_features_per_rank, linear.out_features, (0,)
+        elif isinstance(linear, ReplicatedLinear):
+            n, k = linear.weight.shape
+            starts = (0,)
         else:
             assert isinstance(linear, ColumnParallelLinear), type(linear)
             k, n = linear.in_features, linear.out_features_per_rank
             if hasattr(linear, "q_size"):  # QKVParallelLinear
                 starts = (0, linear.q_size, linear.q_size + linear.kv_size)
-            else:  # MergedColumnParallelLinear: gate ; up
+            elif hasattr(linear, "sizes_per_rank"):  # MergedColumnParallelLinear: gate ; up
                 starts = (0, linear.sizes_per_rank[0])
-        return LoRAWeights(torch.zeros(slots, len(starts), rank, k, dtype=self.dtype, device=self.device),
-                           torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device), starts)
+            else:
+                starts = (0,)
+        a = torch.zeros(slots, len(starts), rank, k, dtype=self.dtype, device=self.device)
+        b = torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device)
+        if getattr(linear, "absorbed_heads", None) is None:
+            return LoRAWeights(a, b, starts)
+        heads, nope = linear.absorbed_heads  # kv_b_proj under latent attention
+        v = n // heads - nope
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+        return LatentLoRAWeights(a, b, starts, heads, nope, zeros(slots, k, rank), zeros(slots * heads, 1, rank, nope),
+                                 zeros(slots * heads, v, rank))
 
     def start_read(self, read_id: int, adapter: LoRAAdapter) -> None:
         """Reads the adapter's parts into the host cache on a thread of the pool; returns at once."""
@@ -151,6 +227,7 @@ class LoRAManager:
         for weights in self.weights.values():
             weights.a[slot].zero_()
             weights.b[slot].zero_()
+            weights.refresh(slot)
         try:
             parts = self._parts(adapter)
         except Exception as e:  # noqa: BLE001 - logged, and the requests of this slot fail with it
@@ -163,6 +240,8 @@ class LoRAManager:
             r = part.a.shape[0]
             part.weights.a[slot, part.index, :r].copy_(part.a, non_blocking=non_blocking)
             part.weights.b[slot, part.rows, :r].copy_(part.b, non_blocking=non_blocking)
+        for weights in self.weights.values():
+            weights.refresh(slot)
         self.slots[slot] = adapter.request.id
 
     def _parts(self, adapter: LoRAAdapter) -> list[_Part]:
@@ -182,7 +261,9 @@ class LoRAManager:
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
             parsed = parse_tensor_name(name)
-            if parsed is None or parsed[1] not in self.modules or parsed[0] >= len(self.layers):
+            if (parsed is None or parsed[1] not in self.modules or parsed[0] >= len(self.layers)
+                    or any(f"{parsed[0]}.{self.paths[m][0]}" not in self.weights
+                           for m in _FUSED.get(parsed[1], (parsed[1],)))):
                 raise ValueError(f"adapter {request.name!r}: tensor {name!r} has no LoRA slot in this model")
             in_features, out_features = self.modules[parsed[1]]
             expected = (adapter.rank, in_features) if parsed[2] == "A" else (out_features, adapter.rank)
@@ -201,7 +282,7 @@ class LoRAManager:
         """(module, its B) of a checkpoint module: itself, or a fused module's parts (B's rows cut in order)."""
         if module not in _FUSED:
             return [(module, b)]
-        linear = self.layers[layer].get_submodule(_MODULES[_FUSED[module][0]][0])
+        linear = self.layers[layer].get_submodule(self.paths[_FUSED[module][0]][0])
         sizes = ((linear.num_heads * linear.head_dim, linear.num_kv_heads * linear.head_dim,
                   linear.num_kv_heads * linear.head_dim) if module == "qkv_proj" else (b.shape[0] // 2,) * 2)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -209,10 +290,12 @@ class LoRAManager:
 
     def _part(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> _Part:
         """One module's pair, cut to this rank, cast (and pinned on a GPU)."""
-        path, index, shard_id = _MODULES[module]
+        path, index, shard_id = self.paths[module]
         linear = self.layers[layer].get_submodule(path)
         if isinstance(linear, RowParallelLinear):
             a, rows = a[:, linear.shard().src_cols], slice(None)
+        elif isinstance(linear, ReplicatedLinear):
+            rows = slice(None)
         else:
             shard = linear.shard(shard_id)
             b, rows = b[shard.src_rows], shard.dst
@@ -220,3 +303,10 @@ class LoRAManager:
         if self.device.type == "cuda":
             a, b = a.pin_memory(), b.pin_memory()
         return _Part(self.weights[f"{layer}.{path}"], index, rows, a, b)
+
+
+def _submodule(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        return None

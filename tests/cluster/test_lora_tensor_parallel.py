@@ -51,12 +51,17 @@ def test_tp2_adapters_match_peft(ray_cluster, tiny_model_dir, tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.slow  # a second tp 2 engine (~25 s)
-def test_tp2_phi3_fused_adapter_matches_peft(ray_cluster, tiny_checkpoints, tmp_path):
-    """Phi-3's fused qkv_proj / gate_up_proj adapter: each rank cuts the fused B into its q/k/v and gate/up rows."""
-    model_dir = tiny_checkpoints["phi3"]
-    lora = LoRARequest("phi3", 1, make_adapter(model_dir, str(tmp_path / "phi3"), 8, 16.0,
-                                               ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+@pytest.mark.slow  # a second tp 2 engine (~25 s) each
+@pytest.mark.parametrize("arch, targets", [
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    ("deepseek_v2", r".*\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"),
+])
+def test_tp2_family_adapters_match_peft(ray_cluster, tiny_checkpoints, tmp_path, arch, targets):
+    """Phi-3's fused qkv_proj / gate_up_proj adapter: each rank cuts the fused B into its q/k/v and gate/up rows.
+    DeepSeek-V2's latent attention: q_b_proj and kv_b_proj split by heads (each rank folds its heads' rows of
+    kv_b_proj's B into its absorbed queries and outputs), q_a_proj and kv_a_proj_with_mqa whole on every rank."""
+    model_dir = tiny_checkpoints[arch]
+    lora = LoRARequest(arch, 1, make_adapter(model_dir, str(tmp_path / arch), 8, 16.0, targets))
     llm = LLM(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, enable_lora=True,
               max_lora_rank=8)
     try:

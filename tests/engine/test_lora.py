@@ -363,3 +363,30 @@ def test_phi3_adapters_on_its_fused_projections(tiny_checkpoints, tmp_path):
     llm = lora_llm(model_dir, max_lora_rank=8)
     run_and_check(llm, model_dir, PARITY_PROMPTS[:3], [lora, None, lora])
     llm.shutdown()
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "q-proj"])
+def test_deepseek_v2_adapters_on_its_latent_attention(tiny_checkpoints, tmp_path, q_lora):
+    """DeepSeek-V2's attention projections as peft targets them, kv_b_proj included: its delta is folded into the
+    absorbed queries and outputs per token and head (workers/lora.py LatentLoRAWeights), beside base rows; with a
+    q LoRA (q_a_proj, q_b_proj) and without (V2-Lite's q_proj). Its experts take none: an adapter on them is refused
+    naming the tensor."""
+    from checkpoints.tiny import make_tiny_model
+
+    model_dir = (tiny_checkpoints["deepseek_v2"] if q_lora else
+                 make_tiny_model(str(tmp_path / "lite"), arch="deepseek_v2", seed=3,
+                                 config_overrides={"q_lora_rank": None}))
+    q_targets = "q_a_proj|q_b_proj" if q_lora else "q_proj"
+    lora = LoRARequest("mla", 1, make_adapter(model_dir, str(tmp_path / "mla"), 8, 16.0,
+                                              rf".*\.({q_targets}|kv_a_proj_with_mqa|kv_b_proj|o_proj)"))
+    llm = lora_llm(model_dir, max_lora_rank=8)
+    outs = run_and_check(llm, model_dir, PARITY_PROMPTS[:3], [lora, None, lora])
+    base = llm.generate(PARITY_PROMPTS[:3], greedy(), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids != base[0].outputs[0].token_ids, "no effect"
+    if q_lora:
+        experts = LoRARequest("experts", 2, make_adapter(model_dir, str(tmp_path / "experts"), 8, 16.0,
+                                                         ["gate_proj", "up_proj", "down_proj"]))
+        edit_config(experts.path, rank_pattern={}, alpha_pattern={})  # (peft's own for the experts' parameters)
+        with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts"):
+            llm.generate(PARITY_PROMPTS[:1], greedy(), use_tqdm=False, lora_request=experts)
+    llm.shutdown()

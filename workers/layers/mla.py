@@ -54,15 +54,21 @@ def mla_softmax_scale(mla: MLAArgs, rope_scaling: dict | None) -> float:
 
 
 class ReplicatedLinear(nn.Module):
-    """y = x @ W.T (+ b), the whole W on every rank, in the model's dtype."""
+    """y = x @ W.T (+ b), the whole W on every rank, in the model's dtype; plus each token's LoRA delta where the
+    step has adapters (`lora`: workers/lora.py, the whole A and B on every rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, device, default_weight_loader)
         self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
+        self.lora = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                lora_order: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if lora_slots is not None and self.lora is not None:
+            self.lora.apply(y, x, lora_slots, lora_order)
+        return y
 
 
 class MLAAttention(KVScaledAttention):
@@ -110,6 +116,7 @@ class MLAAttentionBlock(nn.Module):
             self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, args.num_heads * (mla.qk_nope_head_dim
                                                                                       + mla.v_head_dim),
                                                   False, dtype, device)
+        self.kv_b_proj.absorbed_heads = (self.num_heads, mla.qk_nope_head_dim)  # its LoRA slots: LatentLoRAWeights
         self.o_proj = RowParallelLinear(args.num_heads * mla.v_head_dim, hidden, bias, dtype, device)
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
         self.attn = MLAAttention(self.num_heads, mla_softmax_scale(mla, args.rope_scaling), device)
@@ -121,18 +128,31 @@ class MLAAttentionBlock(nn.Module):
         return w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
 
     def forward(self, positions, h, latent_cache, rope_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # h: [T, hidden] -> [T, hidden]
+        # h: [T, hidden] -> [T, hidden]; meta.lora_slots: each token's adapter (workers/lora.py), kv_b_proj's delta
+        # folded in as its weight is
         mla, num_tokens = self.mla, h.shape[0]
-        q = self.q_proj(h) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        slots, order = meta.lora_slots, meta.lora_order
+        if mla.q_lora_rank is None:
+            q = self.q_proj(h, lora_slots=slots, lora_order=order)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h, slots, order)), lora_slots=slots, lora_order=order)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)  # [T, H, nope], [T, H, R]
-        latent, k_pe = self.kv_a_proj_with_mqa(h).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(h, slots, order).split([mla.kv_lora_rank, mla.qk_rope_head_dim],
+                                                                       dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         q_pe, k_pe = self.rotary_emb(positions, q_pe), self.rotary_emb(positions, k_pe)
         write_latent_cache(latent, k_pe, latent_cache, rope_cache, meta.slot_mapping,
                            *self.attn.kv_scales(latent_cache))
         w_uk, w_uv = self.absorbed_weights()
+        kv_b_lora = self.kv_b_proj.lora if slots is not None else None
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        if kv_b_lora is not None:
+            q_lat = q_lat.contiguous()
+            kv_b_lora.absorb_query(q_lat, q_nope, slots)
         out_lat = self.attn(q_lat, q_pe, latent_cache, rope_cache, meta)  # [T, H, L]
         out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+        if kv_b_lora is not None:
+            out = out.contiguous()
+            kv_b_lora.absorb_output(out, out_lat, slots)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim), slots, order)

@@ -86,8 +86,8 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None,
                 lora_order: torch.Tensor | None = None) -> torch.Tensor:
-        # lora_slots, lora_order: unused (engine/lora.py: DeepSeek-V2 takes no adapter; the decoder layer passes them
-        # to any MLP)
+        # lora_slots, lora_order: unused (engine/lora.py: adapters on DeepSeek-V2's attention only; the decoder layer
+        # passes them to any MLP)
         topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
         out = self.experts(h, topk_weights, topk_ids)  # this rank's partial sum [T, hidden]
         if self.shared_experts is not None:
