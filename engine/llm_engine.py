@@ -259,12 +259,13 @@ class LLMEngine:
         deltas = self._start_grammars() if self.structured.is_compiling else []
         if self.lora_slots is not None and self.lora_slots.num_reading:
             deltas += self._finish_lora_reads()
-        self._speculating = self.spec is not None and self.spec.decide(len(self.scheduler.running))
+        num_speculating = self.spec.decide(len(self.scheduler.running)) if self.spec is not None else 0
+        self._speculating = num_speculating > 0
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
             return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
         if self.spec is not None:
-            self._missed_drafts = self.spec.propose(self.scheduler.running, self._speculating)
+            self._missed_drafts = self.spec.propose(self.scheduler.running, num_speculating)
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None:

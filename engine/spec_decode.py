@@ -164,14 +164,18 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class SpecDecoder:
     """Proposes drafts for the running requests before each schedule() (the scheduler trims them to its budget),
     when speculating pays: `should_speculate` weighs the tokens a verify step is expected to give (the acceptance
-    measured over recent drafts) against its cost over a plain step (`StepCostModel`, from the engine's own step
-    times) plus the proposer's (`propose_s`: a draft model's passes before the step), so large batches, where a
-    step's extra positions cost nearly what they give, run without drafts (and with overlapped steps again). One
-    step in `PROBE_EVERY` speculates anyway, so the acceptance stays current."""
+    measured over the last ACCEPTANCE_STEPS steps with drafts) against its cost over a plain step (`StepCostModel`,
+    from the engine's own step times) plus the proposer's (`propose_s`: a draft model's passes before the step), so
+    large batches, where a step's extra positions cost nearly what they give, and output the proposer cannot
+    predict run without drafts (and with overlapped steps again). One step in PROBE_EVERY without drafts probes:
+    up to PROBE_REQUESTS requests get drafts, so the acceptance follows the output (a copy that starts after a
+    preamble turns speculation on within a few steps) at the cost of a few extra tokens and one step without
+    overlap."""
 
-    PROBE_EVERY = 32
-    ACCEPTANCE_DECAY = 0.9  # per step with drafts: the acceptance is an average over about the last 10
-    PROPOSE_DECAY = 0.9  # the proposer's time a step, likewise
+    PROBE_EVERY = 8
+    PROBE_REQUESTS = 4
+    ACCEPTANCE_STEPS = 8  # the acceptance is the ratio over the last steps that had draft positions
+    PROPOSE_DECAY = 0.9  # the proposer's time a step: a decaying average
 
     def __init__(self, config: SpeculativeConfig, executor: Executor | None = None):
         self.config = config
@@ -183,26 +187,36 @@ class SpecDecoder:
             self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                           config.prompt_lookup_max)
         self.cost = StepCostModel()
-        self.acceptance: float | None = None  # None until a draft was scored
+        self.recent: deque[tuple[int, int]] = deque(maxlen=self.ACCEPTANCE_STEPS)  # (draft positions, accepted)
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self._steps_since_drafts = 0
 
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted drafts over draft positions in the recent steps; None until a step had draft positions."""
+        positions = sum(n for n, _ in self.recent)
+        return sum(a for _, a in self.recent) / positions if positions else None
+
     def should_speculate(self, num_running: int) -> bool:
-        """Whether a step of `num_running` requests gets drafts (and runs without overlap)."""
+        """Whether a step of `num_running` requests pays with drafts for all of them (and runs without overlap)."""
         limit = self.config.disable_by_batch_size
         if limit is not None:
             return num_running <= limit
-        if num_running == 0 or self.acceptance is None or self._steps_since_drafts >= self.PROBE_EVERY:
+        acceptance = self.acceptance
+        if num_running == 0 or acceptance is None:
             return True
         k = self.config.num_speculative_tokens
+        gain = expected_tokens(acceptance, k)
+        if gain <= 1.0:  # nothing accepted: no verify step can pay, whatever it costs
+            return False
         fitted = self.cost.fit()
         if fitted is None:
             return True
         fixed, per_token = fitted
         plain_s = fixed + num_running * per_token
         verify_s = fixed + num_running * (1 + k) * per_token + (self.propose_s or 0.0)  # the drafts' own cost too
-        return expected_tokens(self.acceptance, k) > verify_s / plain_s
+        return gain > verify_s / plain_s
 
     def record_propose(self, seconds: float) -> None:
         """A step's proposer time (a draft model's passes, the n-gram lookup): its average moves toward it."""
@@ -210,38 +224,41 @@ class SpecDecoder:
             self.PROPOSE_DECAY * self.propose_s + (1 - self.PROPOSE_DECAY) * seconds)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """A step's drafts scored (and the positions `propose` found no draft for): the acceptance average moves
-        toward its rate."""
+        """A step's drafts scored (with the positions `propose` found no draft for, as not accepted)."""
         if num_draft_tokens:
-            rate = num_accepted / num_draft_tokens
-            self.acceptance = rate if self.acceptance is None else (
-                self.ACCEPTANCE_DECAY * self.acceptance + (1 - self.ACCEPTANCE_DECAY) * rate)
+            self.recent.append((num_draft_tokens, num_accepted))
 
-    def decide(self, num_running: int) -> bool:
-        """This step's decision (`should_speculate` for its running requests), counted."""
-        speculate = self.should_speculate(num_running)
-        if speculate:
-            self._steps_since_drafts = 0
-        elif num_running:
-            self._steps_since_drafts += 1
-            self.num_steps_off += 1
-        return speculate
+    def decide(self, num_running: int) -> int:
+        """This step's decision: how many of its running requests may get drafts (0: none, the step may overlap;
+        all of them where `should_speculate`; PROBE_REQUESTS in a probe step), counted."""
+        if self.should_speculate(num_running):
+            return num_running
+        if not num_running:
+            return 0
+        if self.config.disable_by_batch_size is None and self._steps_since_drafts >= self.PROBE_EVERY:
+            # (until `propose` asks: a step that leaves overlap first drains the step in flight, without drafts)
+            return min(num_running, self.PROBE_REQUESTS)
+        self._steps_since_drafts += 1
+        self.num_steps_off += 1
+        return 0
 
-    def propose(self, running: list[Request], speculate: bool = True) -> int:
-        """Drafts for the running requests that can take them (none for any when not `speculate`): one call of a
-        BatchProposer for all of them, or the Proposer for each. Returns the draft positions it was asked for and
-        found nothing to fill (a request the n-gram lookup finds no match for): to `observe` as drafts not accepted,
-        so a proposer that finds nothing turns speculation off as one whose drafts are all rejected would."""
+    def propose(self, running: list[Request], max_requests: int) -> int:
+        """Drafts for up to `max_requests` of the running requests that can take them (none for the others): one
+        call of a BatchProposer for all of them, or the Proposer for each. Returns the draft positions it was asked
+        for and found nothing to fill (a request the n-gram lookup finds no match for): to `observe` as drafts not
+        accepted, so a proposer that finds nothing turns speculation off as one whose drafts are all rejected
+        would."""
         k = self.config.num_speculative_tokens
         asked, rooms = [], []
         for req in running:
             req.spec_token_ids = []
             room = min(k, req.max_tokens - req.num_output_tokens - 1)  # the step samples one token of its own too
-            if speculate and room > 0 and can_speculate(req):
+            if len(asked) < max_requests and room > 0 and can_speculate(req):
                 asked.append(req)
                 rooms.append(room)
         if not asked:
             return 0
+        self._steps_since_drafts = 0
         start = time.perf_counter()
         if isinstance(self.proposer, BatchProposer):
             drafts = self.proposer.propose_batch(asked, rooms)

@@ -442,28 +442,79 @@ def test_expected_tokens_of_a_verify_step():
     assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
 
 
+def _decoding_request(i: int):
+    """What SpecDecoder.propose reads of a decoding request (its last token not yet computed), whose tokens repeat
+    (the n-gram lookup finds drafts)."""
+    from types import SimpleNamespace
+
+    tokens = [1, 2, 3, 4] * 3
+    return SimpleNamespace(req_id=str(i), grammar=None, num_pending_tokens=0, num_computed_tokens=len(tokens) - 1,
+                           num_tokens=len(tokens), max_tokens=100, num_output_tokens=0, all_token_ids=tokens,
+                           spec_token_ids=[])
+
+
 def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
     """A memory-bound small step and a compute-bound large one: with acceptance 0.6 (2.3 tokens a 5-token verify
-    step) speculation pays at batch 1, not at batch 256; it probes again every PROBE_EVERY steps it was off;
-    disable_by_batch_size overrides the model."""
+    step) speculation pays at batch 1, not at batch 256; every PROBE_EVERY steps off, a probe step gives drafts to
+    PROBE_REQUESTS requests; disable_by_batch_size overrides the model."""
     from engine.spec_decode import SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
-    assert spec.should_speculate(256)  # nothing measured yet
+    assert spec.should_speculate(256) and spec.decide(256) == 256  # nothing measured yet
     for n in [1, 8, 64, 256, 1024, 2048, 4096, 1, 16, 512]:
         spec.cost.record(n, 0.004 + 0.00002 * n)
     spec.observe(10, 6)
     assert spec.acceptance == 0.6
     assert spec.should_speculate(1) and not spec.should_speculate(256)
-    decisions = [spec.decide(256) for _ in range(spec.PROBE_EVERY + 1)]
-    assert decisions == [False] * spec.PROBE_EVERY + [True] and spec.num_steps_off == spec.PROBE_EVERY
-    spec.observe(10, 10)  # the probe's drafts all accepted: the average moves up
-    assert spec.acceptance == pytest.approx(0.9 * 0.6 + 0.1 * 1.0)
+    assert spec.decide(1) == 1
+    decisions = [spec.decide(256) for _ in range(spec.PROBE_EVERY + 2)]
+    # the probe stands until the proposer is asked (a step that drains an overlapped one first asks nothing)
+    assert decisions == [0] * spec.PROBE_EVERY + [spec.PROBE_REQUESTS] * 2
+    assert spec.num_steps_off == spec.PROBE_EVERY
+    running = [_decoding_request(i) for i in range(6)]
+    assert spec.propose(running, spec.PROBE_REQUESTS) >= 0
+    assert [bool(r.spec_token_ids) or r.req_id for r in running][spec.PROBE_REQUESTS:] == ["4", "5"]  # asked 4
+    assert spec.decide(256) == 0 and spec.decide(0) == 0
     limited = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=2))
     assert limited.should_speculate(2) and not limited.should_speculate(3)
+    assert [limited.decide(3) for _ in range(3 * limited.PROBE_EVERY)] == [0] * 3 * limited.PROBE_EVERY  # no probes
     with pytest.raises(ParamError) as e:
         SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=0)
     assert e.value.param == "speculative_config.disable_by_batch_size"
+
+
+def test_the_acceptance_follows_the_last_steps_with_drafts():
+    """The ratio over the last ACCEPTANCE_STEPS steps that had draft positions: a preamble whose drafts all failed
+    is outweighed by the first probe whose drafts are accepted (a copy that starts late), and old steps leave."""
+    from engine.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig("ngram", 3, 1, 3))
+    assert spec.acceptance is None
+    spec.observe(0, 0)  # no draft positions: nothing learned
+    assert spec.acceptance is None
+    spec.observe(3, 0)
+    assert spec.acceptance == 0.0
+    spec.observe(3, 3)
+    assert spec.acceptance == 0.5
+    for _ in range(spec.ACCEPTANCE_STEPS):
+        spec.observe(4, 2)
+    assert spec.acceptance == 0.5 and len(spec.recent) == spec.ACCEPTANCE_STEPS
+
+
+def test_a_copy_after_a_preamble_speculates_once_the_copy_starts():
+    """SmolLM2 asked to copy a line answers with a preamble first ("The original line is: ..."): the first step's
+    drafts are rejected and speculation turns off; a probe step during the copy finds its drafts accepted and turns
+    it on again (it used to stay off for the whole request: a probe's step went to draining the overlapped step
+    before it, and one probe in 32 steps moved a decaying average by a tenth). The output is the plain engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    passage = "Copy this line exactly: the cat sat on the mat and the dog lay by the door.\n"
+    kwargs = {"model": None, "dtype": "float32", "num_kv_blocks": 64, "block_size": 16}
+    plain, _ = _run([passage * 2], params, **kwargs)
+    spec, engine = _run([passage * 2], params, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                        **kwargs)
+    _assert_same(plain, spec)
+    stats = engine.scheduler.spec_stats
+    assert engine.spec.num_steps_off > 0 and stats.num_accepted_tokens >= 3, (stats, plain[0].outputs[0].text)
 
 
 def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
