@@ -249,7 +249,8 @@ class SpecDecoder:
         accepted, so a proposer that finds nothing turns speculation off as one whose drafts are all rejected
         would."""
         k = self.config.num_speculative_tokens
-        asked, rooms = [], []
+        asked: list[Request] = []
+        rooms: list[int] = []
         for req in running:
             req.spec_token_ids = []
             room = min(k, req.max_tokens - req.num_output_tokens - 1)  # the step samples one token of its own too
