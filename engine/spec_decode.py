@@ -167,13 +167,17 @@ class SpecDecoder:
     measured over the last ACCEPTANCE_STEPS steps with drafts) against its cost over a plain step (`StepCostModel`,
     from the engine's own step times) plus the proposer's (`propose_s`: a draft model's passes before the step), so
     large batches, where a step's extra positions cost nearly what they give, and output the proposer cannot
-    predict run without drafts (and with overlapped steps again). One step in PROBE_EVERY without drafts probes:
-    up to PROBE_REQUESTS requests get drafts, so the acceptance follows the output (a copy that starts after a
-    preamble turns speculation on within a few steps) at the cost of a few extra tokens and one step without
-    overlap."""
+    predict run without drafts (and with overlapped steps again). One step in PROBE_EVERY without drafts probes
+    (in batches of up to PROBE_MAX_BATCH): up to PROBE_REQUESTS requests get drafts, so the acceptance follows the
+    output (a copy that starts after a preamble turns speculation on within a few steps) at the cost of a few extra
+    tokens and one step without overlap."""
 
     PROBE_EVERY = 8
     PROBE_REQUESTS = 4
+    # No probe in a step of more requests: verify steps run under CUDA graphs up to this batch (workers/cuda_graphs.py
+    # MAX_VERIFY_BATCH), a larger one eagerly, several times a plain step's time on a GPU (34 against 4.3 ms at batch
+    # 1 on the H200), and speculation rarely pays there anyway
+    PROBE_MAX_BATCH = 64
     ACCEPTANCE_STEPS = 8  # the acceptance is the ratio over the last steps that had draft positions
     PROPOSE_DECAY = 0.9  # the proposer's time a step: a decaying average
 
@@ -235,7 +239,8 @@ class SpecDecoder:
             return num_running
         if not num_running:
             return 0
-        if self.config.disable_by_batch_size is None and self._steps_since_drafts >= self.PROBE_EVERY:
+        if (self.config.disable_by_batch_size is None and self._steps_since_drafts >= self.PROBE_EVERY
+                and num_running <= self.PROBE_MAX_BATCH):
             # (until `propose` asks: a step that leaves overlap first drains the step in flight, without drafts)
             return min(num_running, self.PROBE_REQUESTS)
         self._steps_since_drafts += 1

@@ -455,8 +455,8 @@ def _decoding_request(i: int):
 
 def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
     """A memory-bound small step and a compute-bound large one: with acceptance 0.6 (2.3 tokens a 5-token verify
-    step) speculation pays at batch 1, not at batch 256; every PROBE_EVERY steps off, a probe step gives drafts to
-    PROBE_REQUESTS requests; disable_by_batch_size overrides the model."""
+    step) speculation pays at batch 1, not at batch 256 (nor at 64); every PROBE_EVERY steps off, a probe step of up
+    to PROBE_MAX_BATCH requests gives drafts to PROBE_REQUESTS of them; disable_by_batch_size overrides the model."""
     from engine.spec_decode import SpecDecoder
 
     spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
@@ -467,14 +467,19 @@ def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
     assert spec.acceptance == 0.6
     assert spec.should_speculate(1) and not spec.should_speculate(256)
     assert spec.decide(1) == 1
-    decisions = [spec.decide(256) for _ in range(spec.PROBE_EVERY + 2)]
+    decisions = [spec.decide(256) for _ in range(3 * spec.PROBE_EVERY)]
+    assert decisions == [0] * 3 * spec.PROBE_EVERY  # no probe of a batch past PROBE_MAX_BATCH (an eager verify)
+    batch = spec.PROBE_MAX_BATCH
+    spec.recent.clear()
+    spec.observe(10, 2)  # acceptance 0.2: 1.25 tokens a verify step, which costs 1.97 plain ones at batch 64
+    assert not spec.should_speculate(batch) and spec.should_speculate(1)
     # the probe stands until the proposer is asked (a step that drains an overlapped one first asks nothing)
-    assert decisions == [0] * spec.PROBE_EVERY + [spec.PROBE_REQUESTS] * 2
-    assert spec.num_steps_off == spec.PROBE_EVERY
+    assert [spec.decide(batch) for _ in range(2)] == [spec.PROBE_REQUESTS] * 2
+    assert spec.num_steps_off == 3 * spec.PROBE_EVERY
     running = [_decoding_request(i) for i in range(6)]
     assert spec.propose(running, spec.PROBE_REQUESTS) >= 0
     assert [bool(r.spec_token_ids) or r.req_id for r in running][spec.PROBE_REQUESTS:] == ["4", "5"]  # asked 4
-    assert spec.decide(256) == 0 and spec.decide(0) == 0
+    assert spec.decide(batch) == 0 and spec.decide(0) == 0
     limited = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=2))
     assert limited.should_speculate(2) and not limited.should_speculate(3)
     assert [limited.decide(3) for _ in range(3 * limited.PROBE_EVERY)] == [0] * 3 * limited.PROBE_EVERY  # no probes
