@@ -81,7 +81,6 @@ class LoRAWeights:
         # by slot (kernels/lora.py: the kernels' tiles; None: as they come)
         lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts, order=order)
 
-
     def refresh(self, slot: int) -> None:
         """After a load into the slot (or its zeroing): what the layer derives from a and b (none here)."""
 
