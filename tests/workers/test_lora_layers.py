@@ -213,3 +213,45 @@ def test_input_buffers_sort_the_rows_by_slot_after_padding():
     assert meta.lora_order.tolist() == [1, 5, 6, 7, 2, 4, 0, 3]
     _, _, base = buffers.metadata(8, 8, 1, cols, use_lora=False)
     assert base.lora_slots is None and base.lora_order is None
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["reference", "triton-interpreter"])
+def test_latent_lora_folds_kv_b_proj_delta_per_token_and_head(monkeypatch, use_kernel):
+    """DeepSeek-V2's kv_b_proj slots (LatentLoRAWeights): q_lat += q_nope (B_K[h] A) and out += out_lat (B_V[h] A)^T
+    for each token's adapter, base rows (-1) unchanged, against the definition token by token and head by head;
+    through the torch references and through the Triton kernels under the interpreter (the GPU's path: the
+    per-head rows and layouts the kernels check)."""
+    import functools
+
+    import workers.lora as lora_module
+    from workers.lora import LatentLoRAWeights
+
+    if use_kernel:
+        monkeypatch.setattr(lora_module, "lora_shrink", functools.partial(lora_shrink, use_kernel=True))
+        monkeypatch.setattr(lora_module, "lora_expand", functools.partial(lora_expand, use_kernel=True))
+    torch.manual_seed(0)
+    num_slots, heads, nope, v, latent, rank = 2, 3, 16, 8, 32, 8
+    a = torch.randn(num_slots, 1, rank, latent)
+    b = torch.randn(num_slots, heads * (nope + v), rank)
+
+    def zeros(*shape):
+        return torch.zeros(*shape)
+
+    w = LatentLoRAWeights(a, b, (0,), heads, nope, zeros(num_slots, latent, rank),
+                          zeros(num_slots * heads, 1, rank, nope), zeros(num_slots * heads, v, rank))
+    for slot in range(num_slots):
+        w.refresh(slot)
+    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    q_nope, out_lat = torch.randn(4, heads, nope), torch.randn(4, heads, latent)
+    q_lat, out = torch.randn(4, heads, latent), torch.randn(4, heads, v)
+    want_q, want_out = q_lat.clone().double(), out.clone().double()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        per_head = b[s].view(heads, nope + v, rank).double()
+        for h in range(heads):
+            want_q[t, h] += q_nope[t, h].double() @ per_head[h, :nope] @ a[s, 0].double()
+            want_out[t, h] += per_head[h, nope:] @ (a[s, 0].double() @ out_lat[t, h].double())
+    w.absorb_query(q_lat, q_nope, slots)
+    w.absorb_output(out, out_lat, slots)
+    assert torch.allclose(q_lat.double(), want_q, atol=1e-3) and torch.allclose(out.double(), want_out, atol=1e-3)
