@@ -97,14 +97,13 @@ class LatentLoRAWeights(LoRAWeights):
 
     bk_t, a_t and bv are copies of a and b in those layouts, made when a slot is loaded (`refresh`)."""
 
-    num_heads: int = 0  # this rank's
-    nope: int = 0  # qk_nope_head_dim
-    a_t: torch.Tensor | None = None  # [S, L, R]
-    bk_t: torch.Tensor | None = None  # [S * H, 1, R, nope]
-    bv: torch.Tensor | None = None  # [S * H, v, R]
+    num_heads: int  # this rank's
+    nope: int  # qk_nope_head_dim
+    a_t: torch.Tensor  # [S, L, R]
+    bk_t: torch.Tensor  # [S * H, 1, R, nope]
+    bv: torch.Tensor  # [S * H, v, R]
 
     def refresh(self, slot: int) -> None:
-        assert self.a_t is not None and self.bk_t is not None and self.bv is not None
         h, rank = self.num_heads, self.b.shape[-1]
         self.a_t[slot].copy_(self.a[slot, 0].T)
         b = self.b[slot].view(h, -1, rank)  # [H, nope + v, R]
@@ -112,23 +111,24 @@ class LatentLoRAWeights(LoRAWeights):
         self.bk_t[heads, 0].copy_(b[:, :self.nope].transpose(1, 2))
         self.bv[heads].copy_(b[:, self.nope:])
 
-    def _head_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """[T] adapter slots -> [T * H] rows of the per-head tensors (-1 stays -1)."""
+    def row_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] adapter slots -> the [T * H] (token, head) rows' slots in A (each token's) and in the per-head
+        tensors (s * H + h); -1 stays -1. Once a layer's step, for both absorbs."""
         h = self.num_heads
-        rows = slots[:, None] * h + torch.arange(h, dtype=slots.dtype, device=slots.device)
-        return torch.where(slots[:, None] >= 0, rows, -1).reshape(-1)
+        per_head = slots[:, None] * h + torch.arange(h, dtype=slots.dtype, device=slots.device)
+        return slots.repeat_interleave(h), torch.where(slots[:, None] >= 0, per_head, -1).reshape(-1)
 
-    def absorb_query(self, q_lat: torch.Tensor, q_nope: torch.Tensor, slots: torch.Tensor) -> None:
-        # q_lat [T, H, L] (contiguous) += each token's delta; q_nope [T, H, nope]; slots int32 [T]
-        rows = q_lat.shape[0] * self.num_heads
-        u = lora_shrink(q_nope.reshape(rows, self.nope), self.bk_t, self._head_slots(slots))  # [1, T*H, R]
-        lora_expand(q_lat.view(rows, -1), u, self.a_t, slots.repeat_interleave(self.num_heads), (0,))
+    def absorb_query(self, q_lat: torch.Tensor, q_nope: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        # q_lat [T, H, L] (contiguous) += each token's delta; q_nope [T, H, nope]; rows: row_slots(slots)
+        token_slots, head_slots = rows
+        u = lora_shrink(q_nope.reshape(-1, self.nope), self.bk_t, head_slots)  # [1, T*H, R]
+        lora_expand(q_lat.view(token_slots.shape[0], -1), u, self.a_t, token_slots, (0,))
 
-    def absorb_output(self, out: torch.Tensor, out_lat: torch.Tensor, slots: torch.Tensor) -> None:
-        # out [T, H, v] (contiguous) += each token's delta; out_lat [T, H, L]; slots int32 [T]
-        rows = out.shape[0] * self.num_heads
-        u = lora_shrink(out_lat.reshape(rows, -1), self.a, slots.repeat_interleave(self.num_heads))  # [1, T*H, R]
-        lora_expand(out.view(rows, -1), u, self.bv, self._head_slots(slots), (0,))
+    def absorb_output(self, out: torch.Tensor, out_lat: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        # out [T, H, v] (contiguous) += each token's delta; out_lat [T, H, L]; rows: row_slots(slots)
+        token_slots, head_slots = rows
+        u = lora_shrink(out_lat.reshape(token_slots.shape[0], -1), self.a, token_slots)  # [1, T*H, R]
+        lora_expand(out.view(token_slots.shape[0], -1), u, self.bv, head_slots, (0,))
 
 
 @dataclass

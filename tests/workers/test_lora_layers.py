@@ -252,6 +252,7 @@ def test_latent_lora_folds_kv_b_proj_delta_per_token_and_head(monkeypatch, use_k
         for h in range(heads):
             want_q[t, h] += q_nope[t, h].double() @ per_head[h, :nope] @ a[s, 0].double()
             want_out[t, h] += per_head[h, nope:] @ (a[s, 0].double() @ out_lat[t, h].double())
-    w.absorb_query(q_lat, q_nope, slots)
-    w.absorb_output(out, out_lat, slots)
+    rows = w.row_slots(slots)
+    w.absorb_query(q_lat, q_nope, rows)
+    w.absorb_output(out, out_lat, rows)
     assert torch.allclose(q_lat.double(), want_q, atol=1e-3) and torch.allclose(out.double(), want_out, atol=1e-3)

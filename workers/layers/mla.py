@@ -148,11 +148,12 @@ class MLAAttentionBlock(nn.Module):
         kv_b_lora = self.kv_b_proj.lora if slots is not None else None
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
         if kv_b_lora is not None:
+            rows = kv_b_lora.row_slots(slots)
             q_lat = q_lat.contiguous()
-            kv_b_lora.absorb_query(q_lat, q_nope, slots)
+            kv_b_lora.absorb_query(q_lat, q_nope, rows)
         out_lat = self.attn(q_lat, q_pe, latent_cache, rope_cache, meta)  # [T, H, L]
         out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         if kv_b_lora is not None:
             out = out.contiguous()
-            kv_b_lora.absorb_output(out, out_lat, slots)
+            kv_b_lora.absorb_output(out, out_lat, rows)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim), slots, order)
