@@ -1,5 +1,5 @@
 """Speculative decoding with a draft model on a CUDA GPU (#34): the draft's pool sized with the target's by the memory
-profile, its eager passes beside the target's CUDA graphs, greedy output the plain engine's."""
+profile, its decode passes under its own CUDA graphs beside the target's, greedy output the plain engine's."""
 
 import pytest
 import torch
@@ -34,6 +34,7 @@ def test_smollm2_drafting_for_itself_on_a_gpu(real_model_dir):
         draft = llm.engine.executor.worker.draft
         assert draft.num_free_blocks == draft.num_blocks == llm.engine.executor.num_kv_blocks
         assert draft.num_blocks < plain_blocks  # the profile left room for the draft's pool
+        assert draft.graphs is not None and draft.graphs.num_replays > 0  # its decode passes replayed its graphs
         stats = llm.engine.scheduler.spec_stats
         assert stats.acceptance_rate > 0.95, stats
         _assert_same(plain, spec, atol=1e-3)

@@ -72,21 +72,3 @@ def test_gpu_verify_graphs_with_lora_beside_base_rows(tiny_checkpoints, tmp_path
                                                ["q_proj", "v_proj", "down_proj"]))
     _check(model_dir, 1e-4, lora=[adapter, None] * 3, dtype="float32", enable_lora=True)
 
-
-def test_gpu_draft_model_graphs_accept_every_draft_of_itself(tiny_checkpoints):
-    """The draft model's decode passes under its own CUDA graphs (workers/draft_runner.py): the tiny model as its own
-    draft, float32, every draft accepted and the output the plain eager run's."""
-    model_dir = tiny_checkpoints["llama"]
-    plain, _ = _generate(model_dir, eager=True, dtype="float32")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    llm = LLM(model=model_dir, device="cuda", block_size=16, num_kv_blocks=512, dtype="float32",
-              speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3,
-                                  "disable_by_batch_size": 1024})
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    draft = llm.engine.executor.worker.draft
-    stats = llm.engine.scheduler.spec_stats
-    llm.engine.check_integrity()
-    llm.shutdown()
-    assert draft.graphs is not None and draft.graphs.num_replays > 0
-    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
-    _assert_same(plain, outs, 1e-4)
