@@ -122,9 +122,9 @@ class SpecDecodeStats:
 @dataclass
 class StepCostModel:
     """A step's time against the tokens it computes, t(n) = fixed + n * per_token (the weights' read, then compute),
-    fitted by least squares over the engine's last `window` steps run without overlap. `ratio(n, m)` = t(m) / t(n):
-    what a verify step of m tokens costs against a plain one of n; None until the samples span enough token counts
-    to fit both terms."""
+    fitted by least squares over the engine's last `window` steps run without overlap. `ratio(n, m, extra_s)` =
+    (t(m) + extra_s) / t(n): what a verify step of m tokens (and extra_s of the proposer's before it) costs against
+    a plain one of n; None until the samples span enough token counts to fit both terms."""
 
     window: int = 256
     samples: deque = field(default_factory=deque)
@@ -145,12 +145,12 @@ class StepCostModel:
         fixed = max(float(fixed), float(np.min(t - per_token * n)), 1e-9)
         return fixed, per_token
 
-    def ratio(self, num_tokens: int, spec_tokens: int) -> float | None:
+    def ratio(self, num_tokens: int, spec_tokens: int, extra_s: float = 0.0) -> float | None:
         fitted = self.fit()
         if fitted is None:
             return None
         fixed, per_token = fitted
-        return (fixed + spec_tokens * per_token) / (fixed + num_tokens * per_token)
+        return (fixed + spec_tokens * per_token + extra_s) / (fixed + num_tokens * per_token)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -214,13 +214,9 @@ class SpecDecoder:
         gain = expected_tokens(acceptance, k)
         if gain <= 1.0:  # nothing accepted: no verify step can pay, whatever it costs
             return False
-        fitted = self.cost.fit()
-        if fitted is None:
-            return True
-        fixed, per_token = fitted
-        plain_s = fixed + num_running * per_token
-        verify_s = fixed + num_running * (1 + k) * per_token + (self.propose_s or 0.0)  # the drafts' own cost too
-        return gain > verify_s / plain_s
+        # the drafts' own cost too: the proposer's time before the step
+        ratio = self.cost.ratio(num_running, num_running * (1 + k), self.propose_s or 0.0)
+        return ratio is None or gain > ratio
 
     def record_propose(self, seconds: float) -> None:
         """A step's proposer time (a draft model's passes, the n-gram lookup): its average moves toward it."""
