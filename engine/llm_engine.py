@@ -129,7 +129,6 @@ class LLMEngine:
         self.loras: dict[int, LoRAAdapter] = {}  # adapter id -> the adapter its first request read and checked
         self.spec = SpecDecoder(config.speculative, self.executor) if config.speculative is not None else None
         self._speculating = False  # this step's drafts (SpecDecoder.decide): the step runs without overlap
-        self._missed_drafts = 0  # draft positions the proposer found nothing for this step (SpecDecoder.propose)
         self.groups: dict[str, RequestGroup] = {}
         self.vocab_size = config.model.vocab_size
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
@@ -264,8 +263,8 @@ class LLMEngine:
         overlap = self._can_overlap()
         if not overlap and self._pending is not None:
             return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
-        if self.spec is not None:
-            self._missed_drafts = self.spec.propose(self.scheduler.running, num_speculating)
+        # draft positions the proposer found nothing for (SpecDecoder.propose): observed as drafts not accepted
+        missed_drafts = self.spec.propose(self.scheduler.running, num_speculating) if self.spec is not None else 0
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None:
@@ -287,7 +286,7 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(sched, result)
             if self.spec is not None:  # the step's time for the cost model, its drafts' acceptance
                 self.spec.cost.record(sched.total_num_scheduled_tokens, seconds)
-                self.spec.observe(stats.num_draft_tokens - drafts + self._missed_drafts,
+                self.spec.observe(stats.num_draft_tokens - drafts + missed_drafts,
                                   stats.num_accepted_tokens - accepted)
             return deltas + self._process(sched, updated)
         try:
