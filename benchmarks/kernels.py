@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
-from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4
+from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4, bench_tune_int4
 from benchmarks.kernels_lora import GPU_LORA, SMOKE_LORA, bench_lora, bench_tune_lora, print_lora_overhead
 from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
 from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
                              "128)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
-                        "--only decode / prefill / linear / moe / fp8 / lora)")
+                        "--only decode / prefill / linear / moe / fp8 / lora / int4)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -603,7 +603,8 @@ def main(argv=None) -> int:
             parser.error("--tune needs a GPU")
         groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear,
                   "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8,
-                  "lora": lambda runner, cfg: bench_tune_lora(runner, cfg, lora_cfg)}
+                  "lora": lambda runner, cfg: bench_tune_lora(runner, cfg, lora_cfg),
+                  "int4": lambda runner, cfg: bench_tune_int4(runner, INT_MODELS, args.int_layouts)}
     start = time.perf_counter()
     for group, bench in groups.items():
         if (not args.only and group not in OPT_IN_GROUPS) or group in (args.only or ()):

@@ -21,8 +21,11 @@ doubles it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from kernels._triton import dot_precision, upcast_dot_operands
 from kernels.int_decode import can_stream
 from kernels.linear import MAX_ROWS, linear_cublas
 from kernels.linear_int import (
@@ -171,3 +174,66 @@ def print_crossings(results: list[dict]) -> None:
             speedups.append(f"{m} rows: {best[1]} {by_rows[m]['bf16 cuBLAS'] / best[0]:.2f}x bf16 cuBLAS")
         where = f"from {crossing} rows" if crossing is not None else "never, up to the rows measured"
         print(f"{kernel}: dequant+cuBLAS beats the GEMM tiles {where}; " + "; ".join(speedups))
+
+
+# The first sweep (h200-kernels-tune-int4-tiles.json) found the default tiles (256 x 128 along N, 4 warps) best or
+# near it, and the split of K the lever: a layer with few column tiles ran 1.1-1.4x faster at twice the default's
+# split. So: the default tiles, each split here, 3 and 4 stages (3 leaves room for a third program an SM), and 8 warps.
+STREAM_TUNE_SPLITS = [2, 4, 6, 8, 12, 16]
+STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
+    dict(num_warps=8)]
+STREAM_TUNE_ROWS = [1]
+
+
+def bench_tune_int4(runner, models: dict, layouts: list[str]):
+    """The stream kernel's launch settings (STREAM_TUNE_CONFIGS over `int_decode.stream_config`'s) on each layer
+    (rows: one compile serves 1-16, M is not specialized). The default should be the best row or near it; bf16
+    cuBLAS and the default are the first two."""
+    from kernels.int_decode import linear_int_stream, stream_config
+    from kernels.linear_int import _check_packed_launchable
+
+    for layout in layouts:
+        for model_name, model in models.items():
+            for op, (out_features, in_features, gated) in linears(model).items():
+                _tune_layer(runner, f"tune {layout} {model_name} {op.split('+')[0]}", out_features, in_features,
+                            gated, layout, linear_int_stream, stream_config, _check_packed_launchable)
+
+
+def _tune_layer(runner, name, out_features, in_features, gated, layout, stream, default_config, launchable):
+    device = runner.device
+    copies = [packed_layer(out_features, in_features, layout, device)]
+    while len(copies) < 8 and len(copies) * packed_bytes(copies[0]) < COLD_CHAIN_BYTES:
+        copies.append(packed_layer(out_features, in_features, layout, device))
+    bf16 = [dequantize_triton(**c, dtype=torch.bfloat16) for c in copies]
+    n = out_features // (2 if gated else 1)
+    c0 = copies[0]
+    if not can_stream(c0["packing"], None, c0["group_size"], in_features, n, 1, MAX_ROWS):
+        return
+    zero_terms = [launchable(c["qweight"], c["qzeros"], c["scales"], None, None) for c in copies]
+    base = default_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device)
+    configs = {"default": {}} | {" ".join(f"{k}={v}" for k, v in c.items()): c for c in STREAM_TUNE_CONFIGS}
+    for rows in STREAM_TUNE_ROWS:
+
+        def build(rows=rows):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+
+            def call(i, cfg):
+                c = copies[i]
+                return stream(x, c["qweight"], zero_terms[i], c["scales"], c["group_size"], c["packing"], None, gated,
+                              False, upcast_dot_operands(x.dtype, device), dot_precision(x.dtype), cfg)
+
+            impls = {"bf16 cuBLAS": _chain(lambda i: linear_cublas(x, bf16[i], gated=gated), len(copies))}
+            impls.update({label: _chain(functools.partial(call, cfg=cfg), len(copies))
+                          for label, cfg in configs.items()})
+
+            def check():
+                from benchmarks.kernels import max_error
+
+                ref = linear_int_ref(x, **copies[0], gated=gated).float()
+                return max(max_error(call(0, cfg), ref, 2e-2 * ref.abs().max().item()) for cfg in configs.values())
+
+            work = dict(bytes=packed_bytes(c0) * len(copies), copies=len(copies), default_config=base,
+                        impl_bytes={"bf16 cuBLAS": bf16[0].numel() * 2 * len(copies)})
+            return impls, work, check
+
+        runner.case(name, f"rows {rows}", build)

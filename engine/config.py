@@ -463,9 +463,9 @@ class EngineArgs:
 
 
 # Whether a .gguf model on a GPU is served from its own blocks when no quantization is given. Off until the int
-# kernels beat dequantized bf16 there: 8B AWQ through the stream kernel decodes at 4.55 ms/token at batch 1 against
-# bf16's 4.30 (benchmarks/results/h200-latency-llama3-8b-awq.json), and GGUF's groups of 16 and 32 do not take that
-# kernel. `--quantization gguf` asks.
+# kernels beat dequantized bf16 there at every batch: 8B AWQ through the stream kernel decodes at 3.67 ms/token at
+# batch 1 against bf16's 4.30, but 19.91 at batch 64 (benchmarks/results/h200-latency-llama3-8b-awq-splits.json), and
+# GGUF's groups of 16 and 32 do not take that kernel. `--quantization gguf` asks.
 GGUF_BLOCKS_BY_DEFAULT_ON_GPU = False
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -295,7 +295,13 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
     K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4
     stages of cp.async (3 tiles of 16 KB in flight a program), and split-K until the column tiles times the slices
     cover the SMs (slices of at least 4 K tiles). A float32 x (the GPU oracle tests'; its dot in float32) takes 64
-    columns, K tiles of 32 along N. Not yet measured on a GPU."""
+    columns, K tiles of 32 along N.
+
+    The split: about two programs an SM (2 x SMs // column tiles, at most MAX_SPLIT_K, slices of at least 2 K
+    tiles), then as few slices as give the same slice length (none empty). On the H200 this was the best or within
+    6% of the best of splits 2-16 for each of Llama-3-8B's and 70B's linears at 1 row (`python -m benchmarks.kernels
+    --only int4 --tune`, benchmarks/results/h200-kernels-tune-int4-splits.json), 1.0-1.5x faster than the first
+    rule (enough programs to cover the SMs once); the tiles were the best of those swept (`-tiles.json`)."""
     if x_itemsize == 4:  # its dot without tensor cores holds wide float32 operands in registers: 256 x 64 spilled KBs
         block_n, block_k = 64, 128 if packed_along_k else 32
     else:
@@ -303,7 +309,8 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
     while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
         block_k //= 2
     tiles, k_tiles = cdiv(out_features, block_n), in_features // block_k
-    split = max(1, min(MAX_SPLIT_K, cdiv(num_sms(device), tiles), k_tiles // 4))
+    split = max(1, min(MAX_SPLIT_K, 2 * num_sms(device) // tiles, k_tiles // 2))
+    split = cdiv(k_tiles, cdiv(k_tiles, split))
     stages = 4
     row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
     while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
