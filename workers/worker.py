@@ -8,6 +8,7 @@ cuda_graphs, warm_up.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -250,13 +251,15 @@ class Worker:
         return self.lora.take_reads() if self.lora is not None else {}
 
     def shutdown(self) -> None:
+        """Leaves the process group and gives the GPU memory back: weights, KV pool, graphs, adapters. A process
+        that starts a second engine after this one (a notebook, a test) sizes its pool from the memory free then."""
         if self.lora is not None:
             self.lora.shutdown()
-        self.runner = None
-        self.model = None
-        self.draft = None
-        self.draft_model = None
+        self.runner = self.model = self.draft = self.draft_model = self.lora = None
         parallel.destroy_parallel()
+        if self.device.type == "cuda":
+            gc.collect()  # the model's modules and the graphs hold each other in cycles
+            torch.cuda.empty_cache()
 
 
 class InProcessExecutor(Executor):

@@ -143,3 +143,17 @@ def test_gpu_overlapped_step_launches_without_waiting_for_the_device(tiny_checkp
         engine.step()
     engine.check_integrity()
     llm.shutdown()
+
+
+def test_shutdown_gives_the_gpu_memory_back(tiny_checkpoints):
+    """An engine shut down frees its weights, KV pool and graphs: a second engine in the same process (a notebook,
+    a test) sizes its pool from the memory free again, rather than failing with 'no memory left for the KV cache'."""
+    path = tiny_checkpoints["llama"]
+    torch.cuda.synchronize()
+    free_before, total = torch.cuda.mem_get_info()
+    for _ in range(2):
+        llm = LLM(model=path, device="cuda", gpu_memory_utilization=0.5)
+        assert len(greedy(llm, max_tokens=4)) == len(PROMPTS)
+        assert torch.cuda.mem_get_info()[0] < free_before - 0.2 * total  # it took its pool
+        llm.shutdown()
+        assert torch.cuda.mem_get_info()[0] > free_before - 2**30, "the pool was not given back"
