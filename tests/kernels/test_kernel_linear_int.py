@@ -405,7 +405,8 @@ def test_stream_config_splits_k_to_about_two_programs_an_sm_and_fits():
             assert tiles * split > 132 or split == min(MAX_SPLIT_K, k_tiles // 2), (n, k, c)
             if not along_k:
                 assert split == best, (n, k, c)
-            assert c["num_stages"] * c["BLOCK_K"] * (16 * 2 + c["BLOCK_N"] // 2 * (2 if gated else 1)) <= 227 * 1024 // 2
+            row_bytes = 16 * 2 + c["BLOCK_N"] // 2 * (2 if gated else 1)
+            assert c["num_stages"] * c["BLOCK_K"] * row_bytes <= 227 * 1024 // 2
 
 
 class KernelSpy:
