@@ -10,7 +10,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from engine.config import EngineArgs
+from engine.config import KV_OFFLOAD_POLICIES, EngineArgs
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
@@ -40,9 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="same as --no-enable-prefix-caching")
     parser.add_argument("--swap-space", "--kv-offload-gib", dest="swap_space", type=float,
                         default=_DEFAULTS["swap_space"], metavar="GIB",
-                        help="GiB of host memory per GPU for a second KV tier: every computed block is also written "
-                             "there, and a prefix the GPU pool has evicted (or a preempted request's) is copied back "
-                             "instead of computed again (default 0: none; needs prefix caching)")
+                        help="GiB of host memory per GPU for a second KV tier: computed blocks are also written there "
+                             "(--kv-offload-policy says when), and a prefix the GPU pool has evicted (or a preempted "
+                             "request's) is copied back instead of computed again (default 0: none; needs prefix "
+                             "caching)")
     parser.add_argument("--onload-gb-per-s", type=float, default=_DEFAULTS["onload_gb_per_s"],
                         help="the host tier's cost model: one GPU's host-to-device copy rate (GB/s), as `pagoda bench "
                              "kv-tier-cost` measures it")
@@ -54,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--min-onload-blocks", type=int, default=None,
                         help="the fewest host-tier blocks copied back rather than computed (default: from the cost "
                              "model)")
+    parser.add_argument("--kv-offload-policy", choices=KV_OFFLOAD_POLICIES, default=_DEFAULTS["kv_offload_policy"],
+                        help="when the host tier gets a block: write-through (every computed block, default) or "
+                             "write-back (a cached block the GPU pool evicts; nothing while the pool has room)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"])
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
@@ -117,6 +121,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   kv_cache_dtype=args.kv_cache_dtype, swap_space=args.swap_space,
                   onload_gb_per_s=args.onload_gb_per_s, onload_latency_s=args.onload_latency_s,
                   prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks,
+                  kv_offload_policy=args.kv_offload_policy,
                   speculative_config=getattr(args, "speculative_config", None))
     for name in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"):  # not every parser has them
         values[name] = getattr(args, name, _DEFAULTS[name])

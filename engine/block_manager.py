@@ -23,11 +23,17 @@ blocks back can cost more than computing them).
 
     device pool   [ prefix-cache hits | onloaded from the host | computed now ]    one block table
     host pool     every committed block's copy, LRU; found by the same hash chain
+
+Write-back (`write_back`, kv_offload_policy "write-back") copies a cached block to the host only when the device
+cache is about to reuse it: each step copies the next `write_back_ahead` free blocks in LRU order that the host
+lacks, beside its forward, and a block reached before its copy is passed over for a step. While the device pool has
+room nothing is copied (write-through copies every block); what the device evicts reaches the host either way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,7 +74,8 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, min_onload_blocks: int = 1):
+                 num_host_blocks: int = 0, min_onload_blocks: int = 1, write_back: bool = False,
+                 write_back_ahead: int = 0):
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         assert not num_host_blocks or enable_prefix_caching, "the host tier is a level of the prefix cache"
         assert min_onload_blocks >= 1, min_onload_blocks
@@ -77,6 +84,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
         self.min_onload_blocks = min_onload_blocks  # a shorter host continuation is computed, not copied back
+        # Host copies made when the device cache evicts a block, not when it is committed (kv_offload_policy
+        # "write-back"), and ahead of that for the write_back_ahead free blocks to be reused first (a step's worth):
+        # those are copied beside a step, so that reusing them later waits for nothing.
+        self.write_back = write_back
+        self.write_back_ahead = write_back_ahead
         # Prompt tokens of new requests (vLLM's prefix_cache_* and external_prefix_cache_*): looked up, found on the
         # device, looked up while a host tier exists (the whole prompt, as vLLM counts its connector's queries),
         # found on the host (copied back).
@@ -206,7 +218,12 @@ class BlockManager:
         """The KV moves the next step makes before its forward (engine/outputs.py SchedulerOutput): offloads (device
         block, host block), copy-on-write (src, dst) and onloads (host block, device block). A device block offloaded
         in a step is not written by it, nor a host block written by a step read by it (see _pop_free and
-        _host_prefix), so the offloads may run beside the step."""
+        _host_prefix), so the offloads may run beside the step. Write-back: this step also copies the next free blocks
+        to be reused that the host lacks."""
+        if self.write_back:
+            for block_id in itertools.islice(self._free_queue, self.write_back_ahead):
+                if block_id not in self._offloads and self._lacks_host_copy(block_id):
+                    self._offload(self._blocks[block_id])
         offloads, copies, onloads = list(self._offloads.items()), self._pending_copies, self._onloads
         self._offloads, self._pending_copies, self._onloads = {}, [], []
         self._host_writing, self._host_reading = set(), set()
@@ -235,7 +252,8 @@ class BlockManager:
             if block.block_hash is None and req.block_hashes[i] not in self._cached:
                 block.block_hash = req.block_hashes[i]
                 self._cached[block.block_hash] = block.block_id
-                self._offload(block)
+                if not self.write_back:
+                    self._offload(block)
         self._num_committed[req.req_id] = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -252,7 +270,10 @@ class BlockManager:
     def evict_device_cache(self) -> None:
         """Forgets the device's cached blocks that no request holds; the host tier keeps its copies, so a later hit on
         them is copied back (benchmarks/kv_tier_cost.py). A block whose offload is pending stays (its copy is not
-        on the host yet)."""
+        on the host yet); write-back offloads those the host lacks first."""
+        for block in self._blocks:
+            if self.write_back and block.ref_count == 0 and self._lacks_host_copy(block.block_id):
+                self._offload(block)
         for block in self._blocks:
             if block.ref_count == 0 and block.block_hash is not None and block.block_id not in self._offloads:
                 if self._cached.get(block.block_hash) == block.block_id:
@@ -289,7 +310,8 @@ class BlockManager:
 
     # ---- the host tier -------------------------------------------------------------------------------------------
     def _offload(self, block: Block) -> None:
-        """Write-through: a newly committed device block gets a copy on the host, unless the host holds its hash."""
+        """A device block gets a copy on the host (the next step makes it), unless the host holds its hash: when it is
+        committed (write-through) or evicted from the device cache (write-back)."""
         if not self.num_host_blocks:
             return
         assert block.block_hash is not None
@@ -360,9 +382,12 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         """The least recently used free block, past those whose offload the next step makes (it must not write them):
-        those go to the back of the queue. If every free block waits for its offload, the first one's is dropped."""
-        for _ in range(len(self._offloads) + 1):
+        those go to the back of the queue. Write-back: a cached block the host lacks is offloaded now, and passed
+        over likewise. If every free block waits for its offload, the last one's is dropped."""
+        for _ in range(len(self._free_queue)):
             block_id = next(iter(self._free_queue))
+            if block_id not in self._offloads and self.write_back and self._lacks_host_copy(block_id):
+                self._offload(self._blocks[block_id])
             if block_id not in self._offloads:
                 break
             self._free_queue.move_to_end(block_id)
@@ -376,6 +401,12 @@ class BlockManager:
             block.block_hash = None
         block.ref_count = 1
         return block_id
+
+    def _lacks_host_copy(self, block_id: int) -> bool:
+        """A device-cached block whose hash the host tier does not hold (write-back copies it before reusing it)."""
+        block_hash = self._blocks[block_id].block_hash
+        return (self.num_host_blocks > 0 and block_hash is not None and self._cached.get(block_hash) == block_id
+                and block_hash not in self._host_cached)
 
     def _drop_offload(self, block_id: int) -> None:
         host_block = self._offloads.pop(block_id)

@@ -142,6 +142,9 @@ def _read_json(path: str) -> dict | None:
         return json.load(f)
 
 
+KV_OFFLOAD_POLICIES = ("write-through", "write-back")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool. `num_kv_blocks=None` sizes the pool from free memory."""
@@ -163,8 +166,15 @@ class CacheConfig:
     onload_latency_s: float = 2e-4
     prefill_tokens_per_s: float = 20_000.0
     min_onload_blocks: int | None = None
+    # When a device block is written to the host tier (KV_OFFLOAD_POLICIES): "write-through", every block as it is
+    # committed (the host holds a copy of everything the device caches: another replica's fetch finds it there);
+    # "write-back", a cached block when the device pool evicts it (no copy at all while the pool has room).
+    kv_offload_policy: str = "write-through"
 
     def __post_init__(self):
+        if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
+            raise ParamError("kv_offload_policy", f"must be one of {KV_OFFLOAD_POLICIES}, got "
+                                                  f"{self.kv_offload_policy!r}")
         if self.swap_space_gib < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space_gib}")
         for name in ("onload_gb_per_s", "prefill_tokens_per_s"):
@@ -357,6 +367,7 @@ class EngineArgs:
     onload_latency_s: float = 2e-4
     prefill_tokens_per_s: float = 20_000.0
     min_onload_blocks: int | None = None  # the threshold itself instead of the cost model's
+    kv_offload_policy: str = "write-through"  # when blocks go to the host tier (CacheConfig)
     enable_lora: bool = False  # LoRA adapters per request (engine/lora.py)
     max_loras: int = 1  # adapters resident on the GPU at once
     max_lora_rank: int = 64
@@ -394,7 +405,7 @@ class EngineArgs:
         return (CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization,
                             self.cpu_kv_cache_bytes, self.enable_prefix_caching, self.kv_cache_dtype, self.swap_space,
                             self.num_host_kv_blocks, self.onload_gb_per_s, self.onload_latency_s,
-                            self.prefill_tokens_per_s, self.min_onload_blocks),
+                            self.prefill_tokens_per_s, self.min_onload_blocks, self.kv_offload_policy),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 2048),
                 ParallelConfig(self.tensor_parallel_size, self.device, self.enforce_eager, self.use_ray))
 

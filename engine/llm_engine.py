@@ -122,7 +122,9 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to %d: the KV pool holds %d blocks of %d tokens",
                            config.model.max_model_len, self.max_model_len, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                          self.executor.num_host_kv_blocks, self._min_onload_blocks())
+                                          self.executor.num_host_kv_blocks, self._min_onload_blocks(),
+                                          write_back=config.cache.kv_offload_policy == "write-back",
+                                          write_back_ahead=self._blocks_a_step())
         self.lora_slots = (LoRASlots(config.lora.max_loras, config.lora.max_cpu_loras) if config.lora is not None
                            else None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
@@ -145,6 +147,12 @@ class LLMEngine:
         self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # the step in flight
         self.timing = StepTiming()
         self._ids = itertools.count()
+
+    def _blocks_a_step(self) -> int:
+        """The most device blocks one step can take: its token budget's, and a block for each running request that
+        crosses into a new one."""
+        scheduler = self.config.scheduler
+        return -(-scheduler.max_num_batched_tokens // self.config.cache.block_size) + scheduler.max_num_seqs
 
     def _min_onload_blocks(self) -> int:
         """The fewest host-tier blocks worth copying back (CacheConfig.min_onload_blocks, else the cost model's for

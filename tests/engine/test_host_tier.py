@@ -180,6 +180,57 @@ def test_a_preempted_request_counts_what_it_gets_back_and_what_it_computes_again
     bm.check_integrity()
 
 
+# ---- write-back (kv_offload_policy "write-back"): copies made when the device cache is about to reuse a block --------
+def test_write_back_copies_nothing_while_the_device_pool_has_room():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=8, write_back=True, write_back_ahead=2)
+    req = make_req("a", range(13))
+    admit_computed(bm, req)
+    assert bm.take_transfers() == ([], [], [])
+    bm.free(req)  # its blocks go behind the never-used ones: the next two to be reused have no KV to keep
+    assert bm.take_transfers() == ([], [], []) and bm.num_offloaded_blocks == 0
+    bm.check_integrity()
+
+
+def test_write_back_copies_the_blocks_next_in_line_and_an_evicted_prefix_comes_back():
+    bm = BlockManager(num_blocks=5, block_size=4, num_host_blocks=8, write_back=True, write_back_ahead=5)
+    first = make_req("a", range(13))
+    first_blocks = admit_computed(bm, first).block_ids
+    assert bm.take_transfers()[0] == []  # committed, not copied
+    bm.free(first)
+    offloads, _, _ = bm.take_transfers()  # a step: its three cached blocks are next in line, copied beside it
+    assert sorted(device for device, _ in offloads) == sorted(first_blocks[:3]) and bm.num_offloaded_blocks == 3
+    evict_the_device_cache(bm)  # every block reused: none waits for a copy, none is dropped
+    again = make_req("a2", range(13))
+    allocation = bm.admit(again, 13)
+    assert (allocation.num_computed_tokens, bm.host_hits_tokens) == (12, 12)
+    assert len(bm.take_transfers()[2]) == 3
+    bm.check_integrity()
+
+
+def test_write_back_passes_over_a_block_it_has_not_copied_yet():
+    """Reached before its copy (nothing copied ahead), a cached block is copied by the next step and passed over in
+    this one; when only such blocks are left, the last one's copy is dropped and it is reused."""
+    bm = BlockManager(num_blocks=5, block_size=4, num_host_blocks=8, write_back=True)
+    first = make_req("a", range(13))
+    first_blocks = admit_computed(bm, first).block_ids
+    bm.take_transfers()
+    bm.free(first)  # LRU: the never-used block, a's partial block, then its full blocks from the last
+    taken = bm.admit(make_req("b", range(100, 112)), 12).block_ids
+    offloads, _, _ = bm.take_transfers()
+    assert sorted(taken) == sorted([4, first_blocks[3], first_blocks[0]])
+    assert sorted(device for device, _ in offloads) == sorted(first_blocks[1:3]) and len(bm._host_cached) == 2
+    bm.check_integrity()
+
+
+def test_the_offload_policy_is_checked_and_reaches_the_block_manager(tiny_model_dir):
+    with pytest.raises(ParamError, match="kv_offload_policy"):
+        CacheConfig(kv_offload_policy="write-around")
+    engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24, num_host_kv_blocks=8,
+                        kv_offload_policy="write-back", max_num_batched_tokens=32, max_num_seqs=4)
+    assert engine.block_manager.write_back and engine.block_manager.write_back_ahead == 32 // 4 + 4
+    engine.shutdown()
+
+
 def test_the_host_tier_needs_prefix_caching():
     with pytest.raises(ParamError, match="prefix caching"):
         CacheConfig(enable_prefix_caching=False, swap_space_gib=4)
@@ -192,10 +243,13 @@ def test_the_flag_reaches_the_serve_apps_engine_args(flag):
     from cluster.app import parse_args
     from deploy.cli import build_parser, serve_app_args
 
-    app_args = serve_app_args(build_parser().parse_args(["serve", "--model", "tiny", flag, "2.5"]))
+    argv = ["serve", "--model", "tiny", flag, "2.5", "--kv-offload-policy", "write-back"]
+    app_args = serve_app_args(build_parser().parse_args(argv))
     assert app_args["models"][0]["swap_space"] == 2.5
+    assert app_args["models"][0]["kv_offload_policy"] == "write-back"
     engine = parse_args(app_args).models[0].engine
     assert engine.swap_space == 2.5 and engine._parts()[0].swap_space_gib == 2.5
+    assert engine._parts()[0].kv_offload_policy == "write-back"
 
 
 # ---- an engine with a host tier (the tiny model on CPU: the worker's copies are real, the streams are not) --------
@@ -228,14 +282,19 @@ ONLOAD = ({"prefill_tokens_per_s": 1.0}, 1)
 RECOMPUTE, RECOMPUTE_BY_COST = ({"min_onload_blocks": 10}, 10), ({"prefill_tokens_per_s": 1e15}, NEVER_ONLOAD)
 
 
+WRITE_BACK = ({"prefill_tokens_per_s": 1.0, "kv_offload_policy": "write-back"}, 1)
+
+
 @pytest.mark.parametrize("model, kv_cache_dtype, choice", [
     ("tiny", "auto", ONLOAD), ("tiny", "fp8", ONLOAD), ("smollm2", "auto", ONLOAD), ("tiny", "auto", RECOMPUTE),
-    ("tiny", "fp8", RECOMPUTE_BY_COST), ("smollm2", "auto", RECOMPUTE_BY_COST)],
-    ids=["tiny", "tiny-fp8", "smollm2", "tiny-recompute", "tiny-fp8-recompute-by-cost", "smollm2-recompute-by-cost"])
+    ("tiny", "fp8", RECOMPUTE_BY_COST), ("smollm2", "auto", RECOMPUTE_BY_COST), ("tiny", "fp8", WRITE_BACK)],
+    ids=["tiny", "tiny-fp8", "smollm2", "tiny-recompute", "tiny-fp8-recompute-by-cost", "smollm2-recompute-by-cost",
+         "tiny-fp8-write-back"])
 def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_model_dir, real_model_dir, model,
                                                                          kv_cache_dtype, choice):
     """Tokens and logprobs equal to an engine without the tier's (whose KV is computed): the tiny model, FP8 KV,
-    and the built-in SmolLM2 (float32); copied back or, where the cost model says so, computed again."""
+    and the built-in SmolLM2 (float32); copied back or, where the cost model says so, computed again; the blocks
+    written to the host as they are computed, or (write-back) as the device pool reuses them."""
     prompt = list(range(1, 41))  # 10 blocks of 4
     others = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(3)]
     small = dict(model=tiny_model_dir if model == "tiny" else real_model_dir, dtype="float32", device="cpu",
@@ -248,7 +307,10 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_mo
     _assert_same(_greedy(engine, "first", prompt), reference)
     for i, other in enumerate(others):  # 120 more tokens through a 96-token pool: the prompt's blocks are evicted
         _greedy(engine, f"other{i}", other)
-    assert bm.num_offloaded_blocks >= 10 + 3 * 9
+    if choice is WRITE_BACK:  # the prompt's 10 full blocks were copied as they were about to be reused
+        assert 10 <= bm.num_offloaded_blocks < 10 + 3 * 9
+    else:  # every full block, as it was computed
+        assert bm.num_offloaded_blocks >= 10 + 3 * 9
     onloaded_before = bm.num_onloaded_blocks
     _assert_same(_greedy(engine, "again", prompt), reference)
     stats = engine.get_stats()
@@ -256,7 +318,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_mo
     assert block_bytes == engine.executor.worker.block_bytes > 0
     assert stats.kv_onloaded_bytes == bm.num_onloaded_blocks * block_bytes
     assert stats.host_prefix_cache_queries == stats.prefix_cache_queries == 5 * 40
-    if choice is ONLOAD:  # all but the block with the last token
+    if choice is not RECOMPUTE and choice is not RECOMPUTE_BY_COST:  # all but the block with the last token
         assert stats.host_prefix_cache_hits == 36 and bm.num_onloaded_blocks - onloaded_before == 9
     else:
         assert stats.host_prefix_cache_hits == 0 and bm.num_onloaded_blocks == onloaded_before == 0
@@ -265,11 +327,15 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(tiny_mo
     engine.shutdown()
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
-def test_preempted_requests_resume_from_the_host_with_the_same_tokens(tiny_model_dir, overlap):
+@pytest.mark.parametrize("overlap, policy", [(True, "write-through"), (False, "write-through"), (True, "write-back")],
+                         ids=["overlapped", "synchronous", "write-back"])
+def test_preempted_requests_resume_from_the_host_with_the_same_tokens(tiny_model_dir, overlap, policy):
     engine = llm_engine(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40,
-                        max_num_batched_tokens=24, max_num_seqs=6, num_host_kv_blocks=256)
+                        max_num_batched_tokens=24, max_num_seqs=6, num_host_kv_blocks=256, kv_offload_policy=policy)
     run_and_compare_with_each_alone(engine, tiny_model_dir, seed=3, overlap=overlap)
     stats = engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.swapped_out_tokens > 0 and stats.swapped_in_tokens > 0
+    assert stats.num_preemptions > 0 and stats.swapped_in_tokens > 0
+    # the host held blocks of a request when it was preempted: written through; write-back copies them after, as the
+    # pool reuses them, and they come back all the same
+    assert (stats.swapped_out_tokens > 0) == (policy == "write-through")
     assert engine.block_manager.num_onloaded_blocks > 0
