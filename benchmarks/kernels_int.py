@@ -14,7 +14,8 @@ and zero points; bf16 cuBLAS its bf16 weight) against the 4.3 TB/s copy ceiling,
 against 790 dense bf16. A timed call runs COLD_CHAIN_BYTES of packed weights' copies of the layer (each read from
 memory, as in a model: the L2 holds 50 MB), so a decode-sized call is not a launch's latency alone; --cuda-graph
 also takes the host's launch cost out, as the engine's decode graphs do. The summary prints, for each layer, from
-how many rows dequant+cuBLAS beats the GEMM tiles: kernels/linear_int.py's DEQUANTIZE_MIN_ROWS should be there.
+how many rows dequant+cuBLAS beats the GEMM tiles: kernels/linear_int.py's DEQUANTIZE_MIN_ROWS should be there
+(1: it beat the tiles at every size in the first run, h200-kernels-int4-first.txt).
 Meant to take about 2 minutes on an H200, compiles included (not yet run there); `--int-layouts awq gptq-act`
 doubles it.
 """

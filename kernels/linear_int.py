@@ -36,13 +36,13 @@ the gated SiLU-and-mul epilogue is kernels/linear.py's. Two families of launch s
 A tile inside one group (no g_idx, BLOCK_K dividing group_size) reads one row of zeros and scales; otherwise
 (act-order, groups of 32 under 64-wide tiles) it gathers them per element (cached reads, not streamed ones).
 
-From DEQUANTIZE_MIN_ROWS rows on, `linear_int_dequantized` instead writes W once into a scratch of x's dtype
-(`_int_dequantize_kernel`, the reference's values exactly) and hands it to cuBLAS: with enough rows the GEMM is
-compute-bound, the weight's dequantization (N x K work, once) is small beside its 2 x T x N x K FLOPs, and cuBLAS's
-GEMM is faster than a Triton one. `python -m benchmarks.kernels --only int4` times the decode tiles, the GEMM tiles,
-dequantize-then-cuBLAS and bf16 cuBLAS on Llama-3-8B's and 70B's linears at 1-2048 rows and prints where the
-dequantizing path overtakes the GEMM: DEQUANTIZE_MIN_ROWS should be that crossing. Speeds on an H200 are not yet
-measured.
+`linear_int_dequantized` instead writes W once into a scratch of x's dtype (`_int_dequantize_kernel`, the
+reference's values exactly) and hands it to cuBLAS. `linear_int` takes it for every call the streaming decode kernel
+(kernels/int_decode.py: up to MAX_ROWS rows of the layouts it takes) does not, from DEQUANTIZE_MIN_ROWS rows: on
+the H200 (`python -m benchmarks.kernels --only int4`, benchmarks/results/h200-kernels-int4-first.txt) it was faster
+than this kernel's tiles at every size measured, on each of Llama-3-8B's and 70B's linears: 7-28x the decode tiles
+at 1-16 rows, 1.1-4.5x the GEMM tiles at 32-2048 rows. The tiles stay for callers that ask for them
+(`dequantize_min_rows`, `linear_int_triton`'s config) and as the base of a faster int GEMM.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ from kernels.int_decode import can_stream, linear_int_stream
 from kernels.int_tiles import weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
-# From this many rows on, `linear_int` dequantizes W into a scratch and runs cuBLAS instead of the Triton GEMM tiles:
-# vLLM's choice for AWQ (its FP16_MATMUL_HEURISTIC_CONDITION) as a first guess, to be set to the crossing that
-# `python -m benchmarks.kernels --only int4` prints for the H200. A `linear_int` argument: callers may choose.
-DEQUANTIZE_MIN_ROWS = 256
+# From this many rows on, a call the streaming kernel does not take dequantizes W into a scratch and runs cuBLAS
+# instead of the Triton kernel's tiles: from the first, as the H200 measured (the docstring). A `linear_int`
+# argument: callers may choose (vLLM's AWQ takes cuBLAS from 256 rows).
+DEQUANTIZE_MIN_ROWS = 1
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
@@ -169,11 +169,14 @@ def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: 
 def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                bias: torch.Tensor | None = None, gated: bool = False, mins=None,
                dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
-    """`linear_int_ref`'s result. On a GPU: the Triton kernel for x of fewer than `dequantize_min_rows` rows
-    (decode tiles up to MAX_ROWS, GEMM tiles above), `linear_int_dequantized` from there; elsewhere the reference."""
+    """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to MAX_ROWS rows of a layout it takes
+    (`can_stream`); otherwise `linear_int_dequantized` from `dequantize_min_rows` rows, the Triton kernel's tiles
+    below (decode tiles up to MAX_ROWS, GEMM tiles above); elsewhere the reference."""
     if not use_triton(x):
         return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
-    if x.shape[0] >= dequantize_min_rows:
+    n = qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor
+    if not can_stream(packing, g_idx, group_size or x.shape[1], x.shape[1], n // 2 if gated else n, x.shape[0],
+                      MAX_ROWS) and x.shape[0] >= dequantize_min_rows:
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
 

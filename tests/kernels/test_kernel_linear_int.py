@@ -437,20 +437,27 @@ def spies(monkeypatch):
     return found
 
 
-@pytest.mark.parametrize("fmt, rows, kernel", [
-    (ic.Int4Format("awq", 128), 1, "_int_decode_kernel"), (ic.Int4Format("awq", 128), 16, "_int_decode_kernel"),
-    (ic.Int4Format("gptq", 128, sym=True), 16, "_int_decode_kernel"),
-    (ic.Int4Format("awq", 128), 17, "_int_linear_kernel"),  # GEMM tiles past MAX_ROWS
-    (ic.Int4Format("gptq", 128, desc_act=True), 1, "_int_linear_kernel"),  # act-order: not streamed
-    (ic.Int4Format("gptq", 32), 1, "_int_linear_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups
-    (ic.Int4Format("awq", 128), 20, "_int_dequantize_kernel")], ids=str)  # dequantize_min_rows=20
-def test_dispatch_streams_decode_rows(fmt, rows, kernel, spies):
+ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("gptq", 32)
+
+
+@pytest.mark.parametrize("fmt, rows, threshold, kernel", [
+    (ic.Int4Format("awq", 128), 1, None, "_int_decode_kernel"), (ic.Int4Format("awq", 128), 16, None,
+                                                                 "_int_decode_kernel"),
+    (ic.Int4Format("gptq", 128, sym=True), 16, None, "_int_decode_kernel"),
+    (ic.Int4Format("awq", 128), 17, None, "_int_dequantize_kernel"),  # past MAX_ROWS
+    (ACT_ORDER, 1, None, "_int_dequantize_kernel"),  # act-order: not streamed
+    (GPTQ_G32, 1, None, "_int_dequantize_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups
+    # a caller's threshold of 20: the Triton kernel's tiles below it for what does not stream
+    (ic.Int4Format("awq", 128), 17, 20, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
+    (GPTQ_G32, 1, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
+    (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
+def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies):
     """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
-    g_idx, K tiles inside a group), the first kernel's decode tiles otherwise, GEMM tiles above, dequantize +
-    cuBLAS from dequantize_min_rows; each equal to the reference."""
+    g_idx, K tiles inside a group); otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the
+    first row), the first kernel's decode tiles or GEMM tiles below it; each equal to the reference."""
     layer = packed_layer(fmt, 96, 256, "cpu")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3))
-    out = linear_int(x, **layer, dequantize_min_rows=20)
+    out = linear_int(x, **layer, **({} if threshold is None else {"dequantize_min_rows": threshold}))
     assert {name: spy.launches for name, spy in spies.items()} == {
         name: int(name == kernel) for name in spies}
     torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
@@ -493,8 +500,8 @@ def _within_bf16_rounding(out, ref, what):
 @pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b") for lay in ("awq", "gptq", "gptq-act")])
 def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
     """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows: AWQ and GPTQ g128 streamed
-    (split-K where the column tiles are fewer than the SMs), GPTQ act-order on the first kernel's decode tiles;
-    against the reference."""
+    (split-K where the column tiles are fewer than the SMs), GPTQ act-order dequantized for cuBLAS; against the
+    reference."""
     stream = spies["_int_decode_kernel"]
     for op, (layer, k, gated) in _gpu_layers(model, layout).items():
         for rows in (1, 7, 16):
