@@ -71,6 +71,7 @@ def slow_choices(seed: int) -> list[str]:
     return ["".join(rng.choices(string.ascii_letters, k=100)) for _ in range(1000)]
 
 
+@pytest.mark.slow  # 14 s: make test stays under 15 minutes on 2 cores; CI runs it in test-slow
 def test_a_grammar_not_compiled_in_time_is_a_503_to_retry(timeout_url):
     """The engine's timeout was a 500 ("the engine failed this request"): it is the server's state, not the
     request's fault, so a 503 whose message says to retry; streamed, the stream's error event says so. A retry of

@@ -3,9 +3,14 @@ and broadcasts the tokens it keeps, so rank 1's request states (tokens, computed
 stay in step. Greedy output equals the same tp=2 engine's without speculation, under preemption and chunked prefill
 (tests/cluster/test_tensor_parallel.py's stress settings, a larger token budget)."""
 
+import pytest
+
 from pagoda import LLM, SamplingParams
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_spec_decode import NGRAM, PROMPTS, OracleProposer, _assert_same, _references
+
+# 31 s the two: make test stays under 15 minutes on 2 cores; CI runs them in test-slow
+pytestmark = pytest.mark.slow
 
 
 def test_tp2_speculation_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoints):

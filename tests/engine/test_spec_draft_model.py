@@ -224,6 +224,7 @@ def test_aborted_and_finished_requests_give_their_draft_blocks_back():
 
 
 # ---- SmolLM2-135M ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 28 s: make test stays under 15 minutes on 2 cores; CI runs it in test-slow
 def test_smollm2_with_itself_as_draft_accepts_every_draft(real_model_dir):
     """SmolLM2-135M-Instruct drafting for itself, four chat requests at once (batching; a shared system prompt: prefix
     caching), prefill in chunks of 64 tokens and a pool small enough to preempt: the plain engine's output with the
