@@ -179,9 +179,11 @@ def print_crossings(results: list[dict]) -> None:
 
 # The first sweep (h200-kernels-tune-int4-tiles.json) found the default tiles (256 x 128 along N, 4 warps) best or
 # near it, and the split of K the lever: a layer with few column tiles ran 1.1-1.4x faster at twice the default's
-# split. So: the default tiles, each split here, 3 and 4 stages (3 leaves room for a third program an SM), and 8 warps.
+# split. So: the default tiles, each split here, 2-4 stages, and 8 warps. An SM runs as many programs as registers and
+# shared memory allow: 4 stages hold 211 registers a thread (two 4-warp programs), 2 stages 167 (three), in sm_90
+# code compiled here (Triton 3.9).
 STREAM_TUNE_SPLITS = [2, 4, 6, 8, 12, 16]
-STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
+STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (2, 3, 4)] + [
     dict(num_warps=8)]
 STREAM_TUNE_ROWS = [1]
 
