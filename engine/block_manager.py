@@ -384,6 +384,7 @@ class BlockManager:
         """The least recently used free block, past those whose offload the next step makes (it must not write them):
         those go to the back of the queue. Write-back: a cached block the host lacks is offloaded now, and passed
         over likewise. If every free block waits for its offload, the last one's is dropped."""
+        assert self._free_queue, "no free block: the caller checks num_free_blocks first"
         for _ in range(len(self._free_queue)):
             block_id = next(iter(self._free_queue))
             if block_id not in self._offloads and self.write_back and self._lacks_host_copy(block_id):
