@@ -27,10 +27,11 @@ import functools
 import torch
 
 from kernels._triton import dot_precision, upcast_dot_operands
-from kernels.int_decode import can_stream
+from kernels.int_decode import can_stream, linear_int_stream, stream_config
 from kernels.linear import MAX_ROWS, linear_cublas
 from kernels.linear_int import (
     AWQ_GEMM,
+    _check_packed_launchable,
     decode_config,
     dequantize_ref,
     dequantize_triton,
@@ -192,17 +193,14 @@ def bench_tune_int4(runner, models: dict, layouts: list[str]):
     """The stream kernel's launch settings (STREAM_TUNE_CONFIGS over `int_decode.stream_config`'s) on each layer
     (rows: one compile serves 1-16, M is not specialized). The default should be the best row or near it; bf16
     cuBLAS and the default are the first two."""
-    from kernels.int_decode import linear_int_stream, stream_config
-    from kernels.linear_int import _check_packed_launchable
-
     for layout in layouts:
         for model_name, model in models.items():
             for op, (out_features, in_features, gated) in linears(model).items():
                 _tune_layer(runner, f"tune {layout} {model_name} {op.split('+')[0]}", out_features, in_features,
-                            gated, layout, linear_int_stream, stream_config, _check_packed_launchable)
+                            gated, layout)
 
 
-def _tune_layer(runner, name, out_features, in_features, gated, layout, stream, default_config, launchable):
+def _tune_layer(runner, name, out_features, in_features, gated, layout):
     device = runner.device
     copies = [packed_layer(out_features, in_features, layout, device)]
     while len(copies) < 8 and len(copies) * packed_bytes(copies[0]) < COLD_CHAIN_BYTES:
@@ -212,8 +210,8 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout, stream, 
     c0 = copies[0]
     if not can_stream(c0["packing"], None, c0["group_size"], in_features, n, 1, MAX_ROWS):
         return
-    zero_terms = [launchable(c["qweight"], c["qzeros"], c["scales"], None, None) for c in copies]
-    base = default_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device)
+    zero_terms = [_check_packed_launchable(c["qweight"], c["qzeros"], c["scales"], None, None) for c in copies]
+    base = stream_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device)
     configs = {"default": {}} | {" ".join(f"{k}={v}" for k, v in c.items()): c for c in STREAM_TUNE_CONFIGS}
     for rows in STREAM_TUNE_ROWS:
 
@@ -222,8 +220,9 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout, stream, 
 
             def call(i, cfg):
                 c = copies[i]
-                return stream(x, c["qweight"], zero_terms[i], c["scales"], c["group_size"], c["packing"], None, gated,
-                              False, upcast_dot_operands(x.dtype, device), dot_precision(x.dtype), cfg)
+                return linear_int_stream(x, c["qweight"], zero_terms[i], c["scales"], c["group_size"], c["packing"],
+                                         None, gated, False, upcast_dot_operands(x.dtype, device),
+                                         dot_precision(x.dtype), cfg)
 
             impls = {"bf16 cuBLAS": _chain(lambda i: linear_cublas(x, bf16[i], gated=gated), len(copies))}
             impls.update({label: _chain(functools.partial(call, cfg=cfg), len(copies))
