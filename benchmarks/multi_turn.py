@@ -1,9 +1,9 @@
 """Multi-turn conversations over a shared system prompt, the workload a host KV tier is for (issue #30; shaped like
 LMCache's and SGLang HiCache's multi-turn tests). Each turn sends the conversation's whole history again: the last
 turn's prompt, its answer and a new user message. Turns arrive as a Poisson process, each taken by a conversation
-that is not waiting for an answer. Every host-tier size (`--swap-space-runs`) runs the same workload on an engine of
-its own, one after the other in this process: TTFT (arrival to first token) of every turn and of the turns after the
-first, and throughput.
+that is not waiting for an answer. Every host-tier size (`--swap-space-runs`), with each offload policy
+(`--kv-offload-policy-runs`), runs the same workload on an engine of its own, one after the other in this process:
+TTFT (arrival to first token) of every turn and of the turns after the first, and throughput.
 
     pagoda bench multi-turn --preset llama-3-8b --num-kv-blocks 4096 --swap-space-runs 0 64 --num-conversations 200 \\
         --turns 8 --system-len 1024 --user-len 256 --output-len 128 --request-rate 8
@@ -30,6 +30,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space-runs", dest="swap_spaces", type=float, nargs="+", default=None,
                         metavar="GIB", help="the host tier's GiB per rank of each run (0: no tier; default: 0 and "
                                             "--swap-space, or 0 and 16)")
+    parser.add_argument("--kv-offload-policy-runs", dest="offload_policies", nargs="+", default=None,
+                        choices=["write-through", "write-back"],
+                        help="each host tier of --swap-space-runs once with each of these policies (default: "
+                             "--kv-offload-policy's)")
     parser.add_argument("--num-conversations", type=int, default=200)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=1024, help="the shared system prompt's tokens")
@@ -123,21 +127,26 @@ def main(args: argparse.Namespace) -> dict:
 
     model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
     rows = []
-    for gib in args.swap_spaces or [0.0, args.swap_space or 16.0]:
-        config = engine_args(args, model=model_dir, load_format=load_format, swap_space=gib).create_engine_config()
+    policies = args.offload_policies or [args.kv_offload_policy]
+    runs = [(gib, policy) for gib in args.swap_spaces or [0.0, args.swap_space or 16.0]
+            for policy in (policies if gib > 0 else policies[:1])]
+    for gib, policy in runs:
+        config = engine_args(args, model=model_dir, load_format=load_format, swap_space=gib,
+                             kv_offload_policy=policy).create_engine_config()
         engine = LLMEngine(config, pick_executor)
         vocab = min(args.vocab_size or engine.vocab_size, engine.vocab_size, 30000)
         longest = args.system_len + args.turns * (args.user_len + args.output_len)
         if longest > engine.max_model_len:
             raise ValueError(f"the last turn's {longest} tokens do not fit this model's {engine.max_model_len}")
         measured = run_workload(engine, args, vocab)
-        rows.append({"swap_space_gib": gib, "num_kv_blocks": engine.executor.num_kv_blocks,
+        rows.append({"swap_space_gib": gib, "kv_offload_policy": policy if gib > 0 else None,
+                     "num_kv_blocks": engine.executor.num_kv_blocks,
                      "num_host_kv_blocks": engine.executor.num_host_kv_blocks, **measured,
                      "ttft_p50_ms": 1e3 * measured["ttft_s"]["p50"], "ttft_p90_ms": 1e3 * measured["ttft_s"]["p90"]})
         engine.check_integrity()
         engine.shutdown()
-    print_table(rows, ["swap_space_gib", "num_host_kv_blocks", "ttft_p50_ms", "ttft_p90_ms", "total_tokens_per_s",
-                       "device_hits_tokens", "host_hits_tokens", "preemptions"])
+    print_table(rows, ["swap_space_gib", "kv_offload_policy", "num_host_kv_blocks", "ttft_p50_ms", "ttft_p90_ms",
+                       "total_tokens_per_s", "device_hits_tokens", "host_hits_tokens", "preemptions"])
     result = {"benchmark": "multi-turn", "device": device_name(),
               "model": args.preset or args.model or "smollm2-135m-instruct",
               "workload": {name: getattr(args, name) for name in ("num_conversations", "turns", "system_len",

@@ -55,17 +55,21 @@ def test_bench_latency_int4_random_weights(tmp_path, method):
 
 
 def test_bench_multi_turn_finds_evicted_histories_on_the_host(tmp_path):
-    """Six conversations of three turns through a 96-token device pool: with the host tier their histories, evicted
-    from the device, are found on the host; without it they are computed again. Every turn is answered either way."""
+    """Six conversations of three turns through a 96-token device pool: with the host tier (written through, or
+    back as the pool reuses blocks) their histories, evicted from the device, are found on the host; without it they
+    are computed again. Every turn is answered each way."""
     out = tmp_path / "multi_turn.json"
     assert pagoda(["bench", "multi-turn", "--model", "tiny", "--device", "cpu", "--block-size", "4",
-                   "--num-kv-blocks", "24", "--swap-space-runs", "0", "0.001", "--num-conversations", "6", "--turns",
-                   "3", "--system-len", "24", "--user-len", "8", "--output-len", "4", "--request-rate", "50",
-                   "--output-json", str(out)]) == 0
-    off, on = json.loads(out.read_text())["results"]
-    assert off["turns"] == on["turns"] == 18 and off["num_host_kv_blocks"] == 0 < on["num_host_kv_blocks"]
-    assert off["host_hits_tokens"] == 0 < on["host_hits_tokens"] and on["offloaded_bytes"] > 0
-    assert on["ttft_s"]["p50"] > 0 and on["total_tokens_per_s"] > 0
+                   "--num-kv-blocks", "24", "--swap-space-runs", "0", "0.001", "--kv-offload-policy-runs",
+                   "write-through", "write-back", "--num-conversations", "6", "--turns", "3", "--system-len", "24",
+                   "--user-len", "8", "--output-len", "4", "--request-rate", "50", "--output-json", str(out)]) == 0
+    off, *on = json.loads(out.read_text())["results"]
+    assert [r["kv_offload_policy"] for r in (off, *on)] == [None, "write-through", "write-back"]
+    assert off["host_hits_tokens"] == 0 and off["num_host_kv_blocks"] == 0
+    for run in on:
+        assert off["turns"] == run["turns"] == 18 and run["num_host_kv_blocks"] > 0
+        assert run["host_hits_tokens"] > 0 and run["offloaded_bytes"] > 0
+        assert run["ttft_s"]["p50"] > 0 and run["total_tokens_per_s"] > 0
 
 
 def test_bench_kv_tier_cost_measures_both_ways_and_recommends_settings(tmp_path):
