@@ -8,8 +8,10 @@ LoRA, then the same requests spread round-robin over the adapters on an engine w
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import tempfile
 
 
@@ -35,7 +37,8 @@ def lora_runs(args) -> list[dict]:
 def random_adapters(hf_config: dict, num: int, rank: int, seed: int = 0, out_dir: str | None = None) -> list:
     """`num` PEFT adapters of `rank` on every LoRA-capable projection of the model (its config.json), in its dtype;
     returns their LoRARequests (ids 1..num). A: uniform(-1/sqrt(in), 1/sqrt(in)) as PEFT's init draws it; B:
-    normal with std 1/sqrt(rank), lora_alpha = rank (scaling 1): each adapter moves every layer's output."""
+    normal with std 1/sqrt(rank), lora_alpha = rank (scaling 1): each adapter moves every layer's output.
+    Without `out_dir` they go to a temporary directory that is removed when the process exits."""
     import torch
     from safetensors.torch import save_file
 
@@ -43,7 +46,9 @@ def random_adapters(hf_config: dict, num: int, rank: int, seed: int = 0, out_dir
 
     dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
     shapes = lora_module_shapes(hf_config)
-    out_dir = out_dir or tempfile.mkdtemp(prefix="pagoda-bench-lora-")
+    if out_dir is None:
+        out_dir = tempfile.mkdtemp(prefix="pagoda-bench-lora-")
+        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 8B-sized adapters on the CPU takes seconds each
     requests = []
     for i in range(num):

@@ -3,6 +3,7 @@ holds the figures it reports. (The figures themselves are for GPUs: benchmarks/r
 
 import argparse
 import json
+import os
 import time
 
 import pytest
@@ -345,3 +346,21 @@ def test_bench_random_adapters_are_what_peft_reads(tiny_model_dir, tmp_path):
                                                                          ignore_eos=True), lora_request=lora)
     llm.shutdown()
     assert out.outputs[0].token_ids == want
+
+
+def test_bench_random_adapters_leave_no_directory_behind(tiny_model_dir, tmp_path):
+    """Adapters written without a directory of the caller's go to a temporary one, removed when the process exits
+    (the benchmarks' LoRA runs left one in the temp dir each)."""
+    import subprocess
+    import sys
+
+    script = ("import json, os, sys; from benchmarks.lora_workload import random_adapters; "
+              f"(a,) = random_adapters(json.load(open('{tiny_model_dir}/config.json')), 1, 2); "
+              "assert os.path.isdir(a.path), a.path; print(a.path)")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temp)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(temp))  # it was written there, and is gone
+    assert list(temp.iterdir()) == []
