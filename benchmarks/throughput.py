@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampling-sweep", nargs="+", choices=list(SAMPLING_SETTINGS), default=None,
                         help="named sampling settings, each run on the same loaded engine (replaces the flags above)")
     parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument("--max-num-seqs-runs", dest="max_num_seqs_runs", type=int, nargs="+", default=None,
+                        help="run the workload once on an engine with each of these decode batch caps (replaces "
+                             "--max-num-seqs): which cap a workload wants, in one call")
     add_structured_args(parser)
     add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None)
@@ -55,6 +58,12 @@ def sampling_settings(args) -> list[tuple[str, dict]]:
         return [(name, SAMPLING_SETTINGS[name]) for name in args.sampling_sweep]
     return [("flags", {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                        "repetition_penalty": args.repetition_penalty})]
+
+
+def engine_runs(args) -> list[dict]:
+    """The engine overrides of each run: each LoRA run (benchmarks/lora_workload.py) at each decode batch cap."""
+    caps = [{"max_num_seqs": n} for n in args.max_num_seqs_runs] if args.max_num_seqs_runs else [{}]
+    return [lora | cap for lora in lora_runs(args) for cap in caps]
 
 
 def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]], overrides: dict) -> list[dict]:
@@ -80,7 +89,7 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]],
         num_blocks = llm.engine.block_manager.num_blocks
         rows.append(_rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
             "sampling": name, "sampling_params": setting, "structured": structured, "lora": lora_label(overrides, args),
-            "num_kv_blocks": num_blocks,
+            "max_num_seqs": llm.engine.config.scheduler.max_num_seqs, "num_kv_blocks": num_blocks,
             "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)}
             | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {}))
     llm.shutdown()
@@ -159,7 +168,7 @@ def main(args: argparse.Namespace) -> dict:
         hf, weights_dir = run_hf(args, model_dir, load_format, prompts)
         rows.append(hf)
         model_dir, load_format = weights_dir, "auto"
-    pagoda_rows = [row for overrides in lora_runs(args)
+    pagoda_rows = [row for overrides in engine_runs(args)
                    for row in run_pagoda(args, model_dir, load_format, prompts, overrides)]
     for row in pagoda_rows:
         row["vs_first"] = row["total_tokens_per_s"] / pagoda_rows[0]["total_tokens_per_s"]
@@ -169,7 +178,8 @@ def main(args: argparse.Namespace) -> dict:
               "output_len": args.output_len, "prefix_caching": args.enable_prefix_caching, "results": rows}
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
-    print_table(rows, ["engine", "sampling", "structured", "lora", "requests", "elapsed_s", "requests_per_s",
+    print_table(rows, ["engine", "sampling", "structured", "lora", "max_num_seqs", "requests", "elapsed_s",
+                       "requests_per_s",
                        "output_tokens_per_s", "total_tokens_per_s", "vs_first"])
     for row in rows[1 if args.compare == "hf" else 0:]:
         steps = row["engine_steps"]

@@ -309,16 +309,19 @@ def test_bench_latency_refuses_more_adapters_than_slots(capsys):
     assert "--lora-adapters 3 needs --max-loras >= 3" in capsys.readouterr().err
 
 
-def test_bench_throughput_over_more_lora_adapters_than_slots(tmp_path):
-    """Three adapters through two GPU slots: every request finishes; the LoRA engine's rate is compared with the
-    base engine's on the same requests."""
+def test_bench_throughput_over_more_lora_adapters_than_slots_at_two_batch_caps(tmp_path):
+    """Three adapters through two GPU slots, each engine at two decode batch caps (--max-num-seqs-runs): every
+    request finishes; the LoRA engine's rate is compared with the base engine's at the same cap."""
     result = _run(tmp_path, "bench", "throughput", "--model", "tiny", "--device", "cpu", "--num-requests", "6",
                   "--input-len", "12", "--output-len", "4", "--num-kv-blocks", "128", "--lora-adapters", "3",
-                  "--lora-rank", "4", "--max-loras", "2")
-    base, lora = result["results"]
-    assert (base["lora"], lora["lora"]) == ("base", "3 x r4, 2 slots")
-    assert base["output_tokens"] == lora["output_tokens"] == 24
-    assert result["lora_vs_base_total_tokens"] == [lora["total_tokens_per_s"] / base["total_tokens_per_s"]]
+                  "--lora-rank", "4", "--max-loras", "2", "--max-num-seqs-runs", "2", "8")
+    rows = result["results"]
+    assert [(r["lora"], r["max_num_seqs"]) for r in rows] == [
+        ("base", 2), ("base", 8), ("3 x r4, 2 slots", 2), ("3 x r4, 2 slots", 8)]
+    assert all(r["output_tokens"] == 24 for r in rows)
+    assert rows[0]["engine_steps"]["steps"] > rows[1]["engine_steps"]["steps"]  # 2 at a time takes more steps
+    assert result["lora_vs_base_total_tokens"] == [
+        lora["total_tokens_per_s"] / base["total_tokens_per_s"] for base, lora in zip(rows[:2], rows[2:])]
 
 
 def test_bench_random_adapters_are_what_peft_reads(tiny_model_dir, tmp_path):
