@@ -14,6 +14,8 @@ invalid gets a 4xx.
 import copy
 import json
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import jsonschema
@@ -28,6 +30,7 @@ from cluster.openapi import ROUTES, ErrorResponse
 from tests.cluster.conftest import API_KEY
 
 EXAMPLES_PER_OPERATION = 300  # 4 operations with a body (1,200 cases), 4 GETs
+MAX_STREAM_EVENTS = 100_000  # more than any generated request streams: a stream's end is the request timeout's
 INPUTS_IN_PARAMETERS = {"/v1/models/{model}", "/tokenizer_info"}  # GETs with something to make invalid
 # (param, message) of the 400s that a schema-valid request may get: what a JSON schema cannot state
 INEXPRESSIBLE = [
@@ -83,6 +86,15 @@ def judged_by(judge: Judge):
     return the_server_accepts_what_the_document_does
 
 
+def fuzz_config() -> SchemathesisConfig:
+    """400 and 429 stay statuses positive_data_acceptance takes (judged_by tells the right 400s from the wrong);
+    every stream is read to its end: schemathesis reads 20 events of one by default, then closes the connection
+    and checks what it read, which has no [DONE] (a 10-prompt completion failed sse_events_conform so)."""
+    return SchemathesisConfig.from_dict({
+        "checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", "400", "429"]}},
+        "max-stream-events": MAX_STREAM_EVENTS})
+
+
 @schemathesis.check
 def sse_events_conform(ctx: CheckContext, response, case: Case):
     """Every `data:` event of a stream is the declared chunk (or, last, an error), and the stream ends [DONE]."""
@@ -90,6 +102,8 @@ def sse_events_conform(ctx: CheckContext, response, case: Case):
         return None
     _, _, _, event_model = ROUTES[case.path]
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    # schemathesis stops reading a stream at max-stream-events or when the request's timeout passes: its end unread
+    assert not response.stream_cut_short, f"the client stopped reading the stream after {len(events)} events"
     assert events and events[-1] == "[DONE]", f"the stream does not end with [DONE]: {events[-3:]}"
     for i, event in enumerate(events[:-1]):
         data = json.loads(event)
@@ -110,9 +124,7 @@ def test_the_api_conforms_to_its_schema(serve_url):
 
     document = httpx.get(f"{serve_url}/openapi.json").json()
     judged = judged_by(Judge(document))
-    config = SchemathesisConfig.from_dict({"checks": {"positive_data_acceptance": {
-        "expected-statuses": ["2XX", "400", "429"]}}})  # judged_by tells the right 400s from the wrong
-    schema = schemathesis.openapi.from_dict(generation_document(document), config=config)
+    schema = schemathesis.openapi.from_dict(generation_document(document), config=fuzz_config())
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} == set(ROUTES)
     num_cases = 0
@@ -138,3 +150,48 @@ def test_the_server_is_alive_and_clean_after_the_fuzzing(http):
     assert report["ok"], report
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "still here?", "max_tokens": 3})
     assert r.status_code == 200
+
+
+def test_a_stream_longer_than_schemathesis_default_is_judged_whole():
+    """Schemathesis reads 20 events of a stream by default, then closes the connection (the ingress logs a 499) and
+    hands on the first 20: a 10-prompt completion (over 20 events) failed sse_events_conform, no [DONE] in what was
+    read. Read the fuzzing's way (its config), a long stream is read to its [DONE]."""
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny",
+             "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}
+    events = [f"data: {json.dumps(chunk)}\n\n" for _ in range(50)] + ["data: [DONE]\n\n"]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                for event in events:  # one HTTP chunk each, as the ingress streams them
+                    data = event.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:  # the client left
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    document = {"openapi": "3.1.0", "info": {"title": "stream", "version": "1"}, "paths": {"/v1/completions": {
+        "post": {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
+                 "responses": {"200": {"description": "events", "content": {"text/event-stream": {}}}}}}}}
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            schema = schemathesis.openapi.from_dict(document, config=fuzz_config())
+            case = schema["/v1/completions"]["POST"].Case(body={"stream": True})
+            response = case.call(base_url=f"http://127.0.0.1:{server.server_port}", timeout=60)
+        finally:
+            server.shutdown()
+    assert response.status_code == 200
+    sse_events_conform(None, response, case)
+    assert response.text == "".join(events)
