@@ -203,7 +203,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: sequences per step and tokens per step."""
 
-    max_num_seqs: int = 256
+    # 512: Llama-3-8B FP8 at 4,096 x 128/128 on an H200 ran 21.5k output tok/s at 256, 23.7k at 512, 23.5k at 1,024
+    # (past 512 the host's ~20 us a sequence a step no longer hides behind the device); 70B FP8: 3,334 -> 3,475
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     async_scheduling: bool = True  # schedule step N+1 while step N runs (when the executor can)
@@ -350,7 +352,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = 8192
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
