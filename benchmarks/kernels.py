@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/kernels.py`: this fil
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8
+from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8, bench_tune_fp8_kv_decode
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4, bench_tune_int4
 from benchmarks.kernels_lora import GPU_LORA, SMOKE_LORA, bench_lora, bench_tune_lora, print_lora_overhead
 from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
@@ -529,7 +529,7 @@ TARGETS = [  # (label, kernel, which cases, fraction of the ceiling the issue as
     ("elementwise, T >= 4096", None, lambda case: int(case.split()[1]) >= 4096, 0.70),
     ("fp8 decode-sized linear, 1-16 rows", "fp8 linear", lambda case: True, 0.88),
 ]
-OPT_IN_GROUPS = ("int4", "moe-quant", "mla", "lora")  # run when --only names them (int4: about 2 more minutes)
+OPT_IN_GROUPS = ("int4", "moe-quant", "mla", "lora", "fp8-kv")  # run when --only names them (int4: ~2 more minutes)
 NOT_ELEMENTWISE = ("decode attn", "prefill attn", "linear layer", "tune linear", "moe", "tune moe", "moe quant",
                    "fp8 linear", "fp8 gemm", "fp8 kv decode", "tune fp8 linear", "mla decode", "mla prefill")
 
@@ -560,7 +560,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="verify each kernel against its ref before timing")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, torch references only")
     parser.add_argument("--only", choices=["decode", "prefill", "elementwise", "linear", "moe", "moe-quant", "fp8",
-                                           "int4", "mla", "lora"],
+                                           "fp8-kv", "int4", "mla", "lora"],
                         action="append",
                         help="run only these groups (repeatable); int4, moe-quant, mla and lora run only when named")
     parser.add_argument("--mla-heads", type=int, default=None,
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
                              "128)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
-                        "--only decode / prefill / linear / moe / fp8 / lora / int4)")
+                        "--only decode / prefill / linear / moe / fp8 / fp8-kv / lora / int4)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time graph replays (no host launch overhead, as in the engine's decode graphs)")
     args = parser.parse_args(argv)
@@ -603,6 +603,7 @@ def main(argv=None) -> int:
             parser.error("--tune needs a GPU")
         groups = {"decode": bench_tune_decode, "prefill": bench_tune_prefill, "linear": bench_tune_linear,
                   "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8,
+                  "fp8-kv": bench_tune_fp8_kv_decode,
                   "lora": lambda runner, cfg: bench_tune_lora(runner, cfg, lora_cfg),
                   "int4": lambda runner, cfg: bench_tune_int4(runner, INT_MODELS, args.int_layouts)}
     start = time.perf_counter()
