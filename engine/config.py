@@ -204,7 +204,7 @@ class SchedulerConfig:
     """Continuous batching limits: sequences per step and tokens per step."""
 
     # 512: Llama-3-8B FP8 at 4,096 x 128/128 on an H200 ran 21.5k output tok/s at 256, 23.7k at 512, 23.5k at 1,024
-    # (past 512 the host's ~20 us a sequence a step no longer hides behind the device); 70B FP8: 3,334 -> 3,475
+    # (there the GEMMs are compute-bound and the host's work per step catches up); 70B FP8: 3,334 -> 3,475
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
