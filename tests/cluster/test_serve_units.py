@@ -812,7 +812,7 @@ def test_max_ongoing_requests_is_a_serve_flag_and_follows_max_num_seqs():
     def model(*flags):
         return parse_args(serve_app_args(build_parser().parse_args(["serve", "--model", "tiny", *flags]))).models[0]
 
-    assert model().max_ongoing_requests == 256
+    assert model().max_ongoing_requests == 512  # the default max_num_seqs
     assert model("--max-num-seqs", "4").max_ongoing_requests == 256  # room for control calls beside a small batch
     assert model("--max-num-seqs", "512").max_ongoing_requests == 512  # never fewer than a step can batch
     m = model("--max-num-seqs", "4", "--max-ongoing-requests", "6", "--max-queued-requests", "4")
