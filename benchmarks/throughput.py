@@ -179,8 +179,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.compare == "hf":
         result["speedup_total_tokens"] = rows[1]["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
     print_table(rows, ["engine", "sampling", "structured", "lora", "max_num_seqs", "requests", "elapsed_s",
-                       "requests_per_s",
-                       "output_tokens_per_s", "total_tokens_per_s", "vs_first"])
+                       "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "vs_first"])
     for row in rows[1 if args.compare == "hf" else 0:]:
         steps = row["engine_steps"]
         print(f"pagoda engine, {row['sampling']}{' ' + row['structured'] if row['structured'] else ''}: "
