@@ -201,7 +201,8 @@ def bench_fp8(runner, cfg: dict):
 
 # FP8 KV decode: tile configs, each with bfloat16 and float16 dots (decode_config's "f16_dots")
 # The short contexts are a 128-in / 128-out workload's decode batches (4,096 x 128/128 at 256-1,024 sequences).
-FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (256, 128), (512, 192), (1024, 192)]
+FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (256, 128), (512, 192), (1024, 192), (512, 256), (512, 384),
+                     (512, 512), (512, 1024)]
 FP8_KV_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st)
                        for n, w, st in [(64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 4, 3),
                                         (128, 4, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2)]]
