@@ -44,9 +44,6 @@ _VARS = [
     EnvVar("PAGODA_SYMM_MEM", bool, True, "0: NCCL for every all-reduce (no symmetric-memory one-shot kernel)"),
     EnvVar("PAGODA_PDL", bool, True,
            "0: no programmatic dependent launch of the Triton kernels on Hopper (each kernel waits for the last)"),
-    EnvVar("PAGODA_SHORT_DECODE_GRAPHS", bool, True,
-           "0: no second set of decode CUDA graphs over short contexts' block tables (less start-up and graph "
-           "memory; steps of short contexts then replay the full-width graphs and their tiles)"),
     EnvVar("PAGODA_KERNELS", str, "",
            "`ref`: the torch reference of every kernel, also on a GPU, and no CUDA graphs (debugging)"),
     EnvVar("PAGODA_GRAMMAR_THREADS", int, 0,

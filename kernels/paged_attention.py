@@ -45,7 +45,6 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # decode: programs per SM the split count aims at
-SHORT_CONTEXT_TOKENS = 256  # decode over an e4m3 cache: tables this narrow take 64-key tiles (decode_config)
 
 
 @triton.jit
@@ -412,7 +411,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: torch.device,
-                  kv_fp8: bool = False, windowed: bool = False, max_context: int | None = None) -> dict:
+                  kv_fp8: bool = False, windowed: bool = False) -> dict:
     """Tile sizes and launch options of the decode kernel (BLOCK_N keys per tile).
 
     With at most PROGRAMS_PER_SM programs per SM (few sequences, split contexts) each program must keep more of
@@ -431,18 +430,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, num_programs: int, device: 
     tiles instead: at 64 keys and 3 stages the e4m3 -> bf16 conversions and the window's bounds spilled a register
     on sm_90 (ptxas keeps 128 registers for 4 programs an SM); 32 keys fit in 127 without a spill
     (tests/kernels/compile_sm90.py).
-    max_context: the longest context the block table can hold (its width times the block size). At most
-    SHORT_CONTEXT_TOKENS, an e4m3 cache keeps 64-key tiles with many programs too: over 192 keys, batch 512 and
-    1,024 took 96.5 / 187.5 us with them against 116.4 / 229.1 with 128 (`h200-kernels-tune-fp8-kv-short.json`);
-    at 2k keys 128 stay faster (385 against 438 us at batch 256). A decode CUDA graph is captured per table width
-    (workers/cuda_graphs.py), so steps whose contexts are all short replay a graph with these tiles.
     """
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2, fused_merge=True, f16_dots=False)  # IEEE fp32 dots
     block_n = 64 if head_dim <= 128 else 32
     few = num_programs <= PROGRAMS_PER_SM * num_sms(device)
-    short = max_context is not None and max_context <= SHORT_CONTEXT_TOKENS and not windowed
-    if kv_fp8 and not few and not short:
+    if kv_fp8 and not few:
         block_n = 32 if windowed else 128 if head_dim <= 128 else block_n
     deep = few and shared_memory_per_sm(device) >= 160 * 1024  # 5 stages of 64 x 128 K and V tiles: 72 KiB
     return dict(block_n=block_n, num_warps=4, num_stages=5 if deep else 3, fused_merge=True, f16_dots=kv_fp8)
@@ -525,15 +518,14 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     # Chosen here, splits also shrink in the kernel for sequences shorter than the table (MIN_SPLIT_TOKENS each);
     # a count given by the caller (tuning) is kept down to one tile per split.
     min_split_tokens = MIN_SPLIT_TOKENS if num_splits is None else 1
-    max_context = block_tables.shape[1] * block_size
     if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(num_seqs, num_kv_heads, min(max_context, sliding_window or max_context),
                                        q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = decode_config(head_dim, q.dtype, num_seqs * num_kv_heads * num_splits, q.device,
-                        kv_fp8=k_cache.dtype == FP8_DTYPE, windowed=sliding_window is not None,
-                        max_context=max_context) | (config or {})
+                        kv_fp8=k_cache.dtype == FP8_DTYPE, windowed=sliding_window is not None) | (config or {})
     fused = num_splits > 1 and bool(cfg["fused_merge"] if fused_merge is None else fused_merge)
     queries_per_kv = num_heads // num_kv_heads
     part_out = part_lse = counters = out  # placeholders, unused with one split

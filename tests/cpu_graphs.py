@@ -18,8 +18,7 @@ class EagerGraph:
 
 
 class CpuGraphRunner(CudaGraphRunner):
-    def _capture(self, num_tokens, num_seqs, max_query_len, cols=None):
-        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len,
-                                               cols or self.buffers.max_blocks_per_seq)
+    def _capture(self, num_tokens, num_seqs, max_query_len):
+        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
         graph = EagerGraph(lambda: self.model(ids, pos, self.kv_caches, meta))
         return graph, graph.output

@@ -2,11 +2,8 @@
 launching ~10 kernels per layer from Python. Prefill and mixed steps stay eager.
 
 Each graph reads the persistent device input tensors of `InputBuffers` (their first rows) and writes a static
-hidden-state output. A graph's block-table view has a fixed width, so the attention launch shape is fixed at
-capture time: the full width (max_model_len / block_size columns), and for the batch sizes whose decode kernel
-would launch differently over a narrower table (`short_batches`: an e4m3 cache's 64-key tiles, see
-kernels/paged_attention.py decode_config), a second graph over `short_cols` columns, replayed when every
-sequence of the step fits them.
+hidden-state output. The block-table view always has the full width (max_model_len / block_size columns), so the
+attention launch shape is fixed at capture time.
 
     decode graph B      B sequences, B tokens; a batch of n <= B replays it with rows n..B padded (no KV write, a
                         one-token context): the decode attention kernel
@@ -22,7 +19,6 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -50,24 +46,18 @@ def verify_buckets(buckets: list[int], spec_tokens: int, max_tokens: int, max_co
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches, buffers: InputBuffers, max_num_seqs: int,
-                 spec_tokens: int = 0, short_cols: int = 0,
-                 short_batches: Callable[[list[int]], list[int]] | None = None):
-        """short_cols, short_batches: a narrower block table (short contexts) and which of the decode buckets get a
-        graph over it too (a function of the buckets; None or short_cols 0: none)."""
+                 spec_tokens: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.buckets = batch_buckets(max_num_seqs)
-        self.short_cols = short_cols if 0 < short_cols < buffers.max_blocks_per_seq else 0
-        self.short_buckets = set(short_batches(self.buckets)) if self.short_cols and short_batches else set()
         self.spec_tokens = spec_tokens  # k: a verify step scores up to 1 + k tokens a sequence
         max_tokens = buffers.dev["input_ids"].shape[0]
         self.verify_buckets = verify_buckets(self.buckets, spec_tokens, max_tokens,
                                              buffers.max_blocks_per_seq * buffers.block_size)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, columns)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_replays = 0  # decode steps run by a graph (tests and benchmarks read all three)
-        self.num_short_replays = 0  # ... of them, over the short table
+        self.num_replays = 0  # decode steps run by a graph (tests and benchmarks read both)
         self.num_verify_replays = 0  # verify steps run by a graph
         self.pool = None
 
@@ -95,18 +85,16 @@ class CudaGraphRunner:
             self.buffers.copy_to_device(num_tokens, batch + 1, cols)
             self.verify_graphs[batch] = self._capture(num_tokens, batch + 1, self.spec_tokens + 1)
         for batch in reversed(self.buckets):
-            for width in (cols, self.short_cols) if batch in self.short_buckets else (cols,):
-                self.buffers.pad_decode(0, batch)
-                self.buffers.copy_to_device(batch, batch, width)
-                self.graphs[batch, width] = self._capture(batch, batch, 1, width)
-        logger.info("captured %d decode CUDA graphs (batch 1..%d; %d over %d-column tables) and %d verify graphs "
-                    "(%d tokens a sequence) in %.1f s", len(self.graphs), self.max_batch, len(self.short_buckets),
-                    self.short_cols, len(self.verify_graphs), self.spec_tokens + 1, time.perf_counter() - start)
+            self.buffers.pad_decode(0, batch)
+            self.buffers.copy_to_device(batch, batch, cols)
+            self.graphs[batch] = self._capture(batch, batch, 1)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) and %d verify graphs (%d tokens a sequence) in "
+                    "%.1f s", len(self.graphs), self.max_batch, len(self.verify_graphs), self.spec_tokens + 1,
+                    time.perf_counter() - start)
 
-    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int, cols: int | None = None,
+    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int,
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len,
-                                               cols or self.buffers.max_blocks_per_seq)
+        ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self.model(ids, pos, self.kv_caches, meta)
         torch.cuda.synchronize()
@@ -120,21 +108,17 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         return graph, hidden
 
-    def replay(self, num_seqs: int, feed=None, num_block_cols: int | None = None) -> torch.Tensor:
+    def replay(self, num_seqs: int, feed=None) -> torch.Tensor:
         """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows; `feed` then
-        writes device-resident input tokens (overlapped steps) before the replay. num_block_cols: the step's widest
-        block table (None: unknown), which picks the short-table graph when it fits."""
+        writes device-resident input tokens (overlapped steps) before the replay."""
         padded = self.padded_size(num_seqs)
-        short = (padded in self.short_buckets and num_block_cols is not None and num_block_cols <= self.short_cols)
-        cols = self.short_cols if short else self.buffers.max_blocks_per_seq
         self.buffers.pad_decode(num_seqs, padded)
-        self.buffers.copy_to_device(padded, padded, cols)
+        self.buffers.copy_to_device(padded, padded, self.buffers.max_blocks_per_seq)
         if feed is not None:
             feed()
-        graph, hidden = self.graphs[padded, cols]
+        graph, hidden = self.graphs[padded]
         graph.replay()
         self.num_replays += 1
-        self.num_short_replays += short
         return hidden[:num_seqs]
 
     def replay_verify(self, num_seqs: int, num_tokens: int, feed=None) -> torch.Tensor:

@@ -17,21 +17,17 @@ Requests with `prompt_logprobs` also get logits for their prompt positions (work
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
-from engine import envs
 from engine.config import SchedulerConfig
 from engine.outputs import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from kernels.paged_attention import SHORT_CONTEXT_TOKENS
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import HostKVPool, KVCaches, KVMoveError, copy_blocks
-from workers.layers.attention import short_table_batches
 from workers.lora import LoRAManager
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
@@ -97,11 +93,8 @@ class ModelRunner:
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
             # spec_tokens (num_speculative_tokens, 0: no speculation): verify graphs of 1 + k tokens a sequence too
-            short = partial(short_table_batches, model, kv_caches[0][0].dtype, max_context=max_blocks * block_size,
-                            device=device)  # the decode buckets worth a graph over short contexts' tables too
-            short_cols = SHORT_CONTEXT_TOKENS // block_size if envs.get("PAGODA_SHORT_DECODE_GRAPHS") else 0
             self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs,
-                                          spec_tokens, short_cols, short)
+                                          spec_tokens)
             self.graphs.capture()
 
     # ---- persistent batch ----------------------------------------------------------------------------------------
@@ -299,7 +292,7 @@ class ModelRunner:
         feed = self._feed(feed_positions, feed_rows)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
-            return self.graphs.replay(len(states), feed, num_block_cols), sample_rows
+            return self.graphs.replay(len(states), feed), sample_rows
         if drafts and self.graphs is not None and self.graphs.can_verify(len(states), max_query_len) \
                 and len(sample_rows) == len(states) \
                 and all(count == 1 + len(drafts.get(s.req_id, ())) for s, count in zip(states, counts)):

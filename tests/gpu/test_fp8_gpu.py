@@ -32,30 +32,6 @@ def test_gpu_fp8_float32_matches_the_oracle(tiny_checkpoints, enforce_eager):
     llm.shutdown()
 
 
-def test_gpu_fp8_kv_short_context_graphs_match_eager(tiny_checkpoints):
-    """160 sequences (320 KV-head programs: more than two an SM) whose contexts grow past SHORT_CONTEXT_TOKENS: their
-    decode steps replay the short-table graphs (64-key tiles over the e4m3 pool) and then the full ones; greedy
-    tokens equal enforce_eager's, which launches the same tiles over each step's own table width."""
-    from kernels.paged_attention import SHORT_CONTEXT_TOKENS
-
-    model_dir = tiny_checkpoints["llama"]
-    gen = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(5, 200, (int(n),), generator=gen).tolist()}
-               for n in torch.randint(8, 200, (160,), generator=gen)]
-    params = SamplingParams(temperature=0.0, max_tokens=SHORT_CONTEXT_TOKENS, ignore_eos=True)
-    outputs = {}
-    for eager in (True, False):
-        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8", enforce_eager=eager,
-                  max_num_seqs=160, max_model_len=1024)
-        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        graphs = llm.engine.executor.worker.runner.graphs
-        if not eager:
-            assert 160 in graphs.short_buckets and 0 < graphs.num_short_replays < graphs.num_replays
-        llm.engine.check_integrity()
-        llm.shutdown()
-    assert outputs[True] == outputs[False]
-
-
 def token_logprobs(llm, sequences, prompt_lens):
     """Teacher-forced: each generated token's logprob under `llm`, position by position."""
     outs = llm.generate([{"prompt_token_ids": ids} for ids in sequences],

@@ -29,7 +29,6 @@ from kernels.fp8 import (
 from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kernels.linear_fp8 import MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import (
-    SHORT_CONTEXT_TOKENS,
     decode_config,
     paged_attention_decode_ref,
     paged_attention_decode_triton,
@@ -378,11 +377,6 @@ def test_fp8_decode_config_takes_float16_dots_and_wide_tiles_where_measured_fast
     assert config(64 * 8, kv_fp8=True, windowed=True)["block_n"] == 32  # no register spill on sm_90
     assert config(8 * 8 * 4, kv_fp8=True)["block_n"] == 64  # few programs: deep pipelines of 64-key tiles
     assert not config(64 * 8)["f16_dots"] and config(64 * 8)["block_n"] == 64  # a bf16 pool: as before
-    # A table no wider than SHORT_CONTEXT_TOKENS (a decode graph of short contexts): 64-key tiles, many programs too
-    assert config(512 * 8, kv_fp8=True, max_context=SHORT_CONTEXT_TOKENS)["block_n"] == 64
-    assert config(512 * 8, kv_fp8=True, max_context=SHORT_CONTEXT_TOKENS + 16)["block_n"] == 128
-    assert config(512 * 8, kv_fp8=True, max_context=128, windowed=True)["block_n"] == 32
-    assert config(512 * 8, max_context=128) == config(512 * 8)  # a bf16 pool: the width changes nothing
 
 
 def test_fp8_prefill_matches_ref(device, poisoned_allocations):
@@ -461,16 +455,6 @@ def test_gpu_fp8_kv_write_and_attention(cuda):
     k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 8, 128, 16, cuda, seed=4)
     assert decode_config(128, torch.bfloat16, 80 * 8, cuda, kv_fp8=True)["block_n"] == 128
     q = torch.randn(80, 32, 128, device=cuda, dtype=torch.bfloat16)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=cuda)
-    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
-    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    # the same many programs over a short table (64-key tiles), contexts ending mid-tile
-    seq_lens = torch.randint(1, SHORT_CONTEXT_TOKENS + 1, (80,), generator=torch.Generator().manual_seed(6)).tolist()
-    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 8, 128, 16, cuda, seed=5)
-    tables = tables[:, :SHORT_CONTEXT_TOKENS // 16].contiguous()
-    assert decode_config(128, torch.bfloat16, 80 * 8, cuda, kv_fp8=True,
-                         max_context=tables.shape[1] * 16)["block_n"] == 64
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=cuda)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)
     out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.088, k_scale=k_scale, v_scale=v_scale)

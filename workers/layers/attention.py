@@ -19,15 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels._triton import FLOAT_DTYPES
 from kernels.fp8 import FP8_DTYPE
-from kernels.paged_attention import (
-    SHORT_CONTEXT_TOKENS,
-    decode_config,
-    decode_num_splits,
-    paged_attention_decode,
-    paged_attention_prefill,
-)
+from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
 @dataclass
@@ -85,24 +78,3 @@ class Attention(KVScaledAttention):
                                           meta.seq_lens, self.scale, meta.max_query_len, self.sliding_window,
                                           k_scale, v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-
-
-def short_table_batches(model: nn.Module, kv_dtype: torch.dtype, batches: list[int], max_context: int,
-                        device: torch.device) -> list[int]:
-    """Of the decode batch sizes `batches`, those whose decode attention launches other tiles over a block table of
-    SHORT_CONTEXT_TOKENS keys than over one of max_context (kernels/paged_attention.py decode_config): they are
-    worth a CUDA graph of their own for steps of short contexts. Models without per-head `Attention` layers (MLA),
-    and sliding windows, have none."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if not layers or any(m.sliding_window is not None for m in layers) or max_context <= SHORT_CONTEXT_TOKENS:
-        return []
-    head_dim, num_kv_heads = layers[0].head_dim, layers[0].num_kv_heads
-    dtype = next(p.dtype for p in model.parameters() if p.dtype in FLOAT_DTYPES)  # the activations' (norms)
-    kv_fp8 = kv_dtype == FP8_DTYPE
-
-    def config(batch: int, context: int) -> dict:
-        splits = decode_num_splits(batch, num_kv_heads, context, device)
-        return decode_config(head_dim, dtype, batch * num_kv_heads * splits, device, kv_fp8=kv_fp8,
-                             max_context=context)
-
-    return [b for b in batches if config(b, SHORT_CONTEXT_TOKENS) != config(b, max_context)]
