@@ -201,8 +201,7 @@ def bench_fp8(runner, cfg: dict):
 
 # FP8 KV decode: tile configs, each with bfloat16 and float16 dots (decode_config's "f16_dots")
 # The short contexts are a 128-in / 128-out workload's decode batches (4,096 x 128/128 at 256-1,024 sequences).
-FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (256, 128), (512, 192), (1024, 192), (512, 256), (512, 384),
-                     (512, 512), (512, 1024)]
+FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (512, 192), (512, 1024), (512, 3072), (256, 4096)]
 FP8_KV_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st)
                        for n, w, st in [(64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 4, 3),
                                         (128, 4, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2)]]
@@ -229,11 +228,17 @@ def bench_tune_fp8_kv_decode(runner, cfg: dict):
                                                      v_scale=kv_scale)
 
             impls = {"default": decode, "bf16 pool default": lambda: paged_attention_decode_triton(
-                q, *next(bf16_turn), lens, scale)}
+                q, *next(bf16_turn), lens, scale),
+                     "heads first": lambda: decode({"heads_first": True}),
+                     "bf16 pool heads first": lambda: paged_attention_decode_triton(
+                         q, *next(bf16_turn), lens, scale, config={"heads_first": True})}
             for c in FP8_KV_TUNE_CONFIGS:
                 for f16 in (False, True) if ctx > 256 else (True,):  # short contexts: the default's f16 dots only
                     name = "n{block_n} w{num_warps} st{num_stages}".format(**c) + (" f16" if f16 else " bf16")
                     impls[name] = lambda c=c, f16=f16: decode({**c, "f16_dots": f16})
+                    if f16 and c["num_warps"] == 4 and c["block_n"] >= 64:
+                        impls[name + " heads first"] = lambda c=c: decode({**c, "f16_dots": True,
+                                                                           "heads_first": True})
             return impls, dict(bytes=kv_bytes // 2), None
 
         runner.case("tune fp8 kv decode", f"batch {batch} ctx {ctx}", build)
