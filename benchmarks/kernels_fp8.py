@@ -228,17 +228,11 @@ def bench_tune_fp8_kv_decode(runner, cfg: dict):
                                                      v_scale=kv_scale)
 
             impls = {"default": decode, "bf16 pool default": lambda: paged_attention_decode_triton(
-                q, *next(bf16_turn), lens, scale),
-                     "heads first": lambda: decode({"heads_first": True}),
-                     "bf16 pool heads first": lambda: paged_attention_decode_triton(
-                         q, *next(bf16_turn), lens, scale, config={"heads_first": True})}
+                q, *next(bf16_turn), lens, scale)}
             for c in FP8_KV_TUNE_CONFIGS:
                 for f16 in (False, True) if ctx > 256 else (True,):  # short contexts: the default's f16 dots only
                     name = "n{block_n} w{num_warps} st{num_stages}".format(**c) + (" f16" if f16 else " bf16")
                     impls[name] = lambda c=c, f16=f16: decode({**c, "f16_dots": f16})
-                    if f16 and c["num_warps"] == 4 and c["block_n"] >= 64:
-                        impls[name + " heads first"] = lambda c=c: decode({**c, "f16_dots": True,
-                                                                           "heads_first": True})
             return impls, dict(bytes=kv_bytes // 2), None
 
         runner.case("tune fp8 kv decode", f"batch {batch} ctx {ctx}", build)

@@ -156,15 +156,11 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    PDL: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_prior(PDL)
-    if HEADS_FIRST:  # grid (kv_heads, seqs, splits): a sequence's KV heads run side by side (tokens' rows at once)
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     if KV_FP8:  # e4m3 K/V: k_scale folds into the score scale, v_scale multiplies the output (per KV head)
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     split = tl.program_id(2)
@@ -538,9 +534,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     if fused:
         counters = _merge_counters(q.device, num_seqs * num_kv_heads)
-    heads_first = bool(cfg.get("heads_first", False))
-    grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
-    _decode_kernel[grid](
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
         scale * LOG2E, num_heads, k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -552,7 +546,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
         F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg["f16_dots"]),  # a config override: e4m3 caches only
-        **pdl_options(q.device), HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -157,19 +157,6 @@ def test_decode_padding_rows_give_zeros(num_splits, fused_merge, device, poisone
     assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
 
 
-@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (3, False), (3, True)])
-def test_decode_heads_first_grid_matches_ref(num_splits, fused_merge, device, poisoned_allocations):
-    """config heads_first: the grid runs a sequence's KV heads side by side (kv_heads, seqs, splits); same output."""
-    seq_lens = [0, 1, 17, 130, 300]
-    k_cache, v_cache, tables, _, _ = make_paged_kv(seq_lens, 2, 32, 16, torch.float16, device)
-    q = make_queries(len(seq_lens), 8, 32, torch.float16, device)
-    lens = int32(seq_lens, device)
-    out = paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, 0.17, num_splits=num_splits,
-                                        fused_merge=fused_merge, config={"heads_first": True})
-    assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.17), torch.float16)
-    assert_merge_counters_zeroed()
-
-
 def assert_merge_counters_zeroed():
     for counters in pa._MERGE_COUNTERS.values():
         assert not counters.any(), "the fused merge left an arrival counter set"
