@@ -133,6 +133,29 @@ def engine_runs(args) -> list[dict]:
     return [lora | spec for lora in lora_runs(args) for spec in spec_runs]
 
 
+def add_speculation_bounds(rows: list[dict]) -> None:
+    """For each case that has a plain row, a `forced` row and a proposer's row (ngram, draft_model), adds to the
+    proposer's row: `speedup` (plain ms a token over its ms a token), `verify_step_cost` (a forced step of k drafts
+    in plain steps), `speedup_bound` (the speed-up the verify step's cost allows at the row's tokens a step:
+    tokens_per_step / verify_step_cost, the proposer's own time left out) and `of_bound` (speedup / speedup_bound:
+    what the proposal, the bookkeeping and the speculative steps' lost overlap leave of it)."""
+    def case(row):
+        return row["lora"], row["batch"], row["prompt_len"], row.get("structured")
+
+    plain = {case(r): r for r in rows if not r["speculative"]}
+    forced = {case(r): r for r in rows if r.get("drafts") == "forced"}
+    for row in rows:
+        key = case(row)
+        if row.get("drafts") in (None, "forced") or key not in plain or key not in forced:
+            continue
+        base, verify = plain[key], forced[key]
+        speedup = base["decode_ms_per_token"] / row["decode_ms_per_token"]
+        cost = verify["ms_per_step"] / base["ms_per_step"]
+        bound = row["tokens_per_step"] / cost
+        row.update(speedup=round(speedup, 3), verify_step_cost=round(cost, 3), speedup_bound=round(bound, 3),
+                   of_bound=round(speedup / bound, 3))
+
+
 def fitting_prompt_len(prompt_len: int, batch: int, max_model_len: int, decode_steps: int,
                        max_num_batched_tokens: int) -> int:
     """`prompt_len`, or the longest prompt that leaves room in the context for what each request generates while
@@ -160,9 +183,11 @@ def main(args: argparse.Namespace) -> dict:
         run, run_rows = run_engine(args, model_dir, load_format, overrides)
         runs.append(run)
         rows.extend(run_rows)
+    add_speculation_bounds(rows)
     print_table(rows, ["lora", "drafts", "batch", "prompt_len", "structured", "decode_ms_per_token", "ms_per_step",
                        "tokens_per_step", "draft_tokens_per_step", "acceptance", "graph_steps", "tokens_per_s",
-                       "prefill_s", "min_running", "preemptions", "mask_ms_per_step"])
+                       "prefill_s", "min_running", "preemptions", "mask_ms_per_step", "speedup", "speedup_bound",
+                       "of_bound"])
     result = {"benchmark": "latency", "device": device_name(),
               "model": args.preset or args.model or "smollm2-135m-instruct",
               "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config,
