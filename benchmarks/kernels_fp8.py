@@ -200,8 +200,10 @@ def bench_fp8(runner, cfg: dict):
 
 
 # FP8 KV decode: tile configs, each with bfloat16 and float16 dots (decode_config's "f16_dots")
-# The short contexts are a 128-in / 128-out workload's decode batches (4,096 x 128/128 at 256-1,024 sequences).
-FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (512, 192), (512, 1024), (512, 3072), (256, 4096)]
+# The short contexts are a 128-in / 128-out workload's decode batches (4,096 x 128/128 at 256-1,024 sequences); 256 to
+# 512 keys where 64-key tiles stop winning; 1k-4k keys a 2,048-in / 2,048-out workload's.
+FP8_KV_TUNE_CASES = [(8, 8192), (64, 2048), (256, 2048), (256, 128), (512, 192), (1024, 192), (512, 256), (512, 384),
+                     (512, 512), (512, 1024), (512, 3072), (256, 4096)]
 FP8_KV_TUNE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st)
                        for n, w, st in [(64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 4, 3),
                                         (128, 4, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2)]]
