@@ -194,6 +194,7 @@ class SpecDecoder:
         self.recent: deque[tuple[int, int]] = deque(maxlen=self.ACCEPTANCE_STEPS)  # (draft positions, accepted)
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
+        self.propose_total_s = 0.0  # the proposer's time over all steps (benchmarks take differences)
         self._steps_since_drafts = 0
 
     @property
@@ -220,6 +221,7 @@ class SpecDecoder:
 
     def record_propose(self, seconds: float) -> None:
         """A step's proposer time (a draft model's passes, the n-gram lookup): its average moves toward it."""
+        self.propose_total_s += seconds
         self.propose_s = seconds if self.propose_s is None else (
             self.PROPOSE_DECAY * self.propose_s + (1 - self.PROPOSE_DECAY) * seconds)
 

@@ -280,10 +280,27 @@ def _block_r(rank: int) -> int:
     return max(16, next_power_of_2(rank))
 
 
-def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
-                       config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning); order as
-    `lora_shrink`'s."""
+# A launch's plan (its checks passed, its grid, its scalar and constexpr arguments) for each signature of the
+# call: the shapes, strides, dtypes and devices of its tensors and the config override. A step calls these two
+# launchers twice for every adapted linear; checking and deriving all this on each call cost more host time than
+# the Triton launch itself. Token counts vary step by step, so the caches hold one plan per count seen (bounded by
+# max_num_batched_tokens and the model's few linear shapes).
+_SHRINK_PLANS: dict[tuple, tuple] = {}
+_EXPAND_PLANS: dict[tuple, tuple | None] = {}
+
+
+def _signature(*tensors: torch.Tensor | None) -> tuple:
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _config_key(config: dict | None) -> tuple | None:
+    return None if config is None else tuple(sorted(config.items()))
+
+
+def _shrink_plan(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, config: dict | None,
+                 order: torch.Tensor | None) -> tuple:
+    """(y's shape, whether y starts at zero, grid, the kernel's scalar arguments after y, its keyword arguments,
+    whether the tiles take the rows through `order`), or y's shape alone when there is nothing to launch."""
     _check_shrink(x, lora_a, slots)
     _check_order(order, x.shape[0])
     check_launchable(x, lora_a, slots, *(() if order is None else (order,)))
@@ -291,29 +308,44 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
         check_last_dim_contiguous(name, t)
     num_tokens, k = x.shape
     _, num_slices, rank, _ = lora_a.shape
+    y_shape = (num_slices, num_tokens, rank)
     if num_tokens == 0 or num_slices == 0:
-        return torch.zeros(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+        return (y_shape,)
     cfg = {**shrink_config(num_tokens, k, rank, num_slices, x.dtype, x.device), **(config or {})}
     split_k = cfg["SPLIT_K"]
-    alloc = torch.zeros if split_k > 1 else torch.empty  # split K: the splits add into y
-    y = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
     k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
     is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
-    _lora_shrink_kernel[grid](
-        x, lora_a, slots, order if is_sorted else slots, y, num_tokens, k, rank, k_blocks_per_split, x.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), y.stride(0), y.stride(1), NUM_SLICES=num_slices,
-        ATOMIC=split_k > 1, Y_ALIGNED=_is_aligned(y),
-        UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], SORTED=is_sorted, **pdl_options(x.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # y is a new contiguous tensor: its strides are (T * R, R), and the allocator aligns its start (16 bytes at least)
+    scalars = (num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+               lora_a.stride(2), num_tokens * rank, rank)
+    kwargs = dict(NUM_SLICES=num_slices, ATOMIC=split_k > 1, Y_ALIGNED=num_tokens * rank % 4 == 0 and rank % 4 == 0,
+                  UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], SORTED=is_sorted,
+                  **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y_shape, split_k > 1, grid, scalars, kwargs, is_sorted
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
+                       config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning); order as
+    `lora_shrink`'s. Its checks and launch parameters are worked out once per call signature (`_SHRINK_PLANS`)."""
+    key = (_signature(x, lora_a, slots, order), _config_key(config))
+    plan = _SHRINK_PLANS.get(key)
+    if plan is None:
+        plan = _SHRINK_PLANS[key] = _shrink_plan(x, lora_a, slots, config, order)
+    if len(plan) == 1:
+        return torch.zeros(plan[0], dtype=torch.float32, device=x.device)
+    y_shape, atomic, grid, scalars, kwargs, is_sorted = plan
+    y = (torch.zeros if atomic else torch.empty)(y_shape, dtype=torch.float32, device=x.device)  # split K: adds
+    _lora_shrink_kernel[grid](x, lora_a, slots, order if is_sorted else slots, y, *scalars, **kwargs)
     return y
 
 
-def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                       slice_starts: tuple[int, ...], config: dict | None = None,
-                       order: torch.Tensor | None = None) -> None:
-    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys; order as `lora_shrink`'s."""
+def _expand_plan(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                 slice_starts: tuple[int, ...], config: dict | None, order: torch.Tensor | None) -> tuple | None:
+    """(grid, the kernel's scalar arguments after `order`, its keyword arguments, whether the tiles take the rows
+    through `order`), or None when there is nothing to launch."""
     _check_expand(out, y, lora_b, slots, slice_starts)
     _check_order(order, out.shape[0])
     check_launchable(out, y, lora_b, slots, *(() if order is None else (order,)))
@@ -323,7 +355,7 @@ def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     if num_slices > 3:
         raise ValueError(f"the expand kernel takes 1 to 3 slices, got {num_slices}")
     if num_tokens == 0 or num_slices == 0:
-        return
+        return None
     n = out.shape[1]
     cfg = {**expand_config(num_tokens, rank, out.dtype), **(config or {})}
     block_n = cfg["BLOCK_N"]
@@ -333,15 +365,36 @@ def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     pad = (0,) * (3 - num_slices)
     grid = (sum(n_blocks), cdiv(num_tokens, cfg["BLOCK_M"]))
     if grid[0] == 0:
-        return
+        return None
     is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
-    _lora_expand_kernel[grid](
-        out, y, lora_b, slots, order if is_sorted else slots, num_tokens, rank, *first_blocks, *slice_starts, *pad,
-        *ends, *pad, out.stride(0), y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1),
-        HI_LO=out.dtype != torch.float32, Y_ALIGNED=_is_aligned(y),
-        UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), SORTED=is_sorted,
-        **pdl_options(out.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    scalars = (num_tokens, rank, *first_blocks, *slice_starts, *pad, *ends, *pad, out.stride(0), y.stride(0),
+               y.stride(1), lora_b.stride(0), lora_b.stride(1))
+    kwargs = dict(HI_LO=out.dtype != torch.float32, Y_ALIGNED=_is_aligned(y),
+                  UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), SORTED=is_sorted,
+                  **pdl_options(out.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return grid, scalars, kwargs, is_sorted
+
+
+def lora_expand_triton(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+                       slice_starts: tuple[int, ...], config: dict | None = None,
+                       order: torch.Tensor | None = None) -> None:
+    """Triton launcher of `lora_expand`; config overrides `expand_config`'s keys; order as `lora_shrink`'s. Its
+    checks and launch parameters are worked out once per call signature (`_EXPAND_PLANS`)."""
+    starts = tuple(slice_starts)
+    key = None  # slice starts that are not all ints (16.0 == 16 as a key) are checked (and refused) below, not cached
+    if all(type(s) is int for s in starts):
+        key = (_signature(out, y, lora_b, slots, order), y.data_ptr() % 16 == 0, starts, _config_key(config))
+    if key is not None and key in _EXPAND_PLANS:
+        plan = _EXPAND_PLANS[key]
+    else:
+        plan = _expand_plan(out, y, lora_b, slots, starts, config, order)
+        if key is not None:
+            _EXPAND_PLANS[key] = plan
+    if plan is None:
+        return
+    grid, scalars, kwargs, is_sorted = plan
+    _lora_expand_kernel[grid](out, y, lora_b, slots, order if is_sorted else slots, *scalars, **kwargs)
 
 
 def _slots_in_use(slots: torch.Tensor, num_slots: int) -> list[int]:

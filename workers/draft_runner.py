@@ -16,9 +16,12 @@ runner's request states on the same worker, so the driver's ask carries only req
 Drafts are greedy (argmax): a one-hot draft distribution, which the verification (workers/spec_verify.py) assumes.
 Sampled drafts with their probabilities are a later step.
 
-On a GPU (unless enforce_eager) the k - 1 decode passes replay the draft's own decode CUDA graphs (a
-`CudaGraphRunner` over its model, pool and input buffers, one graph per batch bucket, as the target's decode steps);
-catch-up passes (several tokens a sequence) run eagerly.
+On a GPU (unless enforce_eager) every pass of a step in flight replays the draft's own CUDA graphs (a
+`CudaGraphRunner` over its model, pool and input buffers, as the target's): the k - 1 decode passes its decode
+graphs, and the catch-up pass its verify graphs (at most k + 1 tokens a sequence: the accepted drafts and the
+target's token; workers/cuda_graphs.py). Only a longer catch-up (a new request's prompt, a request that went some
+steps without drafts) runs eagerly. The decode passes take their input tokens, the previous pass's argmax, on the
+device (as the target's overlapped steps do): the host waits once, for the drafts of the whole ask.
 
 A draft state is dropped, its blocks back on the free list, when the target runner no longer holds its request
 (finished, aborted, preempted: checked at each ask), when the pool has no room for it (that request gets no drafts
@@ -80,7 +83,8 @@ class DraftRunner:
                                     max_blocks, block_size, device)
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
-            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs)
+            self.graphs = CudaGraphRunner(model, kv_caches, self.buffers, scheduler_config.max_num_seqs,
+                                          spec_tokens=num_speculative_tokens)
             self.graphs.capture()
 
     @property
@@ -106,14 +110,21 @@ class DraftRunner:
                 if (seq := self._prepare(req_id, ask.num_tokens.get(req_id, -1), k)) is not None]
         if not seqs:
             return {}
-        drafts = {seq.req_id: [token] for seq, token in zip(seqs, self._catch_up(seqs))}
+        first = self._catch_up(seqs)
+        passes = []  # pass j: the argmax tokens [len(live)] on the device, of the sequences with more than j drafts
+        live, tokens = seqs, to_device(first, torch.long, self.device)
         for j in range(1, max(seq.num_drafts for seq in seqs)):
-            live = [seq for seq in seqs if seq.num_drafts > j]
-            # seq's draft j is the input at position n - 1 + j (n: its known tokens)
-            tokens = self._forward([seq.tokens + drafts[seq.req_id] for seq in live],
-                                   [len(seq.tokens) - 1 + j for seq in live], [1] * len(live),
-                                   [seq.state.block_ids for seq in live])
-            for seq, token in zip(live, tokens):
+            keep = [i for i, seq in enumerate(live) if seq.num_drafts > j]
+            if len(keep) < len(live):
+                tokens = tokens[to_device(np.asarray(keep), torch.long, self.device)]
+                live = [live[i] for i in keep]
+            # seq's draft j is the input at position n - 1 + j (n: its known tokens), fed on the device
+            tokens = self._forward([seq.tokens for seq in live], [len(seq.tokens) - 1 + j for seq in live],
+                                   [1] * len(live), [seq.state.block_ids for seq in live], feed=tokens)
+            passes.append((live, tokens))
+        drafts = {seq.req_id: [token] for seq, token in zip(seqs, first)}
+        for live, tokens in passes:  # the host's one wait
+            for seq, token in zip(live, tokens.tolist()):
                 drafts[seq.req_id].append(token)
         for seq in seqs:
             seq.state.num_computed_tokens = len(seq.tokens)  # the drafts' KV: written over next time
@@ -152,7 +163,7 @@ class DraftRunner:
             tokens = self._forward([seq.tokens for seq, _ in batch],
                                    [seq.state.num_computed_tokens for seq, _ in batch], [c for _, c in batch],
                                    [seq.state.block_ids for seq, _ in batch])
-            for (seq, count), token in zip(batch, tokens):
+            for (seq, count), token in zip(batch, tokens.tolist()):
                 seq.state.num_computed_tokens += count
                 if seq.state.num_computed_tokens == len(seq.tokens):
                     first[seq.req_id] = token
@@ -160,22 +171,32 @@ class DraftRunner:
         return [first[seq.req_id] for seq in seqs]
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], counts: list[int],
-                 block_ids: list[list[int]]) -> list[int]:
-        """One forward of the draft over the flat batch (a decode pass through its CUDA graphs where it has them);
-        the argmax token after each sequence's last input (rank 0's logits: the other ranks learn the tokens, their
-        next inputs, from its broadcast)."""
+                 block_ids: list[list[int]], feed: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of the draft over the flat batch (through its CUDA graphs where one fits); the argmax token
+        after each sequence's last input, on the device (rank 0's logits: the other ranks learn the tokens, their
+        next inputs, from its broadcast). feed: a decode pass's input tokens [B] already on the device (the host
+        buffers hold placeholders for them)."""
         num_tokens, num_block_cols = self.buffers.fill(token_lists, starts, counts, block_ids)
-        if max(counts) == 1 and self.graphs is not None and len(counts) <= self.graphs.max_batch:
-            hidden = self.graphs.replay(len(counts))  # [B, hidden]
+        num_seqs, max_query_len = len(counts), max(counts)
+
+        def write_feed():
+            if feed is not None:
+                self.buffers.dev["input_ids"][:num_seqs].copy_(feed)
+
+        if max_query_len == 1 and self.graphs is not None and num_seqs <= self.graphs.max_batch:
+            hidden = self.graphs.replay(num_seqs, write_feed)  # [B, hidden]
+        elif feed is None and self.graphs is not None and self.graphs.can_verify(num_seqs, max_query_len):
+            hidden = self.graphs.replay_verify(num_seqs, num_tokens)  # [T, hidden]: a catch-up of <= k + 1 tokens
         else:
-            self.buffers.copy_to_device(num_tokens, len(counts), num_block_cols)
-            ids, positions, meta = self.buffers.metadata(num_tokens, len(counts), max(counts), num_block_cols)
+            self.buffers.copy_to_device(num_tokens, num_seqs, num_block_cols)
+            write_feed()
+            ids, positions, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, num_block_cols)
             hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, hidden]
-        last = to_device(np.cumsum(counts) - 1, torch.long, self.device)
-        logits = self.model.compute_logits(hidden[last])  # [B, V] on rank 0, None on the others
+        last = hidden[to_device(np.cumsum(counts) - 1, torch.long, self.device)] if max_query_len > 1 else hidden
+        logits = self.model.compute_logits(last)  # [B, V] on rank 0, None on the others
         tokens = (logits.argmax(dim=-1) if logits is not None
-                  else torch.zeros(len(counts), dtype=torch.long, device=self.device))
-        return parallel.broadcast_from_rank0(tokens).tolist()
+                  else torch.zeros(num_seqs, dtype=torch.long, device=self.device))
+        return parallel.broadcast_from_rank0(tokens)
 
     # ---- books ---------------------------------------------------------------------------------------------------
     def drop_stale(self) -> None:

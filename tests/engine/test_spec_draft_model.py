@@ -96,17 +96,18 @@ def test_tiny_with_another_tiny_draft_gives_the_plain_output(other_tiny, engine_
 
 @pytest.mark.parametrize("max_num_seqs", [4, 3], ids=["buckets-1-2-4", "buckets-1-2-3"])
 def test_the_drafts_decode_passes_through_its_graph_inputs(max_num_seqs):
-    """The draft's decode passes as its CUDA graphs run them (workers/draft_runner.py; the CPU stand-in of
-    tests/cpu_graphs.py replays each graph eagerly over the padded inputs it was captured with): with itself as
-    draft every draft is still accepted, so each graph-made draft is the target's own next token, and the output is
-    the plain engine's; batches that do not fill their bucket included."""
+    """The draft's passes as its CUDA graphs run them (workers/draft_runner.py; the CPU stand-in of
+    tests/cpu_graphs.py replays each graph eagerly over the padded inputs it was captured with): decode passes fed
+    their tokens on the device through its decode graphs, catch-ups of the accepted tokens through its verify
+    graphs. With itself as draft every draft is still accepted, so each graph-made draft is the target's own next
+    token, and the output is the plain engine's; batches that do not fill their bucket included."""
     from tests.cpu_graphs import CpuGraphRunner
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (37, 40, 23, 30)]
     plain, _ = _run(PROMPTS, params, max_num_seqs=max_num_seqs)
     llm = _llm(speculative_config=_draft(3), max_num_seqs=max_num_seqs)
     draft = llm.engine.executor.worker.draft
-    draft.graphs = CpuGraphRunner(draft.model, draft.kv_caches, draft.buffers, max_num_seqs)
+    draft.graphs = CpuGraphRunner(draft.model, draft.kv_caches, draft.buffers, max_num_seqs, spec_tokens=3)
     draft.graphs.capture()
     spec = llm.generate(PROMPTS, params, use_tqdm=False)
     _settle(llm)
@@ -114,6 +115,7 @@ def test_the_drafts_decode_passes_through_its_graph_inputs(max_num_seqs):
     llm.shutdown()
     _assert_same(plain, spec)
     assert draft.graphs.num_replays >= 10  # k - 1 = 2 decode passes a step, about 10 steps (4 tokens each)
+    assert draft.graphs.num_verify_replays >= 5  # every catch-up but the prompts' (4 tokens: the drafts and one more)
     assert stats.num_draft_tokens > 60 and stats.acceptance_rate == 1.0
 
 
@@ -172,11 +174,11 @@ def test_a_failing_draft_fails_no_request(monkeypatch):
 
     forward, calls = DraftRunner._forward, [0]
 
-    def failing(self, *args):
+    def failing(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] % 5 == 0:
             raise RuntimeError("draft forward failed")
-        return forward(self, *args)
+        return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(DraftRunner, "_forward", failing)
     params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)

@@ -35,6 +35,7 @@ def test_smollm2_drafting_for_itself_on_a_gpu(real_model_dir):
         assert draft.num_free_blocks == draft.num_blocks == llm.engine.executor.num_kv_blocks
         assert draft.num_blocks < plain_blocks  # the profile left room for the draft's pool
         assert draft.graphs is not None and draft.graphs.num_replays > 0  # its decode passes replayed its graphs
+        assert draft.graphs.num_verify_replays > 0  # and its catch-ups (the accepted tokens) its verify graphs
         stats = llm.engine.scheduler.spec_stats
         assert stats.acceptance_rate > 0.95, stats
         _assert_same(plain, spec, atol=1e-3)

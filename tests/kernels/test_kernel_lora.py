@@ -239,6 +239,33 @@ def test_order_must_cover_the_rows(device):
         lora_expand_triton(out, y, lora_b, slots, (0, 16), order=slots.float())
 
 
+def test_a_call_that_differs_from_a_planned_one_is_checked_again(device):
+    """The launchers keep each call signature's checked plan: a call that follows a good one with the same shapes
+    but a bad slots dtype, order, slice starts or dtype is still refused, and the good one still computes."""
+    x, lora_a, lora_b, y, out, slots = make_case(4, 24, (16, 8), 8, 2, torch.float32, [0, 1, -1, 1], device)
+    order = torch.argsort(slots).to(torch.int32)
+    expected = out.clone()
+    lora_expand_ref(expected, y, lora_b, slots, (0, 16))
+    for _ in range(2):  # the second time from the plans
+        torch.testing.assert_close(lora_shrink_triton(x, lora_a, slots, order=order), lora_shrink_ref(x, lora_a, slots),
+                                   atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="slots"):
+        lora_shrink_triton(x, lora_a, slots.float(), order=order)
+    with pytest.raises(ValueError, match="order"):
+        lora_shrink_triton(x, lora_a, slots, order=order[:3])
+    with pytest.raises(ValueError, match="lora_a"):
+        lora_shrink_triton(x, lora_a.double(), slots, order=order)
+    got = out.clone()
+    lora_expand_triton(got, y, lora_b, slots, (0, 16), order=order)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="slice_starts"):
+        lora_expand_triton(out, y, lora_b, slots, (16, 0), order=order)
+    with pytest.raises(ValueError, match="slice_starts"):
+        lora_expand_triton(out, y, lora_b, slots, [0, 16.0], order=order)
+    with pytest.raises(ValueError, match="order"):
+        lora_expand_triton(out, y, lora_b, slots, (0, 16), order=order.float())
+
+
 def test_decode_defaults_split_k_and_prefill_does_not():
     cpu = torch.device("cpu")
     assert shrink_config(1, 4096, 16, 3, torch.bfloat16, cpu)["SPLIT_K"] > 1
