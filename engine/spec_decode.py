@@ -77,7 +77,9 @@ class DraftModelProposer:
 
 @dataclass
 class NgramProposer:
-    """Prompt lookup, vectorized over the sequence: per n, one comparison of every window with the last n tokens."""
+    """Prompt lookup, vectorized over the sequence: the positions that hold the last token, narrowed one earlier
+    token at a time (up to max_n) to those whose run before them matches the sequence's end; the longest match
+    that is at least min_n tokens, its latest occurrence, gives the tokens after it."""
 
     num_speculative_tokens: int
     min_n: int
@@ -85,14 +87,49 @@ class NgramProposer:
 
     def propose(self, token_ids: np.ndarray) -> list[int]:
         length = len(token_ids)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # windows[i] = token_ids[i:i + n] for every start i that leaves a token after it (i + n <= length - 1)
-            windows = np.lib.stride_tricks.sliding_window_view(token_ids[:length - 1], n)
-            hits = np.flatnonzero((windows == token_ids[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the latest occurrence
-                return token_ids[start:start + self.num_speculative_tokens].tolist()
-        return []
+        longest = min(self.max_n, length - 1)
+        if longest < max(self.min_n, 1):
+            return []
+        ends = np.flatnonzero(token_ids[:length - 1] == token_ids[length - 1])  # matches of 1 token, ending there
+        best_n, best_end = (1, ends[-1]) if ends.size else (0, -1)
+        for j in range(1, longest):  # keep the ends whose match goes on to j + 1 tokens
+            ends = ends[ends >= j]
+            ends = ends[token_ids[ends - j] == token_ids[length - 1 - j]]
+            if not ends.size:
+                break
+            best_n, best_end = j + 1, ends[-1]
+        if best_n < self.min_n:
+            return []
+        return token_ids[best_end + 1:best_end + 1 + self.num_speculative_tokens].tolist()
+
+
+class TokenArrays:
+    """Each speculating request's token ids as a numpy array for the n-gram lookup, extended each step by the tokens
+    added since (converting the whole list every step would cost time in proportion to the context)."""
+
+    def __init__(self):
+        self.arrays: dict[str, tuple[Request, np.ndarray, int]] = {}  # req_id -> (request, buffer, tokens in it)
+
+    def get(self, req: Request) -> np.ndarray:
+        num_tokens, prompt = req.num_tokens, req.num_prompt_tokens
+        req_id = req.req_id
+        entry = self.arrays.get(req_id)
+        if entry is not None and entry[0] is req and entry[2] <= num_tokens:
+            _, buf, count = entry
+        else:  # new (or its output was cut: stop strings): from scratch
+            buf, count = np.empty(max(64, 2 * num_tokens), dtype=np.int64), 0
+        if num_tokens > len(buf):
+            buf = np.concatenate([buf[:count], np.empty(2 * num_tokens - count, dtype=np.int64)])
+        if count < prompt:
+            buf[count:prompt] = req.prompt_token_ids[count:]
+            count = prompt
+        buf[count:num_tokens] = req.output_token_ids[count - prompt:]
+        self.arrays[req_id] = (req, buf, num_tokens)
+        return buf[:num_tokens]
+
+    def keep_only(self, req_ids: set[str]) -> None:
+        for req_id in [r for r in self.arrays if r not in req_ids]:
+            del self.arrays[req_id]
 
 
 @dataclass
@@ -195,6 +232,7 @@ class SpecDecoder:
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self.propose_total_s = 0.0  # the proposer's time over all steps (benchmarks take differences)
+        self.token_arrays = TokenArrays()  # the n-gram lookup's view of each request's tokens
         self._steps_since_drafts = 0
 
     @property
@@ -267,7 +305,8 @@ class SpecDecoder:
         if isinstance(self.proposer, BatchProposer):
             drafts = self.proposer.propose_batch(asked, rooms)
         else:
-            drafts = [self.proposer.propose(np.asarray(r.all_token_ids, dtype=np.int64)) for r in asked]
+            drafts = [self.proposer.propose(self.token_arrays.get(r)) for r in asked]
+            self.token_arrays.keep_only({r.req_id for r in running})
         self.record_propose(time.perf_counter() - start)
         missed = 0
         for req, room, d in zip(asked, rooms, drafts):

@@ -92,6 +92,28 @@ def test_ngram_proposer_finds_the_latest_longest_match():
         assert got == _ngram_reference(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
 
 
+def test_token_arrays_follow_each_request():
+    """The n-gram lookup's arrays: a request's prompt and outputs, extended as it grows (past the buffer's first
+    size too), rebuilt when its output was cut or it is another request object, dropped when it stops running."""
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.spec_decode import TokenArrays
+
+    arrays = TokenArrays()
+    req = Request("a", list(range(40)), SamplingParams(), max_tokens=200)
+    assert arrays.get(req).tolist() == list(range(40))
+    for t in range(100):
+        req.output_token_ids.append(1000 + t)
+        if t % 7 == 0:
+            assert arrays.get(req).tolist() == req.all_token_ids
+    del req.output_token_ids[-5:]  # a stop string cut the output
+    assert arrays.get(req).tolist() == req.all_token_ids
+    other = Request("a", [5, 6, 7], SamplingParams(), max_tokens=8)  # the same id, another request (e.g. a test's reuse)
+    assert arrays.get(other).tolist() == [5, 6, 7]
+    arrays.keep_only({"b"})
+    assert not arrays.arrays
+
+
 # ---- the rejection sampler -------------------------------------------------------------------------------------------
 def test_rejection_sampler_keeps_the_target_distribution():
     """Row after row of one target and one pair of drafts: the first token follows p_0, and the second, where the
@@ -449,8 +471,8 @@ def _decoding_request(i: int):
 
     tokens = [1, 2, 3, 4] * 3
     return SimpleNamespace(req_id=str(i), grammar=None, num_pending_tokens=0, num_computed_tokens=len(tokens) - 1,
-                           num_tokens=len(tokens), max_tokens=100, num_output_tokens=0, all_token_ids=tokens,
-                           spec_token_ids=[])
+                           num_tokens=len(tokens), max_tokens=100, num_output_tokens=0, num_prompt_tokens=len(tokens),
+                           prompt_token_ids=tokens, output_token_ids=[], spec_token_ids=[])
 
 
 def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
