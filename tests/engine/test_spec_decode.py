@@ -108,7 +108,7 @@ def test_token_arrays_follow_each_request():
             assert arrays.get(req).tolist() == req.all_token_ids
     del req.output_token_ids[-5:]  # a stop string cut the output
     assert arrays.get(req).tolist() == req.all_token_ids
-    other = Request("a", [5, 6, 7], SamplingParams(), max_tokens=8)  # the same id, another request (e.g. a test's reuse)
+    other = Request("a", [5, 6, 7], SamplingParams(), max_tokens=8)  # the same id, another request
     assert arrays.get(other).tolist() == [5, 6, 7]
     arrays.keep_only({"b"})
     assert not arrays.arrays
