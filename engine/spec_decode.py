@@ -107,7 +107,7 @@ class TokenArrays:
     """Each speculating request's token ids as a numpy array for the n-gram lookup, extended each step by the tokens
     added since (converting the whole list every step would cost time in proportion to the context)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.arrays: dict[str, tuple[Request, np.ndarray, int]] = {}  # req_id -> (request, buffer, tokens in it)
 
     def get(self, req: Request) -> np.ndarray:
