@@ -13,6 +13,7 @@ import re
 import time
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
+    ("lora", r"_lora_"),
     ("fp8_linear", r"_fp8_linear"),
     ("fp8_quantize", r"quantize_per_token"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitKreduce"),
