@@ -1,22 +1,25 @@
-"""Rejection sampling of speculative drafts with a one-hot draft distribution (n-gram / prompt lookup), which keeps
-the target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023):
+"""Rejection sampling of speculative drafts, which keeps the target's distribution exactly (Leviathan et al. 2023;
+Chen et al. 2023):
 
-    row r, drafts x_0 .. x_{d-1}, target probabilities p_0 .. p_d (p_j: the distribution of the token after x_{j-1},
-    every sampling knob already applied)
-    for j < d:  accept x_j with probability p_j(x_j)         (q(x_j) = 1: min(1, p / q) = p)
-                on the first rejection: sample from p_j with x_j removed, renormalized, and stop
+    row r, drafts x_0 .. x_{d-1} drawn from draft distributions q_0 .. q_{d-1}, target probabilities p_0 .. p_d (p_j:
+    the distribution of the token after x_{j-1}, every sampling knob already applied)
+    for j < d:  accept x_j with probability min(1, p_j(x_j) / q_j(x_j))
+                on the first rejection: sample from max(p_j - q_j, 0), renormalized, and stop
     all d accepted: a bonus token from p_d
 
-A greedy row's p_j is one-hot at its argmax: a draft is accepted exactly when it equals the argmax, and the token
-after the run is the argmax itself. So one rule serves both.
+Without q (`draft_probs` None) each q_j is one-hot at x_j (n-gram drafts, a draft model's greedy ones): x_j is
+accepted with probability p_j(x_j), and the residual is p_j with x_j removed. A greedy row's p_j is one-hot at its
+argmax: a draft is accepted exactly when it equals the argmax, and the token after the run is the argmax itself,
+whatever q is. So one rule serves every row.
 
 The randomness of row r's position j comes from one 64-bit key, keys[r, j], through kernels/sampling.py's
 counter-based hash: the uniform that decides acceptance at counter ACCEPT_COUNTER (24 bits, the very uniform the
-Gumbel noise is made of), and the Gumbel noise of the draw (argmax of log q + g, the Gumbel-max trick) at counter t
+Gumbel noise is made of), and the Gumbel noise of the draw (argmax of log r + g, the Gumbel-max trick) at counter t
 for token t. A seeded request's keys depend only on its seed and positions, so its speculative output is
-reproducible. The kernel and the reference compute the same bits (the draw's logarithms up to rounding).
+reproducible. The kernel and the reference compute the same bits (the draw's logarithms up to rounding). (The draft
+sampled from q must use noise of its own: workers/draft_runner.py salts its keys.)
 
-    per row (one program)   the accept loop: K loads of one probability each
+    per row (one program)   the accept loop: K loads of one probability each (and of q)
                             the draw: one pass over the vocabulary at the first rejected position (or the bonus one)
 
 Outputs: tokens [R, K + 1] (the accepted drafts, then the token drawn; -1 past them) and num_accepted [R].
@@ -46,9 +49,10 @@ def _uniform(key_lo, key_hi, counter):
 
 
 @triton.jit
-def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_drafts_ptr, key_ptr, stride_key,
-                      out_ptr, stride_out, num_accepted_ptr, vocab, K: tl.constexpr, POSITIONS: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rejection_kernel(probs_ptr, stride_pr, stride_pk, q_ptr, stride_qr, stride_qk, draft_ptr, stride_d,
+                      num_drafts_ptr, key_ptr, stride_key, out_ptr, stride_out, num_accepted_ptr, vocab,
+                      K: tl.constexpr, POSITIONS: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     num_drafts = tl.load(num_drafts_ptr + row).to(tl.int32)
@@ -63,6 +67,8 @@ def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_
             key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
             key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
             u = tl.max(_uniform(key_lo, key_hi, accept_counter), 0)
+            if HAS_Q:  # u < p / q, q > 0 (the draft was drawn from it)
+                u = u * tl.load(q_ptr + row * stride_qr + j * stride_qk + draft)
             if u < p:
                 accepted += 1
             else:
@@ -71,22 +77,29 @@ def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_
     key = tl.load(key_ptr + row * stride_key + accepted)
     key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
     key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    removed = tl.load(draft_ptr + row * stride_d + accepted, mask=accepted < num_drafts, other=-1)
+    rejected = accepted < num_drafts
+    removed = tl.load(draft_ptr + row * stride_d + accepted, mask=rejected, other=-1)
     base = probs_ptr + row * stride_pr + accepted * stride_pk
+    q_base = q_ptr + row * stride_qr + accepted * stride_qk
+    q_cols = tl.where(rejected, vocab, 0)  # q's row past the drafts (all accepted) does not exist: no load
     cols = tl.arange(0, BLOCK)
-    best_q = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_s = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + cols
         p = tl.load(base + idx, mask=idx < vocab, other=0.0)
-        p = tl.where(idx == removed, 0.0, p)
+        if HAS_Q:  # the residual max(p - q, 0) at a rejected position
+            q = tl.load(q_base + idx, mask=idx < q_cols, other=0.0)
+            p = tl.maximum(p - q, 0.0)
+        else:
+            p = tl.where(idx == removed, 0.0, p)
         g = _gumbel(key_lo, key_hi, idx.to(tl.uint32))
-        q = tl.where((p > 0.0) & (idx < vocab), tl.log(tl.where(p > 0.0, p, 1.0)) + g, float("-inf"))
-        better = q > best_q  # strict: a lane keeps its first maximum
+        score = tl.where((p > 0.0) & (idx < vocab), tl.log(tl.where(p > 0.0, p, 1.0)) + g, float("-inf"))
+        better = score > best_s  # strict: a lane keeps its first maximum
         best_i = tl.where(better, idx, best_i)
-        best_q = tl.where(better, q, best_q)
-    top = tl.max(best_q, 0)
-    drawn = tl.min(tl.where(best_q == top, best_i, vocab), 0)
+        best_s = tl.where(better, score, best_s)
+    top = tl.max(best_s, 0)
+    drawn = tl.min(tl.where(best_s == top, best_i, vocab), 0)
     drawn = tl.where(top == float("-inf"), 0, drawn)  # nothing left to draw: as torch's argmax of all -inf
     positions = tl.arange(0, POSITIONS)
     drafts = tl.load(draft_ptr + row * stride_d + positions, mask=positions < accepted, other=0)
@@ -95,7 +108,7 @@ def _rejection_kernel(probs_ptr, stride_pr, stride_pk, draft_ptr, stride_d, num_
     tl.store(num_accepted_ptr + row, accepted.to(tl.int64))
 
 
-def _check_inputs(probs, draft_ids, num_drafts, keys) -> None:
+def _check_inputs(probs, draft_ids, num_drafts, keys, draft_probs=None) -> None:
     if probs.dim() != 3:
         raise ValueError(f"probs must be [rows, K + 1, vocab], got shape {tuple(probs.shape)}")
     rows, positions, _ = probs.shape
@@ -110,24 +123,37 @@ def _check_inputs(probs, draft_ids, num_drafts, keys) -> None:
     for name, t in (("draft_ids", draft_ids), ("num_drafts", num_drafts), ("keys", keys)):
         if t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {t.dtype}")
+    if draft_probs is not None and (draft_probs.shape != (rows, positions - 1, probs.shape[2])
+                                    or draft_probs.dtype != torch.float32):
+        raise ValueError(f"draft_probs must be float32 [rows={rows}, K={positions - 1}, vocab={probs.shape[2]}], "
+                         f"got {draft_probs.dtype} {tuple(draft_probs.shape)}")
 
 
 def rejection_sample_ref(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
-                         keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         keys: torch.Tensor, draft_probs: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [R, K + 1, V] float32 (row r's positions past num_drafts[r] + 1 are ignored), draft_ids [R, K] int64
-    (padding past num_drafts: any id), num_drafts [R] int64, keys [R, K + 1] int64.
+    (padding past num_drafts: any id), num_drafts [R] int64, keys [R, K + 1] int64, draft_probs: None (one-hot
+    drafts) or [R, K, V] float32, the distributions the drafts were drawn from (q_j(x_j) > 0).
     Returns (tokens [R, K + 1] int64, -1 past the accepted drafts and the drawn token; num_accepted [R] int64)."""
-    _check_inputs(probs, draft_ids, num_drafts, keys)
+    _check_inputs(probs, draft_ids, num_drafts, keys, draft_probs)
     rows, positions, vocab = probs.shape
     k = positions - 1
     is_draft = torch.arange(k, device=probs.device)[None, :] < num_drafts[:, None]  # [R, K]
     safe_ids = torch.where(is_draft, draft_ids, 0)
     p_draft = probs[:, :k].gather(-1, safe_ids[..., None]).squeeze(-1)  # [R, K]
-    accepted = (uniform_ref(keys[:, :k], ACCEPT_COUNTER) < p_draft) & is_draft
+    u = uniform_ref(keys[:, :k], ACCEPT_COUNTER)
+    if draft_probs is not None:  # u < p / q
+        u = u * draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1)
+    accepted = (u < p_draft) & is_draft
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [R]: the first rejection ends the run
-    # The draw at each position: from p with the draft removed (a rejection), or p itself (past the drafts).
+    # The draw at each position: from the residual max(p - q, 0) (a rejection), or p itself (past the drafts).
     residual = probs.clone()
-    residual[:, :k].scatter_(-1, safe_ids[..., None], torch.where(is_draft, 0.0, p_draft)[..., None])
+    if draft_probs is None:  # q one-hot: p with the draft removed
+        residual[:, :k].scatter_(-1, safe_ids[..., None], torch.where(is_draft, 0.0, p_draft)[..., None])
+    else:
+        residual[:, :k] = torch.where(is_draft[..., None], (probs[:, :k] - draft_probs).clamp(min=0.0),
+                                      probs[:, :k])
     token_ids = torch.arange(vocab, device=probs.device)[None, :]
     noise = gumbel_ref(keys.reshape(-1), token_ids).reshape(rows, positions, vocab)
     drawn = (residual.log() + noise).argmax(dim=-1)  # [R, K + 1]
@@ -155,27 +181,30 @@ def greedy_accept_ref(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_dra
 
 
 def rejection_sample_triton(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
-                            keys: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                            keys: torch.Tensor, draft_probs: torch.Tensor | None = None, block: int = BLOCK,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of `rejection_sample`: one program per row."""
-    _check_inputs(probs, draft_ids, num_drafts, keys)
-    check_launchable(probs, draft_ids, num_drafts, keys)
-    if probs.stride(2) != 1 or (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1:
-        raise ValueError("probs, draft_ids and keys must be contiguous in their last dimension")
+    _check_inputs(probs, draft_ids, num_drafts, keys, draft_probs)
+    check_launchable(probs, draft_ids, num_drafts, keys, *(() if draft_probs is None else (draft_probs,)))
+    if (probs.stride(2) != 1 or (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1
+            or (draft_probs is not None and draft_probs.stride(2) != 1)):
+        raise ValueError("probs, draft_probs, draft_ids and keys must be contiguous in their last dimension")
     rows, positions, vocab = probs.shape
     tokens = torch.empty(rows, positions, dtype=torch.int64, device=probs.device)
     num_accepted = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    q = probs if draft_probs is None else draft_probs  # (not read without HAS_Q)
     if rows:
-        _rejection_kernel[(rows,)](probs, probs.stride(0), probs.stride(1), draft_ids, draft_ids.stride(0),
-                                   num_drafts.contiguous(), keys, keys.stride(0), tokens, tokens.stride(0),
-                                   num_accepted, vocab, K=positions - 1, POSITIONS=next_power_of_2(positions),
-                                   BLOCK=min(block, next_power_of_2(vocab)),
-                                   **pdl_options(probs.device))
+        _rejection_kernel[(rows,)](probs, probs.stride(0), probs.stride(1), q, q.stride(0), q.stride(1), draft_ids,
+                                   draft_ids.stride(0), num_drafts.contiguous(), keys, keys.stride(0), tokens,
+                                   tokens.stride(0), num_accepted, vocab, K=positions - 1,
+                                   POSITIONS=next_power_of_2(positions), HAS_Q=draft_probs is not None,
+                                   BLOCK=min(block, next_power_of_2(vocab)), **pdl_options(probs.device))
     return tokens, num_accepted
 
 
 def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
-                     keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     keys: torch.Tensor, draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See `rejection_sample_ref`: the Triton kernel on a GPU, the reference elsewhere."""
     if use_triton(probs):
-        return rejection_sample_triton(probs, draft_ids, num_drafts, keys)
-    return rejection_sample_ref(probs, draft_ids, num_drafts, keys)
+        return rejection_sample_triton(probs, draft_ids, num_drafts, keys, draft_probs)
+    return rejection_sample_ref(probs, draft_ids, num_drafts, keys, draft_probs)

@@ -78,6 +78,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.is_driver = is_driver  # TP rank 0: samples and returns the output
+        # a draft model's (workers/draft_runner.py DraftRunner.probs, shared by the worker): the distributions of
+        # its last ask's sampled drafts, which their verification needs; None without a draft model
+        self.draft_probs: dict | None = None
         self.requests: dict[str, RequestState] = {}
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is still being computed
         self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
@@ -326,8 +329,10 @@ class ModelRunner:
         kept = [[-1] * width for _ in states]
         logprobs: list[list] = [[None]] * len(states)
         if self.is_driver:
-            rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62))
-                    for s, d in zip(states, drafts)]
+            rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62),
+                              self._draft_probs(s.req_id, d)) for s, d in zip(states, drafts)]
+            if self.draft_probs is not None:
+                self.draft_probs.clear()  # the last ask's: this step verified them
             tokens, logprobs = verify(logits, rows, sched.grammar_bitmask)
             kept = [t + [-1] * (width - len(t)) for t in tokens]
         from workers import parallel
@@ -346,6 +351,14 @@ class ModelRunner:
                 output.accepted_draft_logprobs[state.req_id] = lps[:-1]
         self.prev_rows = {}
         return VerifiedStep(output if self.is_driver else None)
+
+    def _draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """The distributions a draft model drew these drafts from in the last ask ([d, V]; the driver may have cut
+        them to a prefix), or None: one-hot drafts (greedy ones, n-gram ones, or drafts not from the last ask)."""
+        entry = self.draft_probs.get(req_id) if self.draft_probs is not None and drafts else None
+        if entry is None or entry[1] is None or entry[0][:len(drafts)] != drafts:
+            return None
+        return entry[1][:len(drafts)]
 
     def _append_verified(self, state: RequestState, drafts: list[int], new: list[int]) -> None:
         state.token_ids.extend(new)

@@ -43,11 +43,13 @@ _MAX_KEY = 1 << 62
 @dataclass
 class VerifyRow:
     """One sampling request of a speculative step: its state (workers/model_runner.py RequestState), its drafts
-    (possibly none) and its first position's noise key (None: drawn)."""
+    (possibly none), its first position's noise key (None: drawn) and the distributions its drafts were drawn from
+    ([d, V] float32: a draft model's sampled drafts; None: one-hot, drafts that are a function of the context)."""
 
     state: object
     drafts: list[int]
     seed_key: int | None
+    draft_probs: torch.Tensor | None = None
 
 
 def logit_indices(counts: list[int], sample_rows: list[int], num_drafts: list[int]) -> np.ndarray:
@@ -133,10 +135,27 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
             local = torch.as_tensor([[first[i] + min(j, len(rows[r].drafts)) for j in range(k + 1)]
                                      for i, r in enumerate(sub)], device=device)
             keys = _keys(rows, sub, k, generator).to(device)
-            tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys)
+            tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys,
+                                         _draft_probs([rows[r] for r in sub], k, raw.shape[-1], device))
         out[to_device(sub, torch.long, device)] = tokens
     token_rows = [[t for t in row if t >= 0] for row in out.tolist()]
     return token_rows, _position_logprobs(raw, rows, token_rows)
+
+
+def _draft_probs(rows: list[VerifyRow], k: int, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """[R, K, V] float32: each row's draft distributions (one-hot at its drafts where it has none; zeros past its
+    drafts), or None when no row has any (every row one-hot: the sampler's default)."""
+    if all(row.draft_probs is None for row in rows):
+        return None
+    q = torch.zeros(len(rows), k, vocab, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        d = len(row.drafts)
+        if row.draft_probs is not None:
+            assert row.draft_probs.shape == (d, vocab), f"draft probabilities {tuple(row.draft_probs.shape)} for {d}"
+            q[i, :d] = row.draft_probs
+        elif d:
+            q[i, torch.arange(d), torch.tensor(row.drafts)] = 1.0
+    return q
 
 
 def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:

@@ -195,6 +195,7 @@ class Worker:
             self.draft = DraftRunner(self.draft_model, caches, num_blocks, self.config.cache.block_size, self.device,
                                      self.config.scheduler, self.config.speculative.num_speculative_tokens,
                                      self.runner, self.use_cuda_graphs)
+            self.runner.draft_probs = self.draft.probs  # its sampled drafts' distributions, for the verify
         logger.info("rank %d: draft model %s, %d KV blocks of its own (%.2f GiB)", self.rank,
                     self.config.speculative.model, num_blocks, num_blocks * self.draft_block_bytes / 2**30)
 

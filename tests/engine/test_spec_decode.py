@@ -139,6 +139,33 @@ def test_rejection_sampler_keeps_the_target_distribution():
     assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
 
 
+def test_rejection_sampler_keeps_the_target_distribution_with_sampled_drafts():
+    """Drafts drawn from draft distributions q (a draft model's sampled drafts) and accepted with min(1, p / q), the
+    residual max(p - q, 0) drawn on a rejection: the first token follows p_0, and the second, where the first draft
+    was accepted, follows p_1 (chi-square)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, rows = 6, 40_000
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, dim=-1)
+    p[1, 4] = 0.0  # a token the target never gives: a draft of it is always rejected
+    p[1] /= p[1].sum()
+    q = torch.softmax(torch.randn(2, vocab, generator=gen), dim=-1)  # another model's distributions
+    probs = p[None].expand(rows, 3, vocab).contiguous()
+    draft_probs = q[None].expand(rows, 2, vocab).contiguous()
+    drafts = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(rows, 2)
+    keys = torch.randint(0, 1 << 62, (rows, 3), generator=gen)
+    tokens, num_accepted = rejection_sample_ref(probs, drafts, torch.full((rows,), 2), keys, draft_probs)
+    assert 0 < int((num_accepted > 0).sum()) < rows and int((num_accepted == 2).sum()) > 0
+    assert not bool(((tokens[:, 1] == 4) & (num_accepted >= 1)).any())
+    expected = p.double().numpy()
+    first = torch.bincount(tokens[:, 0], minlength=vocab).numpy()
+    assert stats.chisquare(first, expected[0] / expected[0].sum() * rows).pvalue > 1e-3
+    after = tokens[num_accepted >= 1, 1]
+    second = torch.bincount(after, minlength=vocab).numpy()
+    keep = expected[1] > 0
+    assert second[~keep].sum() == 0
+    assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
+
+
 def test_rejection_sampler_greedy_rows_take_the_argmax_run():
     one_hot = torch.nn.functional.one_hot(torch.tensor([[3, 1, 2], [3, 1, 2]]), 5).float()
     tokens, num_accepted = rejection_sample_ref(one_hot, torch.tensor([[3, 1], [3, 4]]), torch.tensor([2, 2]),

@@ -1,5 +1,6 @@
 """Speculative decoding with a draft model (#34, method "draft_model"): greedy output is the plain engine's, token for
-token, whatever the draft proposes. On the tiny model with a second tiny model (another seed, the same vocabulary:
+token, whatever the draft proposes; sampled output has the plain engine's distribution, its drafts drawn from the
+draft's own. On the tiny model with a second tiny model (another seed, the same vocabulary:
 its drafts are nearly all rejected) and with itself (every draft accepted: the draft's own KV catch-up after each
 step is right); on SmolLM2-135M with itself (acceptance exactly 1.0). Across batching, chunked prefill, prefix
 caching and preemption; a draft forward that raises fails no request; the draft's KV blocks all go back."""
@@ -256,10 +257,10 @@ def test_smollm2_with_itself_as_draft_accepts_every_draft(real_model_dir):
 
 
 def test_sampled_distributions_with_a_draft_model_are_the_plain_ones():
-    """The draft model's greedy drafts are a function of the context: a one-hot draft distribution, which the
-    rejection sampler assumes. 1500 seeded requests (temperature, top-k, logit_bias): each position's token
-    distribution is the plain engine's (chi-square; tokens seen fewer than 10 times pooled), some drafts accepted and
-    some rejected."""
+    """A sampled request's drafts are drawn from the draft's softmax at the request's temperature, q (its top-k and
+    logit_bias are the target's alone), and verified with min(1, p / q) and the residual max(p - q, 0). 1500 seeded
+    requests (temperature, top-k, logit_bias): each position's token distribution is the plain engine's (chi-square;
+    tokens seen fewer than 10 times pooled), some drafts accepted and some rejected."""
     import numpy as np
     from scipy import stats
 
@@ -281,6 +282,40 @@ def test_sampled_distributions_with_a_draft_model_are_the_plain_ones():
         table = np.concatenate([table[:, ~rare], table[:, rare].sum(axis=1, keepdims=True)], axis=1)
         table = table[:, table.sum(axis=0) > 0]
         assert table.shape[1] > 1 and stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
+
+
+def test_sampled_drafts_from_the_targets_own_distribution_are_accepted():
+    """The tiny model drafting for itself at temperature 1: drafts drawn from its own distribution q = p are all but
+    always accepted (min(1, p / q) = 1 up to the two paths' rounding), where greedy drafts would be accepted only
+    as often as p gives its argmax (far less, over a random model's flat distributions). A seeded request's drafts
+    follow its seed: two runs give the same tokens; the draft's q rows are used once and dropped."""
+    params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=s) for s in range(4)]
+    runs, stats = [], None
+    for _ in range(2):
+        llm = _llm(speculative_config=_draft(3))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        _settle(llm)
+        assert not llm.engine.executor.worker.draft.probs  # consumed by the last verify step
+        stats = llm.engine.scheduler.spec_stats
+        llm.shutdown()
+    assert runs[0] == runs[1]
+    assert stats.num_draft_tokens > 60 and stats.acceptance_rate > 0.9, stats
+    greedy_llm = _llm(speculative_config=_draft(3))
+    draft = greedy_llm.engine.executor.worker.draft
+    prepare = draft._prepare
+
+    def greedy_drafts(*args):  # greedy drafts for sampled requests (one-hot q: what the draft model did before)
+        seq = prepare(*args)
+        if seq is not None:
+            seq.inv_temperature = 0.0
+        return seq
+
+    draft._prepare = greedy_drafts
+    greedy_llm.generate(PROMPTS, params, use_tqdm=False)
+    greedy_stats = greedy_llm.engine.scheduler.spec_stats
+    greedy_llm.shutdown()
+    assert greedy_stats.num_draft_tokens > 60
+    assert greedy_stats.acceptance_rate < stats.acceptance_rate - 0.2, (greedy_stats, stats)
 
 
 def test_a_full_draft_pool_leaves_requests_without_drafts():

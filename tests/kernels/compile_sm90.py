@@ -525,6 +525,12 @@ def main() -> int:
                                                   torch.zeros(4, 4, dtype=torch.int64),
                                                   torch.zeros(4, dtype=torch.int64),
                                                   torch.zeros(4, 5, dtype=torch.int64))
+        CASE[0] = "rejection sample 128256, k 4, draft probabilities"
+        rejection_sampler.rejection_sample_triton(empty(4, 5, 128256, dtype=torch.float32),
+                                                  torch.zeros(4, 4, dtype=torch.int64),
+                                                  torch.zeros(4, dtype=torch.int64),
+                                                  torch.zeros(4, 5, dtype=torch.int64),
+                                                  empty(4, 4, 128256, dtype=torch.float32))
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

@@ -34,9 +34,37 @@ def test_triton_matches_ref(rows, k, vocab, block, device, poisoned_allocations)
     assert int(num_accepted[2]) == 0 or int(args[2][2]) == 0  # a draft of probability 0 is never accepted
 
 
+@pytest.mark.parametrize("rows,k,vocab,block", [(12, 4, 50, 16), (9, 2, 300, 64)])
+def test_triton_matches_ref_with_draft_probabilities(rows, k, vocab, block, device, poisoned_allocations):
+    """Drafts drawn from distributions q of their own (a draft model's sampled drafts): the kernel's acceptances and
+    residual draws are the reference's."""
+    probs, _, num_drafts, keys = _inputs(rows, k, vocab, device, seed=vocab + 1)
+    gen = torch.Generator().manual_seed(vocab)
+    q = torch.softmax(2 * torch.randn(rows, k, vocab, generator=gen), dim=-1)
+    q[::3] = 0.5 * q[::3] + 0.5 * probs[::3, :k].cpu()  # close to the target: long accepted runs
+    draft_ids = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(rows, k)
+    q, draft_ids = q.to(device), draft_ids.to(device)
+    tokens, num_accepted = rejection_sample_triton(probs, draft_ids, num_drafts, keys, q, block=block)
+    ref_tokens, ref_accepted = rejection_sample_ref(probs, draft_ids, num_drafts, keys, q)
+    assert torch.equal(num_accepted, ref_accepted)
+    assert torch.equal(tokens, ref_tokens)
+    assert int(num_accepted.max()) > 0 and int((num_accepted < num_drafts).sum()) > 0
+
+
+def test_one_hot_draft_probabilities_are_the_default(device):
+    """q one-hot at each draft, passed explicitly, gives exactly what no q gives: one rule for both."""
+    probs, draft_ids, num_drafts, keys = _inputs(12, 4, 50, device, seed=3)
+    one_hot = torch.nn.functional.one_hot(draft_ids, 50).float()
+    for sample in (rejection_sample_ref, rejection_sample_triton):
+        assert all(torch.equal(a, b) for a, b in zip(sample(probs, draft_ids, num_drafts, keys, one_hot),
+                                                     sample(probs, draft_ids, num_drafts, keys)))
+
+
 def test_bad_shapes_are_refused(device):
     probs, draft_ids, num_drafts, keys = _inputs(4, 2, 50, device)
     with pytest.raises(ValueError, match="draft_ids"):
         rejection_sample_triton(probs, draft_ids[:, :1], num_drafts, keys)
     with pytest.raises(ValueError, match="probs must be float32"):
         rejection_sample_triton(probs.double(), draft_ids, num_drafts, keys)
+    with pytest.raises(ValueError, match="draft_probs must be float32"):
+        rejection_sample_triton(probs, draft_ids, num_drafts, keys, probs)
