@@ -50,10 +50,10 @@ from workers import parallel
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches
+from workers.model_runner import _SEED_STRIDE  # a seeded request's noise key at a position
 
 logger = logging.getLogger(__name__)
 
-_SEED_STRIDE = 1_000_003  # workers/model_runner.py's: a seeded request's key at a position
 _NOISE_SALT = 0x1D8E4E27C47D124F  # the drafts' noise keys: apart from the target's at the same position
 _MAX_KEY = 1 << 62
 
@@ -118,8 +118,9 @@ class DraftRunner:
     # ---- one ask -------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ask: DraftAsk) -> dict[str, list[int]]:
-        """Up to ask.max_drafts[r] greedy drafts for each request r the target runner holds with ask.num_tokens[r]
-        tokens; none for the others, and none at all if a forward raises."""
+        """Up to ask.max_drafts[r] drafts for each request r the target runner holds with ask.num_tokens[r] tokens
+        (greedy or drawn from q, as the request samples); none for the others, and none at all if a forward
+        raises."""
         self.drop_stale()
         self.probs.clear()
         try:
