@@ -11,9 +11,11 @@ Two kinds of proposer plug in here. A `Proposer` sees one sequence's token ids o
 to prompt_lookup_min) and proposes the up to k tokens that followed it. A `BatchProposer` sees the step's speculating
 requests at once: the draft-model proposer asks the executor (`Executor.propose_drafts`), whose workers run a smaller
 model with the target's vocabulary (workers/draft_runner.py: it catches up on the tokens it has not seen, then k
-greedy steps). Both give one-hot draft distributions, which is what the verification assumes
-(kernels/rejection_sampler.py); a sampled draft with its probabilities, or an EAGLE head (a BatchProposer whose
-workers also read the target's hidden states), would return those probabilities too: neither is built.
+steps, greedy for a greedy request, drawn from its softmax at the request's temperature for a sampled one). The
+n-gram proposer's drafts are one-hot draft distributions; the draft model's sampled drafts come with theirs, which
+stay on the workers for the verification (kernels/rejection_sampler.py takes either). An EAGLE head would be a
+BatchProposer whose workers also read the target's hidden states and keep their draft distributions the same way:
+not built.
 
 A proposer that fails proposes nothing: the step runs without drafts, and no request fails for it.
 

@@ -5,7 +5,8 @@ request and keeps what the target agrees with (engine/spec_decode.py has the dri
     logits for   a's last, b's last, c's 4 positions
     c's position j is sampled as the plain sampler would sample the token after its j-th draft: every knob on the
     target's logits (allowed ids, logit_bias, min_tokens, penalties over prompt + outputs + drafts before j,
-    temperature, top-k, top-p, min-p), then kernels/rejection_sampler.py accepts or rejects the drafts
+    temperature, top-k, top-p, min-p), then kernels/rejection_sampler.py accepts or rejects the drafts (against
+    the distributions a draft model drew them from, `VerifyRow.draft_probs`; one-hot otherwise)
 
 The rows without drafts (a, b) are sampled by the plain sampler (workers/sampler.py), with the grammar bitmask where
 they have one: a seeded request samples the same tokens whether or not others speculate beside it. Every token is
