@@ -156,7 +156,7 @@ class DraftRunner:
         for live, tokens, probs in passes:  # the host's one wait
             for i, (seq, token) in enumerate(zip(live, tokens.tolist())):
                 drafts[seq.req_id].append(token)
-                if probs is not None:
+                if seq.inv_temperature:  # (a pass with a sampled row has probs)
                     q_rows[seq.req_id].append(probs[i])
         for seq in seqs:
             seq.state.num_computed_tokens = len(seq.tokens)  # the drafts' KV: written over next time

@@ -115,6 +115,20 @@ def test_token_arrays_follow_each_request():
 
 
 # ---- the rejection sampler -------------------------------------------------------------------------------------------
+def _assert_tokens_follow(p: torch.Tensor, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """The first token of every row follows p[0], and the second, where the first draft was accepted, follows p[1]
+    (chi-square goodness of fit; never a token p[1] gives probability 0)."""
+    rows, vocab = tokens.shape[0], p.shape[1]
+    expected = p.double().numpy()
+    first = torch.bincount(tokens[:, 0], minlength=vocab).numpy()
+    assert stats.chisquare(first, expected[0] / expected[0].sum() * rows).pvalue > 1e-3
+    after = tokens[num_accepted >= 1, 1]
+    second = torch.bincount(after, minlength=vocab).numpy()
+    keep = expected[1] > 0
+    assert second[~keep].sum() == 0
+    assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
+
+
 def test_rejection_sampler_keeps_the_target_distribution():
     """Row after row of one target and one pair of drafts: the first token follows p_0, and the second, where the
     first draft was accepted, follows p_1 (chi-square goodness of fit)."""
@@ -129,14 +143,7 @@ def test_rejection_sampler_keeps_the_target_distribution():
     tokens, num_accepted = rejection_sample_ref(probs, drafts, torch.full((rows,), 2), keys)
     assert 0 < int((num_accepted > 0).sum()) < rows
     assert not bool(((tokens[:, 1] == 4) & (num_accepted == 1)).any())  # draft 4 is never accepted at p = 0
-    expected = p.double().numpy()
-    first = torch.bincount(tokens[:, 0], minlength=vocab).numpy()
-    assert stats.chisquare(first, expected[0] / expected[0].sum() * rows).pvalue > 1e-3
-    after = tokens[num_accepted >= 1, 1]
-    second = torch.bincount(after, minlength=vocab).numpy()
-    keep = expected[1] > 0
-    assert second[~keep].sum() == 0
-    assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
+    _assert_tokens_follow(p, tokens, num_accepted)
 
 
 def test_rejection_sampler_keeps_the_target_distribution_with_sampled_drafts():
@@ -156,14 +163,7 @@ def test_rejection_sampler_keeps_the_target_distribution_with_sampled_drafts():
     tokens, num_accepted = rejection_sample_ref(probs, drafts, torch.full((rows,), 2), keys, draft_probs)
     assert 0 < int((num_accepted > 0).sum()) < rows and int((num_accepted == 2).sum()) > 0
     assert not bool(((tokens[:, 1] == 4) & (num_accepted >= 1)).any())
-    expected = p.double().numpy()
-    first = torch.bincount(tokens[:, 0], minlength=vocab).numpy()
-    assert stats.chisquare(first, expected[0] / expected[0].sum() * rows).pvalue > 1e-3
-    after = tokens[num_accepted >= 1, 1]
-    second = torch.bincount(after, minlength=vocab).numpy()
-    keep = expected[1] > 0
-    assert second[~keep].sum() == 0
-    assert stats.chisquare(second[keep], expected[1][keep] / expected[1].sum() * len(after)).pvalue > 1e-3
+    _assert_tokens_follow(p, tokens, num_accepted)
 
 
 def test_rejection_sampler_greedy_rows_take_the_argmax_run():
