@@ -89,6 +89,17 @@ class StepTiming:
                 "device_wait_ms_per_step": 1e3 * wait / max(steps, 1)}
 
 
+@dataclass
+class InFlight:
+    """A launched step, until the engine reads it back."""
+
+    sched: SchedulerOutput
+    handle: StepHandle
+    launched_at: float  # time.perf_counter()
+    overlapped: bool  # launched before the step before it was read back
+    missed_drafts: int = 0  # draft positions its proposer found nothing for (SpecDecoder.observe)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, pick_executor: ExecutorPicker):
         """`pick_executor` is the caller's (cluster.executors.pick_executor; engine/ imports no executor). Loads the
@@ -144,7 +155,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_finished: dict[str, int] = {}  # finish reason -> requests
         self.step_tokens: list[int] = []  # tokens of each step since the last take_step_tokens() (bounded)
-        self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # the step in flight
+        self._pending: InFlight | None = None  # the step launched and not yet read back
         self.timing = StepTiming()
         self._ids = itertools.count()
 
@@ -269,38 +280,31 @@ class LLMEngine:
         num_speculating = self.spec.decide(len(self.scheduler.running)) if self.spec is not None else 0
         self._speculating = num_speculating > 0
         overlap = self._can_overlap()
-        if not overlap and self._pending is not None:
-            return deltas + self._finish_pending()  # leaving overlap: drain the step in flight first
+        # Without overlap (drafts, a grammar bitmask that must travel with the step) the step in flight is read
+        # back first, its tokens feeding this step's drafts and bitmask, but its deltas are made only once this
+        # step is launched: the host's work on them still hides behind the device's.
+        collected = self._collect_pending() if not overlap else (None, None, [])
         # draft positions the proposer found nothing for (SpecDecoder.propose): observed as drafts not accepted
         missed_drafts = self.spec.propose(self.scheduler.running, num_speculating) if self.spec is not None else 0
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
-            if self._pending is None:
+            if self._pending is None and collected[0] is None:
                 self.structured.wait_for_compile(timeout_s=0.01)  # nothing to run: rather than spin
                 if self.lora_slots is not None and self.lora_slots.num_reading:
                     time.sleep(0.001)  # (nor spin while the workers read adapters)
-            return deltas + self._finish_pending()
+            return deltas + self._deltas(collected) + self._finish_pending()
         if not (overlap and self.executor.supports_deferred_sampling):
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
-        if not overlap:
-            started = time.perf_counter()
-            try:
-                result = self.executor.execute_model(sched)
-            except ExecutorError as e:
-                return deltas + self._fail_step(sched, e)
-            seconds = time.perf_counter() - started
-            stats = self.scheduler.spec_stats
-            drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-            updated = self.scheduler.update_from_output(sched, result)
-            if self.spec is not None:  # the step's time for the cost model, its drafts' acceptance
-                self.spec.cost.record(sched.total_num_scheduled_tokens, seconds)
-                self.spec.observe(stats.num_draft_tokens - drafts + missed_drafts,
-                                  stats.num_accepted_tokens - accepted)
-            return deltas + self._process(sched, updated)
         try:
             handle = self.executor.launch(sched)
         except ExecutorError as e:
-            return deltas + self._finish_pending() + self._fail_step(sched, e)
+            return deltas + self._deltas(collected) + self._finish_pending() + self._fail_step(sched, e)
+        in_flight = InFlight(sched, handle, time.perf_counter(), overlap, missed_drafts)
+        if not overlap:
+            self._pending = in_flight
+            if not self._can_run_ahead():  # read back at once: its deltas come from this call
+                return deltas + self._deltas(collected) + self._finish_pending()
+            return deltas + self._deltas(collected)
         # Deferred sampling: step N+1's forward runs while step N's tokens advance the grammars, and N+1 samples
         # with the bitmask they give, before N's deltas are made.
         requests = self.scheduler.requests  # (read before N's tokens may end some of them)
@@ -309,17 +313,24 @@ class LLMEngine:
         collected = self._collect_pending()
         if constrained:  # (a Ray executor asked about a step with none would wait for its end to answer)
             self._supply_bitmask(handle)
-        self._pending = (sched, handle)
+        self._pending = in_flight
         return deltas + self._deltas(collected)
+
+    def _can_run_ahead(self) -> bool:
+        """Whether a step may stay in flight when step() returns (async scheduling, on an executor whose launch
+        returns before the step ends)."""
+        return self.config.scheduler.async_scheduling and self.executor.supports_overlap
 
     def _can_overlap(self) -> bool:
         # Every sampling setting can run a step ahead of its last token: penalties read the token histories that
         # the workers keep on the device. A grammar bitmask that must travel with its step needs the last token on
         # the host, unless the executor can defer sampling until the driver supplies it.
-        if not (self.config.scheduler.async_scheduling and self.executor.supports_overlap):
+        if not self._can_run_ahead():
             return False
         if self._speculating:  # drafts are proposed from the tokens of the step before: none can be in flight
             return False
+        if self._pending is not None and self._pending.sched.scheduled_spec_token_ids:
+            return False  # a verify step in flight: the next step's inputs follow the drafts it keeps
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))
 
@@ -338,7 +349,7 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         if pending is None:
             return None, None, []
-        sched, handle = pending
+        sched, handle = pending.sched, pending.handle
         start = time.perf_counter()
         try:
             if handle.error is not None:  # its sample() failed
@@ -347,8 +358,16 @@ class LLMEngine:
         except ExecutorError as e:
             self.timing.wait_s += time.perf_counter() - start
             return sched, None, self._fail_step(sched, e)
-        self.timing.wait_s += time.perf_counter() - start
-        return sched, self.scheduler.update_from_output(sched, result), []
+        end = time.perf_counter()
+        self.timing.wait_s += end - start
+        stats = self.scheduler.spec_stats
+        drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+        updated = self.scheduler.update_from_output(sched, result)
+        if self.spec is not None and not pending.overlapped:  # the step's time for the cost model, its drafts'
+            self.spec.cost.record(sched.total_num_scheduled_tokens, end - pending.launched_at)  # acceptance
+            self.spec.observe(stats.num_draft_tokens - drafts + pending.missed_drafts,
+                              stats.num_accepted_tokens - accepted)
+        return sched, updated, []
 
     def _deltas(self, collected) -> list[RequestDelta]:
         sched, seqs, failed = collected

@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -51,7 +51,6 @@ class Proposer(Protocol):
         ...
 
 
-@runtime_checkable
 class BatchProposer(Protocol):
     def propose_batch(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] draft tokens for each request (decode requests: every known token but the last is in
@@ -304,8 +303,9 @@ class SpecDecoder:
             return 0
         self._steps_since_drafts = 0
         start = time.perf_counter()
-        if isinstance(self.proposer, BatchProposer):
-            drafts = self.proposer.propose_batch(asked, rooms)
+        propose_batch = getattr(self.proposer, "propose_batch", None)  # a BatchProposer (no Protocol check a step)
+        if propose_batch is not None:
+            drafts = propose_batch(asked, rooms)
         else:
             drafts = [self.proposer.propose(self.token_arrays.get(r)) for r in asked]
             self.token_arrays.keep_only({r.req_id for r in running})

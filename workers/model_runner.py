@@ -40,7 +40,7 @@ from workers.sampler import (
     row_knobs,
     sample_async,
 )
-from workers.spec_verify import VerifiedStep, VerifyRow, logit_indices, verify
+from workers.spec_verify import VerifiedStep, VerifyRow, launch_verify, logit_indices
 from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 
 _SEED_STRIDE = 1_000_003
@@ -321,36 +321,27 @@ class ModelRunner:
                 hidden: torch.Tensor, prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
         """A step with drafts: scores every sampling row's last 1 + d positions, keeps the accepted drafts and one
         token of the target's (rank 0 decides, the others learn the tokens), and gives back the rejected drafts'
-        blocks as the driver does (BlockManager.shrink: the blocks past the computed tokens)."""
+        blocks as the driver does (BlockManager.shrink: the blocks past the computed tokens). Returns before the
+        tokens reach the host; the step's `result()` reads them and must come before the next step's launch."""
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
-        width = 1 + max(map(len, drafts))
-        kept = [[-1] * width for _ in states]
-        logprobs: list[list] = [[None]] * len(states)
+        launched = None
         if self.is_driver:
             rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62),
                               self._draft_probs(s.req_id, d)) for s, d in zip(states, drafts)]
             if self.draft_probs is not None:
                 self.draft_probs.clear()  # the last ask's: this step verified them
-            tokens, logprobs = verify(logits, rows, sched.grammar_bitmask)
-            kept = [t + [-1] * (width - len(t)) for t in tokens]
+            launched = launch_verify(logits, rows, sched.grammar_bitmask)
+            tokens = launched.tokens
+        else:
+            tokens = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.int64, device=self.device)
         from workers import parallel
 
         if parallel.get_tp_size() > 1:
-            kept = parallel.broadcast_from_rank0(torch.tensor(kept, device=self.device)).tolist()
-        output = ModelRunnerOutput(prompt_logprobs={} if prompt_logprobs is None else prompt_logprobs.outputs())
-        for state, d, row, lps in zip(states, drafts, kept, logprobs):
-            new = [t for t in row if t >= 0]
-            self._append_verified(state, d, new)
-            output.req_ids.append(state.req_id)
-            output.sampled_token_ids.append(new[-1])
-            output.logprobs.append(lps[-1])
-            if d:
-                output.accepted_draft_ids[state.req_id] = new[:-1]
-                output.accepted_draft_logprobs[state.req_id] = lps[:-1]
+            tokens = parallel.broadcast_from_rank0(tokens)
         self.prev_rows = {}
-        return VerifiedStep(output if self.is_driver else None)
+        return VerifiedStep(self, states, drafts, tokens, launched, prompt_logprobs)
 
     def _draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
         """The distributions a draft model drew these drafts from in the last ask ([d, V]; the driver may have cut
@@ -360,7 +351,8 @@ class ModelRunner:
             return None
         return entry[1][:len(drafts)]
 
-    def _append_verified(self, state: RequestState, drafts: list[int], new: list[int]) -> None:
+    def append_verified(self, state: RequestState, drafts: list[int], new: list[int]) -> None:
+        """A verify step's kept tokens (VerifiedStep.result): the state's tokens, the device history, the KV kept."""
         state.token_ids.extend(new)
         state.output_token_ids.extend(new)
         if state.history_slot is not None:  # the device history takes them too (penalties of later steps)

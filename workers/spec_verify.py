@@ -10,7 +10,8 @@ request and keeps what the target agrees with (engine/spec_decode.py has the dri
 
 The rows without drafts (a, b) are sampled by the plain sampler (workers/sampler.py), with the grammar bitmask where
 they have one: a seeded request samples the same tokens whether or not others speculate beside it. Every token is
-on the host when the step returns (speculation runs without overlapped steps).
+on the host when the step's `result()` returns: the step is launched without a wait, and the driver reads it back
+before it launches the next (engine/llm_engine.py: the drafts of the next step need its tokens).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kernels.rejection_sampler import greedy_accept_ref, rejection_sample
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.inputs import to_device
 from workers.sampler import (
+    SampledBatch,
     SamplingRow,
     SamplingTensors,
     apply_allowed_token_ids,
@@ -65,34 +67,75 @@ def logit_indices(counts: list[int], sample_rows: list[int], num_drafts: list[in
 def verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask | None,
            generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[Logprobs | None]]]:
     """logits [sum(1 + d), V]: each row's positions in order. Returns each row's tokens (its accepted drafts and one
-    token of the target's) and their logprobs."""
+    token of the target's) and their logprobs: `launch_verify`, then its tokens read back."""
+    launched = launch_verify(logits, rows, bitmask, generator)
+    token_rows = kept_tokens(launched.tokens.tolist())
+    return token_rows, launched.logprobs(token_rows)
+
+
+def kept_tokens(padded: list[list[int]]) -> list[list[int]]:
+    """Each row of `VerifyLaunch.tokens` (on the host) without its -1 padding."""
+    return [[t for t in row if t >= 0] for row in padded]
+
+
+@dataclass
+class VerifyLaunch:
+    """A verify step's sampling, queued on the device: nothing has waited for it yet.
+
+    tokens [R, 1 + k] int64: each row's accepted drafts and one token of the target's, then -1 (k: the most drafts
+    of a row). `logprobs(token_rows)` gives the kept tokens' logprobs once the rows are on the host."""
+
+    tokens: torch.Tensor
+    plain: list[int]  # the rows without drafts, sampled by the plain sampler ...
+    plain_batch: SampledBatch | None  # ... their samples (copy to the host started)
+    plain_rows: list[SamplingRow]
+    spec: list[int]  # the rows with drafts ...
+    spec_logprobs: PositionLogprobs | None  # ... their positions' logprobs (rows that asked)
+
+    def logprobs(self, token_rows: list[list[int]]) -> list[list[Logprobs | None]]:
+        out: list[list[Logprobs | None]] = [[None] * len(kept) for kept in token_rows]
+        if self.plain_batch is not None:
+            for i, lp in zip(self.plain, finish(self.plain_batch, self.plain_rows)[1]):
+                out[i] = [lp]
+        if self.spec_logprobs is not None:
+            for i, lps in zip(self.spec, self.spec_logprobs.read([token_rows[i] for i in self.spec])):
+                out[i] = lps
+        return out
+
+
+def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask | None,
+                  generator: torch.Generator | None = None) -> VerifyLaunch:
+    """`verify`'s device work, queued without a wait: the step's tokens stay on the device until read."""
     starts = np.cumsum([0] + [1 + len(r.drafts) for r in rows])
-    tokens: list[list[int]] = [[] for _ in rows]
-    logprobs: list[list[Logprobs | None]] = [[] for _ in rows]
+    device, width = logits.device, 1 + max(len(r.drafts) for r in rows)
+    tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=device)
     plain = [i for i, r in enumerate(rows) if not r.drafts]
+    plain_batch, plain_rows = None, []
     if plain:
-        x = logits[to_device(starts[plain], torch.long, logits.device)].float()
+        x = logits[to_device(starts[plain], torch.long, device)].float()
         if bitmask is not None:
             apply_grammar_bitmask(x, bitmask, [rows[i].state.req_id for i in plain])
         plain_rows = [_sampling_row(rows[i], []) for i in plain]
-        ids, lps = finish(sample_async(x, plain_rows, generator, in_place=True), plain_rows)
-        for i, t, lp in zip(plain, ids, lps):
-            tokens[i], logprobs[i] = [t], [lp]
+        plain_batch = sample_async(x, plain_rows, generator, in_place=True)
+        tokens[to_device(plain, torch.long, device), 0] = plain_batch.tokens
+        plain_batch.start_copy()
     spec = [i for i, r in enumerate(rows) if r.drafts]
+    spec_logprobs = None
     if spec:
         spec_logits = logits
         if plain:  # (a step of speculating rows only scores nothing else: no gather)
             index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec])
-            spec_logits = logits[to_device(index, torch.long, logits.device)]
+            spec_logits = logits[to_device(index, torch.long, device)]
         raw = spec_logits.float()
         if bitmask is not None:  # each position's mask (the grammar after the drafts before it), as a plain row's
             spans = [(rows[i].state.req_id, starts[i + 1] - starts[i]) for i in spec]
             apply_grammar_bitmask(raw, bitmask, [r for r, n in spans for _ in range(n)],
                                   [j for _, n in spans for j in range(n)])
-        spec_tokens, spec_logprobs = _verify_drafts(raw, [rows[i] for i in spec], generator)
-        for i, t, lp in zip(spec, spec_tokens, spec_logprobs):
-            tokens[i], logprobs[i] = t, lp
-    return tokens, logprobs
+        spec_rows = [rows[i] for i in spec]
+        spec_tokens = _verify_drafts(raw, spec_rows, generator)
+        tokens[to_device(spec, torch.long, device), :spec_tokens.shape[1]] = spec_tokens
+        spec_logprobs = PositionLogprobs.launch(raw, spec_rows, spec_tokens)
+    return VerifyLaunch(tokens, plain, plain_batch, plain_rows, spec, spec_logprobs)
 
 
 def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
@@ -103,15 +146,14 @@ def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
     return SamplingRow(state.params, state.prompt_token_ids, outputs, seed, 0, state.knobs)
 
 
-def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None,
-                   ) -> tuple[list[list[int]], list[list[Logprobs | None]]]:
+def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None) -> torch.Tensor:
     """raw [P, V]: the rows' 1 + d positions each, raw logits. Greedy rows accept while the argmax equals the draft;
-    the others are rejection-sampled (kernels/rejection_sampler.py)."""
+    the others are rejection-sampled (kernels/rejection_sampler.py). Returns [R, 1 + k] as `VerifyLaunch.tokens`,
+    on the device."""
     # No knob on any row at any position (min_tokens met at the first one is met at the later ones): the argmax
     # of the raw logits, with no per-position rows and no knob tensors.
     if all(row.state.params.is_greedy and is_plain(_sampling_row(row, [])) for row in rows):
-        token_rows = _greedy_accept(raw, rows)
-        return token_rows, _position_logprobs(raw, rows, token_rows)
+        return _greedy_accept(raw, rows)
     positions = [_sampling_row(row, row.drafts[:j]) for row in rows for j in range(len(row.drafts) + 1)]
     x = apply_knobs(raw.clone(), positions)
     device, k = raw.device, max(len(row.drafts) for row in rows)
@@ -139,8 +181,7 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
             tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys,
                                          _draft_probs([rows[r] for r in sub], k, raw.shape[-1], device))
         out[to_device(sub, torch.long, device)] = tokens
-    token_rows = [[t for t in row if t >= 0] for row in out.tolist()]
-    return token_rows, _position_logprobs(raw, rows, token_rows)
+    return out
 
 
 def _draft_probs(rows: list[VerifyRow], k: int, vocab: int, device: torch.device) -> torch.Tensor | None:
@@ -159,9 +200,9 @@ def _draft_probs(rows: list[VerifyRow], k: int, vocab: int, device: torch.device
     return q
 
 
-def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
-    """Greedy rows without knobs: each row's drafts while they equal the argmax, then the argmax. One copy of the
-    index tensors to the device and one of the tokens back."""
+def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
+    """Greedy rows without knobs: each row's drafts while they equal the argmax, then the argmax ([R, 1 + k] as
+    `VerifyLaunch.tokens`). One copy of the index tensors to the device."""
     num_rows, k = len(rows), max(len(row.drafts) for row in rows)
     num_drafts = np.fromiter((len(row.drafts) for row in rows), np.int64, num_rows)
     starts = np.cumsum(num_drafts + 1) - (num_drafts + 1)
@@ -173,7 +214,7 @@ def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
     packed = to_device(np.concatenate([flat.ravel(), draft_ids.ravel(), num_drafts]), torch.long, raw.device)
     flat_t, drafts_t, num_t = packed.split([flat.size, draft_ids.size, num_rows])
     tokens, _ = greedy_accept_ref(raw.argmax(dim=-1)[flat_t.view(num_rows, k + 1)], drafts_t.view(num_rows, k), num_t)
-    return [[t for t in row if t >= 0] for row in tokens.tolist()]
+    return tokens
 
 
 def _keys(rows: list[VerifyRow], sub: list[int], k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -208,40 +249,81 @@ def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.softmax(z, dim=-1)
 
 
-def _position_logprobs(raw: torch.Tensor, rows: list[VerifyRow], token_rows: list[list[int]],
-                       ) -> list[list[Logprobs | None]]:
-    """Each kept token's logprob and the top alternatives, from the raw logits of its position (as the plain
-    sampler's: before any knob, the top max_k of the rows that asked, each row's first k of them). Every row's
-    at once: one copy to the device, one back."""
-    out: list[list[Logprobs | None]] = [[None] * len(kept) for kept in token_rows]
-    wanted = [i for i, row in enumerate(rows) if row.state.params.logprobs is not None]
-    if not wanted:
+@dataclass
+class PositionLogprobs:
+    """The logprobs of the tokens a verify step keeps, from the raw logits of their positions (as the plain
+    sampler's: before any knob, the top max_k of the rows that asked, each row's first k of them), computed for
+    every position of the rows that asked before it is known which are kept; copied to the host without a wait."""
+
+    wanted: list[int]  # rows that asked
+    k: list[int]  # their logprobs count
+    width: int  # positions a row: 1 + the most drafts
+    values: SampledBatch  # every position's token [W * width], its logprob, the top max_k values and ids
+
+    @classmethod
+    def launch(cls, raw: torch.Tensor, rows: list[VerifyRow], tokens: torch.Tensor) -> PositionLogprobs | None:
+        wanted = [i for i, row in enumerate(rows) if row.state.params.logprobs is not None]
+        if not wanted:
+            return None
+        width = tokens.shape[1]
+        num_drafts = np.asarray([len(row.drafts) for row in rows], dtype=np.int64)
+        starts = np.cumsum(num_drafts + 1) - (num_drafts + 1)
+        w = np.asarray(wanted, dtype=np.int64)
+        # [W, width] -> flat position (past a row's own positions: its last, read and then ignored)
+        flat = starts[w][:, None] + np.minimum(np.arange(width)[None, :], num_drafts[w][:, None])
+        index = to_device(np.concatenate([flat.ravel(), w]), torch.long, raw.device)
+        lp = torch.log_softmax(raw[index[:flat.size]], dim=-1)  # [W * width, V]
+        kept = tokens[index[flat.size:]].reshape(-1).clamp(min=0)
+        sampled = lp.gather(-1, kept[:, None]).squeeze(-1)
+        max_k = max(rows[i].state.params.logprobs for i in wanted)
+        values, ids = lp.topk(max_k, dim=-1) if max_k else (lp[:, :0], lp[:, :0].long())
+        batch = SampledBatch(kept, [], sampled, values, ids).start_copy()
+        return cls(wanted, [rows[i].state.params.logprobs for i in wanted], width, batch)
+
+    def read(self, token_rows: list[list[int]]) -> list[list[Logprobs | None]]:
+        """Each row's kept tokens' logprobs (None for rows that did not ask)."""
+        _, sampled, values, ids = self.values.on_host()
+        sampled, values, ids = sampled.tolist(), values.tolist(), ids.tolist()
+        out: list[list[Logprobs | None]] = [[None] * len(kept) for kept in token_rows]
+        for n, (i, k) in enumerate(zip(self.wanted, self.k)):
+            for j in range(len(token_rows[i])):
+                w = n * self.width + j
+                out[i][j] = Logprobs(sampled[w], ids[w][:k], values[w][:k])
         return out
-    starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
-    flat = [int(starts[i]) + j for i in wanted for j in range(len(token_rows[i]))]
-    kept_ids = [t for i in wanted for t in token_rows[i]]
-    index = to_device(flat + kept_ids, torch.long, raw.device)
-    lp = torch.log_softmax(raw[index[:len(flat)]], dim=-1)  # [W, V]
-    sampled = lp.gather(-1, index[len(flat):, None]).squeeze(-1)
-    max_k = max(rows[i].state.params.logprobs for i in wanted)
-    values, ids = lp.topk(max_k, dim=-1) if max_k else (lp[:, :0], lp[:, :0].long())
-    sampled_l, ids_l, values_l = sampled.tolist(), ids.tolist(), values.tolist()
-    w = 0
-    for i in wanted:
-        k = rows[i].state.params.logprobs
-        for j in range(len(token_rows[i])):
-            out[i][j] = Logprobs(sampled_l[w], ids_l[w][:k], values_l[w][:k])
-            w += 1
-    return out
 
 
 class VerifiedStep:
-    """A speculative step, sampled and on the host already: `result()` as PendingStep's."""
+    """A launched speculative step; `result()` (as PendingStep's) waits for its tokens, appends them to the request
+    states (the runner's `append_verified`) and returns the ModelRunnerOutput (None on ranks other than 0). The next
+    step is launched after it: its inputs follow the tokens kept here."""
 
     bitmask_req_ids: list[str] = []
 
-    def __init__(self, output: ModelRunnerOutput | None):
-        self._output = output
+    def __init__(self, runner, states: list, drafts: list[list[int]], tokens: torch.Tensor,
+                 launched: VerifyLaunch | None, prompt_logprobs):
+        self.runner = runner
+        self.states, self.drafts = states, drafts
+        self.tokens = SampledBatch(tokens, []).start_copy()  # [R, 1 + k], every rank's
+        self.launched = launched  # rank 0's
+        self.prompt_logprobs = prompt_logprobs  # workers/prompt_logprobs.py PromptLogprobsBatch (rank 0), or None
+        self._output: ModelRunnerOutput | None = None
+        self._done = False
 
     def result(self) -> ModelRunnerOutput | None:
-        return self._output
+        if not self._done:
+            self._done = True
+            token_rows = kept_tokens(self.tokens.on_host()[0].tolist())
+            logprobs = (self.launched.logprobs(token_rows) if self.launched is not None
+                        else [[None] * len(t) for t in token_rows])
+            output = ModelRunnerOutput(prompt_logprobs={} if self.prompt_logprobs is None
+                                       else self.prompt_logprobs.outputs())
+            for state, d, new, lps in zip(self.states, self.drafts, token_rows, logprobs):
+                self.runner.append_verified(state, d, new)
+                output.req_ids.append(state.req_id)
+                output.sampled_token_ids.append(new[-1])
+                output.logprobs.append(lps[-1])
+                if d:
+                    output.accepted_draft_ids[state.req_id] = new[:-1]
+                    output.accepted_draft_logprobs[state.req_id] = lps[:-1]
+            self._output = output
+        return self._output if self.runner.is_driver else None

@@ -70,7 +70,7 @@ def run_engine(model_dir: str, params: SamplingParams, prompts=PARITY_PROMPTS, o
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = [seq.token_ids for seq in sorted(out.seqs, key=lambda s: s.index)]
-        overlapped += engine._pending is not None
+        overlapped += engine._pending is not None and engine._pending.overlapped
     engine.check_integrity()
     return done, engine, overlapped
 

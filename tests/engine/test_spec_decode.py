@@ -573,21 +573,27 @@ def test_a_copy_after_a_preamble_speculates_once_the_copy_starts():
 
 def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
     """disable_by_batch_size 1: while three requests decode there are no drafts and the steps overlap (one in
-    flight while the next is scheduled); once one is left it speculates, without overlap. Greedy output = plain."""
+    flight while the next is scheduled); once one is left it speculates, without overlap: each verify step is read
+    back before the next is launched, but step() returns with it in flight, unread (its deltas come once the next
+    is launched). Greedy output = plain."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (12, 16, 40)]
     prompts = PROMPTS[:3]
     plain, _ = _run(prompts, params)
     llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 1})  # off while 2 or 3 requests run
     llm.engine.spec.proposer = OracleProposer(_references(prompts, plain), 4)
-    engine, overlapped, speculated = llm.engine, 0, 0
+    engine, overlapped, speculated, verify_in_flight = llm.engine, 0, 0, 0
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, sp, stream=False)
     while engine.has_unfinished_requests():
         engine.step()
-        overlapped += engine._pending is not None
+        pending = engine._pending
+        overlapped += pending is not None and pending.overlapped
         speculated += engine._speculating
+        if pending is not None and pending.sched.scheduled_spec_token_ids:
+            assert not pending.overlapped and not pending.handle.payload._done  # launched, not waited for
+            verify_in_flight += 1
         engine.check_integrity()
-    assert overlapped > 0 and speculated > 0 and engine.spec.num_steps_off > 0
+    assert overlapped > 0 and speculated > 0 and verify_in_flight > 0 and engine.spec.num_steps_off > 0
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
     spec_outs = llm.generate(prompts, params, use_tqdm=False)  # the same engine, offline API, end to end
     _assert_same(plain, spec_outs)
@@ -611,7 +617,7 @@ def test_a_proposer_that_finds_nothing_turns_speculation_off():
     overlapped = 0
     while engine.has_unfinished_requests():
         engine.step()
-        overlapped += engine._pending is not None
+        overlapped += engine._pending is not None and engine._pending.overlapped
     # (acceptance 0.0, not None: no draft was ever scored, the positions found empty count)
     assert engine.spec.acceptance == 0.0 and engine.spec.num_steps_off > 0 and overlapped > 0
     assert engine.scheduler.spec_stats.num_draft_tokens == 0

@@ -41,3 +41,26 @@ def test_smollm2_drafting_for_itself_on_a_gpu(real_model_dir):
         _assert_same(plain, spec, atol=1e-3)
     finally:
         llm.shutdown()
+
+
+def test_smollm2_sampled_drafts_on_a_gpu(real_model_dir):
+    """Temperature 1, seeded: the draft model draws its drafts from its own softmax (q) and the Triton rejection
+    kernel accepts them with min(1, p / q). SmolLM2 drafting for itself has q = p up to the two paths' rounding, so
+    nearly every draft is accepted, where one-hot (greedy) drafts of sampled requests would be accepted only as
+    often as p gives its argmax. Seeded requests give the same tokens in two runs; every draft block comes back."""
+    params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=s) for s in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=real_model_dir, dtype="float32", device="cuda", gpu_memory_utilization=0.3,
+                  speculative_config={"method": "draft_model", "model": real_model_dir, "num_speculative_tokens": 4})
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.chat(PROMPTS, params, use_tqdm=False)])
+            llm.engine.step()
+            llm.engine.check_integrity()
+            draft = llm.engine.executor.worker.draft
+            assert draft.num_free_blocks == draft.num_blocks and not draft.probs
+            stats = llm.engine.scheduler.spec_stats
+            assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.9, stats
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
