@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -307,7 +307,8 @@ class SpecDecoder:
         if propose_batch is not None:
             drafts = propose_batch(asked, rooms)
         else:
-            drafts = [self.proposer.propose(self.token_arrays.get(r)) for r in asked]
+            propose = cast(Proposer, self.proposer).propose
+            drafts = [propose(self.token_arrays.get(r)) for r in asked]
             self.token_arrays.keep_only({r.req_id for r in running})
         self.record_propose(time.perf_counter() - start)
         missed = 0
