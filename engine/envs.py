@@ -42,8 +42,6 @@ _VARS = [
     EnvVar("PAGODA_STEP_TIMEOUT_S", float, 300.0, "one step on the worker actors (first steps may compile kernels)"),
     EnvVar("PAGODA_DISABLE_COMPILED_GRAPH", bool, False, "1: one actor call per rank per step, no Ray compiled graph"),
     EnvVar("PAGODA_SYMM_MEM", bool, True, "0: NCCL for every all-reduce (no symmetric-memory one-shot kernel)"),
-    EnvVar("PAGODA_GRAPH_FIRST_LAYERS", int, 2,
-           "CUDA graphs over layer ranges of this many layers, then twice as many, ... (0: one graph a step)"),
     EnvVar("PAGODA_PDL", bool, True,
            "0: no programmatic dependent launch of the Triton kernels on Hopper (each kernel waits for the last)"),
     EnvVar("PAGODA_KERNELS", str, "",

@@ -1,12 +1,11 @@
 """A stand-in for CUDA graphs on the CPU (torch.cuda.CUDAGraph cannot run here; tests/gpu has the real ones against
-enforce_eager): `CpuGraphRunner` is workers/cuda_graphs.py's runner whose "graphs" rerun the captured calls eagerly
-over the same input views and write the same static output tensors, stage by stage (each layer range reads the
-static (h, residual) the range before wrote), so a step through it takes exactly the padded inputs a real replay
-reads."""
+enforce_eager): `CpuGraphRunner` is workers/cuda_graphs.py's runner whose "graphs" rerun the captured call eagerly
+over the same input views and write the same static output tensor, so a step through it takes exactly the padded
+inputs a real replay reads."""
 
 from __future__ import annotations
 
-from workers.cuda_graphs import CudaGraphRunner, StagedGraph
+from workers.cuda_graphs import CudaGraphRunner
 
 
 class EagerGraph:
@@ -15,22 +14,11 @@ class EagerGraph:
         self.output = run()
 
     def replay(self):
-        out = self.run()
-        for static, new in zip(_tensors(self.output), _tensors(out)):
-            static.copy_(new)
-
-
-def _tensors(output):
-    return output if isinstance(output, tuple) else (output,)
+        self.output.copy_(self.run())
 
 
 class CpuGraphRunner(CudaGraphRunner):
     def _capture(self, num_tokens, num_seqs, max_query_len):
         ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
-        stages, carry = [], None
-        for start, end in self.stage_bounds:
-            stage = EagerGraph(lambda start=start, end=end, carry=carry: self.model.forward_layers(
-                start, end, ids, pos, self.kv_caches, meta, carry))
-            stages.append(stage)
-            carry = stage.output
-        return StagedGraph(stages), carry
+        graph = EagerGraph(lambda: self.model(ids, pos, self.kv_caches, meta))
+        return graph, graph.output

@@ -7,10 +7,6 @@ attention launch shape is fixed at capture time.
 
     decode graph B      B sequences, B tokens; a batch of n <= B replays it with rows n..B padded (no KV write, a
                         one-token context): the decode attention kernel
-    stages              each graph is a few graphs over consecutive layer ranges (2 layers, 4, 8, ...: `stage_bounds`),
-                        replayed in turn. The host takes time in proportion to a graph's kernels to launch it, and
-                        the device starts a stage while the host launches the next: only the first stage's launch
-                        delays a step whose inputs came late (speculative steps, built after the step before ends)
     verify graph B      (speculative engines, num_speculative_tokens k) B + 1 sequences, B * (k + 1) token slots: a
                         step of n <= B decodes, each its last token and 0..k drafts, fills the first slots in order
                         and `InputBuffers.pad_verify` gives the rest to the last row (no KV write). The packed-prefill
@@ -26,7 +22,6 @@ import time
 
 import torch
 
-from engine import envs
 from workers.inputs import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -49,35 +44,10 @@ def verify_buckets(buckets: list[int], spec_tokens: int, max_tokens: int, max_co
     return [b for b in buckets if b <= MAX_VERIFY_BATCH and b * (spec_tokens + 1) <= min(max_tokens, max_context)]
 
 
-def stage_bounds(num_layers: int, first: int) -> list[tuple[int, int]]:
-    """The layer ranges of a step's graphs: `first` layers, then twice as many each time, the last range taking
-    what is left when it is less than a full one (first 0: one range)."""
-    if first <= 0:
-        return [(0, num_layers)]
-    bounds, start, size = [], 0, first
-    while start < num_layers:
-        end = num_layers if num_layers - start < 2 * size else start + size
-        bounds.append((start, end))
-        start, size = end, 2 * size
-    return bounds
-
-
-class StagedGraph:
-    """A step's graphs over its layer ranges, replayed in order (each reads the static output of the one before)."""
-
-    def __init__(self, stages: list):
-        self.stages = stages
-
-    def replay(self) -> None:
-        for stage in self.stages:
-            stage.replay()
-
-
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches, buffers: InputBuffers, max_num_seqs: int,
                  spec_tokens: int = 0):
         self.model = model
-        self.stage_bounds = stage_bounds(model.num_layers, envs.get("PAGODA_GRAPH_FIRST_LAYERS"))
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.buckets = batch_buckets(max_num_seqs)
@@ -85,8 +55,8 @@ class CudaGraphRunner:
         max_tokens = buffers.dev["input_ids"].shape[0]
         self.verify_buckets = verify_buckets(self.buckets, spec_tokens, max_tokens,
                                              buffers.max_blocks_per_seq * buffers.block_size)
-        self.graphs: dict[int, tuple[StagedGraph, torch.Tensor]] = {}
-        self.verify_graphs: dict[int, tuple[StagedGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps run by a graph (tests and benchmarks read both)
         self.num_verify_replays = 0  # verify steps run by a graph
         self.pool = None
@@ -122,23 +92,21 @@ class CudaGraphRunner:
                     "%.1f s", len(self.graphs), self.max_batch, len(self.verify_graphs), self.spec_tokens + 1,
                     time.perf_counter() - start)
 
-    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int) -> tuple[StagedGraph, torch.Tensor]:
+    def _capture(self, num_tokens: int, num_seqs: int, max_query_len: int,
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos, meta = self.buffers.metadata(num_tokens, num_seqs, max_query_len, self.buffers.max_blocks_per_seq)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self.model(ids, pos, self.kv_caches, meta)
         torch.cuda.synchronize()
-        stages, carry = [], None
-        for start, end in self.stage_bounds:  # (the carry between stages stays referenced while the next captures)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the engine's other start-up threads (the tokenizer's load, engine/llm_engine.py) go on
-            # during the capture; a CUDA call of theirs must not invalidate it, as the default "global" mode lets it.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                carry = self.model.forward_layers(start, end, ids, pos, self.kv_caches, meta, carry)
-            if self.pool is None:
-                self.pool = graph.pool()
-            stages.append(graph)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine's other start-up threads (the tokenizer's load, engine/llm_engine.py) go on
+        # during the capture; a CUDA call of theirs must not invalidate it, as the default "global" mode lets it.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        if self.pool is None:
+            self.pool = graph.pool()
         torch.cuda.synchronize()
-        return StagedGraph(stages), carry
+        return graph, hidden
 
     def replay(self, num_seqs: int, feed=None) -> torch.Tensor:
         """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows; `feed` then

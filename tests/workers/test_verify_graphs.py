@@ -12,7 +12,7 @@ import torch
 from engine import SamplingParams
 from tests.cpu_graphs import CpuGraphRunner
 from tests.spec_proposers import OracleProposer
-from workers.cuda_graphs import MAX_VERIFY_BATCH, batch_buckets, stage_bounds, verify_buckets
+from workers.cuda_graphs import MAX_VERIFY_BATCH, batch_buckets, verify_buckets
 from workers.inputs import InputBuffers
 
 
@@ -23,17 +23,6 @@ def test_verify_buckets_fit_the_buffers_and_the_context():
     assert verify_buckets(buckets, 4, 8192 + 256, 100) == [1, 2, 4, 8, 16]  # 16 * 5 = 80 <= 100 < 24 * 5
     assert verify_buckets(buckets, 3, 64, 4096) == [1, 2, 4, 8, 16]  # 16 * 4 tokens fill 64 slots
     assert verify_buckets(batch_buckets(6), 4, 10_000, 10_000) == [1, 2, 4, 6]
-
-
-def test_stage_bounds_double_and_the_last_takes_the_rest():
-    assert stage_bounds(32, 2) == [(0, 2), (2, 6), (6, 14), (14, 32)]
-    assert stage_bounds(80, 2) == [(0, 2), (2, 6), (6, 14), (14, 30), (30, 80)]
-    assert stage_bounds(2, 2) == [(0, 2)] and stage_bounds(2, 1) == [(0, 1), (1, 2)]
-    assert stage_bounds(3, 1) == [(0, 1), (1, 3)] and stage_bounds(32, 0) == [(0, 32)]
-    for layers in range(1, 100):
-        bounds = stage_bounds(layers, 2)
-        assert bounds[0][0] == 0 and bounds[-1][1] == layers
-        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:] + [(layers, layers + 1)]))
 
 
 def test_pad_verify_puts_the_leftover_slots_in_one_last_row_that_writes_no_kv():
@@ -98,15 +87,12 @@ def adapter(tiny_model_dir, tmp_path_factory):
     return LoRARequest("a", 1, path)
 
 
-@pytest.mark.parametrize("max_num_seqs, with_lora, first_layers", [(4, False, 2), (3, False, 1), (4, True, 1)],
-                         ids=["buckets-1-2-4", "buckets-1-2-3-two-stages", "lora-two-stages"])
-def test_verify_steps_through_the_padded_graph_inputs_give_the_plain_output(max_num_seqs, with_lora, first_layers,
-                                                                             request, monkeypatch):
+@pytest.mark.parametrize("max_num_seqs, with_lora", [(4, False), (3, False), (4, True)],
+                         ids=["buckets-1-2-4", "buckets-1-2-3", "lora"])
+def test_verify_steps_through_the_padded_graph_inputs_give_the_plain_output(max_num_seqs, with_lora, request):
     """Mixed draft counts (the oracle proposes 0..4, every second proposal's last draft wrong; the fourth prompt is
     never proposed for) and batches that do not fill their bucket: tokens and logprobs equal the plain run's. With
-    LoRA: an adapter on two rows, the base model on the others (the padding tokens' slot is -1). first_layers 1:
-    each graph is two stages, a layer each, the second reading the first's static (h, residual)."""
-    monkeypatch.setenv("PAGODA_GRAPH_FIRST_LAYERS", str(first_layers))
+    LoRA: an adapter on two rows, the base model on the others (the padding tokens' slot is -1)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (21, 24, 15, 18)]
     extra = {"max_num_seqs": max_num_seqs}
     lora = None
@@ -118,7 +104,6 @@ def test_verify_steps_through_the_padded_graph_inputs_give_the_plain_output(max_
     spec, runner = _generate(PROMPTS, params, graphs=True, references=references, lora=lora,
                              speculative_config=NGRAM, **extra)
     assert runner.graphs.num_verify_replays > 0
-    assert runner.graphs.stage_bounds == ([(0, 1), (1, 2)] if first_layers == 1 else [(0, 2)])
     for a, b in zip(plain, spec):
         x, y = a.outputs[0], b.outputs[0]
         assert x.token_ids == y.token_ids

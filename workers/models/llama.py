@@ -150,18 +150,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        return self.forward_layers(0, len(self.layers), input_ids, positions, kv_caches, meta)
-
-    def forward_layers(self, start: int, end: int, input_ids, positions, kv_caches, meta, carry=None):
-        """Layers start..end-1 of a forward: the embedding first where start is 0 (else `carry`, the (h, residual)
-        the layers before returned), the final norm last where end is the last layer (the hidden states [T, hidden];
-        else (h, residual) for the next range)."""
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
-        h, residual = (self.embed_tokens(input_ids), None) if start == 0 else carry  # [T, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers[start:end], kv_caches[start:end]):
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h, residual = layer(positions, h, residual, k_cache, v_cache, meta)
-        if end < len(self.layers):
-            return h, residual
         h, _ = self.norm(h, residual)
         return h
 
@@ -255,12 +248,6 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden] (after the final norm)
         return self.model(input_ids, positions, kv_caches, meta)
-
-    def forward_layers(self, start: int, end: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, carry=None):
-        """`forward` over layers start..end-1 only (LlamaModel.forward_layers): what a CUDA graph of a few layers
-        runs (workers/cuda_graphs.py)."""
-        return self.model.forward_layers(start, end, input_ids, positions, kv_caches, meta, carry)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] -> float32 logits [N, vocab] on TP rank 0; None on the other ranks
