@@ -23,7 +23,8 @@ A request with a grammar speculates within it: its drafts are cut to the longest
 (`RequestGrammar.valid_prefix`), and the step's bitmask has a row for each of its positions (the grammar's state
 after each prefix of the drafts), which the verification applies as the plain sampler applies one. Requests still in
 prefill (or whose grammar is compiling) are not speculated; a step with drafts runs without overlap (its drafts need
-the previous step's accepted tokens on the host).
+the previous step's accepted tokens on the host), pipelined: engine/llm_engine.py makes the previous step's deltas
+while it runs.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class SpecDecodeStats:
 @dataclass
 class StepCostModel:
     """A step's time against the tokens it computes, t(n) = fixed + n * per_token (the weights' read, then compute),
-    fitted by least squares over the engine's last `window` steps run without overlap. `ratio(n, m, extra_s)` =
+    fitted by least squares over the engine's last `window` steps run without overlap (each from its launch to its
+    read-back, which in a pipelined step includes the deltas of the step before). `ratio(n, m, extra_s)` =
     (t(m) + extra_s) / t(n): what a verify step of m tokens (and extra_s of the proposer's before it) costs against
     a plain one of n; None until the samples span enough token counts to fit both terms."""
 
