@@ -10,6 +10,8 @@ import argparse
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from benchmarks.common import device_name, free_device_memory, print_table, synthetic_prompts, write_json
 from benchmarks.lora_workload import add_lora_bench_args, lora_label, lora_runs, run_adapters, spread
 from benchmarks.structured import add_structured_args, constraint, grammar_figures, structured_variants, tokenizer_dir
@@ -23,6 +25,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--oracle-drafts", type=float, default=None, metavar="P",
+                        help="with --speculative-config, also an `oracle` row: each request's drafts are its own "
+                             "greedy continuation (recorded first), each draft right with probability P: the "
+                             "speed-up at a known acceptance where no proposer predicts the output (random weights)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="on a GPU, also profile this many decode steps of each case (benchmarks/step_profile.py)")
     add_structured_args(parser)
@@ -31,11 +37,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0,
-            structured: str | None = None, loras: list | None = None, drafts: str | None = None) -> dict:
+            structured: str | None = None, loras: list | None = None, drafts: str | None = None,
+            oracle_accuracy: float = 1.0) -> dict:
     """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
     drafts (a speculative engine): its method ("ngram", "draft_model") proposes as configured; "forced" proposes k
     drafts every step (the last token repeated), so each step verifies k + 1 tokens whatever the model accepts: the
-    verify step's cost."""
+    verify step's cost; "oracle" proposes each request's own greedy continuation, recorded first, each draft right
+    with probability `oracle_accuracy` (`ReplayProposer`)."""
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -45,9 +53,13 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
                             structured_outputs=constraint(structured))
     loras = loras or [None] * len(prompts)
+    proposer = engine.spec.proposer if engine.spec is not None else None
+    if drafts == "oracle":
+        k = engine.spec.config.num_speculative_tokens
+        references = greedy_continuations(engine, prompts, loras, (decode_steps + 8) * (k + 1))
+        engine.spec.proposer = ReplayProposer(references, k, oracle_accuracy, engine.vocab_size)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False, lora_request=loras[i])
-    proposer = engine.spec.proposer if engine.spec is not None else None
     if drafts == "forced":
         engine.spec.proposer = RepeatLastProposer(engine.spec.config.num_speculative_tokens)
     start = time.perf_counter()
@@ -118,6 +130,46 @@ class RepeatLastProposer:
         return [int(token_ids[-1])] * self.num_speculative_tokens
 
 
+class ReplayProposer:
+    """The benchmark's oracle drafts: each request's own greedy continuation (`references`: prompt -> output),
+    each draft kept with probability `accuracy` and otherwise made another token (independently, seeded); nothing for
+    a sequence past its recorded output."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], num_speculative_tokens: int, accuracy: float,
+                 vocab_size: int, seed: int = 0):
+        self.references, self.k, self.accuracy = references, num_speculative_tokens, accuracy
+        self.vocab_size = vocab_size
+        self.prompt_lens = sorted({len(p) for p in references})
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids) -> list[int]:
+        for n in self.prompt_lens:
+            output = self.references.get(tuple(token_ids[:n].tolist()))
+            if output is not None:
+                drafts = output[len(token_ids) - n:len(token_ids) - n + self.k]
+                wrong = self.rng.random(len(drafts)) >= self.accuracy
+                return [(t + 1) % self.vocab_size if w else t for t, w in zip(drafts, wrong)]
+        return []
+
+
+def greedy_continuations(engine, prompts: list[list[int]], loras: list, num_tokens: int,
+                         ) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's first `num_tokens` greedy tokens, run on `engine` without drafts: prompt -> output."""
+    from engine.sampling_params import SamplingParams
+
+    proposer, engine.spec.proposer = engine.spec.proposer, ReplayProposer({}, 0, 1.0, engine.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"ref-{i}", {"prompt_token_ids": prompt}, params, stream=False, lora_request=loras[i])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finished:
+                outputs[int(delta.request_id.split("-")[1])] = delta.seqs[0].token_ids
+    engine.spec.proposer = proposer
+    return {tuple(prompt): list(outputs[i]) for i, prompt in enumerate(prompts)}
+
+
 def periodic_prompts(num: int, length: int, vocab_size: int, seed: int, period: int = 16) -> list[list[int]]:
     """Prompts that repeat a random `period`-token pattern: prompt lookup finds a continuation in each."""
     patterns = synthetic_prompts(num, (period, period), vocab_size, seed)
@@ -180,6 +232,8 @@ def main(args: argparse.Namespace) -> dict:
     if args.lora_adapters > args.max_loras:  # requests that run until aborted: one without a slot would never start
         raise ValueError(f"--lora-adapters {args.lora_adapters} needs --max-loras >= {args.lora_adapters} here (every "
                          f"request of a case runs at once); `pagoda bench throughput` takes more adapters than slots")
+    if args.oracle_drafts is not None and not (args.speculative_config and 0.0 <= args.oracle_drafts <= 1.0):
+        raise ValueError("--oracle-drafts P takes a probability in [0, 1] and needs --speculative-config")
     model_dir, load_format = model_or_preset(args.model, args.preset, args.load_format)
     args.tokenizer = tokenizer_dir(args.tokenizer) if args.tokenizer else None
     rows, runs = [], []
@@ -215,6 +269,9 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
     adapters, label = run_adapters(overrides, args, config.model.hf_config), lora_label(overrides, args)
     spec = config.speculative
     drafts_variants = [spec.method, "forced"] if spec is not None else [None]
+    accuracy = getattr(args, "oracle_drafts", None)
+    if spec is not None and accuracy is not None:
+        drafts_variants.append("oracle")
     rows = []
     budget = engine.config.scheduler.max_num_batched_tokens
     for asked_len in args.prompt_lens:
@@ -227,9 +284,10 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
             loras = spread(adapters, batch)
             for structured in structured_variants(args):
                 for drafts in drafts_variants:
-                    measure(engine, prompts[:1], 4, structured=structured, loras=loras, drafts=drafts)  # warm-up
+                    measure(engine, prompts[:1], 4, structured=structured, loras=loras, drafts=drafts,
+                            oracle_accuracy=accuracy)  # warm-up
                     measured = measure(engine, prompts, args.decode_steps, args.profile_steps, structured, loras,
-                                       drafts)
+                                       drafts, accuracy)
                     rows.append({"lora": label, "speculative": spec is not None, "batch": batch,
                                  "prompt_len": prompt_len, **measured})
     engine.check_integrity()

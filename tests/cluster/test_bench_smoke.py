@@ -319,6 +319,27 @@ def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
     assert not any("speedup" in r for r in rows if r.get("drafts") != "ngram")
 
 
+def test_bench_latency_oracle_drafts_are_the_models_own_continuation(tmp_path):
+    """--oracle-drafts 1.0: each request's drafts are its own greedy continuation, recorded first, so on the CPU
+    (float32: the verify step's argmax is the plain step's) every draft is accepted and each step gives k + 1 tokens;
+    the row gets its bound as the proposers' rows do. 0.5: about half the drafts are made wrong."""
+    for accuracy, check in (("1.0", lambda r: r["acceptance"] == 1.0 and r["tokens_per_step"] == 4.0),
+                            ("0.5", lambda r: 0.05 < r["acceptance"] < 0.7 and 1.0 < r["tokens_per_step"] < 4.0)):
+        result = _run(tmp_path, "bench", "latency", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1", "3",
+                      "--prompt-lens", "32", "--decode-steps", "6", "--num-kv-blocks", "128", "--oracle-drafts",
+                      accuracy, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+        oracle = [r for r in result["results"] if r.get("drafts") == "oracle"]
+        assert [r["batch"] for r in oracle] == [1, 3]
+        for row in oracle:
+            assert row["draft_tokens_per_step"] == 3.0 and check(row), row
+            assert row["speedup_bound"] > 0 and row["of_bound"] > 0
+
+
+def test_bench_latency_refuses_oracle_drafts_without_speculation(capsys):
+    assert pagoda(["bench", "latency", "--model", "tiny", "--oracle-drafts", "0.9"]) != 0
+    assert "--oracle-drafts P takes a probability in [0, 1] and needs --speculative-config" in capsys.readouterr().err
+
+
 def test_bench_latency_refuses_more_adapters_than_slots(capsys):
     assert pagoda(["bench", "latency", "--model", "tiny", "--lora-adapters", "3", "--max-loras", "2"]) != 0
     assert "--lora-adapters 3 needs --max-loras >= 3" in capsys.readouterr().err
