@@ -120,6 +120,12 @@ class Request:
                                                        chunk.top_logprobs)):
             self.prompt_logprobs[chunk.start + i] = Logprobs(logprob, ids, values)
 
+    def extend_output(self, token_ids: list[int], logprobs: list[Logprobs | None]) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output_token_ids.extend(token_ids)
+        self.output_logprobs.extend(logprobs)
+
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.time()

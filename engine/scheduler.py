@@ -243,6 +243,11 @@ class Scheduler:
                 tokens = accepted + tokens
                 token_logprobs = result.accepted_draft_logprobs.get(req_id, [None] * len(accepted)) + token_logprobs
                 self._take_back_rejected(req, len(drafts), len(accepted))
+            if self._cannot_stop(req, tokens):  # (a speculative run: its tokens at once)
+                req.extend_output(tokens, token_logprobs)
+                req.num_step_tokens = len(tokens)
+                updated.append(req)
+                continue
             req.num_step_tokens = 0
             for token_id, logprobs in zip(tokens, token_logprobs):
                 req.append_output(token_id, logprobs)
@@ -260,6 +265,14 @@ class Scheduler:
         self.spec_stats.record(num_drafts, num_accepted)
         req.num_computed_tokens -= num_drafts - num_accepted
         self.block_manager.shrink(req)
+
+    @staticmethod
+    def _cannot_stop(req: Request, tokens: list[int]) -> bool:
+        """Whether no token of the run can end the request (`_stop_status` of each would be None): no grammar, no
+        stop id among them, and its length stays short of max_tokens."""
+        stop_ids = req.sampling_params.all_stop_token_ids
+        return (req.grammar is None and req.num_output_tokens + len(tokens) < req.max_tokens
+                and not any(t in stop_ids for t in tokens))
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         if req.grammar is not None and not req.grammar.accept(token_id):
