@@ -78,9 +78,9 @@ def test_json_object_and_free_whitespace(llm):
 
 
 def test_overlapped_steps_sample_what_synchronous_steps_sample(tiny_model_dir, llm):
-    """Deferred sampling (the in-process default: the forward runs, the bitmask follows) and the bitmask inside
-    the step (synchronous steps, as with tp > 1) give the same tokens; unconstrained requests in the same batch get
-    the tokens they get alone."""
+    """Deferred sampling (the in-process default: the forward runs, the bitmask follows), the bitmask inside the
+    step (synchronous steps) and pipelined steps that carry it (an executor that cannot defer) give the same
+    tokens; unconstrained requests in the same batch get the tokens they get alone."""
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     params = [constrained(case, seed) for case in cases().values() for seed in (None, 5)] + [plain] * 2
     prompts = ["Hello", "The quick brown fox"] * (len(params) // 2)
@@ -90,12 +90,20 @@ def test_overlapped_steps_sample_what_synchronous_steps_sample(tiny_model_dir, l
     sync = LLM(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=64)
     sync.engine.executor.supports_overlap = False
     synchronous = sync.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(overlapped, synchronous):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    # An executor that launches without waiting but cannot defer sampling: the constrained steps run pipelined
+    # (the step in flight read back first, its grammars advanced, the bitmask built and sent with the next step,
+    # then the deltas of the one read back)
+    piped = LLM(model=tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=64)
+    piped.engine.executor.supports_deferred_sampling = False
+    pipelined = piped.generate(prompts, params, use_tqdm=False)
+    for a, b, c in zip(overlapped, synchronous, pipelined):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     assert [o.outputs[0].token_ids for o in overlapped[-2:]] == [o.outputs[0].token_ids for o in alone]
-    assert sync.engine.structured.stats.num_fills > 0
-    sync.engine.check_integrity()
+    for engine in (sync.engine, piped.engine):
+        assert engine.structured.stats.num_fills > 0
+        engine.check_integrity()
     sync.shutdown()
+    piped.shutdown()
 
 
 def test_length_limit_ignore_eos_and_stop_strings(llm):
