@@ -295,11 +295,12 @@ class LLMEngine:
             return deltas + self._deltas(collected) + self._finish_pending()
         if not (overlap and self.executor.supports_deferred_sampling):
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
+        launched_at = time.perf_counter()
         try:
             handle = self.executor.launch(sched)
         except ExecutorError as e:
             return deltas + self._deltas(collected) + self._finish_pending() + self._fail_step(sched, e)
-        in_flight = InFlight(sched, handle, time.perf_counter(), overlap, missed_drafts)
+        in_flight = InFlight(sched, handle, launched_at, overlap, missed_drafts)
         if not overlap:
             self._pending = in_flight
             if not self._can_run_ahead():  # read back at once: its deltas come from this call
