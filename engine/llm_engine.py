@@ -1,7 +1,11 @@
 """`LLMEngine`: the driver loop. add_request / step / abort; turns sampled tokens into text and deltas.
 
-    step():  scheduler.schedule() ─► executor.execute_model() ─► scheduler.update_from_output()
+    step():  scheduler.schedule() ─► executor.launch() ─► executor.collect() ─► scheduler.update_from_output()
              ─► detokenize, stop strings ─► a RequestDelta for each request due one (engine/request_group.py)
+
+A step stays in flight across step() calls (async scheduling): overlapped, the next step is launched before it is
+read back; synchronized (drafts, a bitmask that must travel with the step), it is read back first and its deltas
+made once the next is launched (docs/architecture.md, the step protocol).
 """
 
 from __future__ import annotations
