@@ -38,7 +38,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: int = 0,
             structured: str | None = None, loras: list | None = None, drafts: str | None = None,
-            oracle_accuracy: float = 1.0) -> dict:
+            oracle_accuracy: float | None = None) -> dict:
     """One case: `prompts` (a request each, with its adapter from `loras`) prefilled, then `decode_steps` timed.
     drafts (a speculative engine): its method ("ngram", "draft_model") proposes as configured; "forced" proposes k
     drafts every step (the last token repeated), so each step verifies k + 1 tokens whatever the model accepts: the
@@ -165,9 +165,9 @@ def greedy_continuations(engine, prompts: list[list[int]], loras: list, num_toke
     while engine.has_unfinished_requests():
         for delta in engine.step():
             if delta.finished:
-                outputs[int(delta.request_id.split("-")[1])] = delta.seqs[0].token_ids
+                outputs[delta.request_id] = delta.seqs[0].token_ids
     engine.spec.proposer = proposer
-    return {tuple(prompt): list(outputs[i]) for i, prompt in enumerate(prompts)}
+    return {tuple(prompt): list(outputs[f"ref-{i}"]) for i, prompt in enumerate(prompts)}
 
 
 def periodic_prompts(num: int, length: int, vocab_size: int, seed: int, period: int = 16) -> list[list[int]]:

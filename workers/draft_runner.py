@@ -50,12 +50,11 @@ from workers import parallel
 from workers.cuda_graphs import CudaGraphRunner
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import KVCaches
-from workers.model_runner import _SEED_STRIDE  # a seeded request's noise key at a position
+from workers.model_runner import seed_key
 
 logger = logging.getLogger(__name__)
 
 _NOISE_SALT = 0x1D8E4E27C47D124F  # the drafts' noise keys: apart from the target's at the same position
-_MAX_KEY = 1 << 62
 
 
 @dataclass
@@ -169,7 +168,7 @@ class DraftRunner:
         """The pass's picks for seqs drafting the tokens at `positions` (None: every row greedy)."""
         if not any(seq.inv_temperature for seq in seqs):
             return None
-        keys = [(seq.seed * _SEED_STRIDE + pos) % _MAX_KEY ^ _NOISE_SALT if seq.seed is not None
+        keys = [seed_key(seq.seed, pos) ^ _NOISE_SALT if seq.seed is not None
                 else self._random.getrandbits(62) for seq, pos in zip(seqs, positions)]
         return _Sampling(to_device([seq.inv_temperature for seq in seqs], torch.float32, self.device),
                          to_device(keys, torch.long, self.device))

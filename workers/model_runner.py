@@ -46,6 +46,12 @@ from workers.token_history import PenaltyBatch, TokenHistory, uses_penalties
 _SEED_STRIDE = 1_000_003
 
 
+def seed_key(seed: int, position: int) -> int:
+    """A seeded request's noise key for the token at `position`: it depends only on the seed and the position, so
+    the same tokens come whatever else is in the batch, after preemption, and with overlapped steps."""
+    return (seed * _SEED_STRIDE + position) % (1 << 62)
+
+
 @dataclass
 class RequestState:
     req_id: str
@@ -247,11 +253,8 @@ class ModelRunner:
 
     @staticmethod
     def _sample_seed(state: RequestState) -> int | None:
-        """A seeded request's noise key depends only on its seed and the position of the token it samples: the
-        same tokens whatever else is in the batch, after preemption, and with overlapped steps."""
-        if state.seed is None:
-            return None
-        return (state.seed * _SEED_STRIDE + state.num_computed_tokens) % (1 << 62)
+        """The noise key of the token a seeded request samples next (`seed_key`); None: unseeded."""
+        return None if state.seed is None else seed_key(state.seed, state.num_computed_tokens)
 
     def _sampling_inputs(self, states: list[RequestState], rows: list[SamplingRow], vocab_size: int,
                          ) -> tuple[SamplingTensors, PenaltyBatch | None]:

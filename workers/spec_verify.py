@@ -306,12 +306,10 @@ class VerifiedStep:
         self.tokens = SampledBatch(tokens, []).start_copy()  # [R, 1 + k], every rank's
         self.launched = launched  # rank 0's
         self.prompt_logprobs = prompt_logprobs  # workers/prompt_logprobs.py PromptLogprobsBatch (rank 0), or None
-        self._output: ModelRunnerOutput | None = None
-        self._done = False
+        self._output: ModelRunnerOutput | None = None  # once read back
 
     def result(self) -> ModelRunnerOutput | None:
-        if not self._done:
-            self._done = True
+        if self._output is None:
             token_rows = kept_tokens(self.tokens.on_host()[0].tolist())
             logprobs = (self.launched.logprobs(token_rows) if self.launched is not None
                         else [[None] * len(t) for t in token_rows])

@@ -590,7 +590,7 @@ def test_batches_without_drafts_overlap_their_steps_and_give_the_plain_output():
         overlapped += pending is not None and pending.overlapped
         speculated += engine._speculating
         if pending is not None and pending.sched.scheduled_spec_token_ids:
-            assert not pending.overlapped and not pending.handle.payload._done  # launched, not waited for
+            assert not pending.overlapped and pending.handle.payload._output is None  # launched, not read back
             verify_in_flight += 1
         engine.check_integrity()
     assert overlapped > 0 and speculated > 0 and verify_in_flight > 0 and engine.spec.num_steps_off > 0
