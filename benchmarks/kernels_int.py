@@ -185,7 +185,7 @@ def print_crossings(results: list[dict]) -> None:
 # code compiled here (Triton 3.9).
 STREAM_TUNE_SPLITS = [2, 4, 6, 8, 12, 16]
 STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (2, 3, 4)] + [
-    dict(num_warps=8)]
+    dict(num_warps=8), dict(BLOCK_K=64), dict(BLOCK_K=64, num_stages=6)]  # K tiles of 64: 128 registers, not 162
 STREAM_TUNE_ROWS = [1]
 
 

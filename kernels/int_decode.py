@@ -22,11 +22,18 @@ once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout it
     offset binary)          field j, all into one accumulator
 
 so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
-A value costs one lop3 (its field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a
-conversion to x's dtype (`int_tiles.field_magic`): no integer-to-float conversion. The scale multiplies the dot's
-result (a K tile lies in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype
-before the dot, as `dequantize_ref` rounds it: the result is the exact-weight product, which differs from the
-reference by that rounding (a bf16 unit in the last place of W, averaged over K).
+With 4-bit fields and bf16 / fp16 x (`BIASED`, the serving case) the dot takes B + q, not q - z: a value costs a
+quarter of a prmt, a quarter of a shift and half a lop3 (`int_tiles.byte_fields`: two words' byte pairs into one
+register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16), and the
+tile's (B + z) * sum(x) comes off the dot's result (two FMAs an accumulator element, not per value: on the sm_90
+SASS of Llama-3-8B's down, 2.75 instructions a value in the K loop and 162 registers, where the q - z path below
+took 3.9 and 211). Otherwise (8 bits, float32 x) a value costs one lop3 (its field OR-ed into the mantissa of
+2^23), one FMA giving q - z exactly, and half a conversion to x's dtype (`int_tiles.field_magic`). Neither
+converts integers to floats. The scale multiplies the dot's result (a K tile lies in one group), and GGUF Q4_1's
+min adds min * sum(x) there. So W is not rounded to x's dtype before the dot, as `dequantize_ref` rounds it: the
+result is the exact-weight product, which differs from the reference by that rounding (a bf16 unit in the last
+place of W, averaged over K) and, on the B + q path, by the rounding of the float32 sums (B + z) * sum(x) is taken
+from (about 2^-24 of 136 * sum |x| a group).
 
 `linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
 group), the first kernel otherwise.
@@ -48,7 +55,7 @@ from kernels._triton import (
     triton,
     wait_for_prior,
 )
-from kernels.int_tiles import field_magic, field_zero_term, minus_z
+from kernels.int_tiles import biased_zero, byte_fields, field_magic, field_zero_term, minus_z
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
@@ -78,6 +85,36 @@ def _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, J: tl.con
 
 
 @triton.jit
+def _n_biased_dot(acc, xv, d, zero_words, s_row, m_row, xsum, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr,
+                  ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_C] + x times the dequantized field F of the words (packed along N), from d = B + q
+    (`byte_fields`): (x . d) s - sum(x) (B + z) s, or with mins (x . d) s - sum(x) (B s - m): output features 8c + J,
+    J = F's place in AWQ's order (0 2 4 6 1 3 5 7) or F. Two FMAs an accumulator element."""
+    J: tl.constexpr = 2 * (F % 4) + F // 4 if AWQ_ORDER else F
+    part = tl.dot(xv, d.to(xv.dtype), input_precision=PRECISION)
+    s = tl.load(s_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)
+    if HAS_MINS:
+        bias: tl.constexpr = 1024.0 if FP16 else 128.0
+        offset = bias * s - tl.load(m_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)
+    else:
+        offset = biased_zero(zero_words, F, ZERO_OFFSET, FP16) * s
+    return acc + part * s[None, :] - xsum[:, None] * offset[None, :]
+
+
+@triton.jit
+def _n_biased_byte(acc_low, acc_high, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, BYTE: tl.constexpr,
+                   AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr,
+                   PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """The accumulators of fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles), each plus its dot."""
+    low, high = byte_fields(words, BYTE, FP16, ASM)
+    acc_low = _n_biased_dot(acc_low, xv, low, zero_words, s_row, m_row, xsum, c, c_mask, 2 * BYTE, AWQ_ORDER,
+                            ZERO_OFFSET, HAS_MINS, FP16, PRECISION)
+    acc_high = _n_biased_dot(acc_high, xv, high, zero_words, s_row, m_row, xsum, c, c_mask, 2 * BYTE + 1, AWQ_ORDER,
+                             ZERO_OFFSET, HAS_MINS, FP16, PRECISION)
+    return acc_low, acc_high
+
+
+@triton.jit
 def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
     """[M, C] x 8 -> [M, 8 C], column 8c + j from a_j (tl.join adds its new dimension last: innermost)."""
     r = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
@@ -88,8 +125,8 @@ def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
 def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, c0, NC,
                    k_begin, k_end, group_size, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr,
                    ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   ASM: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, 8 BLOCK_C]: x's rows times W.T's columns 8 c0 .. 8 (c0 + BLOCK_C), K from k_begin to k_end
     (whole K tiles), for qweight packed along N (4 bits, 8 a word)."""
     c = c0 + tl.arange(0, BLOCK_C)
@@ -116,22 +153,41 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         zero_words = tl.load(qz_ptr + g * stride_qz + c, mask=c_mask, other=0)
         s_row = s_ptr + g * stride_s
         m_row = qz_ptr + g * stride_qz
-        a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a1 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a2 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a3 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a4 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 4, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a5 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 5, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a6 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 6, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
-        a7 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 7, BITS, AWQ_ORDER, ZERO_OFFSET,
-                           HAS_MINS, UPCAST, PRECISION, ASM)
+        if BIASED and AWQ_ORDER:  # field F is output 2 (F % 4) + F // 4
+            a0, a2 = _n_biased_byte(a0, a2, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a4, a6 = _n_biased_byte(a4, a6, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a1, a3 = _n_biased_byte(a1, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a5, a7 = _n_biased_byte(a5, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+        elif BIASED:
+            a0, a1 = _n_biased_byte(a0, a1, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a2, a3 = _n_biased_byte(a2, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a4, a5 = _n_biased_byte(a4, a5, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a6, a7 = _n_biased_byte(a6, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
+                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+        else:
+            a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a1 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a2 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a3 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a4 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 4, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a5 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 5, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a6 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 6, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
+            a7 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 7, BITS, AWQ_ORDER, ZERO_OFFSET,
+                               HAS_MINS, UPCAST, PRECISION, ASM)
     return _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
 
 
@@ -158,10 +214,31 @@ def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, z
 
 
 @triton.jit
+def _k_biased_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc + x's input features 8r + J times d = B + q of field J of the words [BLOCK_R, BLOCK_N] (4 bits, packed
+    along K; `byte_fields`): the caller takes (B + z) sum(x) off a K tile's sum and scales it."""
+    ks = k0 + tl.arange(0, BLOCK_R) * 8 + J
+    xj = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        xj = xj.to(tl.float32)
+    return tl.dot(xj, d.to(xj.dtype), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_M, 1]: x's rows summed over the K tile k0 .. k0 + BLOCK_K."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+    return tl.sum(xv.to(tl.float32), axis=1)[:, None]
+
+
+@triton.jit
 def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, n0, N,
                    k_begin, k_end, group_size, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
+                   FP16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: x's rows times W.T's columns n0 .. n0 + BLOCK_N, K from k_begin to k_end (whole
     K tiles), for qweight packed along K (P = 32 / BITS a word) with zero points packed along N (or mins)."""
     P: tl.constexpr = 32 // BITS
@@ -182,29 +259,50 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         else:
             zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 0, BITS,
-                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 1, BITS,
-                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 2, BITS,
-                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 3, BITS,
-                            ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        if P == 8:
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 4, BITS,
+        if BIASED:
+            xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
+            lo, hi = byte_fields(words, 0, FP16, ASM)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, 1, FP16, ASM)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 2, UPCAST, PRECISION, BLOCK_R)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 3, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, 2, FP16, ASM)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 4, UPCAST, PRECISION, BLOCK_R)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 5, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, 3, FP16, ASM)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 6, UPCAST, PRECISION, BLOCK_R)
+            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 7, UPCAST, PRECISION, BLOCK_R)
+            scale = tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_MINS:
+                bias: tl.constexpr = 1024.0 if FP16 else 128.0
+                acc += (part - xsum * bias) * scale
+            else:
+                acc += (part - xsum * biased_zero(zterm_words, zero_fields, ZERO_OFFSET, FP16)[None, :]) * scale
+        else:
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 0, BITS,
                                 ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 5, BITS,
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 1, BITS,
                                 ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 6, BITS,
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 2, BITS,
                                 ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 3, BITS,
                                 ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if P == 8:
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 4, BITS,
+                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 5, BITS,
+                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 6, BITS,
+                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
+                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+            acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_MINS:  # loaded after the dots (before, float32 x's gated tiles spilled)
+                xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
         if HAS_MINS:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
             mins = tl.load(qz_ptr + g * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * mins[None, :]
+            acc += xsum * mins[None, :]
     return acc
 
 
@@ -214,8 +312,8 @@ def _int_decode_kernel(
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col, up_word,
     BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
     of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
@@ -231,23 +329,24 @@ def _int_decode_kernel(
     if PACKED_ALONG_K:
         acc = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
                              n0, N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM,
-                             EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                             BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = acc
         if GATED:
             acc_up = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
                                     stride_s, up_col + n0, up_col + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET,
-                                    HAS_MINS, UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                                    HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N,
+                                    BLOCK_K)
     else:
         c0 = tl.program_id(0) * (BLOCK_N // P)  # a product, not n0 // P: its divisibility gives 16-byte loads
         acc = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
                              c0, N // P, k_begin, k_end, group_size, BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS,
-                             UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
+                             UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
         acc_up = acc
         if GATED:
             acc_up = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
                                     stride_s, up_word + c0, up_word + N // P, k_begin, k_end, group_size,
-                                    BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, EVEN_N, BLOCK_M,
-                                    BLOCK_N // P, BLOCK_K)
+                                    BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16,
+                                    EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
@@ -347,6 +446,7 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
+        BIASED=packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16), FP16=x.dtype == torch.float16,
         EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

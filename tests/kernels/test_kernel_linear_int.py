@@ -320,7 +320,11 @@ STREAM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Fo
 @pytest.mark.parametrize("fmt", STREAM_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows, gated, bias, split", [(1, False, False, 1), (5, True, False, 2),
                                                       (16, False, True, 4)])
-def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, device, poisoned_allocations):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, dtype, device, poisoned_allocations):
+    """float32 x: the exact-weight product to float32 rounding. bf16 x (4-bit layouts: B + q dotted, (B + z) sum(x)
+    taken off after): within two bf16 units of the output's scale of the float32 product (four when gated)."""
+    from kernels._triton import dot_precision, upcast_dot_operands
     from kernels.int_decode import can_stream, linear_int_stream
 
     k = 512 if fmt.group_size in (128, -1) else 256  # 2-4 K tiles a slice; whole groups
@@ -328,15 +332,20 @@ def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, device, poison
     group = layer["group_size"] or k
     assert can_stream(layer["packing"], layer["g_idx"], group, k, 48 if gated else 96, rows, 16)
     gen = torch.Generator().manual_seed(1)
-    x = (3 * torch.randn(rows, k, generator=gen)).to(device)
-    b = torch.randn(96, generator=gen).to(device) if bias else None
-    ref = linear_int_ref(x, **layer, bias=b, gated=gated)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype).to(device)
+    b = torch.randn(96, generator=gen).to(dtype).to(device) if bias else None
+    ref = linear_int_ref(x.float(), **layer, bias=None if b is None else b.float(), gated=gated)
     out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group, layer["packing"], b, gated,
-                            False, False, "ieee", config={"SPLIT_K": split})
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+                            False, upcast_dot_operands(dtype, x.device), dot_precision(dtype),
+                            config={"SPLIT_K": split})
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:  # gated: silu(gate) * up adds the two products' errors
+        assert (out.float() - ref).abs().max() <= (4 if gated else 2) * 2.0 ** -8 * ref.abs().max()
     assert torch.equal(linear_int_triton(x, **layer, bias=b, gated=gated),  # the launcher's choice for these rows
                        linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group,
-                                         layer["packing"], b, gated, False, False, "ieee"))
+                                         layer["packing"], b, gated, False, upcast_dot_operands(dtype, x.device),
+                                         dot_precision(dtype)))
 
 
 @pytest.mark.parametrize("fmt, k", [(ic.Int4Format("awq", 96), 288), (ic.Int4Format("gptq", 192, bits=8), 384),
@@ -368,7 +377,8 @@ def test_stream_kernel_half_precision(fmt, dtype, device, poisoned_allocations):
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_stream_kernel_mins(rows, device, poisoned_allocations):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_kernel_mins(rows, dtype, device, poisoned_allocations):
     """GGUF Q4_1's mins (groups of 32, K tiles of 128: not streamed) and a 128-group version that is."""
     from kernels.int_decode import can_stream
 
@@ -379,10 +389,13 @@ def test_stream_kernel_mins(rows, device, poisoned_allocations):
     args = dict(qweight=ic._packed(q.numpy(), 0, 4, range(8)).to(device), qzeros=None, scales=scales.to(device),
                 g_idx=None, group_size=128, packing=offset_binary(4), mins=mins.to(device))
     assert can_stream(offset_binary(4), None, 128, 512, 96, rows, 16)
-    x = torch.randn(rows, 512, generator=gen).to(device)
+    x = torch.randn(rows, 512, generator=gen).to(dtype).to(device)
     for gated in (False, True):
-        torch.testing.assert_close(linear_int_triton(x, **args, gated=gated), linear_int_ref(x, **args, gated=gated),
-                                   atol=1e-4, rtol=1e-4)
+        out, ref = linear_int_triton(x, **args, gated=gated), linear_int_ref(x.float(), **args, gated=gated)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        else:  # B + q dotted, B s - m times sum(x) taken off: within bf16 units of the float32 product
+            assert (out.float() - ref).abs().max() <= (4 if gated else 2) * 2.0 ** -8 * ref.abs().max()
 
 
 def test_stream_config_splits_k_to_about_two_programs_an_sm_and_fits():
