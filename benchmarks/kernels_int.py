@@ -183,9 +183,10 @@ def print_crossings(results: list[dict]) -> None:
 # split. So: the default tiles, each split here, 2-4 stages, and 8 warps. An SM runs as many programs as registers and
 # shared memory allow: 4 stages hold 211 registers a thread (two 4-warp programs), 2 stages 167 (three), in sm_90
 # code compiled here (Triton 3.9).
-STREAM_TUNE_SPLITS = [2, 4, 6, 8, 12, 16]
-STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (2, 3, 4)] + [
-    dict(num_warps=8), dict(BLOCK_K=64), dict(BLOCK_K=64, num_stages=6)]  # K tiles of 64: 128 registers, not 162
+STREAM_TUNE_SPLITS = [4, 8, 12, 16]
+# BIASED=False: 4-bit fields through the q - z path int8 takes (one lop3 and one FMA a value), beside the default
+STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
+    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=False)]
 STREAM_TUNE_ROWS = [1]
 
 

@@ -22,18 +22,19 @@ once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout it
     offset binary)          field j, all into one accumulator
 
 so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
-With 4-bit fields and bf16 / fp16 x (`BIASED`, the serving case) the dot takes B + q, not q - z: a value costs a
-quarter of a prmt, a quarter of a shift and half a lop3 (`int_tiles.byte_fields`: two words' byte pairs into one
-register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16), and the
-tile's (B + z) * sum(x) comes off the dot's result (two FMAs an accumulator element, not per value: on the sm_90
-SASS of Llama-3-8B's down, 2.75 instructions a value in the K loop and 162 registers, where the q - z path below
-took 3.9 and 211). Otherwise (8 bits, float32 x) a value costs one lop3 (its field OR-ed into the mantissa of
-2^23), one FMA giving q - z exactly, and half a conversion to x's dtype (`int_tiles.field_magic`). Neither
-converts integers to floats. The scale multiplies the dot's result (a K tile lies in one group), and GGUF Q4_1's
-min adds min * sum(x) there. So W is not rounded to x's dtype before the dot, as `dequantize_ref` rounds it: the
-result is the exact-weight product, which differs from the reference by that rounding (a bf16 unit in the last
-place of W, averaged over K) and, on the B + q path, by the rounding of the float32 sums (B + z) * sum(x) is taken
-from (about 2^-24 of 136 * sum |x| a group).
+With 4-bit fields and bf16 / fp16 x (`BIASED`, the serving case) a value costs a quarter of a prmt, a quarter of
+a shift, half a lop3 and half a 16-bit pair subtraction (`int_tiles.byte_fields`: two words' byte pairs into one
+register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B + z
+subtracted from the pair: q - z, exact): on the sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the K
+loop and 168 registers, where the path below took 3.9 and 211. (A first version dotted B + q and took
+(B + z) * sum(x) off the result instead: 2.75 a value, but x's sum crossed the warps through shared memory and a
+barrier each K tile, and on the H200 the kernel ran 1.3-1.6x slower than before:
+benchmarks/results/h200-kernels-tune-int4-biased.json.) Otherwise (8 bits, float32 x) a value costs one lop3 (its
+field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a conversion to x's dtype
+(`int_tiles.field_magic`). Neither converts integers to floats. The scale multiplies the dot's result (a K tile
+lies in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype before the dot,
+as `dequantize_ref` rounds it: the result is the exact-weight product, which differs from the reference by that
+rounding (a bf16 unit in the last place of W, averaged over K).
 
 `linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
 group), the first kernel otherwise.
@@ -55,7 +56,7 @@ from kernels._triton import (
     triton,
     wait_for_prior,
 )
-from kernels.int_tiles import biased_zero, byte_fields, field_magic, field_zero_term, minus_z
+from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
@@ -85,33 +86,37 @@ def _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, J: tl.con
 
 
 @triton.jit
-def _n_biased_dot(acc, xv, d, zero_words, s_row, m_row, xsum, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr,
-                  ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_C] + x times the dequantized field F of the words (packed along N), from d = B + q
-    (`byte_fields`): (x . d) s - sum(x) (B + z) s, or with mins (x . d) s - sum(x) (B s - m): output features 8c + J,
-    J = F's place in AWQ's order (0 2 4 6 1 3 5 7) or F. Two FMAs an accumulator element."""
-    J: tl.constexpr = 2 * (F % 4) + F // 4 if AWQ_ORDER else F
-    part = tl.dot(xv, d.to(xv.dtype), input_precision=PRECISION)
-    s = tl.load(s_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)
+def _n_byte_dots(acc_low, acc_high, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, BYTE: tl.constexpr,
+                 AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """The accumulators of fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles) of the words (4 bits, packed along
+    N), each plus x times its dequantized values (`byte_fields`: q - z, or q with mins), scaled (+ m sum(x))."""
+    F0: tl.constexpr = 2 * BYTE
+    F1: tl.constexpr = 2 * BYTE + 1
     if HAS_MINS:
-        bias: tl.constexpr = 1024.0 if FP16 else 128.0
-        offset = bias * s - tl.load(m_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)
+        z0 = tl.zeros([1, 1], tl.int32)
+        z1 = z0
     else:
-        offset = biased_zero(zero_words, F, ZERO_OFFSET, FP16) * s
-    return acc + part * s[None, :] - xsum[:, None] * offset[None, :]
+        z0 = (((zero_words >> (4 * F0)) & 15) + ZERO_OFFSET)[None, :]
+        z1 = (((zero_words >> (4 * F1)) & 15) + ZERO_OFFSET)[None, :]
+    low, high = byte_fields(words, z0, z1, BYTE, FP16, ASM)
+    acc_low += _n_scaled(tl.dot(xv, low.to(xv.dtype), input_precision=PRECISION), s_row, m_row, xsum, c, c_mask,
+                         F0, AWQ_ORDER, HAS_MINS)
+    acc_high += _n_scaled(tl.dot(xv, high.to(xv.dtype), input_precision=PRECISION), s_row, m_row, xsum, c, c_mask,
+                          F1, AWQ_ORDER, HAS_MINS)
+    return acc_low, acc_high
 
 
 @triton.jit
-def _n_biased_byte(acc_low, acc_high, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, BYTE: tl.constexpr,
-                   AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr,
-                   PRECISION: tl.constexpr, ASM: tl.constexpr):
-    """The accumulators of fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles), each plus its dot."""
-    low, high = byte_fields(words, BYTE, FP16, ASM)
-    acc_low = _n_biased_dot(acc_low, xv, low, zero_words, s_row, m_row, xsum, c, c_mask, 2 * BYTE, AWQ_ORDER,
-                            ZERO_OFFSET, HAS_MINS, FP16, PRECISION)
-    acc_high = _n_biased_dot(acc_high, xv, high, zero_words, s_row, m_row, xsum, c, c_mask, 2 * BYTE + 1, AWQ_ORDER,
-                             ZERO_OFFSET, HAS_MINS, FP16, PRECISION)
-    return acc_low, acc_high
+def _n_scaled(part, s_row, m_row, xsum, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr,
+              HAS_MINS: tl.constexpr):
+    """A field's dot times its output features' scales (+ min * sum(x)): output features 8c + J, J = F's place in
+    AWQ's order (0 2 4 6 1 3 5 7) or F."""
+    J: tl.constexpr = 2 * (F % 4) + F // 4 if AWQ_ORDER else F
+    part = part * tl.load(s_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_MINS:
+        part += xsum[:, None] * tl.load(m_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    return part
 
 
 @triton.jit
@@ -154,22 +159,22 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         s_row = s_ptr + g * stride_s
         m_row = qz_ptr + g * stride_qz
         if BIASED and AWQ_ORDER:  # field F is output 2 (F % 4) + F // 4
-            a0, a2 = _n_biased_byte(a0, a2, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
+            a0, a2 = _n_byte_dots(a0, a2, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a4, a6 = _n_biased_byte(a4, a6, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
+            a4, a6 = _n_byte_dots(a4, a6, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a1, a3 = _n_biased_byte(a1, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
+            a1, a3 = _n_byte_dots(a1, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a5, a7 = _n_biased_byte(a5, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
+            a5, a7 = _n_byte_dots(a5, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
         elif BIASED:
-            a0, a1 = _n_biased_byte(a0, a1, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
+            a0, a1 = _n_byte_dots(a0, a1, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a2, a3 = _n_biased_byte(a2, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
+            a2, a3 = _n_byte_dots(a2, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a4, a5 = _n_biased_byte(a4, a5, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
+            a4, a5 = _n_byte_dots(a4, a5, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a6, a7 = _n_biased_byte(a6, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
+            a6, a7 = _n_byte_dots(a6, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
                                     AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
         else:
             a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
@@ -214,10 +219,10 @@ def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, z
 
 
 @triton.jit
-def _k_biased_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constexpr, UPCAST: tl.constexpr,
+def _k_byte_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constexpr, UPCAST: tl.constexpr,
                   PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
-    """acc + x's input features 8r + J times d = B + q of field J of the words [BLOCK_R, BLOCK_N] (4 bits, packed
-    along K; `byte_fields`): the caller takes (B + z) sum(x) off a K tile's sum and scales it."""
+    """acc + x's input features 8r + J times d = q - z of field J of the words [BLOCK_R, BLOCK_N] (4 bits, packed
+    along K; `byte_fields`), unscaled."""
     ks = k0 + tl.arange(0, BLOCK_R) * 8 + J
     xj = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
     if UPCAST:
@@ -259,26 +264,23 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         else:
             zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if BIASED:
-            xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
-            lo, hi = byte_fields(words, 0, FP16, ASM)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, 1, FP16, ASM)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 2, UPCAST, PRECISION, BLOCK_R)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 3, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, 2, FP16, ASM)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 4, UPCAST, PRECISION, BLOCK_R)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 5, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, 3, FP16, ASM)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 6, UPCAST, PRECISION, BLOCK_R)
-            part = _k_biased_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 7, UPCAST, PRECISION, BLOCK_R)
-            scale = tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if BIASED:  # q - z of each field: the zero point is the column's, the same for its 8 fields
             if HAS_MINS:
-                bias: tl.constexpr = 1024.0 if FP16 else 128.0
-                acc += (part - xsum * bias) * scale
+                z = tl.zeros([1, 1], tl.int32)
             else:
-                acc += (part - xsum * biased_zero(zterm_words, zero_fields, ZERO_OFFSET, FP16)[None, :]) * scale
+                z = (((zterm_words >> (zero_fields * 4)) & 15) + ZERO_OFFSET)[None, :]
+            lo, hi = byte_fields(words, z, z, 0, FP16, ASM)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, z, z, 1, FP16, ASM)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 2, UPCAST, PRECISION, BLOCK_R)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 3, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, z, z, 2, FP16, ASM)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 4, UPCAST, PRECISION, BLOCK_R)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 5, UPCAST, PRECISION, BLOCK_R)
+            lo, hi = byte_fields(words, z, z, 3, FP16, ASM)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 6, UPCAST, PRECISION, BLOCK_R)
+            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 7, UPCAST, PRECISION, BLOCK_R)
         else:
             part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 0, BITS,
                                 ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
@@ -297,10 +299,9 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
                                     ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
                 part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
                                     ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_MINS:  # loaded after the dots (before, float32 x's gated tiles spilled)
-                xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
-        if HAS_MINS:
+        acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_MINS:  # x summed after the dots (before, float32 x's gated tiles spilled)
+            xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
             mins = tl.load(qz_ptr + g * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)
             acc += xsum * mins[None, :]
     return acc
@@ -446,7 +447,8 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
-        BIASED=packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16), FP16=x.dtype == torch.float16,
+        BIASED=cfg.get("BIASED", packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)),
+        FP16=x.dtype == torch.float16,
         EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -154,42 +154,44 @@ def minus_z(v, zterm, SH: tl.constexpr):
 
 # The 16-bit decode path (kernels/int_decode.py, 4-bit fields, bf16 or fp16 x): each field becomes B + q in x's
 # dtype, exactly (B = 128 in bf16: 0x4300's mantissa holds q in its 7 bits; B = 1024 in fp16: 0x6400's, 10 bits),
-# the dot runs on B + q, and the caller takes (B + z) * sum(x) off its result: no per-value FMA and no conversion.
+# and B + z comes off it in the same 16-bit pair instruction: q - z, exact, no per-value conversion.
 
 
 @triton.jit
-def byte_fields(words, BYTE: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
-    """(low, high): B + the 4-bit fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles) of each int32 word, in
-    fp16 (FP16, B = 1024) or bf16 (B = 128). On a GPU, for each two neighbouring words of a thread (which the MMA's
-    operand layout packs into one register of two 16-bit values), one prmt puts byte BYTE of each in bytes 0 and 2,
-    one lop3 ORs the low nibbles into two B's mantissas, a shift and a second lop3 the high ones: 4 instructions
-    for 4 values. The interpreter takes plain integer operators."""
-    MAGIC: tl.constexpr = 0x64006400 if FP16 else 0x43004300
+def byte_fields(words, zero_low, zero_high, BYTE: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
+    """(low, high): q - z of the 4-bit fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles) of each int32 word, in
+    fp16 (FP16) or bf16, zero_low / zero_high (int32, broadcast against words) their zero points. On a GPU, for each
+    two neighbouring words of a thread (which the MMA's operand layout packs into one register of two 16-bit
+    values, the same column's zero point): one prmt puts byte BYTE of each in bytes 0 and 2, one lop3 ORs the low
+    nibbles into two B's mantissas (B + q), a shift and a second lop3 the high ones, and a 16-bit pair subtraction
+    of B + z each: 6 instructions for 4 values. The interpreter takes plain integer operators (float32 out)."""
     if ASM:
-        sel = tl.full(words.shape, BYTE | (BYTE << 4) | ((4 + BYTE) << 8) | ((4 + BYTE) << 12), tl.int32)
-        magic = tl.full(words.shape, MAGIC, tl.int32)
-        mask = tl.full(words.shape, 0x000F000F, tl.int32)
-        # pack=2: operands $0 $1 the two outputs (a 16-bit pair each), $2 $3 the two words, then sel's, mask's and
-        # magic's pairs (their first of each used)
-        asm: tl.constexpr = ("{ .reg .b32 t; prmt.b32 t, $2, $3, $4; lop3.b32 $0, t, $6, $8, 0xEA; "
-                             "shr.u32 t, t, 4; lop3.b32 $1, t, $6, $8, 0xEA; }")
-        if FP16:
-            low, high = tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r", [words, sel, mask, magic],
-                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        else:
-            low, high = tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r", [words, sel, mask, magic],
-                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-    else:
         bias: tl.constexpr = 1024 if FP16 else 128
-        low = (((words >> (8 * BYTE)) & 15) + bias).to(tl.float32)
-        high = (((words >> (8 * BYTE + 4)) & 15) + bias).to(tl.float32)
+        sel = tl.full(words.shape, BYTE | (BYTE << 4) | ((4 + BYTE) << 8) | ((4 + BYTE) << 12), tl.int32)
+        magic = tl.full(words.shape, 0x64006400 if FP16 else 0x43004300, tl.int32)
+        mask = tl.full(words.shape, 0x000F000F, tl.int32)
+        # B + z as float32 through 2^23's mantissa (no integer-to-float conversion), then x's dtype (exact)
+        zl = ((zero_low + bias) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        zh = ((zero_high + bias) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        # pack=2: $0 $1 the two outputs (a 16-bit pair each), $2 $3 the two words, $4 $5 the zero points (a 16-bit
+        # pair each), then sel's, mask's and magic's pairs (the first of each used)
+        if FP16:
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; prmt.b32 t, $2, $3, $6; lop3.b32 $0, t, $8, $10, 0xEA; shr.u32 t, t, 4; "
+                "lop3.b32 $1, t, $8, $10, 0xEA; sub.f16x2 $0, $0, $4; sub.f16x2 $1, $1, $5; }",
+                "=r,=r,r,r,r,r,r,r,r,r,r,r",
+                [words, tl.broadcast_to(zl.to(tl.float16), words.shape),
+                 tl.broadcast_to(zh.to(tl.float16), words.shape), sel, mask, magic],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        else:
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; prmt.b32 t, $2, $3, $6; lop3.b32 $0, t, $8, $10, 0xEA; shr.u32 t, t, 4; "
+                "lop3.b32 $1, t, $8, $10, 0xEA; sub.bf16x2 $0, $0, $4; sub.bf16x2 $1, $1, $5; }",
+                "=r,=r,r,r,r,r,r,r,r,r,r,r",
+                [words, tl.broadcast_to(zl.to(tl.bfloat16), words.shape),
+                 tl.broadcast_to(zh.to(tl.bfloat16), words.shape), sel, mask, magic],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        low = (((words >> (8 * BYTE)) & 15) - zero_low).to(tl.float32)
+        high = (((words >> (8 * BYTE + 4)) & 15) - zero_high).to(tl.float32)
     return low, high
-
-
-@triton.jit
-def biased_zero(zero_words, F_OF_ZERO, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
-    """float32 B + z for the zero points z = field F_OF_ZERO (a tensor) of zero_words + ZERO_OFFSET (`byte_fields`'
-    B), through 2^23's mantissa (no integer-to-float conversion: a row of them a tile)."""
-    bias: tl.constexpr = 1024 if FP16 else 128
-    z = ((zero_words >> (F_OF_ZERO * 4)) & 15) + (ZERO_OFFSET + bias)
-    return (z | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
