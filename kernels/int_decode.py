@@ -22,18 +22,18 @@ once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout it
     offset binary)          field j, all into one accumulator
 
 so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
-With 4-bit fields and bf16 / fp16 x (`BIASED`, the serving case) a value costs a quarter of a prmt, a quarter of
-a shift, half a lop3 and half a 16-bit pair subtraction (`int_tiles.byte_fields`: two words' byte pairs into one
-register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B + z
-subtracted from the pair: q - z, exact): on the sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the K
-loop and 168 registers, where the path below took 3.9 and 211. (A first version dotted B + q and took
-(B + z) * sum(x) off the result instead: 2.75 a value, but x's sum crossed the warps through shared memory and a
-barrier each K tile, and on the H200 the kernel ran 1.3-1.6x slower than before:
-benchmarks/results/h200-kernels-tune-int4-biased.json.) Otherwise (8 bits, float32 x) a value costs one lop3 (its
-field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a conversion to x's dtype
-(`int_tiles.field_magic`). Neither converts integers to floats. The scale multiplies the dot's result (a K tile
-lies in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype before the dot,
-as `dequantize_ref` rounds it: the result is the exact-weight product, which differs from the reference by that
+With 4-bit fields, zero points and bf16 / fp16 x (`BIASED`, the serving case) a value costs a quarter of a prmt, a
+quarter of a shift, half a lop3 and half a 16-bit pair subtraction (`int_tiles.byte_fields`: two words' byte pairs
+into one register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B
++ z subtracted from the pair: q - z, exact): on the sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the
+K loop and 168 registers, where the path below took 3.9 and 211. (A first version dotted B + q and took (B + z) *
+sum(x) off the result instead: 2.75 a value, but x's sum crossed the warps through shared memory and a barrier each
+K tile, and on the H200 the kernel ran 1.3-1.6x slower than before:
+benchmarks/results/h200-kernels-tune-int4-biased.json.) Otherwise (8 bits, GGUF's mins, float32 x) a value costs one
+lop3 (its field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a conversion to x's dtype
+(`int_tiles.field_magic`). Neither converts integers to floats. The scale multiplies the dot's result (a K tile lies
+in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype before the dot, as
+`dequantize_ref` rounds it: the result is the exact-weight product, which differs from the reference by that
 rounding (a bf16 unit in the last place of W, averaged over K).
 
 `linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
@@ -86,37 +86,27 @@ def _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, J: tl.con
 
 
 @triton.jit
-def _n_byte_dots(acc_low, acc_high, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, BYTE: tl.constexpr,
-                 AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, FP16: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr):
+def _n_byte_dots(acc_low, acc_high, xv, words, zero_words, s_row, c, c_mask, BYTE: tl.constexpr,
+                 AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
+                 ASM: tl.constexpr):
     """The accumulators of fields 2 BYTE and 2 BYTE + 1 (byte BYTE's nibbles) of the words (4 bits, packed along
-    N), each plus x times its dequantized values (`byte_fields`: q - z, or q with mins), scaled (+ m sum(x))."""
+    N, zero points), each plus x times its dequantized values (`byte_fields`: q - z), scaled."""
     F0: tl.constexpr = 2 * BYTE
     F1: tl.constexpr = 2 * BYTE + 1
-    if HAS_MINS:
-        z0 = tl.zeros([1, 1], tl.int32)
-        z1 = z0
-    else:
-        z0 = (((zero_words >> (4 * F0)) & 15) + ZERO_OFFSET)[None, :]
-        z1 = (((zero_words >> (4 * F1)) & 15) + ZERO_OFFSET)[None, :]
+    z0 = (((zero_words >> (4 * F0)) & 15) + ZERO_OFFSET)[None, :]
+    z1 = (((zero_words >> (4 * F1)) & 15) + ZERO_OFFSET)[None, :]
     low, high = byte_fields(words, z0, z1, BYTE, FP16, ASM)
-    acc_low += _n_scaled(tl.dot(xv, low.to(xv.dtype), input_precision=PRECISION), s_row, m_row, xsum, c, c_mask,
-                         F0, AWQ_ORDER, HAS_MINS)
-    acc_high += _n_scaled(tl.dot(xv, high.to(xv.dtype), input_precision=PRECISION), s_row, m_row, xsum, c, c_mask,
-                          F1, AWQ_ORDER, HAS_MINS)
+    acc_low += tl.dot(xv, low.to(xv.dtype), input_precision=PRECISION) * _n_scales(s_row, c, c_mask, F0, AWQ_ORDER)
+    acc_high += tl.dot(xv, high.to(xv.dtype), input_precision=PRECISION) * _n_scales(s_row, c, c_mask, F1, AWQ_ORDER)
     return acc_low, acc_high
 
 
 @triton.jit
-def _n_scaled(part, s_row, m_row, xsum, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr,
-              HAS_MINS: tl.constexpr):
-    """A field's dot times its output features' scales (+ min * sum(x)): output features 8c + J, J = F's place in
-    AWQ's order (0 2 4 6 1 3 5 7) or F."""
+def _n_scales(s_row, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """float32 [1, BLOCK_C]: the scales of field F's output features 8c + J, J = F's place in AWQ's order
+    (0 2 4 6 1 3 5 7) or F."""
     J: tl.constexpr = 2 * (F % 4) + F // 4 if AWQ_ORDER else F
-    part = part * tl.load(s_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_MINS:
-        part += xsum[:, None] * tl.load(m_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    return part
+    return tl.load(s_row + c * 8 + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -159,23 +149,23 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         s_row = s_ptr + g * stride_s
         m_row = qz_ptr + g * stride_qz
         if BIASED and AWQ_ORDER:  # field F is output 2 (F % 4) + F // 4
-            a0, a2 = _n_byte_dots(a0, a2, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a4, a6 = _n_byte_dots(a4, a6, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a1, a3 = _n_byte_dots(a1, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a5, a7 = _n_byte_dots(a5, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a0, a2 = _n_byte_dots(a0, a2, xv, words, zero_words, s_row, c, c_mask, 0, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a4, a6 = _n_byte_dots(a4, a6, xv, words, zero_words, s_row, c, c_mask, 1, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a1, a3 = _n_byte_dots(a1, a3, xv, words, zero_words, s_row, c, c_mask, 2, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a5, a7 = _n_byte_dots(a5, a7, xv, words, zero_words, s_row, c, c_mask, 3, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
         elif BIASED:
-            a0, a1 = _n_byte_dots(a0, a1, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a2, a3 = _n_byte_dots(a2, a3, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a4, a5 = _n_byte_dots(a4, a5, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 2,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
-            a6, a7 = _n_byte_dots(a6, a7, xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 3,
-                                    AWQ_ORDER, ZERO_OFFSET, HAS_MINS, FP16, PRECISION, ASM)
+            a0, a1 = _n_byte_dots(a0, a1, xv, words, zero_words, s_row, c, c_mask, 0, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a2, a3 = _n_byte_dots(a2, a3, xv, words, zero_words, s_row, c, c_mask, 1, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a4, a5 = _n_byte_dots(a4, a5, xv, words, zero_words, s_row, c, c_mask, 2, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
+            a6, a7 = _n_byte_dots(a6, a7, xv, words, zero_words, s_row, c, c_mask, 3, AWQ_ORDER,
+                                    ZERO_OFFSET, FP16, PRECISION, ASM)
         else:
             a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
                                HAS_MINS, UPCAST, PRECISION, ASM)
@@ -265,10 +255,7 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
             zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if BIASED:  # q - z of each field: the zero point is the column's, the same for its 8 fields
-            if HAS_MINS:
-                z = tl.zeros([1, 1], tl.int32)
-            else:
-                z = (((zterm_words >> (zero_fields * 4)) & 15) + ZERO_OFFSET)[None, :]
+            z = (((zterm_words >> (zero_fields * 4)) & 15) + ZERO_OFFSET)[None, :]
             lo, hi = byte_fields(words, z, z, 0, FP16, ASM)
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
@@ -319,6 +306,7 @@ def _int_decode_kernel(
     """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
     of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
     slices whole K tiles)."""
+    tl.static_assert(not (BIASED and HAS_MINS), "the B + q path has zero points, not mins")
     wait_for_prior(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
@@ -447,7 +435,7 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
-        BIASED=cfg.get("BIASED", packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)),
+        BIASED=cfg.get("BIASED", packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and not has_mins),
         FP16=x.dtype == torch.float16,
         EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
