@@ -184,9 +184,10 @@ def print_crossings(results: list[dict]) -> None:
 # shared memory allow: 4 stages hold 211 registers a thread (two 4-warp programs), 2 stages 167 (three), in sm_90
 # code compiled here (Triton 3.9).
 STREAM_TUNE_SPLITS = [4, 8, 12, 16]
-# BIASED=False: 4-bit fields through the q - z path int8 takes (one lop3 and one FMA a value), beside the default
+# BIASED=True: 4-bit fields unpacked as B + q in 16-bit pairs (int_decode.PAIR_UNPACK, off by default until this
+# sweep shows it faster than the q - z path), alone and with more slices
 STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
-    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=False)]
+    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=True), dict(BIASED=True, SPLIT_K=16)]
 STREAM_TUNE_ROWS = [1]
 
 

@@ -22,19 +22,19 @@ once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout it
     offset binary)          field j, all into one accumulator
 
 so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
-With 4-bit fields, zero points and bf16 / fp16 x (`BIASED`, the serving case) a value costs a quarter of a prmt, a
-quarter of a shift, half a lop3 and half a 16-bit pair subtraction (`int_tiles.byte_fields`: two words' byte pairs
-into one register of two 16-bit values, each nibble OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B
-+ z subtracted from the pair: q - z, exact): on the sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the
-K loop and 168 registers, where the path below took 3.9 and 211. (A first version dotted B + q and took (B + z) *
-sum(x) off the result instead: 2.75 a value, but x's sum crossed the warps through shared memory and a barrier each
-K tile, and on the H200 the kernel ran 1.3-1.6x slower than before:
-benchmarks/results/h200-kernels-tune-int4-biased.json.) Otherwise (8 bits, GGUF's mins, float32 x) a value costs one
-lop3 (its field OR-ed into the mantissa of 2^23), one FMA giving q - z exactly, and half a conversion to x's dtype
-(`int_tiles.field_magic`). Neither converts integers to floats. The scale multiplies the dot's result (a K tile lies
-in one group), and GGUF Q4_1's min adds min * sum(x) there. So W is not rounded to x's dtype before the dot, as
-`dequantize_ref` rounds it: the result is the exact-weight product, which differs from the reference by that
-rounding (a bf16 unit in the last place of W, averaged over K).
+With 4-bit fields, zero points and bf16 / fp16 x (`BIASED`, the serving case; off by default until measured on an
+H200: `PAIR_UNPACK`) a value costs a quarter of a prmt, a quarter of a shift, half a lop3 and half a 16-bit pair
+subtraction (`int_tiles.byte_fields`: two words' byte pairs into one register of two 16-bit values, each nibble
+OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B + z subtracted from the pair: q - z, exact): on the
+sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the K loop and 168 registers, where the path below took
+3.9 and 211. (A first version dotted B + q and took (B + z) * sum(x) off the result instead: 2.75 a value, but x's
+sum crossed the warps through shared memory and a barrier each K tile, and on the H200 the kernel ran 1.3-1.6x
+slower than before: benchmarks/results/h200-kernels-tune-int4-biased.json.) The default path (the only one for 8
+bits, GGUF's mins and float32 x): a value costs one lop3 (its field OR-ed into the mantissa of 2^23), one FMA giving
+q - z exactly, and half a conversion to x's dtype (`int_tiles.field_magic`). Neither converts integers to floats.
+The scale multiplies the dot's result (a K tile lies in one group), and GGUF Q4_1's min adds min * sum(x) there. So
+W is not rounded to x's dtype before the dot, as `dequantize_ref` rounds it: the result is the exact-weight product,
+which differs from the reference by that rounding (a bf16 unit in the last place of W, averaged over K).
 
 `linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
 group), the first kernel otherwise.
@@ -60,6 +60,10 @@ from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
+# The B + q unpacking (`BIASED`, where `can_pair_unpack`) is off by default until an H200 measures it beside the
+# q - z path (`python -m benchmarks.kernels --only int4 --tune` times both): its first version ran 1.3-1.6x slower
+# there, and this one, without that version's per-tile sum of x, has not yet run on a GPU.
+PAIR_UNPACK = False
 
 
 @triton.jit
@@ -376,6 +380,12 @@ def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: 
     return packing.bits == 4 and group_size % 32 == 0 and out_features % 8 == 0
 
 
+def can_pair_unpack(packing, x_dtype: torch.dtype, has_mins: bool) -> bool:
+    """Whether the B + q unpacking (`int_tiles.byte_fields`) can take this layer: 4-bit fields with zero points
+    (not GGUF's mins), bf16 or fp16 x."""
+    return packing.bits == 4 and not has_mins and x_dtype in (torch.bfloat16, torch.float16)
+
+
 @functools.lru_cache(maxsize=None)
 def stream_config(num_rows: int, out_features: int, in_features: int, group_size: int, packed_along_k: bool,
                   gated: bool, x_itemsize: int, device: torch.device) -> dict:
@@ -420,6 +430,9 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
                         x.device) | (config or {})
     assert num_rows <= cfg["BLOCK_M"] and group_size % cfg["BLOCK_K"] == 0, (num_rows, group_size, cfg)
     assert max(qweight.numel(), x.numel(), out.numel()) < 2**31, "int32 offsets"
+    biased = cfg.get("BIASED", PAIR_UNPACK and can_pair_unpack(packing, x.dtype, has_mins))
+    if biased and not can_pair_unpack(packing, x.dtype, has_mins):
+        raise ValueError(f"BIASED needs 4-bit fields with zero points and bf16 / fp16 x, not {packing} and {x.dtype}")
     num_tiles = cdiv(out_features, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     counts = _split_counts(x.device, num_tiles) if split > 1 else None
@@ -435,7 +448,7 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
-        BIASED=cfg.get("BIASED", packing.bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and not has_mins),
+        BIASED=biased,
         FP16=x.dtype == torch.float16,
         EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],

@@ -26,12 +26,17 @@ def packed_layer(fmt: ic.Int4Format, out_features: int, in_features: int, device
                  "scales": ct["weight_scale"].t().float().contiguous(), "g_idx": ct["weight_g_idx"]}
     else:
         parts = ic.pack_awq(qz) if fmt.method == "awq" else ic.pack_gptq(qz, fmt.bits)
-    packing = {"awq": AWQ_GEMM, "gptq": gptq_v1(fmt.bits), "pack-quantized": offset_binary(fmt.bits)}[fmt.method]
+    packing = ic_packing(fmt)
     g_idx = parts.get("g_idx") if fmt.desc_act else None
     group_size = None if fmt.group_size == -1 else fmt.group_size
     return dict(qweight=parts["qweight"].to(device), qzeros=parts["qzeros"].to(device),
                 scales=parts["scales"].to(device), g_idx=None if g_idx is None else g_idx.to(device),
                 group_size=group_size, packing=packing)
+
+
+def ic_packing(fmt: ic.Int4Format):
+    """The layer packing of a test format (`packed_layer`'s)."""
+    return {"awq": AWQ_GEMM, "gptq": gptq_v1(fmt.bits), "pack-quantized": offset_binary(fmt.bits)}[fmt.method]
 
 
 FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("gptq", 32, sym=True),
@@ -320,10 +325,15 @@ STREAM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Fo
 @pytest.mark.parametrize("fmt", STREAM_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows, gated, bias, split", [(1, False, False, 1), (5, True, False, 2),
                                                       (16, False, True, 4)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, dtype, device, poisoned_allocations):
-    """float32 x: the exact-weight product to float32 rounding. bf16 x (4-bit layouts: B + q dotted, (B + z) sum(x)
-    taken off after): within two bf16 units of the output's scale of the float32 product (four when gated)."""
+@pytest.mark.parametrize("dtype, biased", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, dtype, biased, device, poisoned_allocations):
+    """float32 x: the exact-weight product to float32 rounding. bf16 x, by either unpacking of 4-bit fields (biased:
+    B + q in 16-bit pairs, B + z subtracted): within two bf16 units of the output's scale of the float32 product
+    (four when gated)."""
+    from kernels.int_decode import can_pair_unpack
+
+    if biased and not can_pair_unpack(ic_packing(fmt), dtype, False):
+        pytest.skip("8-bit fields take the q - z path only")
     from kernels._triton import dot_precision, upcast_dot_operands
     from kernels.int_decode import can_stream, linear_int_stream
 
@@ -337,11 +347,13 @@ def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, dtype, device,
     ref = linear_int_ref(x.float(), **layer, bias=None if b is None else b.float(), gated=gated)
     out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group, layer["packing"], b, gated,
                             False, upcast_dot_operands(dtype, x.device), dot_precision(dtype),
-                            config={"SPLIT_K": split})
+                            config={"SPLIT_K": split, "BIASED": biased})
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:  # gated: silu(gate) * up adds the two products' errors
         assert (out.float() - ref).abs().max() <= (4 if gated else 2) * 2.0 ** -8 * ref.abs().max()
+    if biased:
+        return
     assert torch.equal(linear_int_triton(x, **layer, bias=b, gated=gated),  # the launcher's choice for these rows
                        linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], group,
                                          layer["packing"], b, gated, False, upcast_dot_operands(dtype, x.device),
@@ -367,13 +379,20 @@ def test_stream_kernel_groups_of_no_power_of_two(fmt, k, device, poisoned_alloca
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", [ic.Int4Format("awq", 128), ic.Int4Format("gptq", 128)], ids=lambda f: f.name)
 def test_stream_kernel_half_precision(fmt, dtype, device, poisoned_allocations):
-    """16-bit x: within the rounding of W and of the output (the kernel's W is exact, the reference's rounded)."""
+    """16-bit x, by either unpacking (the q - z path, B + q in 16-bit pairs): within the rounding of W and of the
+    output (the kernel's W is exact, the reference's rounded)."""
+    from kernels._triton import upcast_dot_operands
+    from kernels.int_decode import linear_int_stream
+
     layer = packed_layer(fmt, 256, 512, device)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
     exact = linear_int_ref(x.float(), **layer)  # float32 x and W: the exact-weight product, rounded once at the end
-    out = linear_int_triton(x, **layer).float()
     ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
-    assert (out - exact).abs().max() <= 2 * ulp * exact.abs().max()
+    for biased in (False, True):
+        out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], 128, layer["packing"], None,
+                                False, False, upcast_dot_operands(dtype, x.device), "tf32",
+                                config={"BIASED": biased}).float()
+        assert (out - exact).abs().max() <= 2 * ulp * exact.abs().max(), biased
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -523,6 +542,34 @@ def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
             out = linear_int(x, **layer, gated=gated)
             _within_bf16_rounding(out, linear_int_ref(x, **layer, gated=gated), (op, rows))
             assert stream.launches - before == (layout != "gptq-act"), (op, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_gpu_pair_unpacking_real_layers(layout, cuda):
+    """The B + q unpacking in 16-bit pairs (inline PTX: a thread's two neighbouring words, their zero points as one
+    register of two bf16 values) on Llama-3-8B's layers at 1 and 16 rows: the reference's values, and the q - z
+    path's to a few bf16 units (both are exact-weight products)."""
+    from kernels.int_decode import linear_int_stream
+
+    for op, (layer, k, gated) in _gpu_layers("8b", layout).items():
+        for rows in (1, 16):
+            x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
+            outs = [linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["group_size"],
+                                      layer["packing"], None, gated, False, False, "tf32", config={"BIASED": b})
+                    for b in (False, True)]
+            _within_bf16_rounding(outs[1], linear_int_ref(x, **layer, gated=gated), (op, rows))
+            _within_bf16_rounding(outs[1], outs[0], (op, rows, "q - z path"))
+
+
+def test_pair_unpacking_refuses_what_it_cannot_take(device):
+    from kernels.int_decode import linear_int_stream
+
+    layer = packed_layer(ic.Int4Format("gptq", 64, bits=8), 64, 128, device)
+    x = torch.randn(2, 128).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="BIASED needs 4-bit fields"):
+        linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], 64, layer["packing"], None, False,
+                          False, True, "tf32", config={"BIASED": True})
 
 
 @pytest.mark.gpu
