@@ -152,25 +152,16 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         zero_words = tl.load(qz_ptr + g * stride_qz + c, mask=c_mask, other=0)
         s_row = s_ptr + g * stride_s
         m_row = qz_ptr + g * stride_qz
-        if BIASED and AWQ_ORDER:  # field F is output 2 (F % 4) + F // 4
-            a0, a2 = _n_byte_dots(a0, a2, xv, words, zero_words, s_row, c, c_mask, 0, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a4, a6 = _n_byte_dots(a4, a6, xv, words, zero_words, s_row, c, c_mask, 1, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a1, a3 = _n_byte_dots(a1, a3, xv, words, zero_words, s_row, c, c_mask, 2, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a5, a7 = _n_byte_dots(a5, a7, xv, words, zero_words, s_row, c, c_mask, 3, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-        elif BIASED:
-            a0, a1 = _n_byte_dots(a0, a1, xv, words, zero_words, s_row, c, c_mask, 0, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a2, a3 = _n_byte_dots(a2, a3, xv, words, zero_words, s_row, c, c_mask, 1, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a4, a5 = _n_byte_dots(a4, a5, xv, words, zero_words, s_row, c, c_mask, 2, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-            a6, a7 = _n_byte_dots(a6, a7, xv, words, zero_words, s_row, c, c_mask, 3, AWQ_ORDER,
-                                    ZERO_OFFSET, FP16, PRECISION, ASM)
-        else:
+        if BIASED:  # accumulator F: field F (AWQ's order undone at the end)
+            a0, a1 = _n_byte_dots(a0, a1, xv, words, zero_words, s_row, c, c_mask, 0, AWQ_ORDER, ZERO_OFFSET, FP16,
+                                  PRECISION, ASM)
+            a2, a3 = _n_byte_dots(a2, a3, xv, words, zero_words, s_row, c, c_mask, 1, AWQ_ORDER, ZERO_OFFSET, FP16,
+                                  PRECISION, ASM)
+            a4, a5 = _n_byte_dots(a4, a5, xv, words, zero_words, s_row, c, c_mask, 2, AWQ_ORDER, ZERO_OFFSET, FP16,
+                                  PRECISION, ASM)
+            a6, a7 = _n_byte_dots(a6, a7, xv, words, zero_words, s_row, c, c_mask, 3, AWQ_ORDER, ZERO_OFFSET, FP16,
+                                  PRECISION, ASM)
+        else:  # accumulator j: output features 8c + j
             a0 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 0, BITS, AWQ_ORDER, ZERO_OFFSET,
                                HAS_MINS, UPCAST, PRECISION, ASM)
             a1 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 1, BITS, AWQ_ORDER, ZERO_OFFSET,
@@ -187,6 +178,8 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
                                HAS_MINS, UPCAST, PRECISION, ASM)
             a7 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 7, BITS, AWQ_ORDER, ZERO_OFFSET,
                                HAS_MINS, UPCAST, PRECISION, ASM)
+    if BIASED and AWQ_ORDER:  # output j is field (j % 2) * 4 + j // 2
+        return _interleave8(a0, a4, a1, a5, a2, a6, a3, a7)
     return _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
 
 

@@ -175,22 +175,14 @@ def byte_fields(words, zero_low, zero_high, BYTE: tl.constexpr, FP16: tl.constex
         zh = ((zero_high + bias) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         # pack=2: $0 $1 the two outputs (a 16-bit pair each), $2 $3 the two words, $4 $5 the zero points (a 16-bit
         # pair each), then sel's, mask's and magic's pairs (the first of each used)
-        if FP16:
-            low, high = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; prmt.b32 t, $2, $3, $6; lop3.b32 $0, t, $8, $10, 0xEA; shr.u32 t, t, 4; "
-                "lop3.b32 $1, t, $8, $10, 0xEA; sub.f16x2 $0, $0, $4; sub.f16x2 $1, $1, $5; }",
-                "=r,=r,r,r,r,r,r,r,r,r,r,r",
-                [words, tl.broadcast_to(zl.to(tl.float16), words.shape),
-                 tl.broadcast_to(zh.to(tl.float16), words.shape), sel, mask, magic],
-                dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        else:
-            low, high = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; prmt.b32 t, $2, $3, $6; lop3.b32 $0, t, $8, $10, 0xEA; shr.u32 t, t, 4; "
-                "lop3.b32 $1, t, $8, $10, 0xEA; sub.bf16x2 $0, $0, $4; sub.bf16x2 $1, $1, $5; }",
-                "=r,=r,r,r,r,r,r,r,r,r,r,r",
-                [words, tl.broadcast_to(zl.to(tl.bfloat16), words.shape),
-                 tl.broadcast_to(zh.to(tl.bfloat16), words.shape), sel, mask, magic],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        dtype = tl.float16 if FP16 else tl.bfloat16
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $2, $3, $6; lop3.b32 $0, t, $8, $10, 0xEA; shr.u32 t, t, 4; "
+            "lop3.b32 $1, t, $8, $10, 0xEA; " + ("sub.f16x2 $0, $0, $4; sub.f16x2 $1, $1, $5; }" if FP16 else
+                                              "sub.bf16x2 $0, $0, $4; sub.bf16x2 $1, $1, $5; }"),
+            "=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [words, tl.broadcast_to(zl.to(dtype), words.shape), tl.broadcast_to(zh.to(dtype), words.shape), sel,
+             mask, magic], dtype=(dtype, dtype), is_pure=True, pack=2)
     else:
         low = (((words >> (8 * BYTE)) & 15) - zero_low).to(tl.float32)
         high = (((words >> (8 * BYTE + 4)) & 15) - zero_high).to(tl.float32)
