@@ -187,7 +187,8 @@ STREAM_TUNE_SPLITS = [4, 8, 12, 16]
 # BIASED=True: 4-bit fields unpacked as B + q in 16-bit pairs (int_decode.PAIR_UNPACK, off by default until this
 # sweep shows it faster than the q - z path), alone and with more slices
 STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
-    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=True), dict(BIASED=True, SPLIT_K=16)]
+    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=True), dict(BIASED=True, num_stages=3),
+    dict(BIASED=True, SPLIT_K=16), dict(BIASED=True, BLOCK_K=64, num_stages=6)]
 STREAM_TUNE_ROWS = [1]
 
 
