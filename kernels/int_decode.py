@@ -56,7 +56,7 @@ from kernels._triton import (
     triton,
     wait_for_prior,
 )
-from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z
+from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z, zero_points
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
@@ -97,9 +97,8 @@ def _n_byte_dots(acc_low, acc_high, xv, words, zero_words, s_row, c, c_mask, BYT
     N, zero points), each plus x times its dequantized values (`byte_fields`: q - z), scaled."""
     F0: tl.constexpr = 2 * BYTE
     F1: tl.constexpr = 2 * BYTE + 1
-    z0 = (((zero_words >> (4 * F0)) & 15) + ZERO_OFFSET)[None, :]
-    z1 = (((zero_words >> (4 * F1)) & 15) + ZERO_OFFSET)[None, :]
-    low, high = byte_fields(words, z0, z1, BYTE, FP16, ASM)
+    low, high = byte_fields(words, zero_points(zero_words, F0, ZERO_OFFSET, 4)[None, :],
+                            zero_points(zero_words, F1, ZERO_OFFSET, 4)[None, :], BYTE, FP16, ASM)
     acc_low += tl.dot(xv, low.to(xv.dtype), input_precision=PRECISION) * _n_scales(s_row, c, c_mask, F0, AWQ_ORDER)
     acc_high += tl.dot(xv, high.to(xv.dtype), input_precision=PRECISION) * _n_scales(s_row, c, c_mask, F1, AWQ_ORDER)
     return acc_low, acc_high
@@ -189,13 +188,9 @@ def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, z
                  PRECISION: tl.constexpr, ASM: tl.constexpr, BLOCK_R: tl.constexpr):
     """acc + x's input features P r + j times the dequantized values j of words [BLOCK_R, BLOCK_N] (packed along
     K), unscaled (q - z: the caller scales a K tile's sum)."""
-    P: tl.constexpr = 32 // BITS
     H: tl.constexpr = 16 // BITS
     SH: tl.constexpr = BITS * (J % H)
-    ks = k0 + tl.arange(0, BLOCK_R) * P + J
-    xj = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
-    if UPCAST:
-        xj = xj.to(tl.float32)
+    xj = _k_field_x(x_ptr, rows, row_mask, stride_x, k0, J, 32 // BITS, UPCAST, BLOCK_R)
     v = field_magic(words, J, BITS, ASM)
     if HAS_MINS:
         zterm = tl.full([1], -(1 << (23 - SH)), tl.float32)
@@ -206,23 +201,23 @@ def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, z
 
 
 @triton.jit
-def _k_byte_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
-    """acc + x's input features 8r + J times d = q - z of field J of the words [BLOCK_R, BLOCK_N] (4 bits, packed
-    along K; `byte_fields`), unscaled."""
-    ks = k0 + tl.arange(0, BLOCK_R) * 8 + J
+def _k_field_x(x_ptr, rows, row_mask, stride_x, k0, J: tl.constexpr, P: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """x's input features P r + J of the K tile at k0 (field J of its BLOCK_R word rows), the dot's operand."""
+    ks = k0 + tl.arange(0, BLOCK_R) * P + J
     xj = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
     if UPCAST:
         xj = xj.to(tl.float32)
-    return tl.dot(xj, d.to(xj.dtype), acc, input_precision=PRECISION)
+    return xj
 
 
 @triton.jit
-def _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_M, 1]: x's rows summed over the K tile k0 .. k0 + BLOCK_K."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
-    return tl.sum(xv.to(tl.float32), axis=1)[:, None]
+def _k_byte_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc + x's input features 8r + J times d = q - z of field J of the words [BLOCK_R, BLOCK_N] (4 bits, packed
+    along K; `byte_fields`), unscaled."""
+    xj = _k_field_x(x_ptr, rows, row_mask, stride_x, k0, J, 8, UPCAST, BLOCK_R)
+    return tl.dot(xj, d.to(xj.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -252,7 +247,7 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
             zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if BIASED:  # q - z of each field: the zero point is the column's, the same for its 8 fields
-            z = (((zterm_words >> (zero_fields * 4)) & 15) + ZERO_OFFSET)[None, :]
+            z = zero_points(zterm_words, zero_fields, ZERO_OFFSET, 4)[None, :]
             lo, hi = byte_fields(words, z, z, 0, FP16, ASM)
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
@@ -284,10 +279,11 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
                 part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
                                     ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
         acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_MINS:  # x summed after the dots (before, float32 x's gated tiles spilled)
-            xsum = _tile_sum(x_ptr, rows, row_mask, stride_x, k0, BLOCK_K)
+        if HAS_MINS:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
             mins = tl.load(qz_ptr + g * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)
-            acc += xsum * mins[None, :]
+            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * mins[None, :]
     return acc
 
 

@@ -139,10 +139,16 @@ def field_magic(words, F: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def zero_points(zero_words, F_OF_ZERO, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr):
+    """int32: the zero points z = field F_OF_ZERO (a constant or a tensor) of zero_words + ZERO_OFFSET."""
+    return ((zero_words >> (F_OF_ZERO * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
+
+
+@triton.jit
 def field_zero_term(zero_words, F_OF_ZERO, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, SH: tl.constexpr):
-    """float32 -(2^23 + z * 2^SH) * 2^-SH for the zero points z = field F_OF_ZERO (a tensor) of zero_words
-    + ZERO_OFFSET: the additive term of `field_magic`'s FMA (a row of them a tile, not a per-element cost)."""
-    z = ((zero_words >> (F_OF_ZERO * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
+    """float32 -(2^23 + z * 2^SH) * 2^-SH for the zero points z (`zero_points`): the additive term of
+    `field_magic`'s FMA (a row of them a tile, not a per-element cost)."""
+    z = zero_points(zero_words, F_OF_ZERO, ZERO_OFFSET, BITS)
     return -((z << SH) | 0x4B000000).to(tl.float32, bitcast=True) * (1.0 / (1 << SH))
 
 
