@@ -43,7 +43,9 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     drafts (a speculative engine): its method ("ngram", "draft_model") proposes as configured; "forced" proposes k
     drafts every step (the last token repeated), so each step verifies k + 1 tokens whatever the model accepts: the
     verify step's cost; "oracle" proposes each request's own greedy continuation, recorded first, each draft right
-    with probability `oracle_accuracy` (`ReplayProposer`)."""
+    with probability `oracle_accuracy` (`ReplayProposer`). Where the n-gram engine's workers propose on the device
+    (an in-process executor), forced and oracle drafts are proposed there too, in the n-gram lookup's place
+    (`RepeatLastLookup`, `ReplayLookup`), so their steps run ahead as the n-gram's do (the row's `steps_ahead`)."""
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -54,14 +56,22 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
                             structured_outputs=constraint(structured))
     loras = loras or [None] * len(prompts)
     proposer = engine.spec.proposer if engine.spec is not None else None
+    runner = _device_drafting_runner(engine) if drafts in ("forced", "oracle") else None
+    lookup = runner.lookup if runner is not None else None
     if drafts == "oracle":
         k = engine.spec.config.num_speculative_tokens
         references = greedy_continuations(engine, prompts, loras, (decode_steps + 8) * (k + 1))
-        engine.spec.proposer = ReplayProposer(references, k, oracle_accuracy, engine.vocab_size)
+        if runner is not None:
+            runner.lookup = ReplayLookup(references, oracle_accuracy, engine.vocab_size, runner.device)
+        else:
+            engine.spec.proposer = ReplayProposer(references, k, oracle_accuracy, engine.vocab_size)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params, stream=False, lora_request=loras[i])
     if drafts == "forced":
-        engine.spec.proposer = RepeatLastProposer(engine.spec.config.num_speculative_tokens)
+        if runner is not None:
+            runner.lookup = RepeatLastLookup()
+        else:
+            engine.spec.proposer = RepeatLastProposer(engine.spec.config.num_speculative_tokens)
     start = time.perf_counter()
     while any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill (possibly chunked)
@@ -72,6 +82,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     grammar = replace(engine.structured.stats)
     spec = replace(engine.scheduler.spec_stats, accepted_per_position=[])
     propose_s = engine.spec.propose_total_s if engine.spec is not None else 0.0
+    ahead = engine.spec.num_steps_ahead if engine.spec is not None else 0
     running = []
     graph_steps = _verify_graph_replays(engine)
     generated = _output_tokens(engine)
@@ -95,8 +106,11 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
         row |= {"drafts": drafts, "draft_tokens_per_step": num_draft_tokens / max(len(prompts), 1) / decode_steps,
                 "acceptance": (stats.num_accepted_tokens - spec.num_accepted_tokens) / max(num_draft_tokens, 1),
                 "graph_steps": (_verify_graph_replays(engine) - graph_steps) / decode_steps,  # verify CUDA graphs
-                "propose_ms_per_step": 1000 * (engine.spec.propose_total_s - propose_s) / decode_steps}
+                "propose_ms_per_step": 1000 * (engine.spec.propose_total_s - propose_s) / decode_steps,
+                "steps_ahead": (engine.spec.num_steps_ahead - ahead) / decode_steps}  # launched before the last read
         engine.spec.proposer = proposer
+        if runner is not None:
+            runner.lookup = lookup
     if structured:
         row |= {"structured": structured} | grammar_figures(engine.structured.stats, grammar)
     if profile_steps and torch.cuda.is_available():
@@ -108,6 +122,59 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     engine.abort_request(list(engine.groups))
     engine.step()
     return row
+
+
+def _device_drafting_runner(engine):
+    """The rank-0 runner whose n-gram lookup proposes drafts on the device, where the engine's drafts come from there
+    (an n-gram engine, an in-process executor); None otherwise."""
+    worker = getattr(engine.executor, "worker", None)
+    if engine.spec is None or not engine.spec.drafts_on_device or worker is None:
+        return None
+    return worker.runner if worker.runner.ngram is not None else None
+
+
+class RepeatLastLookup:
+    """The forced drafts on the device (the runner's lookup, workers/ngram_drafts.py's signature): k copies of each
+    history's last token."""
+
+    def __call__(self, tokens, lengths, k: int, min_n: int, max_n: int):
+        import torch
+
+        last = tokens.long().gather(1, (lengths - 1).clamp(min=0)[:, None])
+        return last.expand(-1, k).contiguous(), torch.full_like(lengths, k)
+
+
+class ReplayLookup:
+    """The oracle drafts on the device: each history's continuation in `references` (prompts of one length: the
+    bench's), each draft kept with probability `accuracy` and otherwise made another token (a seeded device
+    generator); none for a history whose prompt is not there. No host round trip, so steps still run ahead."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], accuracy: float, vocab_size: int, device,
+                 seed: int = 0):
+        import torch
+
+        (self.prompt_len,) = {len(p) for p in references}
+        width = max(len(o) for o in references.values())
+        self.prompts = torch.tensor(list(references), dtype=torch.long, device=device)
+        self.outputs = torch.tensor([o + [0] * (width - len(o)) for o in references.values()], device=device)
+        self.lengths = torch.tensor([len(o) for o in references.values()], device=device)
+        self.accuracy, self.vocab_size = accuracy, vocab_size
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, tokens, lengths, k: int, min_n: int, max_n: int):
+        import torch
+
+        p = self.prompt_len
+        match = (tokens[:, None, :p].long() == self.prompts[None]).all(dim=-1)  # [R, refs]
+        ref = match.long().argmax(dim=1)
+        start = lengths - p  # the next output's index in its reference
+        index = start[:, None] + torch.arange(k, device=tokens.device)[None, :]
+        drafts = self.outputs[ref].gather(1, index.clamp(0, self.outputs.shape[1] - 1))
+        wrong = torch.rand(drafts.shape, generator=self.generator, device=tokens.device) >= self.accuracy
+        drafts = torch.where(wrong, (drafts + 1) % self.vocab_size, drafts)
+        found = torch.where(match.any(dim=1), (self.lengths[ref] - start).clamp(0, k), 0)
+        return drafts, found
 
 
 def _verify_graph_replays(engine) -> int:

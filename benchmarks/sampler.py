@@ -42,7 +42,7 @@ def pagoda_step(name: str, batch: int, vocab: int, history_len: int, device: tor
             penalties = penalty_batch(tensors, *history.read(slots, width[0]))
         sampled = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True)
         if penalties is not None:
-            history.append(slots, sampled.tokens.index_select(0, tensors.penalty_index))
+            history.append(slots, sampled.tokens.index_select(0, tensors.penalty_index)[:, None])
         return sampled.tokens
 
     return step

@@ -157,9 +157,8 @@ class WorkerActor:
     def ping(self) -> int:
         return self.rank
 
-    def check_integrity(self) -> None:
-        if self.worker.draft is not None:
-            self.worker.draft.check_integrity()
+    def check_integrity(self, block_tables: dict[str, list[int]] | None = None) -> None:
+        self.worker.check_integrity(block_tables)
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()
@@ -271,6 +270,7 @@ class RayExecutor(Executor):
         self._broadcast: StepBroadcast | None = None
         self._dead_error: str | None = None
         self._is_shut_down = False
+        self._steps_in_flight: set[int] = set()  # ids of the steps launched and not yet collected
         self._last_contact = time.monotonic()
         self._startup_phases: dict[str, float] = {}
         self._lora_polls: list = []  # each rank's take_lora_reads call in flight (None: none)
@@ -355,7 +355,9 @@ class RayExecutor(Executor):
     # waits in the graph's channel). A step whose constrained rows await their bitmask is two messages to the
     # ranks, the step and then its SampleStep; their answers are read in the order they were sent.
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        return StepHandle(RayStep(self._launch(scheduler_output)))
+        step = RayStep(self._launch(scheduler_output))
+        self._steps_in_flight.add(id(step))
+        return StepHandle(step)
 
     def awaiting(self, handle: StepHandle) -> list[str]:
         step: RayStep = handle.payload
@@ -375,6 +377,7 @@ class RayExecutor(Executor):
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         step: RayStep = handle.payload
+        self._steps_in_flight.discard(id(step))
         if self.awaiting(handle) and step.output is None:
             if step.refs is None:  # the ranks hold a step that nothing will sample: no later step can run
                 raise self._mark_dead(f"a step of {step.awaiting} was collected before its grammar bitmask came")
@@ -386,8 +389,11 @@ class RayExecutor(Executor):
         speculation turns overlapped steps off."""
         return self._collect(self._launch(ask))
 
-    def check_integrity(self) -> None:
-        ray.get([a.check_integrity.remote() for a in self.actors], timeout=PING_TIMEOUT_S)
+    def check_integrity(self, block_tables: dict[str, list[int]] | None = None) -> None:
+        # The ranks' tables only with no step in flight: a rank may not have taken the last launched one yet (its
+        # compiled graph runs steps on a thread of their own).
+        tables = block_tables if not self._steps_in_flight else None
+        ray.get([a.check_integrity.remote(tables) for a in self.actors], timeout=PING_TIMEOUT_S)
 
     def _launch(self, message: SchedulerOutput | SampleStep | DraftAsk) -> list:
         if self._dead_error is not None:

@@ -63,6 +63,7 @@ class Growth:
 
     new_block_ids: list[int]  # appended to the table...
     replaces_block_ids: bool = False  # ...or, after a copy-on-write, the whole new table
+    num_kept_blocks: int | None = None  # the table's length before new_block_ids (after any `shrink`)
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -187,7 +188,9 @@ class BlockManager:
         if num_appended + is_copy > self.num_free_blocks:
             return None
         added = self._extend(table, req.num_computed_tokens, num_appended, is_copy)
-        return Growth(list(table), replaces_block_ids=True) if is_copy else Growth(added)
+        if is_copy:
+            return Growth(list(table), replaces_block_ids=True)
+        return Growth(added, num_kept_blocks=len(table) - len(added))
 
     def shrink(self, req: Request) -> None:
         """Gives back the blocks past the request's computed tokens: those reserved for drafts a speculative step
@@ -429,6 +432,10 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free_queue[block_id] = None
+
+    def table(self, req: Request) -> list[int]:
+        """A copy of the request's block table (checks)."""
+        return list(self._tables.get(req.req_id, ()))
 
     def check_integrity(self) -> None:
         """Every block is free or owned, ref counts equal the tables' references, the cache points at its blocks."""

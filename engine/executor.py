@@ -78,8 +78,10 @@ class Executor(ABC):
         Raises ExecutorError when the whole ask failed (the engine then steps without drafts)."""
         raise NotImplementedError(f"{type(self).__name__} runs no draft model")
 
-    def check_integrity(self) -> None:
-        """Asserts the workers' own books (a draft model's KV blocks) are consistent. Tests."""
+    def check_integrity(self, block_tables: dict[str, list[int]] | None = None) -> None:
+        """Asserts the workers' own books are consistent (a draft model's KV blocks) and agree with the driver's:
+        each rank's block table of a running request starts with its `block_tables` entry (it may hold more: blocks
+        a verify step's rejected drafts gave back, until the next step of it says so). Tests."""
 
     def check_health(self) -> None:
         """Raises ExecutorError when a worker is dead."""

@@ -160,6 +160,7 @@ class LLMEngine:
         self.num_finished: dict[str, int] = {}  # finish reason -> requests
         self.step_tokens: list[int] = []  # tokens of each step since the last take_step_tokens() (bounded)
         self._pending: InFlight | None = None  # the step launched and not yet read back
+        self._read_at = 0.0  # time.perf_counter() when the last step was read back
         self.timing = StepTiming()
         self._ids = itertools.count()
 
@@ -288,8 +289,10 @@ class LLMEngine:
         # back first, its tokens feeding this step's drafts and bitmask, but its deltas are made only once this
         # step is launched: the host's work on them still hides behind the device's.
         collected = self._collect_pending() if not overlap else (None, None, [])
-        # draft positions the proposer found nothing for (SpecDecoder.propose): observed as drafts not accepted
-        missed_drafts = self.spec.propose(self.scheduler.running, num_speculating) if self.spec is not None else 0
+        # draft positions the proposer found nothing for (SpecDecoder.propose): observed as drafts not accepted.
+        # Overlapped, the workers propose on the device, after the step in flight.
+        missed_drafts = (self.spec.propose(self.scheduler.running, num_speculating, on_device=overlap)
+                         if self.spec is not None else 0)
         sched = self.scheduler.schedule()
         if self._is_idle(sched):
             if self._pending is None and collected[0] is None:
@@ -297,7 +300,8 @@ class LLMEngine:
                 if self.lora_slots is not None and self.lora_slots.num_reading:
                     time.sleep(0.001)  # (nor spin while the workers read adapters)
             return deltas + self._deltas(collected) + self._finish_pending()
-        if not (overlap and self.executor.supports_deferred_sampling):
+        if not (overlap and self.executor.supports_deferred_sampling) or sched.scheduled_spec_token_ids:
+            # (a verify step samples at launch: its constrained rows are new ones, whose grammars are at their start)
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
         launched_at = time.perf_counter()
         try:
@@ -305,6 +309,8 @@ class LLMEngine:
         except ExecutorError as e:
             return deltas + self._deltas(collected) + self._finish_pending() + self._fail_step(sched, e)
         in_flight = InFlight(sched, handle, launched_at, overlap, missed_drafts)
+        if overlap and sched.scheduled_spec_token_ids and self.spec is not None:
+            self.spec.num_steps_ahead += 1
         if not overlap:
             self._pending = in_flight
             if not self._can_run_ahead():  # read back at once: its deltas come from this call
@@ -332,10 +338,12 @@ class LLMEngine:
         # the host, unless the executor can defer sampling until the driver supplies it.
         if not self._can_run_ahead():
             return False
-        if self._speculating:  # drafts are proposed from the tokens of the step before: none can be in flight
-            return False
-        if self._pending is not None and self._pending.sched.scheduled_spec_token_ids:
-            return False  # a verify step in flight: the next step's inputs follow the drafts it keeps
+        # Drafts on the host are proposed from the tokens of the step before, and a verify step in flight leaves
+        # the next step's positions to the drafts it keeps: both overlap only where the workers propose on the device
+        # and fix the next step's inputs up there (SpecDecoder.can_run_ahead).
+        if self._speculating or (self._pending is not None and self._pending.sched.scheduled_spec_token_ids):
+            if self.spec is None or not self.spec.can_run_ahead(self.scheduler.running):
+                return False
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))
 
@@ -368,10 +376,13 @@ class LLMEngine:
         stats = self.scheduler.spec_stats
         drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
         updated = self.scheduler.update_from_output(sched, result)
-        if self.spec is not None and not pending.overlapped:  # the step's time for the cost model, its drafts'
-            self.spec.cost.record(sched.total_num_scheduled_tokens, end - pending.launched_at)  # acceptance
-            self.spec.observe(stats.num_draft_tokens - drafts + pending.missed_drafts,
-                              stats.num_accepted_tokens - accepted)
+        if self.spec is not None:  # its drafts' acceptance; its time for the cost model, from its launch, or
+            # overlapped, from the end of the step before it (the device ran that one until then)
+            missed = pending.missed_drafts + sum(len(sched.scheduled_spec_token_ids[r]) - n  # (device drafts)
+                                                 for r, n in result.draft_counts.items())
+            self.spec.observe(stats.num_draft_tokens - drafts + missed, stats.num_accepted_tokens - accepted)
+            self.spec.cost.record(sched.total_num_scheduled_tokens, end - max(pending.launched_at, self._read_at))
+        self._read_at = end
         return sched, updated, []
 
     def _deltas(self, collected) -> list[RequestDelta]:
@@ -527,7 +538,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
-        self.executor.check_integrity()  # the workers' own books (a draft model's KV blocks)
+        # the workers' own books (a draft model's KV blocks), and their block tables against the driver's
+        self.executor.check_integrity({r.req_id: self.block_manager.table(r) for r in self.scheduler.running})
         for req in self.scheduler.running:
             assert req.status == RequestStatus.RUNNING, req
         if self.lora_slots is not None:

@@ -40,9 +40,12 @@ class CachedRequestData:
     """A request the workers already hold: only what changed since the last step."""
 
     req_id: str
-    new_block_ids: list[int]  # appended to the block table...
-    num_computed_tokens: int  # before this step's tokens
+    new_block_ids: list[int]  # appended to the block table (after its first num_kept_blocks)...
+    num_computed_tokens: int  # before this step's tokens, counting the drafts of a step in flight as accepted
     replaces_block_ids: bool = False  # ...or, after a copy-on-write, the whole new table
+    # How many blocks of the table stay (None: all): those past them were given back for a verify step's rejected
+    # drafts (BlockManager.shrink), which the workers learn here, in the first step scheduled after the shrink.
+    num_kept_blocks: int | None = None
 
 
 @dataclass
@@ -53,6 +56,9 @@ class GrammarBitmask:
 
     req_ids: list[str]
     bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
+
+
+DEVICE_DRAFT = -1  # a draft position whose token the workers propose on the device
 
 
 @dataclass
@@ -82,7 +88,9 @@ class SchedulerOutput:
     lora_evictions: list[int] = field(default_factory=list)
     lora_reads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
     # Speculative decoding: the draft tokens a request runs after its last token (vLLM's scheduled_spec_decode_tokens);
-    # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with.
+    # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with. A step's
+    # drafts are all tokens, or all DEVICE_DRAFT: positions the workers fill on the device (workers/ngram_drafts.py),
+    # in a step launched before the one in flight is read back.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -127,6 +135,9 @@ class ModelRunnerOutput:
     # (req_id -> tokens, and their logprobs where asked); the rest of its drafts were rejected.
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_draft_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+    # DEVICE_DRAFT positions: how many drafts the workers' lookup found for each request (the positions past them
+    # were rejected unscored), so that the draft counters count proposed drafts as the driver's proposals do
+    draft_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -73,6 +73,7 @@ class Request:
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by a launched step, not yet known here (overlapped scheduling)
+    num_pending_drafts: int = 0  # drafts of launched steps not yet read back (computed counts them as accepted)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
     num_preempted_tokens: int = 0  # tokens computed when it was last preempted (what it may get back or recompute)
@@ -103,6 +104,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its tokens once the steps in flight are read back, if they accept every draft: what it has computed
+        (num_computed_tokens) or can compute."""
+        return self.num_tokens + self.num_pending_tokens + self.num_pending_drafts
 
     @property
     def all_token_ids(self) -> list[int]:

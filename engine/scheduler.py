@@ -95,8 +95,9 @@ class Scheduler:
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             num_drafts = len(out.scheduled_spec_token_ids.get(req_id, ()))
-            if req.num_computed_tokens + num_tokens == req.num_tokens + req.num_pending_tokens + num_drafts:
+            if req.num_computed_tokens + num_tokens == req.num_known_tokens + num_drafts:
                 req.num_pending_tokens += 1  # this step samples its next token
+                req.num_pending_drafts += num_drafts
             req.num_computed_tokens += num_tokens
         return out
 
@@ -104,8 +105,8 @@ class Scheduler:
         i = 0
         while i < len(candidates) and budget > 0:
             req = candidates[i]
-            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0 or req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+            num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0 or req.num_known_tokens - req.num_prompt_tokens >= req.max_tokens:
                 i += 1
                 continue
             drafts = req.spec_token_ids[:budget - num_new]  # speculative decoding: proposed for a decode step
@@ -118,7 +119,7 @@ class Scheduler:
             if growth is None:
                 break  # req itself was preempted: nothing after it is left either
             out.cached_reqs.append(CachedRequestData(req.req_id, growth.new_block_ids, req.num_computed_tokens,
-                                                     growth.replaces_block_ids))
+                                                     growth.replaces_block_ids, growth.num_kept_blocks))
             out.num_scheduled_tokens[req.req_id] = num_new
             if drafts:
                 out.scheduled_spec_token_ids[req.req_id] = drafts
@@ -211,7 +212,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preempted_tokens = min(req.num_computed_tokens, req.num_tokens)
         req.num_computed_tokens = 0
-        req.num_pending_tokens = 0  # a token in flight for it is dropped; recompute samples it again
+        req.num_pending_tokens = req.num_pending_drafts = 0  # a step in flight for it is dropped: recomputed
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -239,10 +240,11 @@ class Scheduler:
             tokens, token_logprobs = [token_id], [logprobs]
             drafts = sched.scheduled_spec_token_ids.get(req_id)
             if drafts is not None:
+                req.num_pending_drafts -= len(drafts)
                 accepted = result.accepted_draft_ids.get(req_id, [])
                 tokens = accepted + tokens
                 token_logprobs = result.accepted_draft_logprobs.get(req_id, [None] * len(accepted)) + token_logprobs
-                self._take_back_rejected(req, len(drafts), len(accepted))
+                self._take_back_rejected(req, len(drafts), len(accepted), result.draft_counts.get(req_id))
             if self._cannot_stop(req, tokens):  # (a speculative run: its tokens at once)
                 req.extend_output(tokens, token_logprobs)
                 req.num_step_tokens = len(tokens)
@@ -259,10 +261,12 @@ class Scheduler:
             updated.append(req)
         return updated
 
-    def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+    def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int,
+                            num_proposed: int | None = None) -> None:
         """Speculative decoding: the rejected drafts' positions are not computed after all; their blocks go back
-        (never hashed: commit publishes only blocks of known tokens)."""
-        self.spec_stats.record(num_drafts, num_accepted)
+        (never hashed: commit publishes only blocks of known tokens). num_proposed: of the positions, the drafts the
+        workers found (device drafts; None: all of them)."""
+        self.spec_stats.record(num_drafts if num_proposed is None else num_proposed, num_accepted)
         req.num_computed_tokens -= num_drafts - num_accepted
         self.block_manager.shrink(req)
 

@@ -19,12 +19,18 @@ not built.
 
 A proposer that fails proposes nothing: the step runs without drafts, and no request fails for it.
 
+The n-gram proposer also runs on the workers (workers/ngram_drafts.py, over their device token histories): when the
+engine launches a step before the one in flight is read back, `propose(..., on_device=True)` gives each request
+DEVICE_DRAFT placeholders instead, as many as its room, and the workers fill them with the same lookup's drafts,
+after the tokens of the step in flight (docs/architecture.md, steps launched ahead of a verify step). Only requests
+whose sampling follows nothing known on the host alone run ahead (`runs_ahead`).
+
 A request with a grammar speculates within it: its drafts are cut to the longest prefix its grammar accepts
 (`RequestGrammar.valid_prefix`), and the step's bitmask has a row for each of its positions (the grammar's state
 after each prefix of the drafts), which the verification applies as the plain sampler applies one. Requests still in
-prefill (or whose grammar is compiling) are not speculated; a step with drafts runs without overlap (its drafts need
-the previous step's accepted tokens on the host), pipelined: engine/llm_engine.py makes the previous step's deltas
-while it runs.
+prefill (or whose grammar is compiling) are not speculated; a step with drafts from the driver runs without overlap
+(its drafts need the previous step's accepted tokens on the host), pipelined: engine/llm_engine.py makes the previous
+step's deltas while it runs.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from engine import envs
 from engine.config import SpeculativeConfig
-from engine.outputs import DraftAsk
+from engine.outputs import DEVICE_DRAFT, DraftAsk
 
 if TYPE_CHECKING:
     from engine.executor import Executor
@@ -233,6 +240,7 @@ class SpecDecoder:
         self.cost = StepCostModel()
         self.recent: deque[tuple[int, int]] = deque(maxlen=self.ACCEPTANCE_STEPS)  # (draft positions, accepted)
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
+        self.num_steps_ahead = 0  # steps with drafts launched before the step in flight was read (device drafts)
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self.propose_total_s = 0.0  # the proposer's time over all steps (benchmarks take differences)
         self.token_arrays = TokenArrays()  # the n-gram lookup's view of each request's tokens
@@ -286,7 +294,19 @@ class SpecDecoder:
         self.num_steps_off += 1
         return 0
 
-    def propose(self, running: list[Request], max_requests: int) -> int:
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether the workers can propose this method's drafts themselves (workers/ngram_drafts.py: the n-gram
+        lookup over their device token histories), so that a step with drafts may be launched before the one in
+        flight is read back: the n-gram proposer's. A draft model reads its catch-up tokens on the host: no."""
+        return isinstance(self.proposer, NgramProposer) and envs.get("PAGODA_SPEC_RUN_AHEAD")
+
+    def can_run_ahead(self, running: list[Request]) -> bool:
+        """Whether a step of these requests may be launched before the step in flight (a verify step, or one
+        that would get device drafts) is read back: `runs_ahead` for every one of them."""
+        return self.drafts_on_device and all(runs_ahead(r) for r in running)
+
+    def propose(self, running: list[Request], max_requests: int, on_device: bool = False) -> int:
         """Drafts for up to `max_requests` of the running requests that can take them (none for the others): one
         call of a BatchProposer for all of them, or the Proposer for each. Returns the draft positions it was asked
         for and found nothing to fill (a request the n-gram lookup finds no match for): to `observe` as drafts not
@@ -297,13 +317,18 @@ class SpecDecoder:
         rooms: list[int] = []
         for req in running:
             req.spec_token_ids = []
-            room = min(k, req.max_tokens - req.num_output_tokens - 1)  # the step samples one token of its own too
-            if len(asked) < max_requests and room > 0 and can_speculate(req):
+            # the step samples one token of its own too (counting the drafts in flight as accepted: the room left)
+            room = min(k, req.max_tokens - (req.num_known_tokens - req.num_prompt_tokens) - 1)
+            if len(asked) < max_requests and room > 0 and can_speculate(req, on_device):
                 asked.append(req)
                 rooms.append(room)
         if not asked:
             return 0
         self._steps_since_drafts = 0
+        if on_device:  # the workers fill these positions (their lookups come out in the acceptance)
+            for req, room in zip(asked, rooms):
+                req.spec_token_ids = [DEVICE_DRAFT] * room
+            return 0
         start = time.perf_counter()
         propose_batch = getattr(self.proposer, "propose_batch", None)  # a BatchProposer (no Protocol check a step)
         if propose_batch is not None:
@@ -321,8 +346,22 @@ class SpecDecoder:
         return missed
 
 
-def can_speculate(req: Request) -> bool:
+def can_speculate(req: Request, on_device: bool = False) -> bool:
     """A decode step (its last token is the only one not in the KV cache) of a request without a grammar or whose
-    grammar is ready (its drafts are cut to what the grammar accepts, and each position is masked)."""
+    grammar is ready (its drafts are cut to what the grammar accepts, and each position is masked). Drafts on the
+    host need its tokens there (no step in flight for it); device drafts follow the tokens of a step in flight."""
+    if on_device:
+        return runs_ahead(req) and req.num_computed_tokens == req.num_known_tokens - 1
     return ((req.grammar is None or req.grammar.is_ready) and req.num_pending_tokens == 0
             and req.num_computed_tokens == req.num_tokens - 1)
+
+
+def runs_ahead(req: Request) -> bool:
+    """Whether the request's next step can be launched while a verify step of it is in flight, its inputs fixed up
+    on the device from that step's accepted drafts (workers/model_runner.py): nothing of its sampling may depend on
+    its length or tokens known on the host only. No grammar (its bitmask follows the accepted tokens), and no
+    min_tokens it has not reached yet (the count of its outputs). A seed may: its noise keys move back on the
+    device with its positions; penalties may: they read the device token histories."""
+    params = req.sampling_params
+    return (req.grammar is None and params.structured_outputs is None
+            and req.num_output_tokens >= params.min_tokens)

@@ -24,3 +24,24 @@ class OracleProposer:
                     drafts[-1] = (drafts[-1] + 1) % 500
                 return drafts
         return []
+
+
+class OracleLookup:
+    """The workers' side of OracleProposer: a stand-in for the runner's device n-gram lookup (ModelRunner.lookup,
+    workers/ngram_drafts.py) with its signature, proposing each history's continuation in the non-speculative run
+    (every `wrong_every`-th call's last draft changed), so that device drafts are accepted in part on the tiny model.
+    It reads the histories back to the host: a test double for CPU runs, not a device kernel."""
+
+    def __init__(self, references: list[tuple[list[int], list[int]]], k: int, wrong_every: int = 3):
+        self.host = OracleProposer(references, k, wrong_every)
+
+    def __call__(self, tokens, lengths, k: int, min_n: int, max_n: int):
+        import torch
+
+        drafts = torch.zeros(tokens.shape[0], k, dtype=torch.long)
+        found = torch.zeros(tokens.shape[0], dtype=torch.long)
+        for i, (row, n) in enumerate(zip(tokens.tolist(), lengths.tolist())):
+            proposal = self.host.propose(np.asarray(row[:n], dtype=np.int64))[:k]
+            drafts[i, :len(proposal)] = torch.tensor(proposal, dtype=torch.long)
+            found[i] = len(proposal)
+        return drafts.to(tokens.device), found.to(tokens.device)

@@ -22,13 +22,14 @@ import numpy as np
 import torch
 
 from engine.config import SchedulerConfig
-from engine.outputs import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.outputs import DEVICE_DRAFT, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import HostKVPool, KVCaches, KVMoveError, copy_blocks
 from workers.lora import LoRAManager
+from workers.ngram_drafts import ngram_drafts
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
     RowKnobs,
@@ -65,7 +66,9 @@ class RequestState:
     history_slot: int | None = None  # its row of the runner's TokenHistory (requests with penalties, rank 0)
     knobs: RowKnobs | None = None  # row_knobs(params): computed once, read whenever the sampled batch changes
     lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
-    num_pending: int = 0  # sampled on the device, not yet appended (at most one: the step launched last)
+    # tokens of the step launched last, not yet appended: its sampled one (and the drafts of a verify step, counted
+    # as accepted, as the driver counts them)
+    num_pending: int = 0
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -76,7 +79,8 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
                  scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False,
-                 host_pool: HostKVPool | None = None, lora: LoRAManager | None = None, spec_tokens: int = 0):
+                 host_pool: HostKVPool | None = None, lora: LoRAManager | None = None, spec_tokens: int = 0,
+                 ngram: tuple[int, int] | None = None):
         self.model = model
         self.lora = lora  # LoRA slots in the model's linears (workers/lora.py); None: no adapters
         self.kv_caches = kv_caches
@@ -91,8 +95,19 @@ class ModelRunner:
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is still being computed
         self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on the device
         self.prev_rows: dict[str, int] = {}  # req_id -> row of prev_tokens
+        # a verify step launched last: each row's rejected drafts ([R] on the device; None after a plain step), by
+        # which the next step's positions move back when it is launched before this one is read
+        self.prev_rejected: torch.Tensor | None = None
+        # n-gram speculation (prompt_lookup_min, max): drafts of steps launched ahead proposed here, on the device
+        # (workers/ngram_drafts.py), from histories every rank keeps; None: drafts come from the driver only
+        self.ngram = ngram
+        self.lookup = ngram_drafts  # (histories [R, W], lengths [R], k, min_n, max_n) -> (drafts [R, k], found [R])
+        self.spec_tokens = spec_tokens
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
-                        if is_driver else None)
+                        if is_driver or ngram is not None else None)
+        # this step's device drafts: (req_id -> row, drafts [D, k], how many of each row's the lookup found [D])
+        self._device_drafts: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None
+        self._key_shift: torch.Tensor | None = None  # this step's: `_shifted_keys`
         self._sampling: tuple | None = None  # (req ids, SamplingTensors, history slots) of the last sampled batch
         self.awaiting: PendingStep | None = None  # a launched step whose sampling waits for a grammar bitmask
         max_blocks = -(-scheduler_config.max_model_len // block_size)
@@ -131,9 +146,14 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             if cached.replaces_block_ids:
                 state.block_ids = list(cached.new_block_ids)
-            else:
+            else:  # (the blocks a verify step's rejected drafts gave back go first, as the driver's did)
+                if cached.num_kept_blocks is not None:
+                    del state.block_ids[cached.num_kept_blocks:]
                 state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            # The runner keeps its own count: the driver's counts the drafts of a verify step in flight as accepted,
+            # and this runner may have read that step back already (a Ray rank reads each step before the next).
+            assert state.num_computed_tokens <= cached.num_computed_tokens, \
+                f"{cached.req_id}: {state.num_computed_tokens} computed here, {cached.num_computed_tokens} there"
 
     def _move_kv(self, sched: SchedulerOutput) -> None:
         """The step's KV moves; a failure among them is a KVMoveError (the executor's end, not the step's)."""
@@ -162,7 +182,7 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         slot = None
-        if self.history is not None and uses_penalties(new.sampling_params):
+        if self.history is not None and (uses_penalties(new.sampling_params) or self.ngram is not None):
             slot = self.history.add(list(new.prompt_token_ids), list(new.output_token_ids))
         return RequestState(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                             new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, list(new.block_ids),
@@ -206,6 +226,7 @@ class ModelRunner:
             return self._verify(sched, sampling_states, counts, sample_rows, hidden, prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         step = PendingStep(self, sampling_states, logits, prompt_logprobs)
+        step.key_shift = self._key_shift
         # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
         # rank 0's broadcast of the tokens, and a rank held in it could not answer the step's launch.
         constrained = constrained_req_ids(sampling_states)
@@ -236,18 +257,18 @@ class ModelRunner:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._sample_seed(s),
                                 s.num_pending, s.knobs) for s in states]
             tensors, penalties = self._sampling_inputs(states, rows, logits.shape[1])
-            batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True)
-            if penalties is not None:  # the histories take this step's tokens on the device
-                self.history.append(self._sampling[2], batch.tokens.index_select(0, tensors.penalty_index))
+            batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True,
+                                 key_shift=step.key_shift)
         else:
             batch = SampledBatch(torch.zeros(len(states), dtype=torch.long, device=self.device), [])
         from workers import parallel
 
         if parallel.get_tp_size() > 1:  # the other ranks learn the tokens so their states stay in step
             batch.tokens = parallel.broadcast_from_rank0(batch.tokens)
+        self._append_history(states, batch.tokens[:, None])  # the histories take this step's tokens on the device
         for state in states:
             state.num_pending += 1
-        self.prev_tokens = batch.tokens
+        self.prev_tokens, self.prev_rejected = batch.tokens, None
         self.prev_rows = {state.req_id: i for i, state in enumerate(states)}
         step.sampled, step.rows, step.logits, step.bitmask_req_ids = batch.start_copy(), rows, None, []
 
@@ -276,26 +297,40 @@ class ModelRunner:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches and for verify steps of
         decodes only (each its last token and its drafts: workers/cuda_graphs.py), eager otherwise.
         Returns the hidden states [T, hidden] and the indices of the requests that sample. A request's drafts
-        (speculative decoding) are inputs after its known tokens."""
+        (speculative decoding) are inputs after its known tokens; DEVICE_DRAFT positions are proposed here, on the
+        device (`_propose_on_device`).
+
+        A request whose last input token is still on the device (sampled by the step launched just before, not yet
+        read back) reads it there. After a verify step that was not read back, the driver scheduled the request as
+        if every draft had been accepted: its positions, slots and sequence length move back on the device by the
+        drafts that step rejected (`_fix_up`)."""
         starts = [s.num_computed_tokens for s in states]
-        token_lists = [s.token_ids + drafts[s.req_id] if s.req_id in drafts else s.token_ids for s in states]
-        feed_positions, feed_rows = [], []  # tokens still on the device: flat position <- previous step's row
+        token_lists, fed, shifted, proposed = [], [], [], []  # (flat position, previous row), (row, first, count)
         offset = 0
-        for state, tokens, start, count in zip(states, token_lists, starts, counts):
-            known = len(tokens) + state.num_pending
-            assert start + count <= known, f"{state.req_id}: scheduled past its known tokens"
+        for i, (state, start, count) in enumerate(zip(states, starts, counts)):
+            row_drafts = drafts.get(state.req_id, ())
+            on_device = len(row_drafts) if row_drafts and row_drafts[0] == DEVICE_DRAFT else 0
+            tokens = state.token_ids + row_drafts if row_drafts and not on_device else state.token_ids
+            token_lists.append(tokens)
+            last = start + count - 1 - on_device  # its last input that is not a device draft
+            assert last < len(tokens) + state.num_pending, f"{state.req_id}: scheduled past its known tokens"
             assert start + count <= len(state.block_ids) * self.block_size, f"{state.req_id}: too few blocks"
-            if start + count > len(tokens):  # its last input token is the one sampled just before
-                assert start + count == known and state.req_id in self.prev_rows, f"{state.req_id}: lost token"
-                feed_positions.append(offset + count - 1)
-                feed_rows.append(self.prev_rows[state.req_id])
+            if last >= len(tokens):  # the token sampled just before (after a verify step: its last kept token)
+                assert last == len(tokens) + state.num_pending - 1 and state.req_id in self.prev_rows, \
+                    f"{state.req_id}: lost token"
+                fed.append((offset + last - start, self.prev_rows[state.req_id]))
+                if self.prev_rejected is not None:
+                    shifted.append((i, offset, count, self.prev_rows[state.req_id]))
+            if on_device:
+                proposed.append((state, offset + count - on_device, on_device))
             offset += count
         lora_slots = [s.lora_slot for s in states] if self.lora is not None else None
         num_tokens, num_block_cols = self.buffers.fill(token_lists, starts, counts, [s.block_ids for s in states],
                                                        lora_slots)
-        sample_rows = [i for i, (s, tokens, start, count) in enumerate(zip(states, token_lists, starts, counts))
-                       if start + count == len(tokens) + s.num_pending]
-        feed = self._feed(feed_positions, feed_rows)
+        sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
+                       if start + count == len(s.token_ids) + s.num_pending + len(drafts.get(s.req_id, ()))]
+        feed = self._fix_up(fed, shifted, self._propose_on_device(proposed))
+        self._key_shift = self._shifted_keys(states, sample_rows, shifted)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
             return self.graphs.replay(len(states), feed), sample_rows
@@ -310,22 +345,82 @@ class ModelRunner:
                                                      use_lora)
         return self.model(ids, positions, self.kv_caches, meta), sample_rows
 
-    def _feed(self, positions: list[int], rows: list[int]):
-        """A function that writes the previous step's sampled tokens into this step's device input ids."""
-        if not positions:
+    def _shifted_keys(self, states: list[RequestState], sample_rows: list[int],
+                      shifted: list[tuple[int, int, int, int]]) -> torch.Tensor | None:
+        """[len(sample_rows)] on the device: how far back each sampling row's position moves (`_fix_up`), which its
+        noise key follows when it is seeded (sampler.shift_keys); None when no seeded row moves."""
+        row_of = {i: j for j, i in enumerate(sample_rows)}
+        moved = [(row_of[i], prev) for i, _, _, prev in shifted if states[i].seed is not None]
+        if not moved:
+            return None
+        index = to_device([r for r, _ in moved] + [p for _, p in moved], torch.long, self.device)
+        rows, prev = index.split(len(moved))
+        shift = torch.zeros(len(sample_rows), dtype=torch.long, device=self.device)
+        return shift.index_copy_(0, rows, self.prev_rejected.index_select(0, prev))
+
+    def _propose_on_device(self, proposed: list[tuple[RequestState, int, int]]) -> tuple[list[int], torch.Tensor]:
+        """The n-gram drafts of the rows that take DEVICE_DRAFT positions ((state, flat position of its first draft
+        slot, its number of slots)), from their device histories, which already hold the tokens of the step in
+        flight: (the flat positions of the draft slots, the drafts in that order [sum of slots] on the device).
+        Each row's drafts and how many of them the lookup found stay for the verification (`_device_drafts`)."""
+        self._device_drafts = None
+        if not proposed:
+            return [], torch.empty(0, dtype=torch.long, device=self.device)
+        assert self.ngram is not None and self.history is not None, "device drafts without the n-gram lookup"
+        k = self.spec_tokens
+        slots = to_device([state.history_slot for state, _, _ in proposed], torch.long, self.device)
+        width = max(len(state.token_ids) + state.num_pending for state, _, _ in proposed)  # >= each history's length
+        tokens, _, lengths = self.history.read(slots, width)
+        draft_ids, found = self.lookup(tokens, lengths, k, *self.ngram)
+        self._device_drafts = ({state.req_id: j for j, (state, _, _) in enumerate(proposed)}, draft_ids, found)
+        positions, picks = [], []
+        for j, (_, first, count) in enumerate(proposed):
+            positions += range(first, first + count)
+            picks += range(j * k, j * k + count)
+        return positions, draft_ids.view(-1).index_select(0, to_device(picks, torch.long, self.device))
+
+    def _fix_up(self, fed: list[tuple[int, int]], shifted: list[tuple[int, int, int, int]],
+                proposed: tuple[list[int], torch.Tensor]):
+        """A function that writes into this step's device inputs what only the device knows: the tokens the step
+        before sampled (`fed`: flat position, its row there), the drafts proposed on the device, and, after a verify
+        step not yet read back, the positions, KV slots and sequence lengths of the rows that follow it (`shifted`:
+        row, first flat position, tokens, its row there), moved back by the drafts that step rejected."""
+        draft_positions, draft_ids = proposed
+        if not (fed or draft_positions):
             return lambda: None
-        pos = to_device(positions, torch.long, self.device)
-        src = to_device(rows, torch.long, self.device)
-        prev = self.prev_tokens
-        return lambda: self.buffers.dev["input_ids"].index_copy_(0, pos, prev.index_select(0, src))
+        token_index = [offset + j for _, offset, count, _ in shifted for j in range(count)]
+        index = to_device([p for p, _ in fed] + [r for _, r in fed] + draft_positions + token_index
+                          + [i for i, _, count, _ in shifted for _ in range(count)]
+                          + [r for _, _, count, r in shifted for _ in range(count)]
+                          + [i for i, _, _, _ in shifted] + [r for _, _, _, r in shifted], torch.long, self.device)
+        n, t, m = len(fed), len(token_index), len(shifted)
+        fed_pos, fed_rows, draft_pos, tok, tok_rows, tok_prev, seq_rows, seq_prev = index.split(
+            [n, n, len(draft_positions), t, t, t, m, m])
+        prev, rejected, dev, bs = self.prev_tokens, self.prev_rejected, self.buffers.dev, self.block_size
+
+        def fix_up() -> None:
+            ids = dev["input_ids"]
+            if n:
+                ids.index_copy_(0, fed_pos, prev.index_select(0, fed_rows))
+            if draft_positions:
+                ids.index_copy_(0, draft_pos, draft_ids)
+            if m:
+                positions = dev["positions"].index_select(0, tok) - rejected.index_select(0, tok_prev)
+                dev["positions"].index_copy_(0, tok, positions)
+                blocks = dev["block_tables"][tok_rows, positions // bs].long()
+                dev["slot_mapping"].index_copy_(0, tok, blocks * bs + positions % bs)
+                seq_lens = dev["seq_lens"].index_select(0, seq_rows) - rejected.index_select(0, seq_prev).int()
+                dev["seq_lens"].index_copy_(0, seq_rows, seq_lens)
+
+        return fix_up
 
     @torch.inference_mode()
     def _verify(self, sched: SchedulerOutput, states: list[RequestState], counts: list[int], sample_rows: list[int],
                 hidden: torch.Tensor, prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
-        """A step with drafts: scores every sampling row's last 1 + d positions, keeps the accepted drafts and one
-        token of the target's (rank 0 decides, the others learn the tokens), and gives back the rejected drafts'
-        blocks as the driver does (BlockManager.shrink: the blocks past the computed tokens). Returns before the
-        tokens reach the host; the step's `result()` reads them and must come before the next step's launch."""
+        """A step with drafts: scores every sampling row's last 1 + d positions and keeps the accepted drafts and
+        one token of the target's (rank 0 decides, the others learn the tokens). Returns before the tokens reach the
+        host. The next step may be launched first: the kept tokens go into the device histories here, and the last
+        of each row, with the drafts it rejected, is what that step reads (`_fix_up`)."""
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
@@ -335,16 +430,56 @@ class ModelRunner:
                               self._draft_probs(s.req_id, d)) for s, d in zip(states, drafts)]
             if self.draft_probs is not None:
                 self.draft_probs.clear()  # the last ask's: this step verified them
-            launched = launch_verify(logits, rows, sched.grammar_bitmask)
+            device_drafts = self._verified_drafts(states)
+            launched = launch_verify(logits, rows, sched.grammar_bitmask, device_drafts=device_drafts,
+                                     key_shift=self._key_shift, histories=self._verify_histories(states))
             tokens = launched.tokens
+            found = device_drafts[1] if device_drafts is not None else None
         else:
             tokens = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.int64, device=self.device)
+            found = None
         from workers import parallel
 
         if parallel.get_tp_size() > 1:
             tokens = parallel.broadcast_from_rank0(tokens)
-        self.prev_rows = {}
-        return VerifiedStep(self, states, drafts, tokens, launched, prompt_logprobs)
+        self._append_history(states, tokens)
+        kept = (tokens >= 0).sum(dim=1)
+        num_drafts = to_device([len(d) for d in drafts], torch.long, self.device)
+        self.prev_tokens = tokens.gather(1, (kept - 1)[:, None]).squeeze(1)
+        self.prev_rejected = num_drafts + 1 - kept
+        self.prev_rows = {state.req_id: i for i, state in enumerate(states)}
+        for state, d in zip(states, drafts):
+            state.num_pending += 1 + len(d)  # (as the driver counts them until the step is read back)
+        return VerifiedStep(self, states, drafts, tokens, launched, prompt_logprobs, found)
+
+    def _verify_histories(self, states: list[RequestState]) -> tuple | None:
+        """The rows' device token histories (TokenHistory.read) when any uses penalties (each such row keeps one),
+        for the penalties at each verified position; None otherwise."""
+        if self.history is None or not any(uses_penalties(s.params) for s in states):
+            return None
+        slots = to_device([0 if s.history_slot is None else s.history_slot for s in states], torch.long, self.device)
+        return self.history.read(slots, max(len(s.token_ids) + s.num_pending for s in states))
+
+    def _verified_drafts(self, states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The device drafts of this step's sampling rows ([R, k], and how many the lookup found [R]: 0 for a row
+        without), or None: the step's drafts came from the driver."""
+        if self._device_drafts is None:
+            return None
+        rows, draft_ids, found = self._device_drafts
+        pick = [rows.get(s.req_id, 0) for s in states]
+        has = [s.req_id in rows for s in states]
+        index = to_device(pick + has, torch.long, self.device)
+        pick_t, has_t = index.split(len(states))
+        return draft_ids.index_select(0, pick_t), found.index_select(0, pick_t) * has_t
+
+    def _append_history(self, states: list[RequestState], tokens: torch.Tensor) -> None:
+        """The step's new tokens ([R, W], each row's then -1) into the device histories of the rows that keep one."""
+        if self.history is None or not self.history.in_use:  # (a plain decode step without penalties: nothing)
+            return
+        rows = [i for i, s in enumerate(states) if s.history_slot is not None]
+        if rows:
+            index = to_device(rows + [states[i].history_slot for i in rows], torch.long, self.device)
+            self.history.append(index[len(rows):], tokens.index_select(0, index[:len(rows)]))
 
     def _draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
         """The distributions a draft model drew these drafts from in the last ask ([d, V]; the driver may have cut
@@ -355,16 +490,20 @@ class ModelRunner:
         return entry[1][:len(drafts)]
 
     def append_verified(self, state: RequestState, drafts: list[int], new: list[int]) -> None:
-        """A verify step's kept tokens (VerifiedStep.result): the state's tokens, the device history, the KV kept."""
+        """A verify step's kept tokens (VerifiedStep.result): the state's tokens, and its computed count without the
+        rejected drafts. Their blocks go when the driver's next step for it says (CachedRequestData.num_kept_blocks):
+        a step launched before this one was read back may have its next tokens there."""
         state.token_ids.extend(new)
         state.output_token_ids.extend(new)
-        if state.history_slot is not None:  # the device history takes them too (penalties of later steps)
-            slot = to_device([state.history_slot], torch.long, self.device)
-            for t in new:
-                self.history.append(slot, to_device([t], torch.long, self.device))
-        if drafts:
-            state.num_computed_tokens -= len(drafts) + 1 - len(new)  # the rejected drafts' KV is not kept
-            del state.block_ids[-(-state.num_computed_tokens // self.block_size):]
+        state.num_pending -= 1 + len(drafts)
+        state.num_computed_tokens -= len(drafts) + 1 - len(new)  # the rejected drafts' KV is not kept
+
+    def check_block_tables(self, block_tables: dict[str, list[int]]) -> None:
+        """Each request's table here starts with the driver's (Executor.check_integrity)."""
+        for req_id, table in block_tables.items():
+            state = self.requests.get(req_id)
+            assert state is not None, f"{req_id} runs on the driver, not here"
+            assert state.block_ids[:len(table)] == table, f"{req_id}: blocks {state.block_ids} here, {table} there"
 
     def _sample_indices(self, counts: list[int], sample_rows: list[int]) -> torch.Tensor:
         """The last token of each sampling request, in the flat batch."""
@@ -385,6 +524,7 @@ class PendingStep:
         self.sampled: SampledBatch | None = None  # (tokens only on ranks other than 0), its host copy started
         self.rows: list[SamplingRow] = []
         self.prompt_logprobs = prompt_logprobs  # rank 0 only
+        self.key_shift: torch.Tensor | None = None  # its sampling rows' noise keys move back by (ModelRunner)
         self._output: ModelRunnerOutput | None = None
 
     def sample(self, bitmask: GrammarBitmask) -> None:

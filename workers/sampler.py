@@ -158,11 +158,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
 
 def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
                  tensors: SamplingTensors | None = None, penalties: PenaltyBatch | None = None,
-                 in_place: bool = False) -> SampledBatch:
+                 in_place: bool = False, key_shift: torch.Tensor | None = None) -> SampledBatch:
     """Samples on the device without waiting for the result.
 
     tensors: the rows' knobs (built here when None). penalties: the penalized rows' token histories on the device
-    (None: built from the rows' host token lists). in_place: the logits are the caller's to overwrite."""
+    (None: built from the rows' host token lists). in_place: the logits are the caller's to overwrite. key_shift:
+    [N] on the device, taken off each row's noise key (`noise_keys`)."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if not rows:
         return SampledBatch(torch.empty(0, dtype=torch.long, device=logits.device), [])
@@ -179,7 +180,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     apply_penalties(x, rows, tensors, penalties)
     kth, subset = _candidates(x, tensors)
     tokens = sample_tokens(x, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p, tensors.noise_scale,
-                           _noise_keys(rows, tensors, default_generator, x.device), subset)
+                           _noise_keys(rows, tensors, default_generator, x.device, key_shift), subset)
     return _with_logprobs(tokens, logprobs)
 
 
@@ -217,7 +218,8 @@ def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor
     return kth, (values, ids)
 
 
-def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, device) -> torch.Tensor:
+def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, device,
+                key_shift: torch.Tensor | None = None) -> torch.Tensor:
     """[N] int64: each row's noise key for this step (greedy rows ignore theirs)."""
     if not tensors.is_random:
         return torch.zeros(len(rows), dtype=torch.int64, device=device)
@@ -226,7 +228,15 @@ def _noise_keys(rows: list[SamplingRow], tensors: SamplingTensors, generator, de
     if seeded:
         keys[to_device(seeded, torch.long, device)] = to_device([rows[i].seed % _MAX_KEY for i in seeded],
                                                                 torch.long, device)
-    return keys
+    return keys if key_shift is None else shift_keys(keys, key_shift)
+
+
+def shift_keys(keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Noise keys moved back by `shift` positions ([N], broadcast over keys' later dims), on the device: a seeded
+    row's key follows its position (workers/model_runner.py seed_key), and a step launched before the verify step
+    in flight is read back keys its rows by positions that step's rejected drafts move back. A drawn key moved stays
+    a drawn key."""
+    return torch.remainder(keys - shift.view(-1, *([1] * (keys.dim() - 1))), _MAX_KEY)
 
 
 def _scatter_index(rows: list[SamplingRow], get_ids, device) -> tuple[torch.Tensor, torch.Tensor]:

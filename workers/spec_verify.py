@@ -37,8 +37,11 @@ from workers.sampler import (
     apply_top_k_top_p,
     finish,
     is_plain,
+    penalty_batch,
     sample_async,
+    shift_keys,
 )
+from workers.token_history import PenaltyBatch
 
 _MAX_KEY = 1 << 62
 
@@ -104,8 +107,15 @@ class VerifyLaunch:
 
 
 def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarBitmask | None,
-                  generator: torch.Generator | None = None) -> VerifyLaunch:
-    """`verify`'s device work, queued without a wait: the step's tokens stay on the device until read."""
+                  generator: torch.Generator | None = None,
+                  device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  key_shift: torch.Tensor | None = None, histories: tuple | None = None) -> VerifyLaunch:
+    """`verify`'s device work, queued without a wait: the step's tokens stay on the device until read.
+    device_drafts: the rows' drafts proposed on the device ([R, k], and how many of each are real [R]: the draft
+    positions past them are rejected), where the rows' own `drafts` are only DEVICE_DRAFT placeholders. key_shift:
+    [R] positions each row's noise keys move back by, on the device (sampler.shift_keys). histories: the rows'
+    token histories on the device (workers/token_history.py `read`: tokens [R, L], num_prompt [R], num_tokens [R],
+    through the step before), which penalized positions read (`position_penalties`); None: their host lists."""
     starts = np.cumsum([0] + [1 + len(r.drafts) for r in rows])
     device, width = logits.device, 1 + max(len(r.drafts) for r in rows)
     tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=device)
@@ -116,8 +126,17 @@ def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarB
         if bitmask is not None:
             apply_grammar_bitmask(x, bitmask, [rows[i].state.req_id for i in plain])
         plain_rows = [_sampling_row(rows[i], []) for i in plain]
-        plain_batch = sample_async(x, plain_rows, generator, in_place=True)
-        tokens[to_device(plain, torch.long, device), 0] = plain_batch.tokens
+        plain_index = to_device(plain, torch.long, device)
+        plain_shift = None if key_shift is None else key_shift.index_select(0, plain_index)
+        tensors = SamplingTensors.build(plain_rows, x.shape[1], device)
+        penalties = None
+        if histories is not None and tensors.penalty_rows:  # (no drafts: each its history through the step before)
+            penalties = position_penalties([rows[i] for i in plain], tensors,
+                                           tuple(t.index_select(0, plain_index) for t in histories),
+                                           torch.zeros(len(plain), 0, dtype=torch.long, device=device))
+        plain_batch = sample_async(x, plain_rows, generator, tensors=tensors, penalties=penalties, in_place=True,
+                                   key_shift=plain_shift)
+        tokens[plain_index, 0] = plain_batch.tokens
         plain_batch.start_copy()
     spec = [i for i, r in enumerate(rows) if r.drafts]
     spec_logprobs = None
@@ -132,8 +151,13 @@ def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarB
             apply_grammar_bitmask(raw, bitmask, [r for r, n in spans for _ in range(n)],
                                   [j for _, n in spans for j in range(n)])
         spec_rows = [rows[i] for i in spec]
-        spec_tokens = _verify_drafts(raw, spec_rows, generator)
-        tokens[to_device(spec, torch.long, device), :spec_tokens.shape[1]] = spec_tokens
+        index = to_device(spec, torch.long, device)
+        if device_drafts is not None:
+            device_drafts = (device_drafts[0].index_select(0, index), device_drafts[1].index_select(0, index))
+        spec_shift = None if key_shift is None else key_shift.index_select(0, index)
+        spec_histories = None if histories is None else tuple(t.index_select(0, index) for t in histories)
+        spec_tokens = _verify_drafts(raw, spec_rows, generator, device_drafts, spec_shift, spec_histories)
+        tokens[index, :spec_tokens.shape[1]] = spec_tokens
         spec_logprobs = PositionLogprobs.launch(raw, spec_rows, spec_tokens)
     return VerifyLaunch(tokens, plain, plain_batch, plain_rows, spec, spec_logprobs)
 
@@ -146,26 +170,35 @@ def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
     return SamplingRow(state.params, state.prompt_token_ids, outputs, seed, 0, state.knobs)
 
 
-def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None) -> torch.Tensor:
+def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None,
+                   device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   key_shift: torch.Tensor | None = None, histories: tuple | None = None) -> torch.Tensor:
     """raw [P, V]: the rows' 1 + d positions each, raw logits. Greedy rows accept while the argmax equals the draft;
     the others are rejection-sampled (kernels/rejection_sampler.py). Returns [R, 1 + k] as `VerifyLaunch.tokens`,
-    on the device."""
+    on the device. device_drafts, key_shift, histories: as `launch_verify`'s, for these rows."""
     # No knob on any row at any position (min_tokens met at the first one is met at the later ones): the argmax
     # of the raw logits, with no per-position rows and no knob tensors.
     if all(row.state.params.is_greedy and is_plain(_sampling_row(row, [])) for row in rows):
-        return _greedy_accept(raw, rows)
+        return _greedy_accept(raw, rows, device_drafts)
     positions = [_sampling_row(row, row.drafts[:j]) for row in rows for j in range(len(row.drafts) + 1)]
-    x = apply_knobs(raw.clone(), positions)
     device, k = raw.device, max(len(row.drafts) for row in rows)
+    all_draft_ids = _draft_ids(rows, k, device, device_drafts)
+    tensors = SamplingTensors.build(positions, raw.shape[1], device)
+    penalties = None
+    if histories is not None and tensors.penalty_rows:
+        penalties = position_penalties(rows, tensors, histories, all_draft_ids)
+    x = apply_knobs(raw.clone(), positions, tensors, penalties)
     starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
     out = torch.full((len(rows), k + 1), -1, dtype=torch.int64, device=device)
     for greedy in (True, False):
         sub = [r for r, row in enumerate(rows) if row.state.params.is_greedy == greedy]
         if not sub:
             continue
-        draft_ids = to_device([row.drafts + [0] * (k - len(row.drafts)) for row in (rows[r] for r in sub)],
-                              torch.long, device)
+        sub_index = to_device(sub, torch.long, device)
+        draft_ids = all_draft_ids.index_select(0, sub_index)
         num_drafts = to_device([len(rows[r].drafts) for r in sub], torch.long, device)
+        if device_drafts is not None:  # (the rows' own drafts are placeholders: as many as the lookup found)
+            num_drafts = torch.minimum(num_drafts, device_drafts[1].index_select(0, sub_index))
         # [len(sub), K + 1] -> flat position (past a row's own positions: its last, ignored)
         flat = to_device([[starts[r] + min(j, starts[r + 1] - starts[r] - 1) for j in range(k + 1)] for r in sub],
                          torch.long, device)
@@ -178,9 +211,11 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
             local = torch.as_tensor([[first[i] + min(j, len(rows[r].drafts)) for j in range(k + 1)]
                                      for i, r in enumerate(sub)], device=device)
             keys = _keys(rows, sub, k, generator).to(device)
+            if key_shift is not None:
+                keys = shift_keys(keys, key_shift.index_select(0, sub_index))
             tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys,
                                          _draft_probs([rows[r] for r in sub], k, raw.shape[-1], device))
-        out[to_device(sub, torch.long, device)] = tokens
+        out[sub_index] = tokens
     return out
 
 
@@ -200,7 +235,8 @@ def _draft_probs(rows: list[VerifyRow], k: int, vocab: int, device: torch.device
     return q
 
 
-def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
+def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow],
+                   device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Greedy rows without knobs: each row's drafts while they equal the argmax, then the argmax ([R, 1 + k] as
     `VerifyLaunch.tokens`). One copy of the index tensors to the device."""
     num_rows, k = len(rows), max(len(row.drafts) for row in rows)
@@ -213,6 +249,8 @@ def _greedy_accept(raw: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
         draft_ids[i, :len(row.drafts)] = row.drafts
     packed = to_device(np.concatenate([flat.ravel(), draft_ids.ravel(), num_drafts]), torch.long, raw.device)
     flat_t, drafts_t, num_t = packed.split([flat.size, draft_ids.size, num_rows])
+    if device_drafts is not None:  # (the rows' own drafts are placeholders)
+        drafts_t, num_t = device_drafts[0][:, :k].reshape(-1), torch.minimum(num_t, device_drafts[1])
     tokens, _ = greedy_accept_ref(raw.argmax(dim=-1)[flat_t.view(num_rows, k + 1)], drafts_t.view(num_rows, k), num_t)
     return tokens
 
@@ -226,14 +264,40 @@ def _keys(rows: list[VerifyRow], sub: list[int], k: int, generator: torch.Genera
     return keys
 
 
-def apply_knobs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_knobs(x: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None,
+                penalties: PenaltyBatch | None = None) -> torch.Tensor:
     """The knobs the plain sampler applies before its draw, in its order, in place on x [P, V]: allowed_token_ids,
-    logit_bias, min_tokens, penalties (each position's history holds the drafts before it)."""
+    logit_bias, min_tokens, penalties (each position's history holds the drafts before it: `penalties` on the
+    device, else the rows' host lists)."""
     apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
-    apply_penalties(x, rows, SamplingTensors.build(rows, x.shape[1], x.device))
+    apply_penalties(x, rows, tensors or SamplingTensors.build(rows, x.shape[1], x.device), penalties)
     return x
+
+
+def _draft_ids(rows: list[VerifyRow], k: int, device, device_drafts: tuple | None) -> torch.Tensor:
+    """[R, k] the rows' drafts on the device (0 past a row's own)."""
+    if device_drafts is not None:
+        return device_drafts[0][:, :k]
+    return to_device([row.drafts + [0] * (k - len(row.drafts)) for row in rows], torch.long, device)
+
+
+def position_penalties(rows: list[VerifyRow], tensors: SamplingTensors, histories: tuple,
+                       draft_ids: torch.Tensor) -> PenaltyBatch:
+    """The penalized positions' histories on the device: position j of a row holds the row's history (prompt and
+    outputs through the step before, `histories` as `launch_verify`'s) and then its first j drafts. Each row's drafts
+    are written after its history whatever j (past a position's length they are padding, which penalties skip)."""
+    spans = [(r, j) for r, row in enumerate(rows) for j in range(len(row.drafts) + 1)]
+    picked = [spans[p] for p in tensors.penalty_rows]
+    index = to_device([r for r, _ in picked] + [j for _, j in picked], torch.long, draft_ids.device)
+    row_index, before = index.split(len(picked))
+    tokens, num_prompt, num_tokens = (t.index_select(0, row_index) for t in histories)
+    drafts = draft_ids.index_select(0, row_index)
+    k = drafts.shape[1]
+    token_ids = torch.cat([tokens.long(), torch.zeros_like(drafts)], dim=1)
+    token_ids.scatter_(1, num_tokens[:, None] + torch.arange(k, device=drafts.device)[None, :], drafts)
+    return penalty_batch(tensors, token_ids, num_prompt, num_tokens + before)
 
 
 def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -300,12 +364,14 @@ class VerifiedStep:
     bitmask_req_ids: list[str] = []
 
     def __init__(self, runner, states: list, drafts: list[list[int]], tokens: torch.Tensor,
-                 launched: VerifyLaunch | None, prompt_logprobs):
+                 launched: VerifyLaunch | None, prompt_logprobs, found: torch.Tensor | None = None):
         self.runner = runner
         self.states, self.drafts = states, drafts
         self.tokens = SampledBatch(tokens, []).start_copy()  # [R, 1 + k], every rank's
         self.launched = launched  # rank 0's
         self.prompt_logprobs = prompt_logprobs  # workers/prompt_logprobs.py PromptLogprobsBatch (rank 0), or None
+        # device drafts: how many of each row's the lookup found (rank 0's; None: drafts from the driver)
+        self.found = None if found is None else SampledBatch(found, []).start_copy()
         self._output: ModelRunnerOutput | None = None  # once read back
 
     def result(self) -> ModelRunnerOutput | None:
@@ -315,7 +381,8 @@ class VerifiedStep:
                         else [[None] * len(t) for t in token_rows])
             output = ModelRunnerOutput(prompt_logprobs={} if self.prompt_logprobs is None
                                        else self.prompt_logprobs.outputs())
-            for state, d, new, lps in zip(self.states, self.drafts, token_rows, logprobs):
+            found = self.found.on_host()[0].tolist() if self.found is not None else None
+            for i, (state, d, new, lps) in enumerate(zip(self.states, self.drafts, token_rows, logprobs)):
                 self.runner.append_verified(state, d, new)
                 output.req_ids.append(state.req_id)
                 output.sampled_token_ids.append(new[-1])
@@ -323,5 +390,7 @@ class VerifiedStep:
                 if d:
                     output.accepted_draft_ids[state.req_id] = new[:-1]
                     output.accepted_draft_logprobs[state.req_id] = lps[:-1]
+                    if found is not None:
+                        output.draft_counts[state.req_id] = min(found[i], len(d))
             self._output = output
         return self._output if self.runner.is_driver else None

@@ -1,9 +1,14 @@
-"""Token ids of the requests that use penalties, on the device: what repetition, frequency and presence penalties
-read, kept where the sampler runs so that a step needs no host history and can run ahead of its last token.
+"""Token ids of the requests that use penalties (or n-gram speculation), on the device: what repetition, frequency
+and presence penalties read, kept where the sampler runs so that a step needs no host history and can run ahead of
+its last token.
 
-    tokens      [max_num_seqs, max_model_len] int32   a slot (row) per request: prompt, then outputs
+    tokens      [max_num_seqs, max_model_len + 1] int32   a slot (row) per request: prompt, then outputs (the
+                                                      last column: where `append` writes its padding)
     num_tokens  [max_num_seqs]                        filled length, advanced on the device by `append`
     num_prompt  [max_num_seqs]
+
+With n-gram speculation every request has a slot, on every rank: the workers' draft lookup reads it
+(workers/ngram_drafts.py). A verify step's kept tokens are written at its launch (`append`).
 
 A request takes a slot when it joins the persistent batch (`add`: its prompt and, after a preemption, the outputs it
 had, copied once) and frees it when it leaves; each step's sampled tokens are written on the device (`append`,
@@ -47,14 +52,20 @@ class PenaltyBatch:
 class TokenHistory:
     def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device):
         self.device = device
-        self.tokens = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int32, device=device)
+        # (one column more: where `append` writes its padding, so that no real entry is written twice)
+        self.tokens = torch.zeros(max_num_seqs, max_model_len + 1, dtype=torch.int32, device=device)
         self.num_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.num_prompt = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     @property
+    def in_use(self) -> bool:
+        """Whether any request holds a slot."""
+        return len(self.free_slots) < self.tokens.shape[0]
+
+    @property
     def max_len(self) -> int:
-        return self.tokens.shape[1]
+        return self.tokens.shape[1] - 1
 
     def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
         """A slot holding the request's tokens so far."""
@@ -73,10 +84,14 @@ class TokenHistory:
         self.free_slots.append(slot)
 
     def append(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Writes one sampled token per slot (distinct slots [P], tokens [P]), on the device."""
+        """Writes a step's tokens per slot (distinct slots [P], tokens [P, W]: each row's new tokens, then -1: a
+        verify step's kept ones), on the device, without reading back how many each row has."""
         ends = self.num_tokens[slots]
-        self.tokens[slots, ends.clamp(max=self.max_len - 1)] = token_ids.to(torch.int32)
-        self.num_tokens[slots] = ends + 1
+        kept = token_ids >= 0
+        cols = ends[:, None] + torch.arange(token_ids.shape[1], device=self.device)[None, :]
+        cols = torch.where(kept & (cols < self.max_len), cols, self.max_len)
+        self.tokens[slots[:, None].expand_as(cols), cols] = token_ids.to(torch.int32)
+        self.num_tokens[slots] = ends + kept.sum(dim=1)
 
     def read(self, slots: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token ids [P, L] int64, num_prompt [P], num_tokens [P]) of `slots`, read up to max_tokens columns

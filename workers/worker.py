@@ -107,6 +107,13 @@ class Worker:
         return spec.draft_model_config
 
     @property
+    def ngram_lookup(self) -> tuple[int, int] | None:
+        """(prompt_lookup_min, prompt_lookup_max) of n-gram speculation, whose drafts the runner can propose on the
+        device (workers/ngram_drafts.py); None without it."""
+        spec = self.config.speculative
+        return (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None and spec.method == "ngram" else None
+
+    @property
     def block_bytes(self) -> int:
         return self.model.kv_layout.bytes_per_block(self.config.cache.block_size, self.kv_dtype)
 
@@ -145,7 +152,8 @@ class Worker:
         blocks_per_seq = -(-per_seq // block_size)
         caches = allocate_kv_caches(self.model.kv_layout, num_seqs * blocks_per_seq, block_size, self.kv_dtype,
                                     self.device)
-        runner = ModelRunner(self.model, caches, block_size, self.device, sched_config, is_driver=self.rank == 0)
+        runner = ModelRunner(self.model, caches, block_size, self.device, sched_config, is_driver=self.rank == 0,
+                             ngram=self.ngram_lookup)  # (its token histories count)
         sched = SchedulerOutput()
         for i in range(num_seqs):
             block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
@@ -167,7 +175,8 @@ class Worker:
             self.runner = ModelRunner(self.model, caches, self.config.cache.block_size, self.device,
                                       self.config.scheduler, is_driver=self.rank == 0,
                                       use_cuda_graphs=self.use_cuda_graphs, host_pool=host_pool,
-                                      lora=self.lora, spec_tokens=spec.num_speculative_tokens if spec else 0)
+                                      lora=self.lora, spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                      ngram=self.ngram_lookup)
         if self.draft_model is not None:
             self._init_draft(num_blocks)
         logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB, %s)", self.rank, num_blocks,
@@ -251,6 +260,13 @@ class Worker:
         """This rank's adapter reads finished since the last call (workers/lora.py LoRAManager.take_reads)."""
         return self.lora.take_reads() if self.lora is not None else {}
 
+    def check_integrity(self, block_tables: dict[str, list[int]] | None = None) -> None:
+        """The draft model's books, and the runner's block tables against the driver's (Executor.check_integrity)."""
+        if self.draft is not None:
+            self.draft.check_integrity()
+        if self.runner is not None and block_tables:
+            self.runner.check_block_tables(block_tables)
+
     def shutdown(self) -> None:
         """Leaves the process group and gives the GPU memory back: weights, KV pool, graphs, adapters. A process
         that starts a second engine after this one (a notebook, a test) sizes its pool from the memory free then."""
@@ -298,9 +314,8 @@ class InProcessExecutor(Executor):
     def propose_drafts(self, ask: DraftAsk) -> dict[str, list[int]]:
         return _as_executor_error(self.worker.propose_drafts, ask)
 
-    def check_integrity(self) -> None:
-        if self.worker.draft is not None:
-            self.worker.draft.check_integrity()
+    def check_integrity(self, block_tables: dict[str, list[int]] | None = None) -> None:
+        self.worker.check_integrity(block_tables)
 
     def device_stats(self) -> tuple[int, float]:
         return self.worker.device_stats()

@@ -302,7 +302,8 @@ def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
     assert len(forced) == 4 and all(r["draft_tokens_per_step"] == 3.0 for r in forced)
     assert all(r["graph_steps"] == 0 for r in forced)  # no CUDA graphs on a CPU (on a GPU: 1.0 up to batch 64)
     assert all(r["tokens_per_step"] == 1.0 for r in rows if not r["speculative"])
-    assert all(0 < r["propose_ms_per_step"] < r["ms_per_step"] for r in rows if r.get("drafts"))
+    # the n-gram engine's drafts come from its workers' device lookup, in the step: no proposer time before it
+    assert all(r["steps_ahead"] > 0 and r["propose_ms_per_step"] == 0 for r in rows if r.get("drafts"))
     # each proposer row against its case's plain and forced rows: the speed-up and the bound that the verify step's
     # cost plus the proposer's allows
     for row in (r for r in rows if r.get("drafts") == "ngram"):
@@ -315,7 +316,7 @@ def test_bench_latency_over_lora_adapters_and_speculation(tmp_path):
         assert (row["speedup"], row["verify_step_cost"], row["step_cost"], row["speedup_bound"], row["of_bound"]) == (
             round(speedup, 3), round(verify_ms / plain["ms_per_step"], 3), round(cost, 3), round(bound, 3),
             round(speedup / bound, 3))
-        assert row["step_cost"] > row["verify_step_cost"]
+        assert row["step_cost"] == row["verify_step_cost"]
     assert not any("speedup" in r for r in rows if r.get("drafts") != "ngram")
 
 
@@ -331,7 +332,7 @@ def test_bench_latency_oracle_drafts_are_the_models_own_continuation(tmp_path):
         oracle = [r for r in result["results"] if r.get("drafts") == "oracle"]
         assert [r["batch"] for r in oracle] == [1, 3]
         for row in oracle:
-            assert row["draft_tokens_per_step"] == 3.0 and check(row), row
+            assert row["draft_tokens_per_step"] == 3.0 and check(row) and row["steps_ahead"] > 0, row
             assert row["speedup_bound"] > 0 and row["of_bound"] > 0
 
 

@@ -4,16 +4,23 @@ stay in step. Greedy output equals the same tp=2 engine's without speculation, u
 (tests/cluster/test_tensor_parallel.py's stress settings, a larger token budget)."""
 
 import pytest
+import ray
 
 from pagoda import LLM, SamplingParams
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine.test_spec_decode import NGRAM, PROMPTS, OracleProposer, _assert_same, _references
+from tests.spec_proposers import OracleLookup
 
-# 31 s the two: make test stays under 15 minutes on 2 cores; CI runs them in test-slow
+# ~45 s the three: make test stays under 15 minutes on 2 cores; CI runs them in test-slow
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_speculation_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoints):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-drafts", "device-drafts"])
+def test_tp2_speculation_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoints, on_device):
+    """Drafts from the driver (pipelined steps), or proposed on the ranks, each from its own copy of the token
+    histories (the same drafts), in verify steps launched before the one in flight is read back: a Ray rank reads
+    each step before it takes the next, so its counts run ahead of the driver's by the drafts rejected, and the
+    blocks they held go when the driver's next step says (CachedRequestData.num_kept_blocks)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, ignore_eos=True)
     args = dict(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", tensor_parallel_size=2,
                 **(STRESS | {"max_num_batched_tokens": 24}))  # the four run at once: preemptions
@@ -23,10 +30,16 @@ def test_tp2_speculation_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoint
     llm = LLM(**args, speculative_config=NGRAM)
     try:
         assert type(llm.engine.executor).__name__ == "RayExecutor"
-        llm.engine.spec.proposer = OracleProposer(_references(PROMPTS, plain), 4)
+        refs = _references(PROMPTS, plain)
+        if on_device:
+            ray.get([actor.__ray_call__.remote(_install_lookup, refs) for actor in llm.engine.executor.actors])
+        else:
+            llm.engine.spec.proposer = OracleProposer(refs, 4)
         spec = llm.generate(PROMPTS, params, use_tqdm=False)
         llm.engine.check_integrity()
-        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+        stats = llm.engine.scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert (llm.engine.spec.num_steps_ahead > 0) == on_device
         assert llm.engine.scheduler.num_preemptions > 0
         _assert_same(plain, spec)
         again = llm.generate(PROMPTS[:2], params, use_tqdm=False)  # the ranks' states stayed in step
@@ -58,3 +71,8 @@ def test_tp2_draft_model_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoint
         _assert_same(plain, spec)
     finally:
         llm.shutdown()
+
+
+def _install_lookup(actor, references) -> None:
+    """On a worker actor: the oracle in the place of the runner's n-gram lookup (every rank the same drafts)."""
+    actor.worker.runner.lookup = OracleLookup(references, 4)

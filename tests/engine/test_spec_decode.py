@@ -16,7 +16,7 @@ from engine.config import EngineArgs, SpeculativeConfig
 from engine.errors import ParamError
 from engine.spec_decode import NgramProposer
 from kernels.rejection_sampler import greedy_accept_ref, rejection_sample_ref
-from tests.spec_proposers import OracleProposer
+from tests.spec_proposers import OracleLookup, OracleProposer
 
 # Speculating in every step whatever it costs (a batch limit above any batch here): tests that count drafts must not
 # depend on the machine's step times, which the engine's own decision reads (tested on its own below).
@@ -184,16 +184,34 @@ def _llm(**kwargs):
     return LLM(**({"model": "tiny", "device": "cpu", "num_kv_blocks": 64, "block_size": 4} | kwargs))
 
 
-def _run(prompts, params, oracle_k: int | None = None, references=None, **kwargs):
-    """(outputs, the engine) of one offline run; with oracle_k, speculative with the oracle proposer."""
+def _run(prompts, params, oracle_k: int | None = None, references=None, on_device: bool = False, **kwargs):
+    """(outputs, the engine) of one offline run; with oracle_k, speculative with the oracle proposer: on the driver
+    (each verify step read back before the next is launched), or on_device, in the runner's place of the n-gram
+    lookup (steps launched ahead of the verify step in flight, their inputs fixed up on the device)."""
     llm = _llm(**kwargs)
     if oracle_k is not None:
         assert llm.engine.spec is not None
-        llm.engine.spec.proposer = OracleProposer(references, oracle_k)
+        if on_device:
+            llm.engine.executor.worker.runner.lookup = OracleLookup(references, oracle_k)
+        else:
+            llm.engine.spec.proposer = OracleProposer(references, oracle_k)
+        _check_every_step(llm.engine)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_integrity()
     llm.shutdown()
     return outs, llm.engine
+
+
+def _check_every_step(engine) -> None:
+    """The engine's books (the workers' block tables against the driver's too) checked after each of its steps."""
+    step = engine.step
+
+    def checked_step():
+        deltas = step()
+        engine.check_integrity()
+        return deltas
+
+    engine.step = checked_step
 
 
 def _assert_same(plain, spec, atol=1e-4):  # float32: a recomputed KV (preemption) moves the last bits
@@ -215,19 +233,23 @@ def _references(prompts, outs):
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [1, 2, 3, 4] * 5, [11, 12, 13], list(range(20, 61))]
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-drafts", "device-drafts"])
 @pytest.mark.parametrize("engine_kwargs", [
     {},  # continuous batching: the fourth prompt is not speculated (the oracle does not know it)
     {"max_num_batched_tokens": 7},  # chunked prefill, and drafts trimmed to the token budget
     {"num_kv_blocks": 26, "enable_prefix_caching": False},  # preemption
 ])
-def test_greedy_speculation_gives_the_plain_output(engine_kwargs):
+def test_greedy_speculation_gives_the_plain_output(engine_kwargs, on_device):
+    """Drafts on the driver run pipelined; drafts on the device run ahead: each verify step is launched before the
+    one in flight is read back, the runner moving its inputs back by the drafts that one rejected."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (37, 40, 23, 30)]
     plain, _ = _run(PROMPTS, params, **engine_kwargs)
     references = _references(PROMPTS, plain)[:3]
-    spec, engine = _run(PROMPTS, params, 4, references, speculative_config=NGRAM, **engine_kwargs)
+    spec, engine = _run(PROMPTS, params, 4, references, on_device, speculative_config=NGRAM, **engine_kwargs)
     _assert_same(plain, spec)
     stats_ = engine.scheduler.spec_stats
     assert stats_.num_accepted_tokens > 0 and stats_.num_accepted_tokens < stats_.num_draft_tokens
+    assert (engine.spec.num_steps_ahead > 10) == on_device
     if "num_kv_blocks" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
 
@@ -251,9 +273,10 @@ def test_prefix_caching_with_speculation():
     llm.shutdown()
 
 
-def test_stops_cut_the_accepted_run():
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-drafts", "device-drafts"])
+def test_stops_cut_the_accepted_run(on_device):
     """A stop token id, a stop string and max_tokens that fall inside an accepted run end the output where the plain
-    run ends it."""
+    run ends it (with device drafts, in a step the next was launched behind)."""
     base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain, _ = _run(PROMPTS[:3], base)
     refs = _references(PROMPTS[:3], plain)
@@ -265,9 +288,9 @@ def test_stops_cut_the_accepted_run():
               SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)]
     plain, _ = _run(PROMPTS[:3], params)
     assert plain[0].outputs[0].finish_reason == plain[1].outputs[0].finish_reason == "stop"
-    spec, engine = _run(PROMPTS[:3], params, 4, refs, speculative_config=NGRAM)
+    spec, engine = _run(PROMPTS[:3], params, 4, refs, on_device, speculative_config=NGRAM)
     _assert_same(plain, spec)
-    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0 and (engine.spec.num_steps_ahead > 0) == on_device
 
 
 def test_ngram_speculation_on_the_tiny_model_changes_nothing():
@@ -307,18 +330,26 @@ def test_sampled_distributions_are_the_plain_ones():
     stats_ = llm.engine.scheduler.spec_stats
     assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
     llm.shutdown()
+    a, b = _same_distributions(plain, spec, num, 3, pair=0)
+    assert not (a == b).all()  # the draws themselves differ: only their distributions agree
+
+
+def _same_distributions(plain, spec, num: int, length: int, pair: int) -> tuple[np.ndarray, np.ndarray]:
+    """Asserts two runs' outputs over ALLOWED have the same token distribution at each position and the same joint
+    distribution of positions pair and pair + 1 (chi-square on the contingency tables); returns their tokens."""
     a = np.array([o.outputs[0].token_ids for o in plain])
     b = np.array([o.outputs[0].token_ids for o in spec])
-    assert a.shape == b.shape == (num, 3)
+    assert a.shape == b.shape == (num, length)
     index = {t: i for i, t in enumerate(ALLOWED)}
-    for j in range(3):
+    for j in range(length):
         table = np.array([np.bincount([index[t] for t in x[:, j]], minlength=8) for x in (a, b)])
         table = table[:, table.sum(axis=0) > 0]
         assert stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
-    pairs = np.array([np.bincount([index[s] * 8 + index[t] for s, t in x[:, :2]], minlength=64) for x in (a, b)])
+    pairs = np.array([np.bincount([index[s] * 8 + index[t] for s, t in x[:, pair:pair + 2]], minlength=64)
+                      for x in (a, b)])
     pairs = pairs[:, pairs.sum(axis=0) >= 5]
     assert stats.chi2_contingency(pairs).pvalue > 1e-3
-    assert not (a == b).all()  # the draws themselves differ: only their distributions agree
+    return a, b
 
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
@@ -331,17 +362,21 @@ COPY_PROMPTS = [
 ]
 
 
-def test_smollm2_copy_workload_gives_the_plain_output_with_drafts_accepted(real_llm, real_model_dir):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-drafts", "device-drafts"])
+def test_smollm2_copy_workload_gives_the_plain_output_with_drafts_accepted(real_llm, real_model_dir, on_device):
     """SmolLM2-135M-Instruct copying a passage and editing code: n-gram drafts are accepted (more than half of them
-    here) and the output, tokens and logprobs, is the plain engine's."""
+    here) and the output, tokens and logprobs, is the plain engine's. The drafts come from the driver's lookup
+    (steps not overlapped) or from the workers' on the device (steps launched ahead of the verify step in flight)."""
     from pagoda import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
     plain = real_llm.chat(COPY_PROMPTS, params, use_tqdm=False)
     llm = LLM(model=real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256, speculative_config=NGRAM)
+    llm.engine.executor.supports_overlap = on_device  # off: every step is read back before the next
     spec = llm.chat(COPY_PROMPTS, params, use_tqdm=False)
     llm.engine.check_integrity()
     stats_ = llm.engine.scheduler.spec_stats
+    assert (llm.engine.spec.num_steps_ahead > 0) == on_device
     llm.shutdown()
     _assert_same(plain, spec)
     assert "lighthouse keeper climbed" in spec[0].outputs[0].text and "rect_area" in spec[1].outputs[0].text
@@ -499,7 +534,8 @@ def _decoding_request(i: int):
     tokens = [1, 2, 3, 4] * 3
     return SimpleNamespace(req_id=str(i), grammar=None, num_pending_tokens=0, num_computed_tokens=len(tokens) - 1,
                            num_tokens=len(tokens), max_tokens=100, num_output_tokens=0, num_prompt_tokens=len(tokens),
-                           prompt_token_ids=tokens, output_token_ids=[], spec_token_ids=[])
+                           prompt_token_ids=tokens, output_token_ids=[], spec_token_ids=[], num_pending_drafts=0,
+                           num_known_tokens=len(tokens))
 
 
 def test_speculation_turns_off_where_the_verify_step_costs_more_than_it_gives():
@@ -622,3 +658,172 @@ def test_a_proposer_that_finds_nothing_turns_speculation_off():
     assert engine.spec.acceptance == 0.0 and engine.spec.num_steps_off > 0 and overlapped > 0
     assert engine.scheduler.spec_stats.num_draft_tokens == 0
     llm.shutdown()
+
+
+# ---- steps launched ahead: device drafts ---------------------------------------------------------------------------
+class FixedLookup:
+    """In the runner's place of the device n-gram lookup: the same drafts for every row (a CPU test double)."""
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def __call__(self, tokens, lengths, k, min_n, max_n):
+        drafts = torch.tensor(self.drafts[:k] + [0] * (k - len(self.drafts[:k])), dtype=torch.long)
+        rows = tokens.shape[0]
+        return drafts.repeat(rows, 1), torch.full((rows,), min(k, len(self.drafts)), dtype=torch.long)
+
+
+def test_unseeded_sampled_distributions_are_the_plain_ones_with_steps_launched_ahead():
+    """Unseeded sampling runs ahead (no knob of it follows the position or the history): thousands of requests over an
+    8-token vocabulary with logit_bias, temperature, top-k, top-p and min-p, device drafts rejection-sampled in steps
+    launched before the verify step in flight is read back. Each position's distribution and the joint of the first
+    two are the plain engine's (chi-square)."""
+    num = 2000
+    bias = {3: 1.5, 17: 1.0, 40: 0.5, 300: -1.0}
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, min_p=0.02, logit_bias=bias,
+                            allowed_token_ids=ALLOWED, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 6, 7, 8]] * num
+    kwargs = dict(num_kv_blocks=2048, max_num_seqs=256)
+    plain, _ = _run(prompts, params, **kwargs)
+    llm = _llm(speculative_config=NGRAM, **kwargs)
+    llm.engine.executor.worker.runner.lookup = FixedLookup([3, 17])
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    stats_ = llm.engine.scheduler.spec_stats
+    assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens and llm.engine.spec.num_steps_ahead > 0
+    # the lookup found 2 drafts a row: the counters count those (vLLM's proposed drafts), not the 4 positions
+    assert stats_.num_draft_tokens <= 2 * stats_.num_drafts and len(stats_.accepted_per_position) == 2
+    llm.shutdown()
+    _same_distributions(plain, spec, num, 4, pair=1)
+
+
+def test_penalized_requests_run_ahead_with_the_plain_output():
+    """Penalties at every verified position read the device token histories (the step before's tokens, then the
+    drafts before that position: spec_verify.position_penalties), so penalized requests run ahead: greedy with
+    repetition, frequency and presence penalties, partly accepted device drafts, the plain engine's tokens and
+    logprobs."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.2, presence_penalty=0.1) for n in (37, 40, 23, 30)]
+    plain, _ = _run(PROMPTS, params)
+    spec, engine = _run(PROMPTS, params, 4, _references(PROMPTS, plain)[:3], True, speculative_config=NGRAM)
+    _assert_same(plain, spec)
+    stats_ = engine.scheduler.spec_stats
+    assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens and engine.spec.num_steps_ahead > 10
+
+
+def test_min_tokens_keeps_the_steps_pipelined_until_it_is_met():
+    """A request whose outputs are still short of its min_tokens (the count of its outputs is the host's): no step
+    is launched ahead of a verify step while it runs; once it has them, nothing of its sampling follows the count
+    and steps run ahead again. Every output, its own included, is the plain engine's."""
+    prompts = PROMPTS[:3]
+    base = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
+    plain, _ = _run(prompts, base)
+    refs = _references(prompts, plain)
+    # a stop id its output without min_tokens has third: min_tokens holds it back, and the output goes elsewhere
+    stop = refs[1][1][2]
+    params = [base, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=12,
+                                   stop_token_ids=[stop]), base]
+    plain, _ = _run(prompts, params)
+    llm = _llm(speculative_config=NGRAM)
+    llm.engine.executor.worker.runner.lookup = OracleLookup(refs, 4)
+    engine, outputs, ahead_short, ahead = llm.engine, {}, 0, 0
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, sp, stream=False)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = list(delta.seqs[0].token_ids)
+        pending, short = engine._pending, engine.scheduler.requests.get("1")
+        if pending is not None and pending.overlapped and pending.sched.scheduled_spec_token_ids:
+            ahead += 1  # (decided before this step read anything back: its outputs then were no more than now)
+            ahead_short += short is not None and short.num_output_tokens < 12
+        engine.check_integrity()
+    assert ahead_short == 0 and ahead > 0
+    assert [outputs[str(i)] for i in range(3)] == [list(o.outputs[0].token_ids) for o in plain]
+    llm.shutdown()
+
+
+def test_plain_steps_follow_a_verify_step_in_flight():
+    """disable_by_batch_size 1 with device drafts: one request speculates, launching each verify step behind the
+    one in flight; two more join mid-way, and the steps without drafts that follow are launched behind the last
+    verify step before it is read (their positions moved back on the device); once one request is left it
+    speculates again. Every output is the plain engine's."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (40, 12, 16)]
+    prompts = PROMPTS[:3]
+    plain, _ = _run(prompts, params)
+    llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 1})
+    llm.engine.executor.worker.runner.lookup = OracleLookup(_references(prompts, plain), 4)
+    engine, texts, plain_after_verify = llm.engine, {}, 0
+    engine.add_request("0", {"prompt_token_ids": prompts[0]}, params[0], stream=False)
+    steps = 0
+    while engine.has_unfinished_requests():
+        before = engine._pending
+        for delta in engine.step():
+            if delta.finished:
+                texts[delta.request_id] = delta.seqs[0].token_ids
+        steps += 1
+        if steps == 6:
+            for i in (1, 2):
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i], stream=False)
+        now = engine._pending
+        if (before is not None and before.sched.scheduled_spec_token_ids and now is not None and now.overlapped
+                and not now.sched.scheduled_spec_token_ids):
+            plain_after_verify += 1
+        engine.check_integrity()
+    assert plain_after_verify > 0 and engine.spec.num_steps_ahead > 0
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert [list(texts[str(i)]) for i in range(3)] == [list(o.outputs[0].token_ids) for o in plain]
+    llm.shutdown()
+
+
+def test_seeded_requests_run_ahead_with_the_tokens_of_pipelined_steps():
+    """Seeded sampling runs ahead: a seeded row's noise keys follow its positions, and in a step launched behind a
+    verify step they move back on the device with the positions (sampler.shift_keys), in verify steps and in plain
+    steps alike (disable_by_batch_size 2: four more requests join mid-way, and the steps without drafts that follow
+    were launched behind verify steps), some with penalties (from the device histories at every position). The
+    same drafts proposed on the driver (pipelined steps) and on the device (steps launched ahead) give the same
+    tokens; the drafts are partly accepted, so positions do move back. Up to the last few: there a step launched
+    ahead has room for fewer drafts (its room counts the drafts in flight as accepted), so its draws differ from
+    then on."""
+    params = [SamplingParams(temperature=0.9, top_k=6, logit_bias={3: 1.5, 17: 1.0}, allowed_token_ids=ALLOWED,
+                             max_tokens=40, ignore_eos=True, seed=s, repetition_penalty=1.2 if s % 2 else 1.0,
+                             frequency_penalty=0.3 * (s % 3 == 0)) for s in range(6)]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]] * 3
+    runs = []
+    for on_device in (False, True):
+        llm = _llm(speculative_config=NGRAM | {"disable_by_batch_size": 2}, num_kv_blocks=512)
+        engine = llm.engine
+        if on_device:
+            engine.executor.worker.runner.lookup = FixedLookup([3, 17])
+        else:
+            engine.spec.proposer = FixedDrafts([3, 17])
+        outputs, steps = {}, 0
+        for i in range(2):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i], stream=False)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                if delta.finished:
+                    outputs[delta.request_id] = list(delta.seqs[0].token_ids)
+            steps += 1
+            if steps == 6:
+                for i in range(2, 6):
+                    engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i], stream=False)
+            engine.check_integrity()
+        runs.append([outputs[str(i)][:40 - 6] for i in range(6)])
+        stats_ = engine.scheduler.spec_stats
+        assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens and engine.spec.num_steps_off > 0
+        assert (engine.spec.num_steps_ahead > 0) == on_device
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
+def test_steps_run_ahead_can_be_turned_off(monkeypatch):
+    """PAGODA_SPEC_RUN_AHEAD=0: the n-gram engine proposes on the driver and reads each verify step back before the
+    next (the pipelined steps); the same output, no step launched ahead."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1, ignore_eos=True)
+    ahead, engine = _run(PROMPTS, params, speculative_config=NGRAM)
+    assert engine.spec.num_steps_ahead > 0
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "0")
+    pipelined, engine = _run(PROMPTS, params, speculative_config=NGRAM)
+    assert engine.spec.num_steps_ahead == 0 and engine.scheduler.spec_stats.num_draft_tokens > 0
+    _assert_same(ahead, pipelined)

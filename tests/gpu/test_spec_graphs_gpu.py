@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from pagoda import LLM, LoRARequest, SamplingParams  # noqa: E402
 from tests.lora_adapters import make_adapter  # noqa: E402
-from tests.spec_proposers import OracleProposer  # noqa: E402
+from tests.spec_proposers import OracleLookup, OracleProposer  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. A language model reads a prompt",
@@ -21,15 +21,22 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. A language mod
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (40, 33, 26, 19, 12, 47)]
 
 
-def _generate(model_dir, eager: bool, references=None, lora=None, **kwargs):
+def _generate(model_dir, eager: bool, references=None, lora=None, on_device=False, **kwargs):
     """(outputs, verify graph replays); speculative with the oracle proposer when references are given (it knows
-    all but the last prompt's continuation: that row never has drafts; every 2nd proposal's last draft is wrong)."""
+    all but the last prompt's continuation: that row never has drafts; every 2nd proposal's last draft is wrong).
+    on_device: the oracle in the runner's device lookup's place, so steps run ahead of the verify step in flight
+    (its drafts read back to the host there: a test double, whose waits cost time, not correctness)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     llm = LLM(model=model_dir, device="cuda", block_size=16, num_kv_blocks=512, enforce_eager=eager,
               speculative_config=NGRAM if references is not None else None, **kwargs)
-    if references is not None:
+    if references is not None and on_device:
+        llm.engine.executor.worker.runner.lookup = OracleLookup(references[:-1], NGRAM["num_speculative_tokens"],
+                                                                wrong_every=2)
+    elif references is not None:
         llm.engine.spec.proposer = OracleProposer(references[:-1], NGRAM["num_speculative_tokens"], wrong_every=2)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=lora)
+    if on_device:
+        assert llm.engine.spec.num_steps_ahead > 0
     graphs = llm.engine.executor.worker.runner.graphs
     llm.engine.check_integrity()
     llm.shutdown()
@@ -72,3 +79,17 @@ def test_gpu_verify_graphs_with_lora_beside_base_rows(tiny_checkpoints, tmp_path
                                                ["q_proj", "v_proj", "down_proj"]))
     _check(model_dir, 1e-4, lora=[adapter, None] * 3, dtype="float32", enable_lora=True)
 
+
+
+def test_gpu_verify_graphs_run_ahead_with_device_drafts(tiny_checkpoints):
+    """Device drafts: each verify step is launched before the one in flight is read back, and its fix-ups (the fed
+    token, the drafts, positions, KV slots and sequence lengths moved back by the rejected drafts) are written into
+    the graph's static inputs before the replay: the plain engine's tokens and logprobs, graphed and eager."""
+    model_dir = tiny_checkpoints["llama"]
+    plain, _ = _generate(model_dir, eager=True, dtype="float32")
+    references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
+    eager, eager_replays = _generate(model_dir, eager=True, references=references, on_device=True, dtype="float32")
+    graphed, replays = _generate(model_dir, eager=False, references=references, on_device=True, dtype="float32")
+    assert eager_replays == 0 and replays > 0
+    _assert_same(plain, eager, 1e-4)
+    _assert_same(plain, graphed, 1e-4)

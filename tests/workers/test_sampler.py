@@ -163,7 +163,7 @@ def test_penalties_from_host_lists_and_from_the_device_history_follow_the_defini
     for step in range(max(len(rows[i].output_token_ids) for i in tensors.penalty_rows)):
         now = [(slot, rows[i].output_token_ids[step]) for slot, i in zip(slots, tensors.penalty_rows)
                if step < len(rows[i].output_token_ids)]
-        history.append(torch.tensor([s for s, _ in now]), torch.tensor([t for _, t in now]))
+        history.append(torch.tensor([s for s, _ in now]), torch.tensor([[t] for _, t in now]))
     batch = penalty_batch(tensors, *history.read(torch.tensor(slots), max_tokens=40))
     assert torch.equal(apply_history_penalties(x.clone(), batch), from_lists)
 
