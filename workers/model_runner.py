@@ -76,6 +76,21 @@ class RequestState:
         self.num_pending -= 1
 
 
+# the drafts a step proposed on the device: req_id -> row, drafts [D, k], how many of each row's the lookup found [D]
+DeviceDrafts = tuple[dict[str, int], torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Forward:
+    """A launched forward pass: its hidden states [T, hidden], the indices of the requests that sample, and what
+    only the device knows of them: the drafts proposed there (`_propose_on_device`) and how far each sampling
+    row's position moved back (`_shifted_keys`)."""
+    hidden: torch.Tensor
+    sample_rows: list[int]
+    device_drafts: DeviceDrafts | None = None
+    key_shift: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, block_size: int, device: torch.device,
                  scheduler_config: SchedulerConfig, is_driver: bool = True, use_cuda_graphs: bool = False,
@@ -105,9 +120,6 @@ class ModelRunner:
         self.spec_tokens = spec_tokens
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
                         if is_driver or ngram is not None else None)
-        # this step's device drafts: (req_id -> row, drafts [D, k], how many of each row's the lookup found [D])
-        self._device_drafts: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None
-        self._key_shift: torch.Tensor | None = None  # this step's: `_shifted_keys`
         self._sampling: tuple | None = None  # (req ids, SamplingTensors, history slots) of the last sampled batch
         self.awaiting: PendingStep | None = None  # a launched step whose sampling waits for a grammar bitmask
         max_blocks = -(-scheduler_config.max_model_len // block_size)
@@ -210,7 +222,8 @@ class ModelRunner:
         if self.lora is not None and self.lora.load_errors:
             self._check_lora_slots(states)
         counts = list(sched.num_scheduled_tokens.values())
-        hidden, sample_rows = self._forward(states, counts, sched.scheduled_spec_token_ids)
+        forward = self._forward(states, counts, sched.scheduled_spec_token_ids)
+        hidden, sample_rows = forward.hidden, forward.sample_rows
         prompt_logprobs = None
         if self.scoring:  # (a set test: decode steps without such requests pay nothing)
             starts = [state.num_computed_tokens for state in states]
@@ -223,10 +236,10 @@ class ModelRunner:
         if not sampling_states:
             return PendingStep(self, [], prompt_logprobs=prompt_logprobs)
         if sched.scheduled_spec_token_ids:  # speculative: every row sampled now (workers/spec_verify.py)
-            return self._verify(sched, sampling_states, counts, sample_rows, hidden, prompt_logprobs)
+            return self._verify(sched, sampling_states, counts, forward, prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         step = PendingStep(self, sampling_states, logits, prompt_logprobs)
-        step.key_shift = self._key_shift
+        step.key_shift = forward.key_shift
         # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
         # rank 0's broadcast of the tokens, and a rank held in it could not answer the step's launch.
         constrained = constrained_req_ids(sampling_states)
@@ -292,11 +305,10 @@ class ModelRunner:
         max_tokens = max(len(states[i].token_ids) + states[i].num_pending for i in tensors.penalty_rows)
         return tensors, penalty_batch(tensors, *self.history.read(slots, max_tokens))
 
-    def _forward(self, states: list[RequestState], counts: list[int], drafts: dict[str, list[int]],
-                 ) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, states: list[RequestState], counts: list[int], drafts: dict[str, list[int]]) -> Forward:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches and for verify steps of
         decodes only (each its last token and its drafts: workers/cuda_graphs.py), eager otherwise.
-        Returns the hidden states [T, hidden] and the indices of the requests that sample. A request's drafts
+        A request's drafts
         (speculative decoding) are inputs after its known tokens; DEVICE_DRAFT positions are proposed here, on the
         device (`_propose_on_device`).
 
@@ -329,21 +341,23 @@ class ModelRunner:
                                                        lora_slots)
         sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
                        if start + count == len(s.token_ids) + s.num_pending + len(drafts.get(s.req_id, ()))]
-        feed = self._fix_up(fed, shifted, self._propose_on_device(proposed))
-        self._key_shift = self._shifted_keys(states, sample_rows, shifted)
+        draft_positions, draft_ids, device_drafts = self._propose_on_device(proposed)
+        feed = self._fix_up(fed, shifted, draft_positions, draft_ids)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
-            return self.graphs.replay(len(states), feed), sample_rows
-        if drafts and self.graphs is not None and self.graphs.can_verify(len(states), max_query_len) \
+            hidden = self.graphs.replay(len(states), feed)
+        elif drafts and self.graphs is not None and self.graphs.can_verify(len(states), max_query_len) \
                 and len(sample_rows) == len(states) \
                 and all(count == 1 + len(drafts.get(s.req_id, ())) for s, count in zip(states, counts)):
-            return self.graphs.replay_verify(len(states), num_tokens, feed), sample_rows  # decodes, 0..k drafts
-        self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
-        feed()
-        use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows only skips the adapters
-        ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols,
-                                                     use_lora)
-        return self.model(ids, positions, self.kv_caches, meta), sample_rows
+            hidden = self.graphs.replay_verify(len(states), num_tokens, feed)  # decodes, 0..k drafts
+        else:
+            self.buffers.copy_to_device(num_tokens, len(states), num_block_cols)
+            feed()
+            use_lora = lora_slots is not None and max(lora_slots) >= 0  # a step of base rows skips the adapters
+            ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols,
+                                                         use_lora)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+        return Forward(hidden, sample_rows, device_drafts, self._shifted_keys(states, sample_rows, shifted))
 
     def _shifted_keys(self, states: list[RequestState], sample_rows: list[int],
                       shifted: list[tuple[int, int, int, int]]) -> torch.Tensor | None:
@@ -358,34 +372,35 @@ class ModelRunner:
         shift = torch.zeros(len(sample_rows), dtype=torch.long, device=self.device)
         return shift.index_copy_(0, rows, self.prev_rejected.index_select(0, prev))
 
-    def _propose_on_device(self, proposed: list[tuple[RequestState, int, int]]) -> tuple[list[int], torch.Tensor]:
+    def _propose_on_device(self, proposed: list[tuple[RequestState, int, int]],
+                           ) -> tuple[list[int], torch.Tensor, DeviceDrafts | None]:
         """The n-gram drafts of the rows that take DEVICE_DRAFT positions ((state, flat position of its first draft
         slot, its number of slots)), from their device histories, which already hold the tokens of the step in
-        flight: (the flat positions of the draft slots, the drafts in that order [sum of slots] on the device).
-        Each row's drafts and how many of them the lookup found stay for the verification (`_device_drafts`)."""
-        self._device_drafts = None
+        flight: the flat positions of the draft slots, the drafts in that order [sum of slots] on the device, and
+        for the verification each row's drafts and how many of them the lookup found (`Forward.device_drafts`;
+        None without device drafts)."""
         if not proposed:
-            return [], torch.empty(0, dtype=torch.long, device=self.device)
+            return [], torch.empty(0, dtype=torch.long, device=self.device), None
         assert self.ngram is not None and self.history is not None, "device drafts without the n-gram lookup"
         k = self.spec_tokens
         slots = to_device([state.history_slot for state, _, _ in proposed], torch.long, self.device)
         width = max(len(state.token_ids) + state.num_pending for state, _, _ in proposed)  # >= each history's length
         tokens, _, lengths = self.history.read(slots, width)
         draft_ids, found = self.lookup(tokens, lengths, k, *self.ngram)
-        self._device_drafts = ({state.req_id: j for j, (state, _, _) in enumerate(proposed)}, draft_ids, found)
         positions, picks = [], []
         for j, (_, first, count) in enumerate(proposed):
             positions += range(first, first + count)
             picks += range(j * k, j * k + count)
-        return positions, draft_ids.view(-1).index_select(0, to_device(picks, torch.long, self.device))
+        rows = {state.req_id: j for j, (state, _, _) in enumerate(proposed)}
+        return (positions, draft_ids.view(-1).index_select(0, to_device(picks, torch.long, self.device)),
+                (rows, draft_ids, found))
 
     def _fix_up(self, fed: list[tuple[int, int]], shifted: list[tuple[int, int, int, int]],
-                proposed: tuple[list[int], torch.Tensor]):
+                draft_positions: list[int], draft_ids: torch.Tensor):
         """A function that writes into this step's device inputs what only the device knows: the tokens the step
         before sampled (`fed`: flat position, its row there), the drafts proposed on the device, and, after a verify
         step not yet read back, the positions, KV slots and sequence lengths of the rows that follow it (`shifted`:
         row, first flat position, tokens, its row there), moved back by the drafts that step rejected."""
-        draft_positions, draft_ids = proposed
         if not (fed or draft_positions):
             return lambda: None
         token_index = [offset + j for _, offset, count, _ in shifted for j in range(count)]
@@ -415,24 +430,24 @@ class ModelRunner:
         return fix_up
 
     @torch.inference_mode()
-    def _verify(self, sched: SchedulerOutput, states: list[RequestState], counts: list[int], sample_rows: list[int],
-                hidden: torch.Tensor, prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
+    def _verify(self, sched: SchedulerOutput, states: list[RequestState], counts: list[int], forward: Forward,
+                prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
         """A step with drafts: scores every sampling row's last 1 + d positions and keeps the accepted drafts and
         one token of the target's (rank 0 decides, the others learn the tokens). Returns before the tokens reach the
         host. The next step may be launched first: the kept tokens go into the device histories here, and the last
         of each row, with the drafts it rejected, is what that step reads (`_fix_up`)."""
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
-        index = logit_indices(counts, sample_rows, [len(d) for d in drafts])
-        logits = self.model.compute_logits(hidden[to_device(index, torch.long, self.device)])
+        index = logit_indices(counts, forward.sample_rows, [len(d) for d in drafts])
+        logits = self.model.compute_logits(forward.hidden[to_device(index, torch.long, self.device)])
         launched = None
         if self.is_driver:
             rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62),
                               self._draft_probs(s.req_id, d)) for s, d in zip(states, drafts)]
             if self.draft_probs is not None:
                 self.draft_probs.clear()  # the last ask's: this step verified them
-            device_drafts = self._verified_drafts(states)
+            device_drafts = self._verified_drafts(states, forward.device_drafts)
             launched = launch_verify(logits, rows, sched.grammar_bitmask, device_drafts=device_drafts,
-                                     key_shift=self._key_shift, histories=self._verify_histories(states))
+                                     key_shift=forward.key_shift, histories=self._verify_histories(states))
             tokens = launched.tokens
             found = device_drafts[1] if device_drafts is not None else None
         else:
@@ -460,12 +475,14 @@ class ModelRunner:
         slots = to_device([0 if s.history_slot is None else s.history_slot for s in states], torch.long, self.device)
         return self.history.read(slots, max(len(s.token_ids) + s.num_pending for s in states))
 
-    def _verified_drafts(self, states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The device drafts of this step's sampling rows ([R, k], and how many the lookup found [R]: 0 for a row
-        without), or None: the step's drafts came from the driver."""
-        if self._device_drafts is None:
+    def _verified_drafts(self, states: list[RequestState],
+                         proposed: DeviceDrafts | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The device drafts (`Forward.device_drafts`) of this step's sampling rows ([R, k], and how many the lookup
+        found [R]: 0 for a row without), or None: the step's drafts came from the driver."""
+        if proposed is None:
             return None
-        rows, draft_ids, found = self._device_drafts
+        rows, draft_ids, found = proposed
         pick = [rows.get(s.req_id, 0) for s in states]
         has = [s.req_id in rows for s in states]
         index = to_device(pick + has, torch.long, self.device)
