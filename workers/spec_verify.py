@@ -208,9 +208,9 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
             index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in sub])
             probs_flat = target_probs(x[to_device(index, torch.long, device)], [positions[i] for i in index])
             first = np.cumsum([0] + [len(rows[r].drafts) + 1 for r in sub])[:-1]
-            local = torch.as_tensor([[first[i] + min(j, len(rows[r].drafts)) for j in range(k + 1)]
-                                     for i, r in enumerate(sub)], device=device)
-            keys = _keys(rows, sub, k, generator).to(device)
+            local = to_device([[first[i] + min(j, len(rows[r].drafts)) for j in range(k + 1)]
+                               for i, r in enumerate(sub)], torch.long, device)
+            keys = to_device(_keys(rows, sub, k, generator), torch.long, device)  # (no wait for the step in flight)
             if key_shift is not None:
                 keys = shift_keys(keys, key_shift.index_select(0, sub_index))
             tokens, _ = rejection_sample(probs_flat[local], draft_ids, num_drafts, keys,
