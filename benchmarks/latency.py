@@ -45,10 +45,12 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
     verify step's cost; "oracle" proposes each request's own greedy continuation, recorded first, each draft right
     with probability `oracle_accuracy` (`ReplayProposer`). Where the n-gram engine's workers propose on the device
     (an in-process executor), forced and oracle drafts are proposed there too, in the n-gram lookup's place
-    (`RepeatLastLookup`, `ReplayLookup`), so their steps run ahead as the n-gram's do (the row's `steps_ahead`)."""
+    (`RepeatLastLookup`, `ReplayLookup`), and every such step runs ahead (the row's `steps_ahead`); the n-gram row
+    runs ahead or pipelined as the engine chooses (PAGODA_SPEC_RUN_AHEAD, RunAheadChoice)."""
     import torch
 
     from engine.sampling_params import SamplingParams
+    from engine.spec_decode import RunAheadChoice
 
     # No length limit (they are aborted after the measurement): with chunked prefill, the first requests decode
     # while the last ones prefill, and a limit would let them finish before the decode steps are timed.
@@ -72,6 +74,9 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
             runner.lookup = RepeatLastLookup()
         else:
             engine.spec.proposer = RepeatLastProposer(engine.spec.config.num_speculative_tokens)
+    choice = engine.spec.run_ahead if engine.spec is not None else None
+    if runner is not None:  # (drafts the driver cannot propose: every step ahead, whatever the engine would choose)
+        engine.spec.run_ahead = RunAheadChoice(pinned=True)
     start = time.perf_counter()
     while any(not g.seqs[0].output_token_ids for g in engine.groups.values()):
         engine.step()  # prefill (possibly chunked)
@@ -108,7 +113,7 @@ def measure(engine, prompts: list[list[int]], decode_steps: int, profile_steps: 
                 "graph_steps": (_verify_graph_replays(engine) - graph_steps) / decode_steps,  # verify CUDA graphs
                 "propose_ms_per_step": 1000 * (engine.spec.propose_total_s - propose_s) / decode_steps,
                 "steps_ahead": (engine.spec.num_steps_ahead - ahead) / decode_steps}  # launched before the last read
-        engine.spec.proposer = proposer
+        engine.spec.proposer, engine.spec.run_ahead = proposer, choice
         if runner is not None:
             runner.lookup = lookup
     if structured:

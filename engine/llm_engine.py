@@ -161,6 +161,7 @@ class LLMEngine:
         self.step_tokens: list[int] = []  # tokens of each step since the last take_step_tokens() (bounded)
         self._pending: InFlight | None = None  # the step launched and not yet read back
         self._read_at = 0.0  # time.perf_counter() when the last step was read back
+        self._read_verify = False  # whether that step was a verify step
         self.timing = StepTiming()
         self._ids = itertools.count()
 
@@ -382,6 +383,10 @@ class LLMEngine:
                                                  for r, n in result.draft_counts.items())
             self.spec.observe(stats.num_draft_tokens - drafts + missed, stats.num_accepted_tokens - accepted)
             self.spec.cost.record(sched.total_num_scheduled_tokens, end - max(pending.launched_at, self._read_at))
+            verify = bool(sched.scheduled_spec_token_ids)
+            if verify and self._read_verify:  # the period between consecutive verify steps' read-backs
+                self.spec.record_verify_period(pending.overlapped, end - self._read_at)
+            self._read_verify = verify
         self._read_at = end
         return sched, updated, []
 

@@ -200,6 +200,58 @@ class StepCostModel:
         return (fixed + spec_tokens * per_token + extra_s) / (fixed + num_tokens * per_token)
 
 
+class RunAheadChoice:
+    """Whether verify steps are launched ahead of the one in flight (device drafts, fixed up on the device) or
+    pipelined (drafts from the driver, each verify step read back before the next launch), by measurement: each
+    way's period between the read-backs of consecutive verify steps, a decaying average (in seconds: the two ways'
+    samples are close in time, so of about the same batch). Ahead hides the host's step under the device's; its
+    fix-ups and lookup cost the host more small launches, which a host-bound step (a small model: SmolLM2 on an
+    H200, 3.5 against 1.3 ms a verify step) pays in full. The cheaper way runs; the other gets TRIAL_STEPS every
+    PROBE_EVERY verify steps, so the choice follows the batch. The first step after a switch is not counted (it
+    straddles both)."""
+
+    TRIAL_STEPS = 6
+    PROBE_EVERY = 64
+    DECAY = 0.7
+
+    def __init__(self, pinned: bool | None = None) -> None:
+        self.pinned = pinned  # PAGODA_SPEC_RUN_AHEAD=1 / 0: always / never ahead, nothing measured
+        self.ahead = pinned is not False
+        self.period: dict[bool, float | None] = {True: None, False: None}
+        self.num_switches = 0
+        self._steps = 0  # verify steps read back since the last switch
+
+    def record(self, ahead: bool, period: float) -> None:
+        """A verify step read back: whether it was launched ahead, and its period."""
+        if ahead != self.ahead or self.pinned is not None:  # launched before the last switch
+            return
+        self._steps += 1
+        if self._steps == 1:
+            return
+        old = self.period[ahead]
+        mine = self.period[ahead] = period if old is None else self.DECAY * old + (1 - self.DECAY) * period
+        other = self.period[not ahead]
+        if other is None or mine > other:  # this way's trial (or it is the slower): back when done
+            if self._steps > self.TRIAL_STEPS:
+                self._switch()
+        elif self._steps > self.PROBE_EVERY:  # the cheaper way: the other gets a trial now and then
+            self._switch()
+
+    @classmethod
+    def from_env(cls) -> RunAheadChoice:
+        """PAGODA_SPEC_RUN_AHEAD: auto (measured), 1 (always) or 0 (never)."""
+        value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
+        pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
+        if pinned is None and value != "auto":
+            logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not auto, 1 or 0: using auto", value)
+        return cls(pinned)
+
+    def _switch(self) -> None:
+        self.ahead = not self.ahead
+        self.num_switches += 1
+        self._steps = 0
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a verify step gives with k drafts each accepted with probability `acceptance` (independently):
     (1 - a^(k+1)) / (1 - a)."""
@@ -241,6 +293,7 @@ class SpecDecoder:
         self.recent: deque[tuple[int, int]] = deque(maxlen=self.ACCEPTANCE_STEPS)  # (draft positions, accepted)
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
         self.num_steps_ahead = 0  # steps with drafts launched before the step in flight was read (device drafts)
+        self.run_ahead = RunAheadChoice.from_env()
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self.propose_total_s = 0.0  # the proposer's time over all steps (benchmarks take differences)
         self.token_arrays = TokenArrays()  # the n-gram lookup's view of each request's tokens
@@ -299,12 +352,17 @@ class SpecDecoder:
         """Whether the workers can propose this method's drafts themselves (workers/ngram_drafts.py: the n-gram
         lookup over their device token histories), so that a step with drafts may be launched before the one in
         flight is read back: the n-gram proposer's. A draft model reads its catch-up tokens on the host: no."""
-        return isinstance(self.proposer, NgramProposer) and envs.get("PAGODA_SPEC_RUN_AHEAD")
+        return isinstance(self.proposer, NgramProposer) and self.run_ahead.pinned is not False
 
     def can_run_ahead(self, running: list[Request]) -> bool:
         """Whether a step of these requests may be launched before the step in flight (a verify step, or one
         that would get device drafts) is read back: `runs_ahead` for every one of them."""
-        return self.drafts_on_device and all(runs_ahead(r) for r in running)
+        return self.drafts_on_device and self.run_ahead.ahead and all(runs_ahead(r) for r in running)
+
+    def record_verify_period(self, ahead: bool, seconds: float) -> None:
+        """A verify step read back `seconds` after the verify step before it (RunAheadChoice)."""
+        if self.drafts_on_device:
+            self.run_ahead.record(ahead, seconds)
 
     def propose(self, running: list[Request], max_requests: int, on_device: bool = False) -> int:
         """Drafts for up to `max_requests` of the running requests that can take them (none for the others): one

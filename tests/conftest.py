@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(1)
 os.environ.setdefault("PAGODA_TORCH_THREADS", "1")
+# Verify steps launched ahead, always: the engine's own choice (RunAheadChoice) follows measured step times, which
+# would make a test's path depend on the machine's speed; its tests drive it with given periods.
+os.environ.setdefault("PAGODA_SPEC_RUN_AHEAD", "1")
 
 
 @pytest.fixture(scope="session")

@@ -827,3 +827,68 @@ def test_steps_run_ahead_can_be_turned_off(monkeypatch):
     pipelined, engine = _run(PROMPTS, params, speculative_config=NGRAM)
     assert engine.spec.num_steps_ahead == 0 and engine.scheduler.spec_stats.num_draft_tokens > 0
     _assert_same(ahead, pipelined)
+
+
+def _drive(choice, periods: dict[bool, float], steps: int) -> list[bool]:
+    """Each verify step read back in the way the choice asks, with that way's given period: the ways taken."""
+    ways = []
+    for _ in range(steps):
+        ways.append(choice.ahead)
+        choice.record(choice.ahead, periods[choice.ahead])
+    return ways
+
+
+@pytest.mark.parametrize("faster", [True, False], ids=["ahead-faster", "pipelined-faster"])
+def test_run_ahead_choice_takes_the_faster_way_and_probes_the_other(faster):
+    """The measured choice (RunAheadChoice): ahead first, a trial of the pipelined steps, then the faster way for
+    PROBE_EVERY steps between trials of the other; a step launched before a switch is not counted."""
+    from engine.spec_decode import RunAheadChoice
+
+    choice = RunAheadChoice()
+    periods = {faster: 1.0, not faster: 2.5}  # (verify steps: a host-bound small model, against the device)
+    ways = _drive(choice, periods, 400)
+    first_trials = 2 * (RunAheadChoice.TRIAL_STEPS + 1)
+    assert ways[0] is True and ways[RunAheadChoice.TRIAL_STEPS + 1] is False  # both measured first
+    settled = ways[first_trials:]
+    share = sum(w == faster for w in settled) / len(settled)
+    assert 0.85 < share < 1.0  # mostly the faster, with trials of the other
+    assert choice.period[faster] == pytest.approx(1.0) and choice.period[not faster] == pytest.approx(2.5)
+    # when the costs cross (the batch grew: the device's step now hides the host's), the choice follows
+    periods = {faster: 3.0, not faster: 1.0}
+    ways = _drive(choice, periods, 200)
+    assert sum(w == (not faster) for w in ways[-100:]) > 85
+    before = choice.num_switches
+    choice.record(not choice.ahead, 100.0)  # a step of the other way, launched before the switch: not counted
+    assert choice.num_switches == before and choice.period[not choice.ahead] != 100.0
+
+
+@pytest.mark.parametrize("value, pinned", [("1", True), ("0", False), ("auto", None), ("bogus", None)])
+def test_run_ahead_choice_from_the_environment(monkeypatch, value, pinned):
+    from engine.spec_decode import RunAheadChoice
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", value)
+    choice = RunAheadChoice.from_env()
+    assert choice.pinned is pinned and choice.ahead is (pinned is not False)
+    _drive(choice, {True: 9.0, False: 1.0}, 50)  # pinned: nothing measured moves it
+    assert choice.ahead is (pinned is not False) if pinned is not None else choice.ahead is False
+
+
+def test_engine_times_verify_steps_each_way_and_follows_the_choice(monkeypatch):
+    """PAGODA_SPEC_RUN_AHEAD=auto: the engine records each verify step's period (in the way it was launched) and
+    launches ahead only while the choice says so; the output is the plain engine's either way."""
+    from engine.spec_decode import RunAheadChoice
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "auto")
+    monkeypatch.setattr(RunAheadChoice, "TRIAL_STEPS", 3)
+    monkeypatch.setattr(RunAheadChoice, "PROBE_EVERY", 6)
+    recorded = []
+    record = RunAheadChoice.record
+    monkeypatch.setattr(RunAheadChoice, "record", lambda self, ahead, period: (recorded.append(ahead),
+                                                                               record(self, ahead, period)))
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)  # (about 25 verify steps)
+    plain, _ = _run(PROMPTS, params)
+    outs, engine = _run(PROMPTS, params, 4, _references(PROMPTS, plain), True, speculative_config=NGRAM)
+    assert engine.spec.run_ahead.pinned is None and engine.spec.run_ahead.num_switches >= 2
+    assert True in recorded and False in recorded  # both ways ran and were timed
+    assert 0 < engine.spec.num_steps_ahead
+    _assert_same(plain, outs)
