@@ -223,7 +223,7 @@ class RunAheadChoice:
 
     def record(self, ahead: bool, period: float) -> None:
         """A verify step read back: whether it was launched ahead, and its period."""
-        if ahead != self.ahead or self.pinned is not None:  # launched before the last switch
+        if self.pinned is not None or ahead != self.ahead:  # (pinned: nothing to choose; else launched before a switch)
             return
         self._steps += 1
         if self._steps == 1:
@@ -239,17 +239,22 @@ class RunAheadChoice:
 
     @classmethod
     def from_env(cls) -> RunAheadChoice:
-        """PAGODA_SPEC_RUN_AHEAD: auto (measured), 1 (always) or 0 (never)."""
-        value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
-        pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
-        if pinned is None and value != "auto":
-            logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not auto, 1 or 0: using auto", value)
-        return cls(pinned)
+        return cls(run_ahead_setting())
 
     def _switch(self) -> None:
         self.ahead = not self.ahead
         self.num_switches += 1
         self._steps = 0
+
+
+def run_ahead_setting() -> bool | None:
+    """PAGODA_SPEC_RUN_AHEAD: None for auto (measured: RunAheadChoice), True for 1 (always ahead), False for 0
+    (never: the workers then keep no token histories for the lookup)."""
+    value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
+    pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
+    if pinned is None and value != "auto":
+        logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not auto, 1 or 0: using auto", value)
+    return pinned
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -308,9 +308,8 @@ class ModelRunner:
     def _forward(self, states: list[RequestState], counts: list[int], drafts: dict[str, list[int]]) -> Forward:
         """Builds the step's inputs and runs the model: a CUDA graph for decode batches and for verify steps of
         decodes only (each its last token and its drafts: workers/cuda_graphs.py), eager otherwise.
-        A request's drafts
-        (speculative decoding) are inputs after its known tokens; DEVICE_DRAFT positions are proposed here, on the
-        device (`_propose_on_device`).
+        A request's drafts (speculative decoding) are inputs after its known tokens; DEVICE_DRAFT positions are
+        proposed here, on the device (`_propose_on_device`).
 
         A request whose last input token is still on the device (sampled by the step launched just before, not yet
         read back) reads it there. After a verify step that was not read back, the driver scheduled the request as

@@ -17,6 +17,7 @@ from engine import envs
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import DraftAsk, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.spec_decode import run_ahead_setting
 from engine.startup import StartupTimes
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
@@ -109,9 +110,12 @@ class Worker:
     @property
     def ngram_lookup(self) -> tuple[int, int] | None:
         """(prompt_lookup_min, prompt_lookup_max) of n-gram speculation, whose drafts the runner can propose on the
-        device (workers/ngram_drafts.py); None without it."""
+        device (workers/ngram_drafts.py); None without it, or with PAGODA_SPEC_RUN_AHEAD=0 (the driver proposes
+        every draft, and the runner keeps no token histories for the lookup)."""
         spec = self.config.speculative
-        return (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None and spec.method == "ngram" else None
+        if spec is None or spec.method != "ngram" or run_ahead_setting() is False:
+            return None
+        return spec.prompt_lookup_min, spec.prompt_lookup_max
 
     @property
     def block_bytes(self) -> int:

@@ -826,6 +826,9 @@ def test_steps_run_ahead_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "0")
     pipelined, engine = _run(PROMPTS, params, speculative_config=NGRAM)
     assert engine.spec.num_steps_ahead == 0 and engine.scheduler.spec_stats.num_draft_tokens > 0
+    llm = _llm(speculative_config=NGRAM)  # nor does its runner keep histories for a lookup
+    assert llm.engine.executor.worker.runner.ngram is None and llm.engine.executor.worker.runner.history.in_use is False
+    llm.shutdown()
     _assert_same(ahead, pipelined)
 
 
