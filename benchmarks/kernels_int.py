@@ -184,11 +184,11 @@ def print_crossings(results: list[dict]) -> None:
 # shared memory allow: 4 stages hold 211 registers a thread (two 4-warp programs), 2 stages 167 (three), in sm_90
 # code compiled here (Triton 3.9).
 STREAM_TUNE_SPLITS = [4, 8, 12, 16]
-# BIASED=True: 4-bit fields unpacked as B + q in 16-bit pairs (int_decode.PAIR_UNPACK, off by default until this
-# sweep shows it faster than the q - z path), alone and with more slices
+# BIASED=False: the q - z path beside the default B + q unpacking in 16-bit pairs (int_decode.PAIR_UNPACK, the
+# default since an H100 measured it faster on every layer here); num_stages=3 alone (1-4% faster there on 7 of 8)
 STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TUNE_SPLITS for st in (3, 4)] + [
-    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(BIASED=True), dict(BIASED=True, num_stages=3),
-    dict(BIASED=True, SPLIT_K=16), dict(BIASED=True, BLOCK_K=64, num_stages=6)]
+    dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(num_stages=3), dict(BIASED=False),
+    dict(BIASED=False, num_stages=3)]
 STREAM_TUNE_ROWS = [1]
 
 

@@ -22,8 +22,8 @@ once (cp.async, 8-16 bytes a thread) and unpacked in the MMA's operand layout it
     offset binary)          field j, all into one accumulator
 
 so the unpacking is elementwise on the loaded words (no reshape, no layout conversion of the dequantized values).
-With 4-bit fields, zero points and bf16 / fp16 x (`BIASED`, the serving case; off by default until measured on an
-H200: `PAIR_UNPACK`) a value costs a quarter of a prmt, a quarter of a shift, half a lop3 and half a 16-bit pair
+With 4-bit fields, zero points and bf16 / fp16 x (`BIASED`, the serving case and the default where it applies:
+`PAIR_UNPACK`) a value costs a quarter of a prmt, a quarter of a shift, half a lop3 and half a 16-bit pair
 subtraction (`int_tiles.byte_fields`: two words' byte pairs into one register of two 16-bit values, each nibble
 OR-ed into the mantissa of B = 128 in bf16, 1024 in fp16, then B + z subtracted from the pair: q - z, exact): on the
 sm_90 SASS of Llama-3-8B's down, 2.8 instructions a value in the K loop and 168 registers, where the path below took
@@ -60,10 +60,11 @@ from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
-# The B + q unpacking (`BIASED`, where `can_pair_unpack`) is off by default until an H200 measures it beside the
-# q - z path (`python -m benchmarks.kernels --only int4 --tune` times both): its first version ran 1.3-1.6x slower
-# there, and this one, without that version's per-tile sum of x, has not yet run on a GPU.
-PAIR_UNPACK = False
+# The B + q unpacking (`BIASED`, where `can_pair_unpack`) is the default: on an H100 (2026-12-05,
+# benchmarks/results/h100-kernels-tune-int4-pair.json) it was faster than the q - z path on each of Llama-3-8B's and
+# 70B's AWQ linears at 1 row (8-18%), and 8B AWQ decode at batch 1 took 3.59 ms/token against 3.97
+# (h100-latency-llama3-8b-awq-pair-{on,off}.json). `BIASED=False` in a config (or this flag) takes the q - z path.
+PAIR_UNPACK = True
 
 
 @triton.jit

@@ -144,7 +144,7 @@ def main_loop_length(sass: str) -> int:
 
 def compile_only(self, *args, grid, warmup, **kwargs):
     compiled = ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
-    tiles = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GATED") if k in kwargs}
+    tiles = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GATED", "BIASED") if k in kwargs}
     print(json.dumps({"kernel": self.fn.__name__, "case": CASE[0], "num_warps": compiled.metadata.num_warps,
                       **tiles, **resources(compiled)}), flush=True)
     return compiled
@@ -362,14 +362,14 @@ def compile_int_stream() -> None:
                                          empty(*qzeros, dtype=torch.int32), empty(3, 96, dtype=torch.float32), None,
                                          128, packing, gated=gated)
     int_linear("int4 stream gguf q4_1 g128 qkv, 1 rows", 1, 4096, (512, 6144), None, 32, 6144, q4, mins=True)
-    for name, k, qweight, qzeros, groups, n, packing, gated in [  # the B + q unpacking in 16-bit pairs (BIASED)
+    for name, k, qweight, qzeros, groups, n, packing, gated in [  # the q - z path (BIASED=False; B + q: default)
             ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq, False),
             ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8), 32, 2 * 14336, awq, True),
             ("gptq qkv", 4096, (512, 6144), (32, 6144 // 8), 32, 6144, gptq4, False)]:
-        CASE[0] = f"int4 stream pair {name}, 1 rows"
+        CASE[0] = f"int4 stream q - z {name}, 1 rows"
         int_decode.linear_int_stream(empty(1, k), empty(*qweight, dtype=torch.int32), empty(*qzeros, dtype=torch.int32),
                                      empty(groups, n, dtype=torch.float16), 128, packing, None, gated, False, False,
-                                     "tf32", {"BIASED": True})
+                                     "tf32", {"BIASED": False})
     for name, rows, k, qweight, qzeros, groups, packing, group, gated, config in [
             ("awq g32 gated", 5, 192, (192, 12), (6, 12), 6, awq, 32, True,
              dict(BLOCK_N=64, BLOCK_K=128, num_stages=3)),

@@ -104,10 +104,11 @@ def test_int_stream_kernel_reads_words_wide_and_unpacks_them_cheaply(compiled):
     """What made the first int decode kernel 0.4-3% of copy bandwidth, absent from the streaming one (kernels/
     int_decode.py's docstring): packed words copied 16 bytes a thread (cp.async.cg 16; packed along K, whose columns
     are a word each, x's gathered columns aside), no int-to-float conversion, no local memory, bf16 tensor-core
-    MMAs, and a short K loop a weight value: the default q - z path (one lop3 and one FMA a value) 4.5 SASS
-    instructions a value for AWQ's layout and 5.5 along K (x's columns gathered; measured 4.0 and 5.0 with Triton
-    3.6, 3.9 and 5.1 with 3.9); the B + q unpacking in 16-bit pairs (a prmt, a shift, a lop3 and a subtraction for
-    two values' pair of registers) 3.0 and 4.0 (2.8 and 3.5 with Triton 3.9). At the H200's ~30 T thread-
+    MMAs, and a short K loop a weight value: the q - z path (one lop3 and one FMA a value; GGUF's mins, int8 and
+    BIASED=False) 4.5 SASS instructions a value for AWQ's layout and 5.5 along K (x's columns gathered; measured 4.0
+    and 5.0 with Triton 3.6, 3.9 and 5.1 with 3.9); the B + q unpacking in 16-bit pairs (the default for 4-bit fields
+    with zero points: a prmt, a shift, a lop3 and a subtraction for two values' pair of registers) 3.0 and 4.0 (2.8
+    and 3.5 with Triton 3.9). At the H200's ~30 T thread-
     instructions a second, 3.0 allow ~10 T values (5 TB/s of int4) from issue alone, 4.5 ~6.7 T (3.4 TB/s)."""
     stream = [row for row in compiled if row["kernel"] == "_int_decode_kernel"]
     assert len(stream) >= 15, [row["case"] for row in stream]
@@ -120,7 +121,7 @@ def test_int_stream_kernel_reads_words_wide_and_unpacks_them_cheaply(compiled):
         if "loop_instructions" in row:
             values = row["BLOCK_K"] * row["BLOCK_N"] * (2 if row["GATED"] else 1) / (32 * row["num_warps"])
             along_k = "gptq" in row["case"] or "gguf" in row["case"]
-            if " pair " in row["case"]:  # the B + q unpacking
+            if row["BIASED"]:  # the B + q unpacking (the default for 4-bit fields with zero points)
                 budget = 4.0 if along_k else 3.0
             else:
                 budget = 5.5 if along_k or "int8" in row["case"] else 4.5

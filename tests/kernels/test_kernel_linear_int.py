@@ -483,27 +483,27 @@ ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("
     (ic.Int4Format("awq", 128), 17, 20, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
     (GPTQ_G32, 1, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
     (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
-def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies):
+def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, device):
     """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
     g_idx, K tiles inside a group); otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the
     first row), the first kernel's decode tiles or GEMM tiles below it; each equal to the reference."""
-    layer = packed_layer(fmt, 96, 256, "cpu")
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3))
+    layer = packed_layer(fmt, 96, 256, device)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(device)
     out = linear_int(x, **layer, **({} if threshold is None else {"dequantize_min_rows": threshold}))
     assert {name: spy.launches for name, spy in spies.items()} == {
         name: int(name == kernel) for name in spies}
     torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
 
 
-def test_stream_kernel_reuses_its_split_counts(spies):
+def test_stream_kernel_reuses_its_split_counts(spies, device):
     """Split-K's per-tile counts are reset by each tile's last program: a second launch (as a CUDA graph replays
     the first) adds its slices up again, with new x."""
     from kernels.int_decode import linear_int_stream
 
-    layer = packed_layer(ic.Int4Format("awq", 32), 96, 256, "cpu")
+    layer = packed_layer(ic.Int4Format("awq", 32), 96, 256, device)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
-        x = torch.randn(3, 256, generator=gen)
+        x = torch.randn(3, 256, generator=gen).to(device)
         out = linear_int_stream(x, layer["qweight"], layer["qzeros"], layer["scales"], 32, layer["packing"], None,
                                 False, False, False, "ieee", config={"SPLIT_K": 4})
         torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
