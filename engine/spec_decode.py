@@ -422,9 +422,7 @@ def can_speculate(req: Request, on_device: bool = False) -> bool:
 def runs_ahead(req: Request) -> bool:
     """Whether the request's next step can be launched while a verify step of it is in flight, its inputs fixed up
     on the device from that step's accepted drafts (workers/model_runner.py): nothing of its sampling may depend on
-    its length or tokens known on the host only. No grammar (its bitmask follows the accepted tokens), and no
-    min_tokens it has not reached yet (the count of its outputs). A seed may: its noise keys move back on the
-    device with its positions; penalties may: they read the device token histories."""
-    params = req.sampling_params
-    return (req.grammar is None and params.structured_outputs is None
-            and req.num_output_tokens >= params.min_tokens)
+    its tokens known on the host only. No grammar (its bitmask follows the accepted tokens). A seed may: its noise
+    keys move back on the device with its positions; min_tokens may: its count of outputs moves back with them
+    (workers/sampler.py apply_min_tokens); penalties may: they read the device token histories."""
+    return req.grammar is None and req.sampling_params.structured_outputs is None

@@ -69,6 +69,7 @@ class RequestState:
     # tokens of the step launched last, not yet appended: its sampled one (and the drafts of a verify step, counted
     # as accepted, as the driver counts them)
     num_pending: int = 0
+    num_unsure: int = 0  # of those, the drafts (SamplingRow.num_unsure): the next step's shift takes back the rejected
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -268,7 +269,7 @@ class ModelRunner:
             if bitmask is not None:
                 apply_grammar_bitmask(logits, bitmask, [s.req_id for s in states])
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._sample_seed(s),
-                                s.num_pending, s.knobs) for s in states]
+                                s.num_pending, s.knobs, s.num_unsure) for s in states]
             tensors, penalties = self._sampling_inputs(states, rows, logits.shape[1])
             batch = sample_async(logits, rows, tensors=tensors, penalties=penalties, in_place=True,
                                  key_shift=step.key_shift)
@@ -361,9 +362,11 @@ class ModelRunner:
     def _shifted_keys(self, states: list[RequestState], sample_rows: list[int],
                       shifted: list[tuple[int, int, int, int]]) -> torch.Tensor | None:
         """[len(sample_rows)] on the device: how far back each sampling row's position moves (`_fix_up`), which its
-        noise key follows when it is seeded (sampler.shift_keys); None when no seeded row moves."""
+        noise key follows when it is seeded (sampler.shift_keys) and its count of outputs when it may be short of
+        min_tokens (sampler.apply_min_tokens); None when no such row moves."""
         row_of = {i: j for j, i in enumerate(sample_rows)}
-        moved = [(row_of[i], prev) for i, _, _, prev in shifted if states[i].seed is not None]
+        moved = [(row_of[i], prev) for i, _, _, prev in shifted
+                 if states[i].seed is not None or states[i].params.min_tokens > len(states[i].output_token_ids)]
         if not moved:
             return None
         index = to_device([r for r, _ in moved] + [p for _, p in moved], torch.long, self.device)
@@ -464,6 +467,7 @@ class ModelRunner:
         self.prev_rows = {state.req_id: i for i, state in enumerate(states)}
         for state, d in zip(states, drafts):
             state.num_pending += 1 + len(d)  # (as the driver counts them until the step is read back)
+            state.num_unsure += len(d)
         return VerifiedStep(self, states, drafts, tokens, launched, prompt_logprobs, found)
 
     def _verify_histories(self, states: list[RequestState]) -> tuple | None:
@@ -512,6 +516,7 @@ class ModelRunner:
         state.token_ids.extend(new)
         state.output_token_ids.extend(new)
         state.num_pending -= 1 + len(drafts)
+        state.num_unsure -= len(drafts)
         state.num_computed_tokens -= len(drafts) + 1 - len(new)  # the rejected drafts' KV is not kept
 
     def check_block_tables(self, block_tables: dict[str, list[int]]) -> None:
@@ -540,7 +545,7 @@ class PendingStep:
         self.sampled: SampledBatch | None = None  # (tokens only on ranks other than 0), its host copy started
         self.rows: list[SamplingRow] = []
         self.prompt_logprobs = prompt_logprobs  # rank 0 only
-        self.key_shift: torch.Tensor | None = None  # its sampling rows' noise keys move back by (ModelRunner)
+        self.key_shift: torch.Tensor | None = None  # how far its sampling rows' positions moved back (ModelRunner)
         self._output: ModelRunnerOutput | None = None
 
     def sample(self, bitmask: GrammarBitmask) -> None:

@@ -43,10 +43,18 @@ class SamplingRow:
     seed: int | None = None  # this step's noise key (seeded requests); None: a fresh one
     num_pending: int = 0  # outputs sampled but not yet in output_token_ids (overlapped steps)
     knobs: RowKnobs | None = None  # row_knobs(params), when the caller keeps them (the runner: once per request)
+    # of num_pending, the drafts of a verify step not yet read back, counted as accepted: as many as it rejected
+    # are taken back on the device (the `shift` of apply_min_tokens)
+    num_unsure: int = 0
 
     @property
     def num_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def min_outputs(self) -> int:
+        """Its outputs if the verify step in flight rejects every draft (num_outputs if none is in flight)."""
+        return self.num_outputs - self.num_unsure
 
 
 class RowKnobs(NamedTuple):
@@ -163,7 +171,8 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
 
     tensors: the rows' knobs (built here when None). penalties: the penalized rows' token histories on the device
     (None: built from the rows' host token lists). in_place: the logits are the caller's to overwrite. key_shift:
-    [N] on the device, taken off each row's noise key (`noise_keys`)."""
+    [N] on the device, how far back each row's position moved (the drafts the verify step in flight rejected): taken
+    off its noise key (`noise_keys`) and off its count of outputs (`apply_min_tokens`)."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if not rows:
         return SampledBatch(torch.empty(0, dtype=torch.long, device=logits.device), [])
@@ -176,7 +185,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow], default_generato
     tensors = tensors or SamplingTensors.build(rows, x.shape[1], x.device)
     apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
-    apply_min_tokens(x, rows)
+    apply_min_tokens(x, rows, key_shift)
     apply_penalties(x, rows, tensors, penalties)
     kth, subset = _candidates(x, tensors)
     tokens = sample_tokens(x, tensors.inv_temperature, kth, tensors.top_p, tensors.log_min_p, tensors.noise_scale,
@@ -202,7 +211,7 @@ def is_plain(row: SamplingRow) -> bool:
     """No logit processing applies to this row at this step."""
     params = row.params
     return (not params.logit_bias and not params.allowed_token_ids and not uses_penalties(params)
-            and row.num_outputs >= params.min_tokens)
+            and row.min_outputs >= params.min_tokens)
 
 
 def _candidates(x: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, tuple | None]:
@@ -273,12 +282,16 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return x
 
 
-def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow], shift: torch.Tensor | None = None) -> torch.Tensor:
     """Stop tokens get -inf while a row has produced fewer than min_tokens tokens, unless nothing else is left to
     sample (a grammar that allows only its end, a logit_bias of -inf on every other token): then min_tokens yields
-    and the row may stop early, rather than sample from an empty distribution."""
+    and the row may stop early, rather than sample from an empty distribution.
+
+    A row sampled while a verify step of it is in flight counts that step's drafts as accepted (`num_unsure` of
+    them); shift [N] on the device (None: 0) is how many that step rejected, so its count is known there only: the
+    rows that may be short of min_tokens are masked where num_outputs - shift < min_tokens, on the device."""
     blocked = lambda r: (list(r.params.all_stop_token_ids)  # noqa: E731
-                         if r.num_outputs < r.params.min_tokens else [])
+                         if r.min_outputs < r.params.min_tokens else [])
     under = [i for i, row in enumerate(rows) if blocked(row)]
     if not under:
         return x
@@ -286,9 +299,12 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     kept = x[row_idx, token_idx]
     x[row_idx, token_idx] = float("-inf")
     under_idx = to_device(under, torch.long, x.device)
-    stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    stuck[under_idx] = (x[under_idx] == float("-inf")).all(dim=-1)  # no other token left to sample
-    x[row_idx, token_idx] = torch.where(stuck[row_idx], kept, float("-inf"))
+    masked = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    masked[under_idx] = (x[under_idx] != float("-inf")).any(dim=-1)  # another token is left to sample
+    if any(rows[i].num_unsure for i in under):
+        short = to_device([row.params.min_tokens - row.num_outputs for row in rows], torch.long, x.device)
+        masked &= short + (0 if shift is None else shift) > 0
+    x[row_idx, token_idx] = torch.where(masked[row_idx], float("-inf"), kept)
     return x
 
 

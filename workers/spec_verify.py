@@ -167,7 +167,8 @@ def _sampling_row(row: VerifyRow, drafts_before: list[int]) -> SamplingRow:
     state = row.state
     seed = None if row.seed_key is None else (row.seed_key + len(drafts_before)) % _MAX_KEY
     outputs = state.output_token_ids + drafts_before if drafts_before else state.output_token_ids
-    return SamplingRow(state.params, state.prompt_token_ids, outputs, seed, 0, state.knobs)
+    return SamplingRow(state.params, state.prompt_token_ids, outputs, seed, state.num_pending, state.knobs,
+                       state.num_unsure)
 
 
 def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Generator | None,
@@ -187,7 +188,10 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
     penalties = None
     if histories is not None and tensors.penalty_rows:
         penalties = position_penalties(rows, tensors, histories, all_draft_ids)
-    x = apply_knobs(raw.clone(), positions, tensors, penalties)
+    shift = None  # each position's: its row's (its count of outputs moves back with it: apply_min_tokens)
+    if key_shift is not None:
+        shift = key_shift.repeat_interleave(to_device([len(row.drafts) + 1 for row in rows], torch.long, device))
+    x = apply_knobs(raw.clone(), positions, tensors, penalties, shift)
     starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
     out = torch.full((len(rows), k + 1), -1, dtype=torch.int64, device=device)
     for greedy in (True, False):
@@ -265,13 +269,13 @@ def _keys(rows: list[VerifyRow], sub: list[int], k: int, generator: torch.Genera
 
 
 def apply_knobs(x: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None,
-                penalties: PenaltyBatch | None = None) -> torch.Tensor:
+                penalties: PenaltyBatch | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
     """The knobs the plain sampler applies before its draw, in its order, in place on x [P, V]: allowed_token_ids,
     logit_bias, min_tokens, penalties (each position's history holds the drafts before it: `penalties` on the
-    device, else the rows' host lists)."""
+    device, else the rows' host lists). shift: [P] on the device, as sample_async's key_shift."""
     apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
-    apply_min_tokens(x, rows)
+    apply_min_tokens(x, rows, shift)
     apply_penalties(x, rows, tensors or SamplingTensors.build(rows, x.shape[1], x.device), penalties)
     return x
 

@@ -711,19 +711,35 @@ def test_penalized_requests_run_ahead_with_the_plain_output():
     assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens and engine.spec.num_steps_ahead > 10
 
 
-def test_min_tokens_keeps_the_steps_pipelined_until_it_is_met():
-    """A request whose outputs are still short of its min_tokens (the count of its outputs is the host's): no step
-    is launched ahead of a verify step while it runs; once it has them, nothing of its sampling follows the count
-    and steps run ahead again. Every output, its own included, is the plain engine's."""
+def test_min_tokens_runs_ahead_with_the_plain_output():
+    """A request whose outputs are still short of its min_tokens runs ahead: its count of outputs on the device
+    moves back by the drafts the verify step in flight rejected, and its stop token is blocked while that count is
+    short (sampler.apply_min_tokens). The stop token comes third in its output without min_tokens, so the drafts
+    replayed from that output are rejected from there: steps launched ahead while it is short, partly accepted. A
+    third request's stop id comes right at its min_tokens: it stops there, as in the plain engine. Every output is
+    the plain engine's."""
     prompts = PROMPTS[:3]
     base = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
     plain, _ = _run(prompts, base)
     refs = _references(prompts, plain)
     # a stop id its output without min_tokens has third: min_tokens holds it back, and the output goes elsewhere
     stop = refs[1][1][2]
+    # and one whose stop id first comes at its position `edge` without min_tokens: min_tokens = edge stops it there,
+    # where the count of outputs is decided on the device (the drafts before it are unsure in the steps ahead)
+    third = refs[2][1]
+    edge = next(m for m in range(6, len(third)) if third[m] not in third[:m])
     params = [base, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=12,
-                                   stop_token_ids=[stop]), base]
+                                   stop_token_ids=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=edge,
+                             stop_token_ids=[third[edge]])]
+    # and some whose stop id first comes one before their min_tokens: held back there only while the count on the
+    # device is short, which a step ahead of a verify step that rejected drafts counts as met on the host
+    lates = [m for m in range(6, len(third)) if third[m - 1] not in third[:m - 1]]
+    prompts = prompts + [prompts[2]] * len(lates)
+    params += [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=m,
+                              stop_token_ids=[third[m - 1]]) for m in lates]
     plain, _ = _run(prompts, params)
+    assert list(plain[2].outputs[0].token_ids) == third[:edge + 1] and lates
     llm = _llm(speculative_config=NGRAM)
     llm.engine.executor.worker.runner.lookup = OracleLookup(refs, 4)
     engine, outputs, ahead_short, ahead = llm.engine, {}, 0, 0
@@ -738,8 +754,11 @@ def test_min_tokens_keeps_the_steps_pipelined_until_it_is_met():
             ahead += 1  # (decided before this step read anything back: its outputs then were no more than now)
             ahead_short += short is not None and short.num_output_tokens < 12
         engine.check_integrity()
-    assert ahead_short == 0 and ahead > 0
-    assert [outputs[str(i)] for i in range(3)] == [list(o.outputs[0].token_ids) for o in plain]
+    assert ahead_short > 0 and ahead > ahead_short
+    stats_ = engine.scheduler.spec_stats
+    assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
+    assert [outputs[str(i)] for i in range(len(prompts))] == [list(o.outputs[0].token_ids) for o in plain]
+    assert stop not in plain[1].outputs[0].token_ids[:12] and len(plain[1].outputs[0].token_ids) > 12
     llm.shutdown()
 
 

@@ -213,6 +213,24 @@ def test_min_tokens_blocks_stop_tokens():
     assert 0 not in _draw(500, output=[], min_tokens=1, all_stop_token_ids=(0,))
 
 
+def test_min_tokens_counts_what_the_verify_step_in_flight_kept():
+    """A row sampled while a verify step of it is in flight counts its 2 drafts as accepted (num_pending 3: a token
+    and 2 drafts, num_unsure 2); key_shift, on the device, says how many that step rejected: 1 output before and
+    min_tokens 3, the row is short (its stop token blocked) only where it lost 2 of them, greedy or seeded; a row
+    short whatever the shift stays blocked, one with none unsure is not moved by a shift."""
+    params = dict(min_tokens=3, all_stop_token_ids=(0,))
+    for temperature, seed in ((0.0, None), (0.7, 77)):
+        rows = [SamplingRow(SamplingParams(temperature=temperature, **params), [], [3], seed, num_pending=3,
+                            num_unsure=2) for _ in range(3)]
+        rows.append(_row(output=[3], temperature=temperature, seed=seed, **params))  # short whatever the shift
+        rows.append(_row(output=[3, 3, 3], temperature=temperature, seed=seed, **params))  # met, none unsure
+        logits = LOGITS.clone()
+        logits[0] = 50.0  # the stop token: taken wherever it is not blocked
+        shift = torch.tensor([0, 1, 2, 2, 2])
+        tokens = sample_async(logits.repeat(5, 1), rows, key_shift=shift).tokens.tolist()
+        assert [t == 0 for t in tokens] == [True, True, False, False, True], (temperature, tokens)
+
+
 def test_min_tokens_yields_where_only_stop_tokens_are_left():
     """A row whose every other token is -inf (a grammar that allows only its end) samples a stop token rather
     than from an empty distribution; the row beside it still has its stop tokens blocked."""

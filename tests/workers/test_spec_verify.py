@@ -16,7 +16,7 @@ from workers.spec_verify import VerifyRow, logit_indices, verify
 def _row(drafts, logprobs=None, **knobs):
     params = SamplingParams(temperature=0.0, max_tokens=50, logprobs=logprobs, **knobs)
     state = SimpleNamespace(req_id=str(len(drafts)), params=params, prompt_token_ids=[1, 2, 3], output_token_ids=[4],
-                            knobs=row_knobs(params))
+                            knobs=row_knobs(params), num_pending=0, num_unsure=0)
     return VerifyRow(state, drafts, None)
 
 
