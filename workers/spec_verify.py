@@ -189,7 +189,7 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
     if histories is not None and tensors.penalty_rows:
         penalties = position_penalties(rows, tensors, histories, all_draft_ids)
     shift = None  # each position's: its row's (its count of outputs moves back with it: apply_min_tokens)
-    if key_shift is not None:
+    if key_shift is not None and any(p.num_unsure and p.min_outputs < p.params.min_tokens for p in positions):
         shift = key_shift.repeat_interleave(to_device([len(row.drafts) + 1 for row in rows], torch.long, device))
     x = apply_knobs(raw.clone(), positions, tensors, penalties, shift)
     starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
