@@ -62,7 +62,7 @@ from kernels.linear import store_output, store_split_k_slice
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
 # The B + q unpacking (`BIASED`, where `can_pair_unpack`) is the default: on an H100 (2026-12-05,
 # benchmarks/results/h100-kernels-tune-int4-pair.json) it was faster than the q - z path on each of Llama-3-8B's and
-# 70B's AWQ linears at 1 row (8-18%), and 8B AWQ decode at batch 1 took 3.59 ms/token against 3.97
+# 70B's AWQ linears at 1 row (5-18%), and 8B AWQ decode at batch 1 took 3.59 ms/token against 3.97
 # (h100-latency-llama3-8b-awq-pair-{on,off}.json). `BIASED=False` in a config (or this flag) takes the q - z path.
 PAIR_UNPACK = True
 
