@@ -37,6 +37,7 @@ from workers.sampler import (
     SamplingRow,
     SamplingTensors,
     finish,
+    min_tokens_unsure,
     penalty_batch,
     row_knobs,
     sample_async,
@@ -366,7 +367,8 @@ class ModelRunner:
         min_tokens (sampler.apply_min_tokens); None when no such row moves."""
         row_of = {i: j for j, i in enumerate(sample_rows)}
         moved = [(row_of[i], prev) for i, _, _, prev in shifted
-                 if states[i].seed is not None or states[i].params.min_tokens > len(states[i].output_token_ids)]
+                 if (s := states[i]).seed is not None
+                 or min_tokens_unsure(s.params.min_tokens, len(s.output_token_ids) + s.num_pending, s.num_unsure)]
         if not moved:
             return None
         index = to_device([r for r, _ in moved] + [p for _, p in moved], torch.long, self.device)

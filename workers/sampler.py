@@ -56,6 +56,16 @@ class SamplingRow:
         """Its outputs if the verify step in flight rejects every draft (num_outputs if none is in flight)."""
         return self.num_outputs - self.num_unsure
 
+    @property
+    def min_tokens_unsure(self) -> bool:
+        return min_tokens_unsure(self.params.min_tokens, self.num_outputs, self.num_unsure)
+
+
+def min_tokens_unsure(min_tokens: int, num_outputs: int, num_unsure: int) -> bool:
+    """Whether a row's min_tokens mask waits on the device's count of its outputs: num_outputs counts the drafts of
+    the verify step in flight as accepted, and taking back its num_unsure drafts would leave it short."""
+    return num_unsure > 0 and num_outputs - num_unsure < min_tokens
+
 
 class RowKnobs(NamedTuple):
     """One row's sampling knobs, as the kernels take them (a tuple: a batch's rows are packed column by column
@@ -301,7 +311,7 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow], shift: torch.Tens
     under_idx = to_device(under, torch.long, x.device)
     masked = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
     masked[under_idx] = (x[under_idx] != float("-inf")).any(dim=-1)  # another token is left to sample
-    if any(rows[i].num_unsure for i in under):
+    if any(rows[i].min_tokens_unsure for i in under):
         short = to_device([row.params.min_tokens - row.num_outputs for row in rows], torch.long, x.device)
         masked &= short + (0 if shift is None else shift) > 0
     x[row_idx, token_idx] = torch.where(masked[row_idx], float("-inf"), kept)

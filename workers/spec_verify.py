@@ -188,11 +188,11 @@ def _verify_drafts(raw: torch.Tensor, rows: list[VerifyRow], generator: torch.Ge
     penalties = None
     if histories is not None and tensors.penalty_rows:
         penalties = position_penalties(rows, tensors, histories, all_draft_ids)
-    shift = None  # each position's: its row's (its count of outputs moves back with it: apply_min_tokens)
-    if key_shift is not None and any(p.num_unsure and p.min_outputs < p.params.min_tokens for p in positions):
-        shift = key_shift.repeat_interleave(to_device([len(row.drafts) + 1 for row in rows], torch.long, device))
-    x = apply_knobs(raw.clone(), positions, tensors, penalties, shift)
     starts = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
+    shift = None  # each position's: its row's (its count of outputs moves back with it: apply_min_tokens)
+    if key_shift is not None and any(p.min_tokens_unsure for p in positions):
+        shift = key_shift.repeat_interleave(to_device(np.diff(starts), torch.long, device))
+    x = apply_knobs(raw.clone(), positions, tensors, penalties, shift)
     out = torch.full((len(rows), k + 1), -1, dtype=torch.int64, device=device)
     for greedy in (True, False):
         sub = [r for r, row in enumerate(rows) if row.state.params.is_greedy == greedy]
