@@ -229,9 +229,10 @@ def _on_stop_signals(handler) -> None:
 
 
 def _is_port_race(e: BaseException) -> bool:
-    """HAProxy could not bind a port that another process took after we chose it."""
+    """HAProxy, or Serve's fallback proxy ("Failed to bind to address ..."), could not bind a port that another
+    process took after we chose it."""
     text = str(e).lower()
-    return "haproxy" in text or "address already in use" in text or "cannot bind" in text
+    return any(m in text for m in ("haproxy", "address already in use", "cannot bind", "failed to bind"))
 
 
 def _serve(args: argparse.Namespace, app, names: str, started_ray: bool) -> int:

@@ -221,10 +221,13 @@ def haproxy_dir(env: dict[str, str]) -> str | None:
 
 
 def free_port() -> int:
-    """A random port that is free now, from the upper half of the ephemeral range (two clusters that start at the
-    same moment are unlikely to draw the same one; `pagoda serve` retries if another took it meanwhile)."""
+    """A random port that is free now, from below the machine's ephemeral range: the kernel never gives one of those
+    to an outgoing connection (Ray's processes open many while the cluster starts, and one took a fallback proxy's
+    port from `make serve` here), and two clusters that start at the same moment are unlikely to draw the same one;
+    `pagoda serve` retries if another took it meanwhile."""
+    low = ephemeral_ports()[0]
     for _ in range(100):
-        port = random.randint(40000, 60000)
+        port = random.randint(low - 12000, low - 1) if low > 13024 else random.randint(40000, 60000)
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))
@@ -232,6 +235,17 @@ def free_port() -> int:
                 continue
             return port
     raise OSError("no free port found")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel draws outgoing connections' local ports from (Linux's default where it is not
+    readable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def shutdown_serve(timeout_s: float = 60.0) -> None:

@@ -120,6 +120,17 @@ def test_pagoda_serve_stopped_while_it_starts_leaves_nothing_behind():
         _assert_nothing_left(serve, private)
 
 
+def test_a_port_taken_after_it_was_chosen_starts_again():
+    """The start-up errors of a port another process took after `free_port` chose it (HAProxy's, and Serve's
+    fallback proxy's, which failed `make serve` once here) make `pagoda serve` start again on other ports; other
+    errors do not."""
+    from deploy.cli import _is_port_race
+
+    assert _is_port_race(RuntimeError("Failed to bind to address '127.0.0.1:44217'."))
+    assert _is_port_race(OSError("[Errno 98] Address already in use"))
+    assert not _is_port_race(ValueError("--port must be in 1-65535, got 0"))
+
+
 def test_a_cluster_environment_is_undone_however_its_block_ends(monkeypatch):
     from deploy.serve_env import FALLBACK_PORT_VARS, cluster_env, haproxy_dir
 

@@ -91,5 +91,7 @@ def test_each_cluster_environment_has_fallback_ports_of_its_own(monkeypatch, tmp
     one, two = (serve_env.ingress_env("direct", str(tmp_path / name)) for name in ("one", "two"))
     ports = [int(env[name]) for env in (one, two) for name in serve_env.FALLBACK_PORT_VARS]
     assert len(set(ports)) == 4 and not {8500, 9500} & set(ports)  # Serve's shared defaults
+    low, high = serve_env.ephemeral_ports()
+    assert not [p for p in ports if low <= p <= high]  # none an outgoing connection may take before Serve binds it
     for env in (one, two, serve_env.ingress_env("proxy")):
         assert env["SERVE_SOCKET_REUSE_PORT_ENABLED"] == "0"  # a taken port fails, never shares
