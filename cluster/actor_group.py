@@ -70,9 +70,10 @@ class SampleStep:
 
 @dataclass
 class AwaitingBitmask:
-    """A rank's answer to a step that launched its forward and awaits its SampleStep."""
+    """A rank's answer to a step that launched its forward and awaits its SampleStep: the constrained rows, each
+    with the drafts it verifies (Executor.awaiting)."""
 
-    req_ids: list[str]
+    drafts: dict[str, list[int]]
 
 
 class WorkerActor:
@@ -134,7 +135,7 @@ class WorkerActor:
             step = self.worker.runner.execute_model_async(message, defer_sampling=True)
             if step.bitmask_req_ids:
                 self.awaiting = step
-                return AwaitingBitmask(step.bitmask_req_ids)
+                return AwaitingBitmask(step.awaiting_drafts())
             return step.result()
         except Exception as e:  # noqa: BLE001 - an error value, not an exception: the graph and the actor stay usable
             from workers.kv_pool import KVMoveError  # (loaded with the worker already)
@@ -247,7 +248,7 @@ class RayStep:
     and what the step's answer said."""
 
     refs: list | None  # the graph's (or the actor calls') refs of the message last sent for this step
-    awaiting: list[str] | None = None  # None: the step's answer is not read yet
+    awaiting: dict[str, list[int]] | None = None  # None: the step's answer is not read yet
     output: ModelRunnerOutput | None = None
 
 
@@ -359,15 +360,15 @@ class RayExecutor(Executor):
         self._steps_in_flight.add(id(step))
         return StepHandle(step)
 
-    def awaiting(self, handle: StepHandle) -> list[str]:
+    def awaiting(self, handle: StepHandle) -> dict[str, list[int]]:
         step: RayStep = handle.payload
         if step.awaiting is None:  # the step's answer: AwaitingBitmask, or (no constrained row sampled) its output
             answer = self._collect(step.refs)
             step.refs = None
             if isinstance(answer, AwaitingBitmask):
-                step.awaiting = answer.req_ids
+                step.awaiting = answer.drafts
             else:
-                step.awaiting, step.output = [], answer
+                step.awaiting, step.output = {}, answer
         return step.awaiting
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
@@ -380,7 +381,8 @@ class RayExecutor(Executor):
         self._steps_in_flight.discard(id(step))
         if self.awaiting(handle) and step.output is None:
             if step.refs is None:  # the ranks hold a step that nothing will sample: no later step can run
-                raise self._mark_dead(f"a step of {step.awaiting} was collected before its grammar bitmask came")
+                raise self._mark_dead(f"a step of {sorted(step.awaiting)} was collected before its grammar bitmask "
+                                      "came")
             step.output = self._collect(step.refs)
         return step.output
 

@@ -27,7 +27,7 @@ class Executor(ABC):
 
         handle = launch(step N+1)          the ranks run N+1's forward (after N, in order)
         collect(handle of step N)          N's tokens on the host; the driver advances N's grammars
-        awaiting(handle) -> req ids        N+1's constrained rows wait for their grammar bitmask ...
+        awaiting(handle) -> {req: drafts}  N+1's constrained rows wait for their grammar bitmask ...
         sample(handle, bitmask)            ... which the driver now has: N+1 samples
         collect(handle), next time round
 
@@ -47,12 +47,14 @@ class Executor(ABC):
         """Starts a step on every rank. Executors that cannot overlap may run it to its end here. Raises
         ExecutorError."""
 
-    def awaiting(self, handle: StepHandle) -> list[str]:
+    def awaiting(self, handle: StepHandle) -> dict[str, list[int]]:
         """The constrained requests whose grammar bitmask the step waits for before it samples (deferred sampling;
-        empty otherwise). May block until the ranks reach the step's sampling (a Ray group reads their answer, which
-        for a step with no constrained row is its whole output): the engine asks only about a step that has
-        constrained rows, once it has collected the step before. Raises ExecutorError."""
-        return []
+        empty otherwise), each with the drafts it verifies: a verify step's, proposed on the workers after the step
+        before (what their lookup found), whose masks the bitmask must hold; none for a plain row. May block until
+        the ranks reach the step's sampling (a Ray group reads their answer, which for a step with no constrained
+        row is its whole output): the engine asks only about a step that has constrained rows, once it has
+        collected the step before. Raises ExecutorError."""
+        return {}
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
         """Supplies the bitmask of `awaiting(handle)`: the step samples. Raises ExecutorError."""

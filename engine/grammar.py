@@ -356,6 +356,18 @@ class StructuredOutputManager:
         stats.fill_s += time.perf_counter() - start
         return GrammarBitmask(row_ids, bitmask)
 
+    def deferred_bitmask(self, awaited: dict[str, list[int]], requests: dict[str, Request]) -> GrammarBitmask:
+        """The bitmask of a step that deferred its sampling (Executor.awaiting), from the grammars as the step
+        before left them. A request's rows follow its drafts as far as its grammar accepts them (`valid_prefix`):
+        the mask there rejects the draft the grammar would not take (or allows a stop token where the grammar may
+        end), so the verification never keeps a draft past it and the positions after it need no row."""
+        drafts = {}
+        for req_id, run in awaited.items():
+            req = requests.get(req_id)
+            if run and req is not None and req.grammar is not None:
+                drafts[req_id] = req.grammar.valid_prefix(run)
+        return self.fill_bitmask(list(awaited), requests, drafts)
+
     @staticmethod
     def _fill_draft_rows(matcher, run: list[int], bitmask: np.ndarray, first: int) -> None:
         """Rows first..first + d: the mask before each draft and after the last, the matcher advanced through the

@@ -301,8 +301,7 @@ class LLMEngine:
                 if self.lora_slots is not None and self.lora_slots.num_reading:
                     time.sleep(0.001)  # (nor spin while the workers read adapters)
             return deltas + self._deltas(collected) + self._finish_pending()
-        if not (overlap and self.executor.supports_deferred_sampling) or sched.scheduled_spec_token_ids:
-            # (a verify step samples at launch: its constrained rows are new ones, whose grammars are at their start)
+        if not (overlap and self.executor.supports_deferred_sampling):
             sched.grammar_bitmask = self.structured.launch_bitmask(sched, self.scheduler.requests)
         launched_at = time.perf_counter()
         try:
@@ -343,7 +342,7 @@ class LLMEngine:
         # the next step's positions to the drafts it keeps: both overlap only where the workers propose on the device
         # and fix the next step's inputs up there (SpecDecoder.can_run_ahead).
         if self._speculating or (self._pending is not None and self._pending.sched.scheduled_spec_token_ids):
-            if self.spec is None or not self.spec.can_run_ahead(self.scheduler.running):
+            if self.spec is None or not self.spec.can_run_ahead:
                 return False
         return (self.executor.supports_deferred_sampling or not self.structured.num_live
                 or not any(req.grammar is not None for req in self.scheduler.running))
@@ -430,11 +429,12 @@ class LLMEngine:
 
     def _supply_bitmask(self, handle: StepHandle) -> None:
         """Deferred sampling: the bitmask of the step's constrained rows, from the grammars as the step before left
-        them (a request that step ended gets a row that allows everything: its sample is dropped)."""
+        them, with a row for each position of their drafts the grammar reaches (a request that step ended gets a
+        row that allows everything: its sample is dropped)."""
         try:
-            req_ids = self.executor.awaiting(handle)
-            if req_ids:
-                self.executor.sample(handle, self.structured.fill_bitmask(req_ids, self.scheduler.requests))
+            awaited = self.executor.awaiting(handle)
+            if awaited:
+                self.executor.sample(handle, self.structured.deferred_bitmask(awaited, self.scheduler.requests))
         except ExecutorError as e:
             handle.error = e  # raised where the step is collected, as its other failures are
 

@@ -22,15 +22,19 @@ A proposer that fails proposes nothing: the step runs without drafts, and no req
 The n-gram proposer also runs on the workers (workers/ngram_drafts.py, over their device token histories): when the
 engine launches a step before the one in flight is read back, `propose(..., on_device=True)` gives each request
 DEVICE_DRAFT placeholders instead, as many as its room, and the workers fill them with the same lookup's drafts,
-after the tokens of the step in flight (docs/architecture.md, steps launched ahead of a verify step). Only requests
-whose sampling follows nothing known on the host alone run ahead (`runs_ahead`).
+after the tokens of the step in flight (docs/architecture.md, steps launched ahead of a verify step). Every request
+runs ahead: a seed's noise keys and min_tokens' count of outputs move back on the device by the drafts the step in
+flight rejected, penalties read the device histories, and a grammar's step defers its sampling until the driver has
+read the step before and advanced the grammar: the workers send it the drafts they proposed, and its bitmask has a
+row for each position the grammar reaches through them (Executor.awaiting; engine/llm_engine.py).
 
 A request with a grammar speculates within it: its drafts are cut to the longest prefix its grammar accepts
 (`RequestGrammar.valid_prefix`), and the step's bitmask has a row for each of its positions (the grammar's state
-after each prefix of the drafts), which the verification applies as the plain sampler applies one. Requests still in
-prefill (or whose grammar is compiling) are not speculated; a step with drafts from the driver runs without overlap
-(its drafts need the previous step's accepted tokens on the host), pipelined: engine/llm_engine.py makes the previous
-step's deltas while it runs.
+after each prefix of the drafts), which the verification applies as the plain sampler applies one; device drafts are
+cut the same way once the driver has them, where their mask rejects the first the grammar would not take. Requests
+still in prefill (or whose grammar is compiling) are not speculated; a step with drafts from the driver runs without
+overlap (its drafts need the previous step's accepted tokens on the host), pipelined: engine/llm_engine.py makes the
+previous step's deltas while it runs.
 """
 
 from __future__ import annotations
@@ -359,10 +363,12 @@ class SpecDecoder:
         flight is read back: the n-gram proposer's. A draft model reads its catch-up tokens on the host: no."""
         return isinstance(self.proposer, NgramProposer) and self.run_ahead.pinned is not False
 
-    def can_run_ahead(self, running: list[Request]) -> bool:
-        """Whether a step of these requests may be launched before the step in flight (a verify step, or one
-        that would get device drafts) is read back: `runs_ahead` for every one of them."""
-        return self.drafts_on_device and self.run_ahead.ahead and all(runs_ahead(r) for r in running)
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether a step may be launched before the step in flight (a verify step, or one that would get device
+        drafts) is read back: the workers propose the drafts and the measured choice (RunAheadChoice) says so. A
+        grammar's rows then need an executor that defers sampling (engine/llm_engine.py `_can_overlap`)."""
+        return self.drafts_on_device and self.run_ahead.ahead
 
     def record_verify_period(self, ahead: bool, seconds: float) -> None:
         """A verify step read back `seconds` after the verify step before it (RunAheadChoice)."""
@@ -413,16 +419,9 @@ def can_speculate(req: Request, on_device: bool = False) -> bool:
     """A decode step (its last token is the only one not in the KV cache) of a request without a grammar or whose
     grammar is ready (its drafts are cut to what the grammar accepts, and each position is masked). Drafts on the
     host need its tokens there (no step in flight for it); device drafts follow the tokens of a step in flight."""
+    if req.grammar is not None and not req.grammar.is_ready:
+        return False
     if on_device:
-        return runs_ahead(req) and req.num_computed_tokens == req.num_known_tokens - 1
-    return ((req.grammar is None or req.grammar.is_ready) and req.num_pending_tokens == 0
-            and req.num_computed_tokens == req.num_tokens - 1)
+        return req.num_computed_tokens == req.num_known_tokens - 1
+    return req.num_pending_tokens == 0 and req.num_computed_tokens == req.num_tokens - 1
 
-
-def runs_ahead(req: Request) -> bool:
-    """Whether the request's next step can be launched while a verify step of it is in flight, its inputs fixed up
-    on the device from that step's accepted drafts (workers/model_runner.py): nothing of its sampling may depend on
-    its tokens known on the host only. No grammar (its bitmask follows the accepted tokens). A seed may: its noise
-    keys move back on the device with its positions; min_tokens may: its count of outputs moves back with them
-    (workers/sampler.py apply_min_tokens); penalties may: they read the device token histories."""
-    return req.grammar is None and req.sampling_params.structured_outputs is None

@@ -123,7 +123,8 @@ class ModelRunner:
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
                         if is_driver or ngram is not None else None)
         self._sampling: tuple | None = None  # (req ids, SamplingTensors, history slots) of the last sampled batch
-        self.awaiting: PendingStep | None = None  # a launched step whose sampling waits for a grammar bitmask
+        # a launched step whose sampling waits for a grammar bitmask
+        self.awaiting: PendingStep | VerifiedStep | None = None
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device,
@@ -214,8 +215,9 @@ class ModelRunner:
         is still on the device (sampled by the step launched just before) reads it from there.
 
         Constrained requests sample with `sched.grammar_bitmask`; without one (defer_sampling) the forward is
-        launched and sampling waits for `PendingStep.sample(bitmask)`, which the driver calls once it has read the
-        previous step's tokens and advanced its grammars (the forward runs on the device meanwhile)."""
+        launched and sampling waits for `sample(bitmask)` (PendingStep's, or a verify step's VerifiedStep's), which
+        the driver calls once it has read the previous step's tokens and advanced its grammars (the forward runs on
+        the device meanwhile)."""
         assert self.awaiting is None, f"step launched while {self.awaiting.bitmask_req_ids} await their bitmask"
         self.update_states(sched)
         if sched.is_empty:
@@ -237,19 +239,23 @@ class ModelRunner:
             self.scoring -= {s.req_id for s in states if s.num_computed_tokens >= len(s.prompt_token_ids) - 1}
         if not sampling_states:
             return PendingStep(self, [], prompt_logprobs=prompt_logprobs)
-        if sched.scheduled_spec_token_ids:  # speculative: every row sampled now (workers/spec_verify.py)
-            return self._verify(sched, sampling_states, counts, forward, prompt_logprobs)
+        # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
+        # rank 0's broadcast of the tokens, and a rank held in it could not answer the step's launch. A step that
+        # waits samples once the step before is read back (the driver collects it first), so the host then knows
+        # every token before: no row's key or count moves on the device (Forward.key_shift is dropped).
+        constrained = constrained_req_ids(sampling_states)
+        defer = bool(constrained) and sched.grammar_bitmask is None
+        assert defer_sampling or not defer, f"{constrained} follow a grammar, but the step carries no bitmask"
+        if sched.scheduled_spec_token_ids:  # speculative: every row verified (workers/spec_verify.py)
+            return self._verify(sched, sampling_states, counts, forward, prompt_logprobs, constrained if defer
+                                else [])
         logits = self.model.compute_logits(hidden[self._sample_indices(counts, sample_rows)])
         step = PendingStep(self, sampling_states, logits, prompt_logprobs)
-        step.key_shift = forward.key_shift
-        # Every rank awaits the bitmask with rank 0 (which alone applies it): the others' part of sampling is
-        # rank 0's broadcast of the tokens, and a rank held in it could not answer the step's launch.
-        constrained = constrained_req_ids(sampling_states)
-        if constrained and sched.grammar_bitmask is None:
-            assert defer_sampling, f"{constrained} follow a grammar, but the step carries no bitmask"
+        if defer:
             step.bitmask_req_ids = constrained
             self.awaiting = step
             return step
+        step.key_shift = forward.key_shift
         self._sample(step, sched.grammar_bitmask)
         return step
 
@@ -435,28 +441,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _verify(self, sched: SchedulerOutput, states: list[RequestState], counts: list[int], forward: Forward,
-                prompt_logprobs: PromptLogprobsBatch | None) -> VerifiedStep:
-        """A step with drafts: scores every sampling row's last 1 + d positions and keeps the accepted drafts and
-        one token of the target's (rank 0 decides, the others learn the tokens). Returns before the tokens reach the
-        host. The next step may be launched first: the kept tokens go into the device histories here, and the last
-        of each row, with the drafts it rejected, is what that step reads (`_fix_up`)."""
+                prompt_logprobs: PromptLogprobsBatch | None, defer: list[str]) -> VerifiedStep:
+        """A step with drafts: scores every sampling row's last 1 + d positions; `_sample_verify` keeps the accepted
+        drafts and one token of the target's, now, or once the driver supplies the bitmask of the constrained rows
+        in `defer` (VerifiedStep.sample)."""
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, forward.sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(forward.hidden[to_device(index, torch.long, self.device)])
-        launched = None
+        step = VerifiedStep(self, states, drafts, prompt_logprobs)
+        device_drafts = self._verified_drafts(states, forward.device_drafts) if self.is_driver else None
+        if defer:
+            step.defer(defer, logits, device_drafts)
+            self.awaiting = step
+            return step
+        self._sample_verify(step, sched.grammar_bitmask, logits, device_drafts, forward.key_shift)
+        return step
+
+    @torch.inference_mode()
+    def _sample_verify(self, step: VerifiedStep, bitmask: GrammarBitmask | None, logits: torch.Tensor | None = None,
+                       device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       key_shift: torch.Tensor | None = None) -> None:
+        """The verification (rank 0 decides, the others learn the tokens), queued without a wait. The next step
+        may be launched first: the kept tokens go into the device histories here, and the last of each row, with
+        the drafts it rejected, is what that step reads (`_fix_up`). Deferred, the logits and drafts are the
+        step's own and no key moves (`execute_model_async`)."""
+        if logits is None:
+            logits, device_drafts = step.logits, step.device_drafts
+        self.awaiting = None
+        states, drafts = step.states, step.drafts
+        launched = found = None
         if self.is_driver:
             rows = [VerifyRow(s, d, None if (key := self._sample_seed(s)) is None else (key - len(d)) % (1 << 62),
                               self._draft_probs(s.req_id, d)) for s, d in zip(states, drafts)]
             if self.draft_probs is not None:
                 self.draft_probs.clear()  # the last ask's: this step verified them
-            device_drafts = self._verified_drafts(states, forward.device_drafts)
-            launched = launch_verify(logits, rows, sched.grammar_bitmask, device_drafts=device_drafts,
-                                     key_shift=forward.key_shift, histories=self._verify_histories(states))
+            launched = launch_verify(logits, rows, bitmask, device_drafts=device_drafts,
+                                     key_shift=key_shift, histories=self._verify_histories(states))
             tokens = launched.tokens
             found = device_drafts[1] if device_drafts is not None else None
         else:
             tokens = torch.full((len(states), 1 + max(map(len, drafts))), -1, dtype=torch.int64, device=self.device)
-            found = None
         from workers import parallel
 
         if parallel.get_tp_size() > 1:
@@ -470,7 +494,7 @@ class ModelRunner:
         for state, d in zip(states, drafts):
             state.num_pending += 1 + len(d)  # (as the driver counts them until the step is read back)
             state.num_unsure += len(d)
-        return VerifiedStep(self, states, drafts, tokens, launched, prompt_logprobs, found)
+        step.sampled(tokens, launched, found)
 
     def _verify_histories(self, states: list[RequestState]) -> tuple | None:
         """The rows' device token histories (TokenHistory.read) when any uses penalties (each such row keeps one),
@@ -549,6 +573,10 @@ class PendingStep:
         self.prompt_logprobs = prompt_logprobs  # rank 0 only
         self.key_shift: torch.Tensor | None = None  # how far its sampling rows' positions moved back (ModelRunner)
         self._output: ModelRunnerOutput | None = None
+
+    def awaiting_drafts(self) -> dict[str, list[int]]:
+        """The rows awaiting their bitmask (VerifiedStep's: with the drafts each verifies; none here)."""
+        return {req_id: [] for req_id in self.bitmask_req_ids}
 
     def sample(self, bitmask: GrammarBitmask) -> None:
         """Deferred sampling: applies the driver's bitmask and samples."""

@@ -363,23 +363,63 @@ class PositionLogprobs:
 class VerifiedStep:
     """A launched speculative step; `result()` (as PendingStep's) waits for its tokens, appends them to the request
     states (the runner's `append_verified`) and returns the ModelRunnerOutput (None on ranks other than 0). The next
-    step is launched after it: its inputs follow the tokens kept here."""
+    step is launched after it: its inputs follow the tokens kept here.
 
-    bitmask_req_ids: list[str] = []
+    With `bitmask_req_ids` (deferred sampling, as PendingStep's) its forward is launched and its verification waits
+    for `sample(bitmask)`: the driver's grammars need the tokens of the step before, and their masks at each
+    position the drafts the workers proposed (`awaiting_drafts`)."""
 
-    def __init__(self, runner, states: list, drafts: list[list[int]], tokens: torch.Tensor,
-                 launched: VerifyLaunch | None, prompt_logprobs, found: torch.Tensor | None = None):
+    def __init__(self, runner, states: list, drafts: list[list[int]], prompt_logprobs):
         self.runner = runner
         self.states, self.drafts = states, drafts
-        self.tokens = SampledBatch(tokens, []).start_copy()  # [R, 1 + k], every rank's
-        self.launched = launched  # rank 0's
         self.prompt_logprobs = prompt_logprobs  # workers/prompt_logprobs.py PromptLogprobsBatch (rank 0), or None
+        self.bitmask_req_ids: list[str] = []  # deferred sampling: the constrained rows whose bitmask it awaits
+        self.logits: torch.Tensor | None = None  # until sampled (deferred)
+        self.device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # rank 0's, until sampled (deferred)
+        self._awaited: SampledBatch | None = None  # the awaiting rows' device drafts ([C, k], -1 past the found)
+        self.tokens: SampledBatch | None = None  # [R, 1 + k], every rank's, once sampled
+        self.launched: VerifyLaunch | None = None  # rank 0's
         # device drafts: how many of each row's the lookup found (rank 0's; None: drafts from the driver)
-        self.found = None if found is None else SampledBatch(found, []).start_copy()
+        self.found: SampledBatch | None = None
         self._output: ModelRunnerOutput | None = None  # once read back
+
+    def defer(self, constrained: list[str], logits: torch.Tensor,
+              device_drafts: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Sampling waits for the bitmask of `constrained`; rank 0 starts copying their device drafts to the host
+        (what the lookup found of each, -1 after), which the driver's masks follow."""
+        self.bitmask_req_ids, self.logits, self.device_drafts = constrained, logits, device_drafts
+        if device_drafts is not None:
+            wanted = set(constrained)
+            rows = [i for i, s in enumerate(self.states) if s.req_id in wanted]
+            index = to_device(rows, torch.long, device_drafts[0].device)
+            ids, found = (t.index_select(0, index) for t in device_drafts)
+            past = torch.arange(ids.shape[1], device=ids.device)[None, :] >= found[:, None]
+            self._awaited = SampledBatch(ids.masked_fill(past, -1), []).start_copy()
+
+    def awaiting_drafts(self) -> dict[str, list[int]]:
+        """Each row awaiting its bitmask and the drafts it verifies (none for a row without): its bitmask has a row
+        for each position the grammar reaches through them (StructuredOutputManager.deferred_bitmask)."""
+        drafts = {req_id: [] for req_id in self.bitmask_req_ids}
+        if self._awaited is not None:
+            rooms = {s.req_id: len(d) for s, d in zip(self.states, self.drafts)}
+            for req_id, row in zip(self.bitmask_req_ids, self._awaited.on_host()[0].tolist()):
+                drafts[req_id] = kept_tokens([row[:rooms[req_id]]])[0]
+        return drafts
+
+    def sample(self, bitmask: GrammarBitmask) -> None:
+        """Deferred sampling: the verification with the driver's bitmask."""
+        assert self.bitmask_req_ids and self.runner.awaiting is self, "this step does not await a bitmask"
+        self.runner._sample_verify(self, bitmask)
+
+    def sampled(self, tokens: torch.Tensor, launched: VerifyLaunch | None, found: torch.Tensor | None) -> None:
+        self.tokens = SampledBatch(tokens, []).start_copy()
+        self.launched, self.found = launched, None if found is None else SampledBatch(found, []).start_copy()
+        self.bitmask_req_ids, self.logits, self.device_drafts, self._awaited = [], None, None, None
 
     def result(self) -> ModelRunnerOutput | None:
         if self._output is None:
+            if self.tokens is None:
+                raise RuntimeError(f"the step was never sampled: {self.bitmask_req_ids} await their bitmask")
             token_rows = kept_tokens(self.tokens.on_host()[0].tolist())
             logprobs = (self.launched.logprobs(token_rows) if self.launched is not None
                         else [[None] * len(t) for t in token_rows])

@@ -303,8 +303,8 @@ class InProcessExecutor(Executor):
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return StepHandle(_as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True))
 
-    def awaiting(self, handle: StepHandle) -> list[str]:
-        return handle.payload.bitmask_req_ids
+    def awaiting(self, handle: StepHandle) -> dict[str, list[int]]:
+        return handle.payload.awaiting_drafts()
 
     def sample(self, handle: StepHandle, bitmask: GrammarBitmask) -> None:
         _as_executor_error(handle.payload.sample, bitmask)

@@ -73,6 +73,54 @@ def test_tp2_draft_model_gives_the_plain_tp2_output(ray_cluster, tiny_checkpoint
         llm.shutdown()
 
 
+def test_tp2_constrained_requests_run_ahead_as_one_rank(ray_cluster, tiny_checkpoints):
+    """Grammars in verify steps launched ahead, over two ranks: each answers the step with its constrained rows
+    awaiting their bitmask, rank 0 with the drafts it proposed (AwaitingBitmask), and the driver's bitmask follows
+    them as far as each grammar accepts. Every rank the same drafts (a digit among letters under [a-z]); the tokens
+    of the in-process single rank given the same drafts, every output in its grammar, under preemption."""
+    from engine.structured_outputs import StructuredOutputsParams
+    from tests.engine.test_spec_decode import FixedLookup, _letters_and_a_digit
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,80}")
+    args = dict(model=tiny_checkpoints["llama"], dtype="float32", device="cpu",
+                **(STRESS | {"max_num_batched_tokens": 24}), speculative_config=NGRAM)
+    one = LLM(**args)
+    letters, digit = _letters_and_a_digit(one.get_tokenizer())
+    drafts = letters[:1] + [digit] + letters[1:]
+    bias = {letters[0]: 2.5, letters[1]: 2.0, digit: 4.0}
+    params = [SamplingParams(temperature=0.9, max_tokens=30, seed=s, logit_bias=bias, structured_outputs=regex)
+              for s in range(2)]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias, structured_outputs=regex),
+               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    prompts = PROMPTS[:len(params)]
+    one.engine.executor.worker.runner.lookup = FixedLookup(drafts)
+    reference = one.generate(prompts, params, use_tqdm=False)
+    assert one.engine.spec.num_steps_ahead > 0
+    one.shutdown()
+    llm = LLM(**args, tensor_parallel_size=2)
+    try:
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
+        ray.get([actor.__ray_call__.remote(_install_fixed_lookup, drafts) for actor in llm.engine.executor.actors])
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.check_integrity()
+        stats = llm.engine.scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and llm.engine.spec.num_steps_ahead > 0
+        assert llm.engine.scheduler.num_preemptions > 0
+        for out, ref, sp in zip(outs, reference, params):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            if sp.structured_outputs is not None:
+                text = out.outputs[0].text
+                assert text.isalpha() and text.islower() and len(text) >= 3, text
+    finally:
+        llm.shutdown()
+
+
+def _install_fixed_lookup(actor, drafts) -> None:
+    from tests.engine.test_spec_decode import FixedLookup
+
+    actor.worker.runner.lookup = FixedLookup(drafts)
+
+
 def _install_lookup(actor, references) -> None:
     """On a worker actor: the oracle in the place of the runner's n-gram lookup (every rank the same drafts)."""
     actor.worker.runner.lookup = OracleLookup(references, 4)

@@ -836,6 +836,70 @@ def test_seeded_requests_run_ahead_with_the_tokens_of_pipelined_steps():
     assert runs[0] == runs[1]
 
 
+def _letters_and_a_digit(tokenizer) -> tuple[list[int], int]:
+    """Two tokens that are each one lowercase letter, and one that is a digit."""
+    words = [(t, tokenizer.decode([t])) for t in range(tokenizer.vocab_size)]
+    letters = [t for t, w in words if len(w) == 1 and w.islower()]
+    return letters[:2], next(t for t, w in words if w.isdigit())
+
+
+@pytest.mark.parametrize("drafts_of", [lambda ab, d: ab + [d], lambda ab, d: ab[:1] + [d] + ab[1:]],
+                         ids=["digit-last", "digit-second"])
+def test_constrained_requests_run_ahead_with_the_tokens_of_pipelined_steps(drafts_of):
+    """Grammars run ahead: a step launched behind a verify step defers its sampling until the driver has read that
+    step back and advanced the grammars; the workers send the drafts they proposed (Executor.awaiting), and the
+    bitmask has a row for each position the grammar reaches through them, where the draft it rejects (a digit under
+    [a-z]) is rejected by its mask. The same drafts proposed on the driver (cut there by valid_prefix, pipelined)
+    and on the device give the same tokens: seeded sampled and greedy constrained rows (logprobs too), beside an
+    unconstrained seeded one. Up to the last few tokens (a step launched ahead has room for fewer drafts there)."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,80}")
+    llm = _llm()
+    letters, digit = _letters_and_a_digit(llm.get_tokenizer())
+    llm.shutdown()
+    drafts = drafts_of(letters, digit)
+    bias = {letters[0]: 2.5, letters[1]: 2.0, digit: 4.0}
+    params = [SamplingParams(temperature=0.9, max_tokens=30, seed=s, logit_bias=bias, structured_outputs=regex)
+              for s in range(3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, logit_bias=bias, structured_outputs=regex),
+               SamplingParams(temperature=0.9, max_tokens=30, seed=9, logit_bias=bias, ignore_eos=True)]
+    prompts = [PROMPTS[i % 3] for i in range(len(params))]
+    runs = []
+    for on_device in (False, True):
+        llm = _llm(speculative_config=NGRAM, num_kv_blocks=512)
+        engine = llm.engine
+        if on_device:
+            engine.executor.worker.runner.lookup = FixedLookup(drafts)
+        else:
+            engine.spec.proposer = FixedDrafts(drafts)
+        outputs, constrained_ahead = {}, 0
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, sp, stream=False)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                if delta.finished:
+                    assert delta.error is None, delta.error
+                    outputs[delta.request_id] = delta.seqs[0]
+            pending = engine._pending
+            if pending is not None and pending.overlapped and pending.sched.scheduled_spec_token_ids:
+                constrained_ahead += any(engine.scheduler.requests[r].grammar is not None
+                                         for r in pending.sched.scheduled_spec_token_ids
+                                         if r in engine.scheduler.requests)
+            engine.check_integrity()
+        for i in range(4):
+            text = outputs[str(i)].text
+            assert text.isalpha() and text.islower() and len(text) >= 3, text
+        runs.append([list(outputs[str(i)].token_ids[:24]) for i in range(len(params))]
+                    + [[(lp.token_id, round(lp.logprob, 4), [t for t, _, _ in lp.top])
+                        for lp in outputs["3"].logprobs[:24]]])
+        stats_ = engine.scheduler.spec_stats
+        assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
+        assert (constrained_ahead > 5) == on_device
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
 def test_steps_run_ahead_can_be_turned_off(monkeypatch):
     """PAGODA_SPEC_RUN_AHEAD=0: the n-gram engine proposes on the driver and reads each verify step back before the
     next (the pipelined steps); the same output, no step launched ahead."""
