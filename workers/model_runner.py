@@ -86,11 +86,14 @@ DeviceDrafts = tuple[dict[str, int], torch.Tensor, torch.Tensor]
 class Forward:
     """A launched forward pass: its hidden states [T, hidden], the indices of the requests that sample, and what
     only the device knows of them: the drafts proposed there (`_propose_on_device`) and how far each sampling
-    row's position moved back (`_shifted_keys`)."""
+    row's position moved back (`_shifted_keys`). Where a constrained row took device drafts, rank 0 copies them to
+    the host right behind the lookup, before the forward (`drafts_on_host`: [P, k], -1 past what the lookup found;
+    its rows as device_drafts'): the driver's bitmask follows them (VerifiedStep.awaiting_drafts)."""
     hidden: torch.Tensor
     sample_rows: list[int]
     device_drafts: DeviceDrafts | None = None
     key_shift: torch.Tensor | None = None
+    drafts_on_host: SampledBatch | None = None
 
 
 class ModelRunner:
@@ -349,6 +352,11 @@ class ModelRunner:
         sample_rows = [i for i, (s, start, count) in enumerate(zip(states, starts, counts))
                        if start + count == len(s.token_ids) + s.num_pending + len(drafts.get(s.req_id, ()))]
         draft_positions, draft_ids, device_drafts = self._propose_on_device(proposed)
+        drafts_on_host = None
+        if device_drafts is not None and self.is_driver and constrained_req_ids(s for s, _, _ in proposed):
+            _, ids, found = device_drafts
+            past = torch.arange(ids.shape[1], device=ids.device)[None, :] >= found[:, None]
+            drafts_on_host = SampledBatch(ids.masked_fill(past, -1), []).start_copy()
         feed = self._fix_up(fed, shifted, draft_positions, draft_ids)
         max_query_len = max(counts)
         if max_query_len == 1 and self.graphs is not None and len(states) <= self.graphs.max_batch:
@@ -364,7 +372,8 @@ class ModelRunner:
             ids, positions, meta = self.buffers.metadata(num_tokens, len(states), max_query_len, num_block_cols,
                                                          use_lora)
             hidden = self.model(ids, positions, self.kv_caches, meta)
-        return Forward(hidden, sample_rows, device_drafts, self._shifted_keys(states, sample_rows, shifted))
+        return Forward(hidden, sample_rows, device_drafts, self._shifted_keys(states, sample_rows, shifted),
+                       drafts_on_host)
 
     def _shifted_keys(self, states: list[RequestState], sample_rows: list[int],
                       shifted: list[tuple[int, int, int, int]]) -> torch.Tensor | None:
@@ -451,7 +460,9 @@ class ModelRunner:
         step = VerifiedStep(self, states, drafts, prompt_logprobs)
         device_drafts = self._verified_drafts(states, forward.device_drafts) if self.is_driver else None
         if defer:
-            step.defer(defer, logits, device_drafts)
+            proposed = forward.device_drafts
+            step.defer(defer, logits, device_drafts, None if forward.drafts_on_host is None or proposed is None
+                       else (proposed[0], forward.drafts_on_host))
             self.awaiting = step
             return step
         self._sample_verify(step, sched.grammar_bitmask, logits, device_drafts, forward.key_shift)

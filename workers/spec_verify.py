@@ -376,7 +376,7 @@ class VerifiedStep:
         self.bitmask_req_ids: list[str] = []  # deferred sampling: the constrained rows whose bitmask it awaits
         self.logits: torch.Tensor | None = None  # until sampled (deferred)
         self.device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # rank 0's, until sampled (deferred)
-        self._awaited: SampledBatch | None = None  # the awaiting rows' device drafts ([C, k], -1 past the found)
+        self._proposed: tuple[dict[str, int], SampledBatch] | None = None  # (deferred: `defer`)
         self.tokens: SampledBatch | None = None  # [R, 1 + k], every rank's, once sampled
         self.launched: VerifyLaunch | None = None  # rank 0's
         # device drafts: how many of each row's the lookup found (rank 0's; None: drafts from the driver)
@@ -384,26 +384,25 @@ class VerifiedStep:
         self._output: ModelRunnerOutput | None = None  # once read back
 
     def defer(self, constrained: list[str], logits: torch.Tensor,
-              device_drafts: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Sampling waits for the bitmask of `constrained`; rank 0 starts copying their device drafts to the host
-        (what the lookup found of each, -1 after), which the driver's masks follow."""
+              device_drafts: tuple[torch.Tensor, torch.Tensor] | None,
+              proposed: tuple[dict[str, int], SampledBatch] | None) -> None:
+        """Sampling waits for the bitmask of `constrained`. proposed: rank 0's device drafts on their way to the
+        host (the row of each request that took some, and the copy the runner started behind the lookup)."""
         self.bitmask_req_ids, self.logits, self.device_drafts = constrained, logits, device_drafts
-        if device_drafts is not None:
-            wanted = set(constrained)
-            rows = [i for i, s in enumerate(self.states) if s.req_id in wanted]
-            index = to_device(rows, torch.long, device_drafts[0].device)
-            ids, found = (t.index_select(0, index) for t in device_drafts)
-            past = torch.arange(ids.shape[1], device=ids.device)[None, :] >= found[:, None]
-            self._awaited = SampledBatch(ids.masked_fill(past, -1), []).start_copy()
+        self._proposed = proposed
 
     def awaiting_drafts(self) -> dict[str, list[int]]:
         """Each row awaiting its bitmask and the drafts it verifies (none for a row without): its bitmask has a row
-        for each position the grammar reaches through them (StructuredOutputManager.deferred_bitmask)."""
-        drafts = {req_id: [] for req_id in self.bitmask_req_ids}
-        if self._awaited is not None:
+        for each position the grammar reaches through them (StructuredOutputManager.deferred_bitmask). Waits for
+        the drafts' copy only, not for the forward."""
+        drafts: dict[str, list[int]] = {req_id: [] for req_id in self.bitmask_req_ids}
+        if self._proposed is not None:
+            rows, copy = self._proposed
+            host = copy.on_host()[0].tolist()
             rooms = {s.req_id: len(d) for s, d in zip(self.states, self.drafts)}
-            for req_id, row in zip(self.bitmask_req_ids, self._awaited.on_host()[0].tolist()):
-                drafts[req_id] = kept_tokens([row[:rooms[req_id]]])[0]
+            for req_id in self.bitmask_req_ids:
+                if req_id in rows:
+                    drafts[req_id] = kept_tokens([host[rows[req_id]][:rooms[req_id]]])[0]
         return drafts
 
     def sample(self, bitmask: GrammarBitmask) -> None:
@@ -414,7 +413,7 @@ class VerifiedStep:
     def sampled(self, tokens: torch.Tensor, launched: VerifyLaunch | None, found: torch.Tensor | None) -> None:
         self.tokens = SampledBatch(tokens, []).start_copy()
         self.launched, self.found = launched, None if found is None else SampledBatch(found, []).start_copy()
-        self.bitmask_req_ids, self.logits, self.device_drafts, self._awaited = [], None, None, None
+        self.bitmask_req_ids, self.logits, self.device_drafts, self._proposed = [], None, None, None
 
     def result(self) -> ModelRunnerOutput | None:
         if self._output is None:
