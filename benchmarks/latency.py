@@ -139,7 +139,7 @@ def _device_drafting_runner(engine):
 
 
 class RepeatLastLookup:
-    """The forced drafts on the device (the runner's lookup, workers/ngram_drafts.py's signature): k copies of each
+    """The forced drafts on the device (the runner's lookup, kernels/ngram.py's signature): k copies of each
     history's last token."""
 
     def __call__(self, tokens, lengths, k: int, min_n: int, max_n: int):

@@ -89,7 +89,7 @@ class SchedulerOutput:
     lora_reads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
     # Speculative decoding: the draft tokens a request runs after its last token (vLLM's scheduled_spec_decode_tokens);
     # its num_scheduled_tokens counts them. The runner scores them and keeps those the target agrees with. A step's
-    # drafts are all tokens, or all DEVICE_DRAFT: positions the workers fill on the device (workers/ngram_drafts.py),
+    # drafts are all tokens, or all DEVICE_DRAFT: positions the workers fill on the device (kernels/ngram.py),
     # in a step launched before the one in flight is read back.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

@@ -19,7 +19,7 @@ not built.
 
 A proposer that fails proposes nothing: the step runs without drafts, and no request fails for it.
 
-The n-gram proposer also runs on the workers (workers/ngram_drafts.py, over their device token histories): when the
+The n-gram proposer also runs on the workers (kernels/ngram.py, over their device token histories): when the
 engine launches a step before the one in flight is read back, `propose(..., on_device=True)` gives each request
 DEVICE_DRAFT placeholders instead, as many as its room, and the workers fill them with the same lookup's drafts,
 after the tokens of the step in flight (docs/architecture.md, steps launched ahead of a verify step). Every request
@@ -358,7 +358,7 @@ class SpecDecoder:
 
     @property
     def drafts_on_device(self) -> bool:
-        """Whether the workers can propose this method's drafts themselves (workers/ngram_drafts.py: the n-gram
+        """Whether the workers can propose this method's drafts themselves (kernels/ngram.py: the n-gram
         lookup over their device token histories), so that a step with drafts may be launched before the one in
         flight is read back: the n-gram proposer's. A draft model reads its catch-up tokens on the host: no."""
         return isinstance(self.proposer, NgramProposer) and self.run_ahead.pinned is not False

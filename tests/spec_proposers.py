@@ -28,7 +28,7 @@ class OracleProposer:
 
 class OracleLookup:
     """The workers' side of OracleProposer: a stand-in for the runner's device n-gram lookup (ModelRunner.lookup,
-    workers/ngram_drafts.py) with its signature, proposing each history's continuation in the non-speculative run
+    kernels/ngram.py) with its signature, proposing each history's continuation in the non-speculative run
     (every `wrong_every`-th call's last draft changed), so that device drafts are accepted in part on the tiny model.
     It reads the histories back to the host: a test double for CPU runs, not a device kernel."""
 

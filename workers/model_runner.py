@@ -24,12 +24,12 @@ import torch
 from engine.config import SchedulerConfig
 from engine.outputs import DEVICE_DRAFT, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from kernels.ngram import ngram_lookup
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
 from workers.kv_pool import HostKVPool, KVCaches, KVMoveError, copy_blocks
 from workers.lora import LoRAManager
-from workers.ngram_drafts import ngram_drafts
 from workers.prompt_logprobs import PromptLogprobsBatch, compute_prompt_logprobs
 from workers.sampler import (
     RowKnobs,
@@ -119,9 +119,9 @@ class ModelRunner:
         # which the next step's positions move back when it is launched before this one is read
         self.prev_rejected: torch.Tensor | None = None
         # n-gram speculation (prompt_lookup_min, max): drafts of steps launched ahead proposed here, on the device
-        # (workers/ngram_drafts.py), from histories every rank keeps; None: drafts come from the driver only
+        # (kernels/ngram.py), from histories every rank keeps; None: drafts come from the driver only
         self.ngram = ngram
-        self.lookup = ngram_drafts  # (histories [R, W], lengths [R], k, min_n, max_n) -> (drafts [R, k], found [R])
+        self.lookup = ngram_lookup  # (histories [R, W], lengths [R], k, min_n, max_n) -> (drafts [R, k], found [R])
         self.spec_tokens = spec_tokens
         self.history = (TokenHistory(scheduler_config.max_num_seqs, scheduler_config.max_model_len, device)
                         if is_driver or ngram is not None else None)
@@ -404,8 +404,7 @@ class ModelRunner:
         k = self.spec_tokens
         slots = to_device([state.history_slot for state, _, _ in proposed], torch.long, self.device)
         width = max(len(state.token_ids) + state.num_pending for state, _, _ in proposed)  # >= each history's length
-        tokens, _, lengths = self.history.read(slots, width)
-        draft_ids, found = self.lookup(tokens, lengths, k, *self.ngram)
+        draft_ids, found = self.lookup(*self.history.read_tokens(slots, width), k, *self.ngram)
         positions, picks = [], []
         for j, (_, first, count) in enumerate(proposed):
             positions += range(first, first + count)

@@ -8,7 +8,7 @@ its last token.
     num_prompt  [max_num_seqs]
 
 With n-gram speculation every request has a slot, on every rank: the workers' draft lookup reads it
-(workers/ngram_drafts.py). A verify step's kept tokens are written at its launch (`append`).
+(kernels/ngram.py). A verify step's kept tokens are written at its launch (`append`).
 
 A request takes a slot when it joins the persistent batch (`add`: its prompt and, after a preemption, the outputs it
 had, copied once) and frees it when it leaves; each step's sampled tokens are written on the device (`append`,
@@ -92,6 +92,11 @@ class TokenHistory:
         cols = torch.where(kept & (cols < self.max_len), cols, self.max_len)
         self.tokens[slots[:, None].expand_as(cols), cols] = token_ids.to(torch.int32)
         self.num_tokens[slots] = ends + kept.sum(dim=1)
+
+    def read_tokens(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [P, width] int32, num_tokens [P]) of `slots`, width at least every filled length: what the
+        n-gram lookup reads (kernels/ngram.py)."""
+        return self.tokens[:, :min(width, self.max_len)].index_select(0, slots), self.num_tokens.index_select(0, slots)
 
     def read(self, slots: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token ids [P, L] int64, num_prompt [P], num_tokens [P]) of `slots`, read up to max_tokens columns

@@ -110,7 +110,7 @@ class Worker:
     @property
     def ngram_lookup(self) -> tuple[int, int] | None:
         """(prompt_lookup_min, prompt_lookup_max) of n-gram speculation, whose drafts the runner can propose on the
-        device (workers/ngram_drafts.py); None without it, or with PAGODA_SPEC_RUN_AHEAD=0 (the driver proposes
+        device (kernels/ngram.py); None without it, or with PAGODA_SPEC_RUN_AHEAD=0 (the driver proposes
         every draft, and the runner keeps no token histories for the lookup)."""
         spec = self.config.speculative
         if spec is None or spec.method != "ngram" or run_ahead_setting() is False:

@@ -79,6 +79,7 @@ import kernels.lora as lora  # noqa: E402
 import kernels.mla_attention as mla_attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 import kernels.moe_quant as moe_quant  # noqa: E402
+import kernels.ngram as ngram  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rejection_sampler as rejection_sampler  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
@@ -86,7 +87,7 @@ import kernels.rotary as rotary  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
 for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe,
-               moe_quant, paged_attention, rms_norm, rotary, sampling, rejection_sampler):
+               moe_quant, ngram, paged_attention, rms_norm, rotary, sampling, rejection_sampler):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
@@ -539,6 +540,8 @@ def main() -> int:
                                                   torch.zeros(4, dtype=torch.int64),
                                                   torch.zeros(4, 5, dtype=torch.int64),
                                                   empty(4, 4, 128256, dtype=torch.float32))
+        CASE[0] = "n-gram lookup, k 4, max_n 3"
+        ngram.ngram_lookup_triton(int32(32, 8193), torch.zeros(32, dtype=torch.int64), 4, 1, 3)
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

@@ -40,7 +40,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel",
                        "_fp8_linear_swap_kernel", "_int_decode_kernel", "_int_dequantize_kernel", "_int_linear_kernel",
                        "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel", "_mla_decode_kernel",
-                       "_mla_merge_kernel", "_mla_prefill_kernel",
+                       "_mla_merge_kernel", "_mla_prefill_kernel", "_ngram_kernel",
                        "_moe_gemm_kernel", "_moe_quant_gemm_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
                        "_rejection_kernel", "_rms_norm_kernel",
                        "_rotary_kernel", "_sample_kernel", "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel",
