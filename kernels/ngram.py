@@ -51,7 +51,7 @@ def ngram_lookup_ref(tokens: torch.Tensor, num_tokens: torch.Tensor, k: int, min
     return h.gather(1, index), found
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_t", "width"])  # a step's history width picks no new variant
 def _ngram_kernel(tokens_ptr, stride_t, num_tokens_ptr, drafts_ptr, found_ptr, width, min_n,
                   K: tl.constexpr, K_POW2: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
                   PDL: tl.constexpr):

@@ -25,6 +25,7 @@ from engine.config import SchedulerConfig
 from engine.outputs import DEVICE_DRAFT, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kernels.ngram import ngram_lookup
+from kernels.run_ahead import fix_up_inputs
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
@@ -426,24 +427,12 @@ class ModelRunner:
                           + [i for i, _, count, _ in shifted for _ in range(count)]
                           + [r for _, _, count, r in shifted for _ in range(count)]
                           + [i for i, _, _, _ in shifted] + [r for _, _, _, r in shifted], torch.long, self.device)
-        n, t, m = len(fed), len(token_index), len(shifted)
-        fed_pos, fed_rows, draft_pos, tok, tok_rows, tok_prev, seq_rows, seq_prev = index.split(
-            [n, n, len(draft_positions), t, t, t, m, m])
+        counts = (len(fed), len(draft_positions), len(token_index), len(shifted))
         prev, rejected, dev, bs = self.prev_tokens, self.prev_rejected, self.buffers.dev, self.block_size
 
         def fix_up() -> None:
-            ids = dev["input_ids"]
-            if n:
-                ids.index_copy_(0, fed_pos, prev.index_select(0, fed_rows))
-            if draft_positions:
-                ids.index_copy_(0, draft_pos, draft_ids)
-            if m:
-                positions = dev["positions"].index_select(0, tok) - rejected.index_select(0, tok_prev)
-                dev["positions"].index_copy_(0, tok, positions)
-                blocks = dev["block_tables"][tok_rows, positions // bs].long()
-                dev["slot_mapping"].index_copy_(0, tok, blocks * bs + positions % bs)
-                seq_lens = dev["seq_lens"].index_select(0, seq_rows) - rejected.index_select(0, seq_prev).int()
-                dev["seq_lens"].index_copy_(0, seq_rows, seq_lens)
+            fix_up_inputs(dev["input_ids"], dev["positions"], dev["slot_mapping"], dev["seq_lens"],
+                          dev["block_tables"], bs, prev, rejected, index, counts, draft_ids)
 
         return fix_up
 
@@ -535,7 +524,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(states) if s.history_slot is not None]
         if rows:
             index = to_device(rows + [states[i].history_slot for i in rows], torch.long, self.device)
-            self.history.append(index[len(rows):], tokens.index_select(0, index[:len(rows)]))
+            self.history.append(index[len(rows):], tokens, index[:len(rows)])
 
     def _draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
         """The distributions a draft model drew these drafts from in the last ask ([d, V]; the driver may have cut

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.run_ahead import append_tokens
 from workers.inputs import to_device
 
 
@@ -83,15 +84,11 @@ class TokenHistory:
         """Frees the slot; a later `add` overwrites it (stream order: after any step still in flight)."""
         self.free_slots.append(slot)
 
-    def append(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Writes a step's tokens per slot (distinct slots [P], tokens [P, W]: each row's new tokens, then -1: a
-        verify step's kept ones), on the device, without reading back how many each row has."""
-        ends = self.num_tokens[slots]
-        kept = token_ids >= 0
-        cols = ends[:, None] + torch.arange(token_ids.shape[1], device=self.device)[None, :]
-        cols = torch.where(kept & (cols < self.max_len), cols, self.max_len)
-        self.tokens[slots[:, None].expand_as(cols), cols] = token_ids.to(torch.int32)
-        self.num_tokens[slots] = ends + kept.sum(dim=1)
+    def append(self, slots: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Writes a step's tokens per slot (distinct slots [P], tokens [R, W]: each row's new tokens, then -1: a
+        verify step's kept ones; rows [P]: the row of each slot, default 0..P-1), on the device, without reading
+        back how many each row has (kernels/run_ahead.py: one launch on a GPU)."""
+        append_tokens(self.tokens, self.num_tokens, slots, token_ids, rows)
 
     def read_tokens(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids [P, width] int32, num_tokens [P]) of `slots`, width at least every filled length: what the

@@ -40,3 +40,30 @@ def test_no_kernel_compiles_after_start_up(tiny_model_dir):
         knobs.runtime.jit_post_compile_hook = previous
         llm.shutdown()
     assert compiled == []
+
+
+def test_no_kernel_compiles_after_start_up_with_steps_launched_ahead(tiny_model_dir, monkeypatch):
+    """With n-gram speculation launched ahead (PAGODA_SPEC_RUN_AHEAD=1): the device lookup, the inputs' fix-up and
+    the histories' append (kernels/ngram.py, kernels/run_ahead.py) are compiled at start-up too, one variant each
+    whatever a step's rows, widths and counts."""
+    from triton import knobs
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "1")
+    compiled = []
+    llm = LLM(model=tiny_model_dir, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for i, setting in enumerate(SETTINGS[:3] + SETTINGS[-2:]):
+            setting = dict(setting)
+            if "structured_outputs" in setting:
+                setting["structured_outputs"] = StructuredOutputsParams(json=setting["structured_outputs"])
+            for batch in (1, 3, 17):
+                prompts = [{"prompt_token_ids": [10 + i, 11, 12, 13] * (3 + j)} for j in range(batch)]
+                llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True, **setting), use_tqdm=False)
+        assert llm.engine.spec.num_steps_ahead > 0
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+        llm.shutdown()
+    assert compiled == []

@@ -84,10 +84,11 @@ import kernels.paged_attention as paged_attention  # noqa: E402
 import kernels.rejection_sampler as rejection_sampler  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rotary as rotary  # noqa: E402
+import kernels.run_ahead as run_ahead  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
 for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe,
-               moe_quant, ngram, paged_attention, rms_norm, rotary, sampling, rejection_sampler):
+               moe_quant, ngram, paged_attention, rms_norm, rotary, sampling, rejection_sampler, run_ahead):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
@@ -542,6 +543,25 @@ def main() -> int:
                                                   empty(4, 4, 128256, dtype=torch.float32))
         CASE[0] = "n-gram lookup, k 4, max_n 3"
         ngram.ngram_lookup_triton(int32(32, 8193), torch.zeros(32, dtype=torch.int64), 4, 1, 3)
+        CASE[0] = "n-gram lookup, k 4, max_n 3, another width"
+        ngram.ngram_lookup_triton(int32(1, 1001), torch.zeros(1, dtype=torch.int64), 4, 1, 3)
+        CASE[0] = "fix-up of a step's inputs"
+        longs = [torch.zeros(512, dtype=torch.int64) for _ in range(3)]
+        run_ahead.fix_up_inputs_triton(*longs, int32(65), int32(65, 512), 16, torch.zeros(64, dtype=torch.int64),
+                                       torch.zeros(64, dtype=torch.int64), torch.zeros(600, dtype=torch.int64),
+                                       (16, 64, 160, 64), torch.zeros(64, dtype=torch.int64))
+        CASE[0] = "fix-up of a step's inputs, other counts"
+        run_ahead.fix_up_inputs_triton(*longs, int32(65), int32(65, 512), 16, torch.zeros(64, dtype=torch.int64),
+                                       torch.zeros(64, dtype=torch.int64), torch.zeros(600, dtype=torch.int64),
+                                       (1, 4, 5, 1), torch.zeros(64, dtype=torch.int64))
+        CASE[0] = "append to the token histories, 5 a row"
+        run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
+                                       torch.zeros(32, dtype=torch.int64), torch.zeros(32, 5, dtype=torch.int64),
+                                       torch.zeros(32, dtype=torch.int64))
+        CASE[0] = "append to the token histories, 3 a row"
+        run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
+                                       torch.zeros(1, dtype=torch.int64), torch.zeros(1, 3, dtype=torch.int64),
+                                       torch.zeros(1, dtype=torch.int64))
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))

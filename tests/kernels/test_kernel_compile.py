@@ -37,14 +37,14 @@ def compiled() -> list[dict]:
 
 def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
-    assert kernels == {"_align_kernel", "_decode_kernel", "_decode_merge_kernel", "_fp8_linear_kernel",
-                       "_fp8_linear_swap_kernel", "_int_decode_kernel", "_int_dequantize_kernel", "_int_linear_kernel",
-                       "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel", "_mla_decode_kernel",
-                       "_mla_merge_kernel", "_mla_prefill_kernel", "_ngram_kernel",
-                       "_moe_gemm_kernel", "_moe_quant_gemm_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
-                       "_rejection_kernel", "_rms_norm_kernel",
-                       "_rotary_kernel", "_sample_kernel", "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel",
-                       "_write_kv_cache_kernel", "_write_latent_kernel"}
+    assert kernels == {"_align_kernel", "_append_kernel", "_decode_kernel", "_decode_merge_kernel", "_fix_up_kernel",
+                       "_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_int_decode_kernel", "_int_dequantize_kernel",
+                       "_int_linear_kernel", "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel",
+                       "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel", "_moe_gemm_kernel",
+                       "_moe_quant_gemm_kernel", "_ngram_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
+                       "_rejection_kernel", "_rms_norm_kernel", "_rotary_kernel", "_sample_kernel",
+                       "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel", "_write_kv_cache_kernel",
+                       "_write_latent_kernel"}
 
 
 def test_every_kernel_waits_for_the_previous_one_before_touching_memory(compiled):
@@ -64,6 +64,10 @@ def test_batch_shape_compiles_no_new_variant(compiled):
     # the int linear: 1 and 16 rows share the decode tiles, 200 and 256 rows the GEMM tiles (gemm_config's)
     assert by_case["int4 linear awq qkv, 1 rows"] == by_case["int4 linear awq qkv, 16 rows"]
     assert by_case["int4 gemm awq qkv, 200 rows"] == by_case["int4 gemm awq qkv, 256 rows"]
+    # a step launched ahead: its history width, its fix-up's counts, its rows' widths
+    assert by_case["n-gram lookup, k 4, max_n 3"] == by_case["n-gram lookup, k 4, max_n 3, another width"]
+    assert by_case["fix-up of a step's inputs"] == by_case["fix-up of a step's inputs, other counts"]
+    assert by_case["append to the token histories, 5 a row"] == by_case["append to the token histories, 3 a row"]
     for kernel in ("shrink", "expand"):  # LoRA: 64 and 80 rows share their tiles (and shrink's K split)
         assert by_case[f"lora {kernel} qkv r16, 64 rows"] == by_case[f"lora {kernel} qkv r16, 80 rows"]
 
