@@ -404,3 +404,24 @@ def test_bench_random_adapters_leave_no_directory_behind(tiny_model_dir, tmp_pat
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(temp))  # it was written there, and is gone
     assert list(temp.iterdir()) == []
+
+
+def test_bench_host_ops(tmp_path):
+    """The ops a step issues, counted by the runner's function: the ahead path's lookup, fix-up and append are one
+    launch each with the Triton kernels (under the interpreter), some tens of torch ops each without."""
+    import subprocess
+    import sys
+
+    results = {}
+    for flag in ("", "--kernels"):
+        out = tmp_path / f"ops{flag}.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        subprocess.run([sys.executable, "-m", "benchmarks.host_ops", *([flag] if flag else []), "--batch-size", "2",
+                        "--max-tokens", "12", "--output-json", str(out)], check=True, env=env, timeout=600,
+                       capture_output=True)
+        results[flag] = {row["way"]: row for row in json.loads(out.read_text())["rows"]}
+    references, kernels = results[""]["ahead"], results["--kernels"]["ahead"]
+    assert references["steps_ahead"] > 0 and results[""]["pipelined"]["steps_ahead"] == 0
+    for name in ("lookup", "fix_up", "history.append"):
+        assert kernels["by_function"][name] <= 1.0 < references["by_function"][name], name
+    assert kernels["host_ops_per_step"] < references["host_ops_per_step"] / 2
