@@ -21,7 +21,7 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. A language mod
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (40, 33, 26, 19, 12, 47)]
 
 
-def _generate(model_dir, eager: bool, references=None, lora=None, on_device=False, **kwargs):
+def _generate(model_dir, eager: bool, references=None, lora=None, on_device=False, params=PARAMS, **kwargs):
     """(outputs, verify graph replays); speculative with the oracle proposer when references are given (it knows
     all but the last prompt's continuation: that row never has drafts; every 2nd proposal's last draft is wrong).
     on_device: the oracle in the runner's device lookup's place, so steps run ahead of the verify step in flight
@@ -34,7 +34,7 @@ def _generate(model_dir, eager: bool, references=None, lora=None, on_device=Fals
                                                                 wrong_every=2)
     elif references is not None:
         llm.engine.spec.proposer = OracleProposer(references[:-1], NGRAM["num_speculative_tokens"], wrong_every=2)
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=lora)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
     if on_device:
         assert llm.engine.spec.num_steps_ahead > 0
     graphs = llm.engine.executor.worker.runner.graphs
@@ -90,6 +90,27 @@ def test_gpu_verify_graphs_run_ahead_with_device_drafts(tiny_checkpoints):
     references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
     eager, eager_replays = _generate(model_dir, eager=True, references=references, on_device=True, dtype="float32")
     graphed, replays = _generate(model_dir, eager=False, references=references, on_device=True, dtype="float32")
+    assert eager_replays == 0 and replays > 0
+    _assert_same(plain, eager, 1e-4)
+    _assert_same(plain, graphed, 1e-4)
+
+
+def test_gpu_constrained_rows_run_ahead_with_device_drafts(tiny_checkpoints):
+    """Rows with a grammar in verify steps launched ahead: each such step defers its verification until the driver
+    has read the step before and sent the bitmask for the drafts the device proposed (a copy started behind the
+    lookup, before the graph's replay): the plain engine's tokens and logprobs, graphed and eager."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z ,.]{1,300}")
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True, logprobs=2,
+                             structured_outputs=regex if i % 2 else None) for i, p in enumerate(PARAMS)]
+    model_dir = tiny_checkpoints["llama"]
+    plain, _ = _generate(model_dir, eager=True, dtype="float32", params=params)
+    references = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in plain]
+    eager, eager_replays = _generate(model_dir, eager=True, references=references, on_device=True, dtype="float32",
+                                     params=params)
+    graphed, replays = _generate(model_dir, eager=False, references=references, on_device=True, dtype="float32",
+                                 params=params)
     assert eager_replays == 0 and replays > 0
     _assert_same(plain, eager, 1e-4)
     _assert_same(plain, graphed, 1e-4)
