@@ -411,8 +411,10 @@ class ModelRunner:
             positions += range(first, first + count)
             picks += range(j * k, j * k + count)
         rows = {state.req_id: j for j, (state, _, _) in enumerate(proposed)}
-        return (positions, draft_ids.view(-1).index_select(0, to_device(picks, torch.long, self.device)),
-                (rows, draft_ids, found))
+        flat = draft_ids.view(-1)  # (each row k slots: every draft in order, as the common verify step takes them)
+        if len(picks) != flat.numel():
+            flat = flat.index_select(0, to_device(picks, torch.long, self.device))
+        return positions, flat, (rows, draft_ids, found)
 
     def _fix_up(self, fed: list[tuple[int, int]], shifted: list[tuple[int, int, int, int]],
                 draft_positions: list[int], draft_ids: torch.Tensor):
@@ -513,6 +515,8 @@ class ModelRunner:
         rows, draft_ids, found = proposed
         pick = [rows.get(s.req_id, 0) for s in states]
         has = [s.req_id in rows for s in states]
+        if len(rows) == len(states) and all(has) and pick == list(range(len(states))):
+            return draft_ids, found  # (every sampling row proposed, in order: the common verify step)
         index = to_device(pick + has, torch.long, self.device)
         pick_t, has_t = index.split(len(states))
         return draft_ids.index_select(0, pick_t), found.index_select(0, pick_t) * has_t

@@ -118,8 +118,9 @@ def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarB
     through the step before), which penalized positions read (`position_penalties`); None: their host lists."""
     starts = np.cumsum([0] + [1 + len(r.drafts) for r in rows])
     device, width = logits.device, 1 + max(len(r.drafts) for r in rows)
-    tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=device)
     plain = [i for i, r in enumerate(rows) if not r.drafts]
+    # (a step of speculating rows only: their tokens are the step's, no row to gather or scatter)
+    tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=device) if plain else None
     plain_batch, plain_rows = None, []
     if plain:
         x = logits[to_device(starts[plain], torch.long, device)].float()
@@ -151,13 +152,18 @@ def launch_verify(logits: torch.Tensor, rows: list[VerifyRow], bitmask: GrammarB
             apply_grammar_bitmask(raw, bitmask, [r for r, n in spans for _ in range(n)],
                                   [j for _, n in spans for j in range(n)])
         spec_rows = [rows[i] for i in spec]
-        index = to_device(spec, torch.long, device)
-        if device_drafts is not None:
-            device_drafts = (device_drafts[0].index_select(0, index), device_drafts[1].index_select(0, index))
-        spec_shift = None if key_shift is None else key_shift.index_select(0, index)
-        spec_histories = None if histories is None else tuple(t.index_select(0, index) for t in histories)
+        spec_shift, spec_histories = key_shift, histories
+        if plain:
+            index = to_device(spec, torch.long, device)
+            if device_drafts is not None:
+                device_drafts = (device_drafts[0].index_select(0, index), device_drafts[1].index_select(0, index))
+            spec_shift = None if key_shift is None else key_shift.index_select(0, index)
+            spec_histories = None if histories is None else tuple(t.index_select(0, index) for t in histories)
         spec_tokens = _verify_drafts(raw, spec_rows, generator, device_drafts, spec_shift, spec_histories)
-        tokens[index, :spec_tokens.shape[1]] = spec_tokens
+        if plain:
+            tokens[index, :spec_tokens.shape[1]] = spec_tokens
+        else:
+            tokens = spec_tokens
         spec_logprobs = PositionLogprobs.launch(raw, spec_rows, spec_tokens)
     return VerifyLaunch(tokens, plain, plain_batch, plain_rows, spec, spec_logprobs)
 
