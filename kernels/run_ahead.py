@@ -56,7 +56,9 @@ def fix_up_inputs_ref(input_ids: torch.Tensor, positions: torch.Tensor, slot_map
         seq_lens.index_copy_(0, seq_rows, lens)
 
 
-@triton.jit(do_not_specialize=["n", "d", "t", "m"])  # a step's counts pick no new variant
+# A step's counts pick no new variant, nor where its small vectors start (views of the runner's index tensors: a
+# pointer's 16-byte alignment would otherwise pick one).
+@triton.jit(do_not_specialize=["n", "d", "t", "m", "prev_ptr", "rejected_ptr", "index_ptr", "draft_ids_ptr"])
 def _fix_up_kernel(ids_ptr, pos_ptr, slot_ptr, seq_lens_ptr, tables_ptr, stride_tab, block_size, prev_ptr,
                    rejected_ptr, index_ptr, draft_ids_ptr, n, d, t, m, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
@@ -135,7 +137,7 @@ def append_tokens_ref(tokens: torch.Tensor, num_tokens: torch.Tensor, slots: tor
     num_tokens[slots] = ends + kept.sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["stride_new", "width"])  # nor a step's width
+@triton.jit(do_not_specialize=["stride_new", "width", "slots_ptr", "rows_ptr", "new_ptr"])  # nor its widths, views
 def _append_kernel(tokens_ptr, stride_t, num_tokens_ptr, slots_ptr, new_ptr, stride_new, rows_ptr, width, max_len,
                    HAS_ROWS: tl.constexpr, W_POW2: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)

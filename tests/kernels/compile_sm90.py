@@ -553,15 +553,15 @@ def main() -> int:
         CASE[0] = "fix-up of a step's inputs, other counts"
         run_ahead.fix_up_inputs_triton(*longs, int32(65), int32(65, 512), 16, torch.zeros(64, dtype=torch.int64),
                                        torch.zeros(64, dtype=torch.int64), torch.zeros(600, dtype=torch.int64),
-                                       (1, 4, 5, 1), torch.zeros(64, dtype=torch.int64))
+                                       (1, 4, 5, 1), torch.zeros(65, dtype=torch.int64)[1:])
         CASE[0] = "append to the token histories, 5 a row"
         run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
                                        torch.zeros(32, dtype=torch.int64), torch.zeros(32, 5, dtype=torch.int64),
                                        torch.zeros(32, dtype=torch.int64))
         CASE[0] = "append to the token histories, 3 a row"
-        run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
-                                       torch.zeros(1, dtype=torch.int64), torch.zeros(1, 3, dtype=torch.int64),
-                                       torch.zeros(1, dtype=torch.int64))
+        index = torch.zeros(4, dtype=torch.int64)  # (slots a view 8 bytes in: not 16-byte aligned)
+        run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64), index[1:2],
+                                       torch.zeros(1, 3, dtype=torch.int64), index[:1])
         CASE[0] = "write_kv_cache 8 x 128"
         kv_cache.write_kv_cache_triton(empty(4, 8, 128), empty(4, 8, 128), empty(8, 16, 8, 128),
                                        empty(8, 16, 8, 128), torch.zeros(4, dtype=torch.int64))
