@@ -447,27 +447,25 @@ class ModelRunner:
         drafts = [sched.scheduled_spec_token_ids.get(s.req_id, []) for s in states]
         index = logit_indices(counts, forward.sample_rows, [len(d) for d in drafts])
         logits = self.model.compute_logits(forward.hidden[to_device(index, torch.long, self.device)])
-        step = VerifiedStep(self, states, drafts, prompt_logprobs)
         device_drafts = self._verified_drafts(states, forward.device_drafts) if self.is_driver else None
+        step = VerifiedStep(self, states, drafts, prompt_logprobs, logits, device_drafts)
         if defer:
             proposed = forward.device_drafts
-            step.defer(defer, logits, device_drafts, None if forward.drafts_on_host is None or proposed is None
+            step.defer(defer, None if forward.drafts_on_host is None or proposed is None
                        else (proposed[0], forward.drafts_on_host))
             self.awaiting = step
             return step
-        self._sample_verify(step, sched.grammar_bitmask, logits, device_drafts, forward.key_shift)
+        self._sample_verify(step, sched.grammar_bitmask, forward.key_shift)
         return step
 
     @torch.inference_mode()
-    def _sample_verify(self, step: VerifiedStep, bitmask: GrammarBitmask | None, logits: torch.Tensor | None = None,
-                       device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def _sample_verify(self, step: VerifiedStep, bitmask: GrammarBitmask | None,
                        key_shift: torch.Tensor | None = None) -> None:
-        """The verification (rank 0 decides, the others learn the tokens), queued without a wait. The next step
-        may be launched first: the kept tokens go into the device histories here, and the last of each row, with
-        the drafts it rejected, is what that step reads (`_fix_up`). Deferred, the logits and drafts are the
-        step's own and no key moves (`execute_model_async`)."""
-        if logits is None:
-            logits, device_drafts = step.logits, step.device_drafts
+        """The verification of the step's logits (rank 0 decides, the others learn the tokens), queued without a
+        wait. The next step may be launched first: the kept tokens go into the device histories here, and the last
+        of each row, with the drafts it rejected, is what that step reads (`_fix_up`). Deferred, no key moves
+        (`execute_model_async`)."""
+        logits, device_drafts = step.logits, step.device_drafts
         self.awaiting = None
         states, drafts = step.states, step.drafts
         launched = found = None

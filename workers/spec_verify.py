@@ -375,13 +375,16 @@ class VerifiedStep:
     for `sample(bitmask)`: the driver's grammars need the tokens of the step before, and their masks at each
     position the drafts the workers proposed (`awaiting_drafts`)."""
 
-    def __init__(self, runner, states: list, drafts: list[list[int]], prompt_logprobs):
+    def __init__(self, runner, states: list, drafts: list[list[int]], prompt_logprobs, logits: torch.Tensor,
+                 device_drafts: tuple[torch.Tensor, torch.Tensor] | None):
         self.runner = runner
         self.states, self.drafts = states, drafts
         self.prompt_logprobs = prompt_logprobs  # workers/prompt_logprobs.py PromptLogprobsBatch (rank 0), or None
         self.bitmask_req_ids: list[str] = []  # deferred sampling: the constrained rows whose bitmask it awaits
-        self.logits: torch.Tensor | None = None  # until sampled (deferred)
-        self.device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # rank 0's, until sampled (deferred)
+        self.logits: torch.Tensor | None = logits  # until sampled
+        # the rows' device drafts and how many of each the lookup found (rank 0's; None: drafts from the driver),
+        # until sampled
+        self.device_drafts = device_drafts
         self._proposed: tuple[dict[str, int], SampledBatch] | None = None  # (deferred: `defer`)
         self.tokens: SampledBatch | None = None  # [R, 1 + k], every rank's, once sampled
         self.launched: VerifyLaunch | None = None  # rank 0's
@@ -389,13 +392,10 @@ class VerifiedStep:
         self.found: SampledBatch | None = None
         self._output: ModelRunnerOutput | None = None  # once read back
 
-    def defer(self, constrained: list[str], logits: torch.Tensor,
-              device_drafts: tuple[torch.Tensor, torch.Tensor] | None,
-              proposed: tuple[dict[str, int], SampledBatch] | None) -> None:
+    def defer(self, constrained: list[str], proposed: tuple[dict[str, int], SampledBatch] | None) -> None:
         """Sampling waits for the bitmask of `constrained`. proposed: rank 0's device drafts on their way to the
         host (the row of each request that took some, and the copy the runner started behind the lookup)."""
-        self.bitmask_req_ids, self.logits, self.device_drafts = constrained, logits, device_drafts
-        self._proposed = proposed
+        self.bitmask_req_ids, self._proposed = constrained, proposed
 
     def awaiting_drafts(self) -> dict[str, list[int]]:
         """Each row awaiting its bitmask and the drafts it verifies (none for a row without): its bitmask has a row

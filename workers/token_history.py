@@ -98,9 +98,8 @@ class TokenHistory:
     def read(self, slots: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token ids [P, L] int64, num_prompt [P], num_tokens [P]) of `slots`, read up to max_tokens columns
         (at least every filled length)."""
-        width = min(max_tokens, self.max_len)
-        return (self.tokens[:, :width].index_select(0, slots).long(), self.num_prompt.index_select(0, slots),
-                self.num_tokens.index_select(0, slots))
+        tokens, num_tokens = self.read_tokens(slots, max_tokens)
+        return tokens.long(), self.num_prompt.index_select(0, slots), num_tokens
 
 
 def apply_history_penalties(x: torch.Tensor, batch: PenaltyBatch) -> torch.Tensor:
