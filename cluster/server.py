@@ -36,6 +36,7 @@ from engine.errors import EngineDeadError, ParamError
 from engine.lora import LoRARequest, read_adapter
 from engine.request_output import RequestDelta
 from engine.sampling_params import default_sampling_overrides
+from engine.structured_outputs import import_in_background
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class ServerSettings:
     engine_stall_timeout_s: float | None = None  # requests in flight, no step this long: unhealthy (None: the env's)
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format; None: the chat template's
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters given at start: checked before the replica serves
+    # import xgrammar while the replica starts (each request's constraint is built here, in `_prepare`): without it
+    # the first constrained request paid the import (2 s of CPU here, in every replica)
+    prepare_structured_outputs: bool = False
 
 
 @serve.deployment(name="LLMServer")
@@ -63,6 +67,7 @@ class LLMServer:
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings):
         placed = time.time()  # the replica's actor runs: its resources were granted
         self.settings = settings
+        self.xgrammar_import = import_in_background() if settings.prepare_structured_outputs else None
         self.model_name = settings.served_model_name
         self.replica_id = _replica_tag()
         config = engine_args.create_engine_config()

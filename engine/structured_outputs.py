@@ -113,13 +113,15 @@ def _canonical_text(params: StructuredOutputsParams, kind: str) -> str:
     return value
 
 
-def import_in_background() -> None:
-    """Imports xgrammar on a thread of its own (it pulls transformers' modelling code: 4-10 s of CPU), for a process
-    whose first constrained request should not wait for it."""
+def import_in_background() -> threading.Thread:
+    """Imports xgrammar on a thread of its own (it pulls transformers' modelling code: 2-10 s of CPU), for a process
+    whose first constrained request should not wait for it; returns the thread."""
     import importlib
 
-    threading.Thread(target=importlib.import_module, args=("xgrammar",), name="pagoda-xgrammar-import",
-                     daemon=True).start()
+    thread = threading.Thread(target=importlib.import_module, args=("xgrammar",), name="pagoda-xgrammar-import",
+                              daemon=True)
+    thread.start()
+    return thread
 
 
 def grammar_for(params: StructuredOutputsParams):
