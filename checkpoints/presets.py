@@ -32,6 +32,12 @@ _DEEPSEEK_V2 = {**_COMMON, "architectures": ["DeepseekV2ForCausalLM"], "model_ty
 PRESETS = {
     "llama-3-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                    "num_attention_heads": 32},
+    # Llama 3.1's long context: 128k positions through its "llama3" RoPE scaling (histories of 8-16k tokens and more)
+    "llama-3.1-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "max_position_embeddings": 131072,
+                     "eos_token_id": [128001, 128008, 128009],
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     "qwen2.5-7b": {
         **_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
