@@ -252,8 +252,8 @@ class RunAheadChoice:
 
 
 def run_ahead_setting() -> bool | None:
-    """PAGODA_SPEC_RUN_AHEAD: None for auto (measured: RunAheadChoice), True for 1 (always ahead), False for 0
-    (never: the workers then keep no token histories for the lookup)."""
+    """PAGODA_SPEC_RUN_AHEAD: False for 0, the default (never: the workers then keep no token histories for the
+    lookup), True for 1 (always ahead), None for auto (measured: RunAheadChoice)."""
     value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
     pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
     if pinned is None and value != "auto":
