@@ -224,8 +224,7 @@ def build_app(args: dict | None = None) -> serve.Application:
                                   allow_request_chat_template=m.allow_request_chat_template,
                                   chat_template_time_limit_s=m.chat_template_time_limit_s,
                                   engine_stall_timeout_s=m.engine_stall_timeout_s,
-                                  tool_call_parser=m.tool_call_parser, lora_modules=adapters,
-                                  prepare_structured_outputs=device == "cuda")
+                                  tool_call_parser=m.tool_call_parser, lora_modules=adapters)
         server = LLMServer.options(name=f"LLMServer_{_slug(name)}", **_server_options(m, placement))
         handle = server.bind(replace(m.engine, device=device), settings)
         for alias in m.names:

@@ -31,7 +31,7 @@ from cluster.protocol import Accepted, GenerateRequest, TokenizeInput, error_inf
 from cluster.router import routing_stats
 from cluster.tool_parsers import tool_parser_for_template
 from engine.async_engine import AsyncLLMEngine, LocalConnection
-from engine.config import EngineArgs
+from engine.config import EngineArgs, resolve_device
 from engine.errors import EngineDeadError, ParamError
 from engine.lora import LoRARequest, read_adapter
 from engine.request_output import RequestDelta
@@ -57,9 +57,6 @@ class ServerSettings:
     engine_stall_timeout_s: float | None = None  # requests in flight, no step this long: unhealthy (None: the env's)
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format; None: the chat template's
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters given at start: checked before the replica serves
-    # import xgrammar while the replica starts (each request's constraint is built here, in `_prepare`): without it
-    # the first constrained request paid the import (2 s of CPU here, in every replica)
-    prepare_structured_outputs: bool = False
 
 
 @serve.deployment(name="LLMServer")
@@ -67,10 +64,12 @@ class LLMServer:
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings):
         placed = time.time()  # the replica's actor runs: its resources were granted
         self.settings = settings
-        self.xgrammar_import = import_in_background() if settings.prepare_structured_outputs else None
         self.model_name = settings.served_model_name
         self.replica_id = _replica_tag()
         config = engine_args.create_engine_config()
+        # A GPU model's replica imports xgrammar as it starts, as its engine and ingress do: each request's constraint
+        # is built here too (`_prepare`), and the first constrained request paid the import (2 s of CPU here)
+        self.xgrammar_import = import_in_background() if resolve_device(config.parallel.device) == "cuda" else None
         for lora in settings.lora_modules:  # a bad adapter stops the replica (so the app) from starting
             try:
                 read_adapter(lora, config.model.hf_config, config.lora.max_lora_rank)
