@@ -212,7 +212,9 @@ class RunAheadChoice:
     fix-ups and lookup cost the host more small launches, which a host-bound step (a small model: SmolLM2 on an
     H200, 3.5 against 1.3 ms a verify step) pays in full. The cheaper way runs; the other gets TRIAL_STEPS every
     PROBE_EVERY verify steps, so the choice follows the batch. The first step after a switch is not counted (it
-    straddles both)."""
+    straddles both). Periods are timed only between consecutive verify steps, so a way that makes speculation stop
+    paying would never be left (its verify steps, now only probes, are never consecutive): `drafts_off` leaves
+    ahead for the pipelined way then, unless that was measured the slower."""
 
     TRIAL_STEPS = 6
     PROBE_EVERY = 64
@@ -225,30 +227,43 @@ class RunAheadChoice:
         self.num_switches = 0
         self._steps = 0  # verify steps read back since the last switch
 
-    def record(self, ahead: bool, period: float) -> None:
-        """A verify step read back: whether it was launched ahead, and its period."""
+    def record(self, ahead: bool, period: float) -> bool:
+        """A verify step read back: whether it was launched ahead, and its period. Returns whether the way switched."""
         if self.pinned is not None or ahead != self.ahead:  # (pinned: nothing to choose; else launched before a switch)
-            return
+            return False
         self._steps += 1
         if self._steps == 1:
-            return
+            return False
         old = self.period[ahead]
         mine = self.period[ahead] = period if old is None else self.DECAY * old + (1 - self.DECAY) * period
         other = self.period[not ahead]
         if other is None or mine > other:  # this way's trial (or it is the slower): back when done
             if self._steps > self.TRIAL_STEPS:
-                self._switch()
+                return self._switch()
         elif self._steps > self.PROBE_EVERY:  # the cheaper way: the other gets a trial now and then
-            self._switch()
+            return self._switch()
+        return False
+
+    def drafts_off(self) -> bool:
+        """Speculation stopped paying while verify steps ran ahead: ahead's fix-ups may be what made them too dear (a
+        host-bound model), so the pipelined way gets its turn, unless it was measured the slower (then it would pay
+        there even less). Returns whether the way switched."""
+        if self.pinned is not None or not self.ahead:
+            return False
+        ahead, pipelined = self.period[True], self.period[False]
+        if ahead is not None and pipelined is not None and pipelined > ahead:
+            return False
+        return self._switch()
 
     @classmethod
     def from_env(cls) -> RunAheadChoice:
         return cls(run_ahead_setting())
 
-    def _switch(self) -> None:
+    def _switch(self) -> bool:
         self.ahead = not self.ahead
         self.num_switches += 1
         self._steps = 0
+        return True
 
 
 def run_ahead_setting() -> bool | None:
@@ -343,8 +358,15 @@ class SpecDecoder:
 
     def decide(self, num_running: int) -> int:
         """This step's decision: how many of its running requests may get drafts (0: none, the step may overlap;
-        all of them where `should_speculate`; PROBE_REQUESTS in a probe step), counted."""
-        if self.should_speculate(num_running):
+        all of them where `should_speculate`; PROBE_REQUESTS in a probe step), counted. Drafts turned off while
+        verify steps ran ahead by their cost (drafts were accepted) turn them on pipelined first
+        (RunAheadChoice.drafts_off), the costs measured again."""
+        speculate = self.should_speculate(num_running)
+        if (not speculate and num_running and (self.acceptance or 0.0) > 0.0 and self.drafts_on_device
+                and self.run_ahead.drafts_off()):
+            self._switched()
+            speculate = self.should_speculate(num_running)
+        if speculate:
             return num_running
         if not num_running:
             return 0
@@ -372,8 +394,13 @@ class SpecDecoder:
 
     def record_verify_period(self, ahead: bool, seconds: float) -> None:
         """A verify step read back `seconds` after the verify step before it (RunAheadChoice)."""
-        if self.drafts_on_device:
-            self.run_ahead.record(ahead, seconds)
+        if self.drafts_on_device and self.run_ahead.record(ahead, seconds):
+            self._switched()
+
+    def _switched(self) -> None:
+        """Verify steps now launch the other way: the step costs measured the old way leave the cost model (they
+        priced its verify steps: ahead, a host-bound model's cost several times the pipelined one's)."""
+        self.cost.samples.clear()
 
     def propose(self, running: list[Request], max_requests: int, on_device: bool = False) -> int:
         """Drafts for up to `max_requests` of the running requests that can take them (none for the others): one

@@ -983,3 +983,68 @@ def test_engine_times_verify_steps_each_way_and_follows_the_choice(monkeypatch):
     assert True in recorded and False in recorded  # both ways ran and were timed
     assert 0 < engine.spec.num_steps_ahead
     _assert_same(plain, outs)
+
+
+def test_drafts_priced_out_ahead_turn_on_pipelined(monkeypatch):
+    """PAGODA_SPEC_RUN_AHEAD=auto, and drafts that the cost model turns off while verify steps run ahead (a host-bound
+    model: SmolLM2 on the H200, whose ahead verify steps cost more than they gave). Periods are timed between
+    consecutive verify steps only, so with drafts off (probes alone) the choice could never try the pipelined way and
+    speculation stayed off; now it does (RunAheadChoice.drafts_off), and the step costs of the old way are dropped.
+    Unless the pipelined way was measured the slower, or nothing was accepted (no way pays then)."""
+    from engine.spec_decode import SpecDecoder
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "auto")
+    spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
+    assert spec.run_ahead.ahead and spec.drafts_on_device
+    spec.observe(10, 9)
+
+    def priced_out():  # ahead, a verify step of 5 tokens a request costs 4.5 plain steps (acceptance 0.9 gives 4.1)
+        spec.cost.samples.clear()
+        for _ in range(5):
+            spec.cost.record(32, 0.001)
+            spec.cost.record(160, 0.0045)
+        assert not spec.should_speculate(32)
+
+    priced_out()
+    assert spec.decide(32) == 32  # pipelined now, with drafts: the costs are measured again
+    assert spec.run_ahead.ahead is False and not spec.cost.samples and spec.num_steps_off == 0
+    spec.run_ahead.ahead, spec.run_ahead.period = True, {True: 1.0, False: 2.0}  # pipelined measured the slower
+    priced_out()
+    assert spec.decide(32) == 0 and spec.run_ahead.ahead and spec.num_steps_off == 1
+    spec.run_ahead.period = {True: None, False: None}
+    spec.recent.clear()
+    spec.observe(10, 0)  # nothing accepted: drafts off either way
+    assert spec.decide(32) == 0 and spec.run_ahead.ahead
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "1")  # pinned: never switched
+    pinned = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
+    pinned.observe(10, 9)
+    spec = pinned
+    priced_out()
+    assert pinned.decide(32) == 0 and pinned.run_ahead.ahead
+
+
+def test_engine_speculates_pipelined_where_ahead_verify_steps_do_not_pay(monkeypatch):
+    """The engine under auto, its verify steps priced out while launched ahead (emulated: should_speculate says no
+    while ahead, yes pipelined, as SmolLM2's costs did on the H200): it speculates pipelined for most steps, not in
+    probe steps alone, and gives the plain output."""
+    from engine.spec_decode import SpecDecoder
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "auto")
+    monkeypatch.setattr(SpecDecoder, "should_speculate",
+                        lambda self, n: not (self.run_ahead.ahead and self.acceptance is not None))
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain, _ = _run(PROMPTS, params)
+    references = _references(PROMPTS, plain)
+    llm = _llm(speculative_config={k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"})
+    llm.engine.executor.worker.runner.lookup = OracleLookup(references, 4)
+    llm.engine.spec.proposer.propose = OracleProposer(references, 4).propose  # (still the n-gram proposer's type)
+    _check_every_step(llm.engine)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    llm.shutdown()
+    _assert_same(plain, outs)
+    spec = llm.engine.spec
+    stats = llm.engine.scheduler.spec_stats
+    assert spec.run_ahead.num_switches >= 1 and not spec.run_ahead.ahead
+    assert stats.num_accepted_tokens > 0.5 * sum(len(c.token_ids) for o in plain for c in o.outputs)
+    assert spec.num_steps_off <= 2
