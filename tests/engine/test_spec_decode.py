@@ -512,7 +512,17 @@ def test_step_cost_model_fits_the_fixed_and_per_token_cost():
     assert cost.ratio(64, 320) is None  # no samples
     for n in [1, 1, 4, 16, 64, 64, 256, 2048, 2048, 512]:
         cost.record(n, 0.004 + 0.00002 * n)
+    assert cost.ratio(64, 320) is None  # fitted again only every REFIT_EVERY samples
+    for _ in range(cost.REFIT_EVERY - 10):
+        cost.record(8, 0.004 + 0.00002 * 8)
     assert cost.ratio(64, 320) == pytest.approx((0.004 + 320 * 0.00002) / (0.004 + 64 * 0.00002))
+    for _ in range(cost.REFIT_EVERY - 1):
+        cost.record(8, 1.0)  # (a step that took long: the fit stands until REFIT_EVERY samples are in)
+    assert cost.ratio(64, 320) == pytest.approx((0.004 + 320 * 0.00002) / (0.004 + 64 * 0.00002))
+    cost.record(8, 1.0)
+    assert cost.ratio(64, 320) != pytest.approx((0.004 + 320 * 0.00002) / (0.004 + 64 * 0.00002))
+    cost.clear()
+    assert cost.ratio(64, 320) is None and not cost.samples
     one_size = StepCostModel()
     for _ in range(20):
         one_size.record(8, 0.005)
@@ -999,7 +1009,7 @@ def test_drafts_priced_out_ahead_turn_on_pipelined(monkeypatch):
     spec.observe(10, 9)
 
     def priced_out():  # ahead, a verify step of 5 tokens a request costs 4.5 plain steps (acceptance 0.9 gives 4.1)
-        spec.cost.samples.clear()
+        spec.cost.clear()
         for _ in range(5):
             spec.cost.record(32, 0.001)
             spec.cost.record(160, 0.0045)
