@@ -40,6 +40,14 @@ def _run(llm, messages, params) -> tuple[list, float]:
     return outs, time.perf_counter() - start
 
 
+def _decisions(engine) -> dict:
+    """Counters of the engine's steps: all of them, those whose decision gave no drafts, those with drafts launched
+    ahead of the step in flight (SpecDecoder)."""
+    spec = engine.spec
+    return {"steps": engine.timing.num_steps, "steps_off": spec.num_steps_off if spec else 0,
+            "steps_ahead": spec.num_steps_ahead if spec else 0}
+
+
 def main(args: argparse.Namespace) -> None:
     from dataclasses import asdict, replace
 
@@ -62,9 +70,16 @@ def main(args: argparse.Namespace) -> None:
         stats = type(llm.engine.scheduler.spec_stats)()
         llm.engine.scheduler.spec_stats = stats
         times[name] = []
+        before = _decisions(llm.engine)
         for _ in range(args.repeats):
             outputs[name], seconds = _run(llm, messages, params)
             times[name].append(seconds)
+        decisions = {k: v - before[k] for k, v in _decisions(llm.engine).items()}
+        if llm.engine.spec is not None:  # how the engine ran the speculative runs (the run-ahead choice's state)
+            choice = llm.engine.spec.run_ahead
+            decisions |= {"run_ahead_setting": choice.pinned, "ahead_at_end": choice.ahead,
+                          "switches": choice.num_switches,
+                          "period_ms": {str(k): v and round(1e3 * v, 3) for k, v in choice.period.items()}}
         llm.shutdown()
         del llm
         free_device_memory()
@@ -77,9 +92,10 @@ def main(args: argparse.Namespace) -> None:
            "accepted_per_position": stats.accepted_per_position,
            "plain_tok_s": round(rates["plain"], 1), "spec_tok_s": round(rates["spec"], 1),
            "speedup": round(rates["spec"] / rates["plain"], 2), "identical": identical,
-           "plain_s": times["plain"], "spec_s": times["spec"]}
+           "plain_s": times["plain"], "spec_s": times["spec"], "spec_engine": decisions}
     print_table([row], ["device", "batch_size", "output_tokens", "acceptance", "tokens_per_spec_step", "plain_tok_s",
                         "spec_tok_s", "speedup", "identical"])
     print(f"accepted by position: {stats.accepted_per_position}")
+    print(f"the speculative engine's steps: {decisions}")
     if args.output_json:
         write_json(args.output_json, {"speculative_config": spec_args.speculative_config, "results": [row]})
