@@ -50,6 +50,11 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string if one now ends the text (the text is then truncated)."""
+        if self.stream is not None and not self.stop:  # (a verify step's several tokens: one append of their text)
+            backend, stream = self.stream
+            self.token_ids += new_token_ids
+            self.text += "".join([chunk for token_id in new_token_ids if (chunk := stream.step(backend, token_id))])
+            return None
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self._decode_next()

@@ -90,30 +90,60 @@ class DraftModelProposer:
 
 @dataclass
 class NgramProposer:
-    """Prompt lookup, vectorized over the sequence: the positions that hold the last token, narrowed one earlier
-    token at a time (up to max_n) to those whose run before them matches the sequence's end; the longest match
-    that is at least min_n tokens, its latest occurrence, gives the tokens after it."""
+    """Prompt lookup: the longest match of the sequence's last n tokens (max_n down to min_n) earlier in it, its
+    latest occurrence, gives the up to k tokens after it. Sequences of up to BYTES_MAX_TOKENS tokens are searched as
+    bytes (`bytes.rfind` on their int32 values, a match counted only at a token boundary): 3-5 us a sequence on a
+    2-core CPU where the numpy search below took 10-20 (its ten or so numpy calls), a host-bound verify step's
+    largest part (SmolLM2 at batch 32 on the H200: 0.77 ms of its 5.8); longer ones by numpy, vectorized over the
+    sequence: the positions that hold the last token, narrowed one earlier token at a time."""
 
     num_speculative_tokens: int
     min_n: int
     max_n: int
 
+    BYTES_MAX_TOKENS = 4096  # past this, a byte search whose short pattern matches often (zero bytes) is slower
+
     def propose(self, token_ids: np.ndarray) -> list[int]:
         length = len(token_ids)
-        longest = min(self.max_n, length - 1)
-        if longest < max(self.min_n, 1):
+        longest, shortest = min(self.max_n, length - 1), max(self.min_n, 1)
+        if longest < shortest:
             return []
-        ends = np.flatnonzero(token_ids[:length - 1] == token_ids[length - 1])  # matches of 1 token, ending there
-        best_n, best_end = (1, ends[-1]) if ends.size else (0, -1)
-        for j in range(1, longest):  # keep the ends whose match goes on to j + 1 tokens
-            ends = ends[ends >= j]
-            ends = ends[token_ids[ends - j] == token_ids[length - 1 - j]]
-            if not ends.size:
-                break
-            best_n, best_end = j + 1, ends[-1]
-        if best_n < self.min_n:
+        if length <= self.BYTES_MAX_TOKENS:
+            end = _latest_match_bytes(token_ids, longest, shortest)
+        else:
+            end = _latest_match_numpy(token_ids, longest, shortest)
+        if end < 0:
             return []
-        return token_ids[best_end + 1:best_end + 1 + self.num_speculative_tokens].tolist()
+        return token_ids[end + 1:end + 1 + self.num_speculative_tokens].tolist()
+
+
+def _latest_match_bytes(token_ids: np.ndarray, longest: int, shortest: int) -> int:
+    """The last position of the latest earlier occurrence of the longest suffix of `longest` down to `shortest`
+    tokens (one that ends before the last token), or -1."""
+    data = token_ids.astype(np.int32).tobytes()
+    limit = len(data) - 4  # an occurrence lies in the bytes before the last token's
+    for n in range(longest, shortest - 1, -1):
+        pattern = data[-4 * n:]
+        stop = limit
+        while (start := data.rfind(pattern, 0, stop)) >= 0:
+            if start % 4 == 0:
+                return start // 4 + n - 1
+            stop = start + 4 * n - 1  # inside a token: the next occurrence starts before it
+    return -1
+
+
+def _latest_match_numpy(token_ids: np.ndarray, longest: int, shortest: int) -> int:
+    """`_latest_match_bytes`, vectorized over the sequence with numpy."""
+    length = len(token_ids)
+    ends = np.flatnonzero(token_ids[:length - 1] == token_ids[length - 1])  # matches of 1 token, ending there
+    best_n, best_end = (1, int(ends[-1])) if ends.size else (0, -1)
+    for j in range(1, longest):  # keep the ends whose match goes on to j + 1 tokens
+        ends = ends[ends >= j]
+        ends = ends[token_ids[ends - j] == token_ids[length - 1 - j]]
+        if not ends.size:
+            break
+        best_n, best_end = j + 1, int(ends[-1])
+    return best_end if best_n >= shortest else -1
 
 
 class TokenArrays:

@@ -32,6 +32,7 @@ from kernels.sampling import _MASK32, _U24, _gumbel, _hash32, _hash32_ref, gumbe
 
 ACCEPT_COUNTER = 0x7FFFFFFF  # past any token id: the acceptance uniform's counter
 BLOCK = 2048
+KMAX = 16  # the kernel's bound on a step's drafts a row: one variant for K up to it (more: the next power of two)
 
 
 def uniform_ref(keys: torch.Tensor, counter: int) -> torch.Tensor:
@@ -48,27 +49,32 @@ def _uniform(key_lo, key_hi, counter):
     return ((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08
 
 
-@triton.jit
-def _rejection_kernel(probs_ptr, stride_pr, stride_pk, q_ptr, stride_qr, stride_qk, draft_ptr, stride_d,
-                      num_drafts_ptr, key_ptr, stride_key, out_ptr, stride_out, num_accepted_ptr, vocab,
-                      K: tl.constexpr, POSITIONS: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr):
+# One variant for every step's K (its most drafts, which varies step to step): K is a runtime bound under the
+# constexpr KMAX, and the strides that follow K are not specialized (a step whose K was new compiled 0.4-0.7 s in
+# the middle of serving: tests/gpu/test_warm_up_gpu.py). probs and q are contiguous, so a position's row starts at a
+# multiple of the vocabulary's stride, whose alignment keeps the vocabulary loop's loads wide.
+@triton.jit(do_not_specialize=["k", "stride_d", "stride_key", "stride_out"])
+def _rejection_kernel(probs_ptr, stride_pk, q_ptr, stride_qk, draft_ptr, stride_d, num_drafts_ptr, key_ptr,
+                      stride_key, out_ptr, stride_out, num_accepted_ptr, vocab, k, KMAX: tl.constexpr,
+                      POSITIONS: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     num_drafts = tl.load(num_drafts_ptr + row).to(tl.int32)
     accept_counter = (tl.zeros([1], tl.int32) + 0x7FFFFFFF).to(tl.uint32)
     accepted = tl.min(tl.zeros([1], tl.int32), 0)
     going = tl.min(tl.zeros([1], tl.int32), 0) + 1
-    for j in tl.static_range(K):
+    p_row = row * (k + 1)  # probs' position rows: K + 1 a row; q's: K
+    q_row = row * k
+    for j in tl.static_range(KMAX):
         if (going == 1) & (j < num_drafts):
             draft = tl.load(draft_ptr + row * stride_d + j)
-            p = tl.load(probs_ptr + row * stride_pr + j * stride_pk + draft)
+            p = tl.load(probs_ptr + (p_row + j) * stride_pk + draft)
             key = tl.load(key_ptr + row * stride_key + j)
             key_lo = (key & 0xFFFFFFFF).to(tl.uint32)
             key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
             u = tl.max(_uniform(key_lo, key_hi, accept_counter), 0)
             if HAS_Q:  # u < p / q, q > 0 (the draft was drawn from it)
-                u = u * tl.load(q_ptr + row * stride_qr + j * stride_qk + draft)
+                u = u * tl.load(q_ptr + (q_row + j) * stride_qk + draft)
             if u < p:
                 accepted += 1
             else:
@@ -79,8 +85,8 @@ def _rejection_kernel(probs_ptr, stride_pr, stride_pk, q_ptr, stride_qr, stride_
     key_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     rejected = accepted < num_drafts
     removed = tl.load(draft_ptr + row * stride_d + accepted, mask=rejected, other=-1)
-    base = probs_ptr + row * stride_pr + accepted * stride_pk
-    q_base = q_ptr + row * stride_qr + accepted * stride_qk
+    base = probs_ptr + (p_row + accepted) * stride_pk
+    q_base = q_ptr + (q_row + accepted) * stride_qk
     q_cols = tl.where(rejected, vocab, 0)  # q's row past the drafts (all accepted) does not exist: no load
     cols = tl.arange(0, BLOCK)
     best_s = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -104,7 +110,7 @@ def _rejection_kernel(probs_ptr, stride_pr, stride_pk, q_ptr, stride_qr, stride_
     positions = tl.arange(0, POSITIONS)
     drafts = tl.load(draft_ptr + row * stride_d + positions, mask=positions < accepted, other=0)
     tokens = tl.where(positions < accepted, drafts, tl.where(positions == accepted, drawn.to(tl.int64), -1))
-    tl.store(out_ptr + row * stride_out + positions, tokens, mask=positions < K + 1)
+    tl.store(out_ptr + row * stride_out + positions, tokens, mask=positions < k + 1)
     tl.store(num_accepted_ptr + row, accepted.to(tl.int64))
 
 
@@ -186,19 +192,21 @@ def rejection_sample_triton(probs: torch.Tensor, draft_ids: torch.Tensor, num_dr
     """Triton launcher of `rejection_sample`: one program per row."""
     _check_inputs(probs, draft_ids, num_drafts, keys, draft_probs)
     check_launchable(probs, draft_ids, num_drafts, keys, *(() if draft_probs is None else (draft_probs,)))
-    if (probs.stride(2) != 1 or (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1
-            or (draft_probs is not None and draft_probs.stride(2) != 1)):
-        raise ValueError("probs, draft_probs, draft_ids and keys must be contiguous in their last dimension")
+    if (draft_ids.shape[1] > 1 and draft_ids.stride(1) != 1) or keys.stride(1) != 1:
+        raise ValueError("draft_ids and keys must be contiguous in their last dimension")
+    probs = probs.contiguous()
     rows, positions, vocab = probs.shape
     tokens = torch.empty(rows, positions, dtype=torch.int64, device=probs.device)
     num_accepted = torch.empty(rows, dtype=torch.int64, device=probs.device)
-    q = probs if draft_probs is None else draft_probs  # (not read without HAS_Q)
+    q = probs if draft_probs is None else draft_probs.contiguous()  # (not read without HAS_Q)
+    k = positions - 1
+    kmax = max(KMAX, next_power_of_2(k))
     if rows:
-        _rejection_kernel[(rows,)](probs, probs.stride(0), probs.stride(1), q, q.stride(0), q.stride(1), draft_ids,
-                                   draft_ids.stride(0), num_drafts.contiguous(), keys, keys.stride(0), tokens,
-                                   tokens.stride(0), num_accepted, vocab, K=positions - 1,
-                                   POSITIONS=next_power_of_2(positions), HAS_Q=draft_probs is not None,
-                                   BLOCK=min(block, next_power_of_2(vocab)), **pdl_options(probs.device))
+        _rejection_kernel[(rows,)](probs, probs.stride(1), q, q.stride(1), draft_ids, draft_ids.stride(0),
+                                   num_drafts.contiguous(), keys, keys.stride(0), tokens, tokens.stride(0),
+                                   num_accepted, vocab, k, KMAX=kmax, POSITIONS=next_power_of_2(kmax + 1),
+                                   HAS_Q=draft_probs is not None, BLOCK=min(block, next_power_of_2(vocab)),
+                                   **pdl_options(probs.device))
     return tokens, num_accepted
 
 
@@ -208,3 +216,17 @@ def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     if use_triton(probs):
         return rejection_sample_triton(probs, draft_ids, num_drafts, keys, draft_probs)
     return rejection_sample_ref(probs, draft_ids, num_drafts, keys, draft_probs)
+
+
+def warm_up_rejection(vocab_size: int, device: torch.device, draft_probs: bool) -> None:
+    """Compiles the rejection sampling kernel now, not in the first verify step with a sampled row: its variant
+    for one-hot drafts (the n-gram proposer's) and, for a draft model, the one with draft distributions. One each,
+    whatever a step's rows and most drafts a row (K under KMAX)."""
+    if not use_triton(torch.empty(0, device=device)):
+        return
+    probs = torch.full((1, 2, vocab_size), 1.0 / vocab_size, device=device)
+    args = (probs, torch.zeros(1, 1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int64, device=device),
+            torch.zeros(1, 2, dtype=torch.int64, device=device))
+    rejection_sample(*args)
+    if draft_probs:
+        rejection_sample(*args, probs[:, :1].contiguous())

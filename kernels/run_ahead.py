@@ -57,8 +57,11 @@ def fix_up_inputs_ref(input_ids: torch.Tensor, positions: torch.Tensor, slot_map
 
 
 # A step's counts pick no new variant, nor where its small vectors start (views of the runner's index tensors: a
-# pointer's 16-byte alignment would otherwise pick one).
-@triton.jit(do_not_specialize=["n", "d", "t", "m", "prev_ptr", "rejected_ptr", "index_ptr", "draft_ids_ptr"])
+# pointer's 16-byte alignment would otherwise pick one), nor its block tables' stride and block size (start-up
+# compiles it on small dummies: specialized, the runner's first step launched ahead compiled another variant on the
+# H100, 2026-12-05).
+@triton.jit(do_not_specialize=["stride_tab", "block_size", "n", "d", "t", "m", "prev_ptr", "rejected_ptr", "index_ptr",
+                               "draft_ids_ptr"])
 def _fix_up_kernel(ids_ptr, pos_ptr, slot_ptr, seq_lens_ptr, tables_ptr, stride_tab, block_size, prev_ptr,
                    rejected_ptr, index_ptr, draft_ids_ptr, n, d, t, m, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)

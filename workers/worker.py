@@ -22,6 +22,7 @@ from engine.startup import StartupTimes
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
 from kernels.fp8 import FP8_DTYPE
+from kernels.rejection_sampler import warm_up_rejection
 from kernels.run_ahead import warm_up_run_ahead
 from workers import parallel
 from workers.draft_runner import DraftRunner
@@ -195,6 +196,8 @@ class Worker:
                 if self.rank == 0:  # the rank that samples
                     warm_up_grammar_mask(self.model.vocab_size, self.device)
                     warm_up_sampler(self.model.vocab_size, self.device)
+                    if spec is not None:
+                        warm_up_rejection(self.model.vocab_size, self.device, self.draft_model is not None)
                 warm_up_run_ahead(self.device, self.runner.history is not None, self.ngram_lookup,
                                   spec.num_speculative_tokens if spec else 0)
 

@@ -76,7 +76,14 @@ def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[
     return []
 
 
-def test_ngram_proposer_finds_the_latest_longest_match():
+@pytest.mark.parametrize("search", ["bytes", "numpy"])
+@pytest.mark.parametrize("values", [(0, 1, 2, 3), (0, 256, 65536, 65792, 1 << 24)], ids=["small", "byte-aligned"])
+def test_ngram_proposer_finds_the_latest_longest_match(monkeypatch, search, values):
+    """Both searches (bytes.rfind at token boundaries up to BYTES_MAX_TOKENS tokens, numpy past it) against the
+    definition; token values whose int32 bytes repeat across token boundaries (0, 256, 65536, ...) make the byte
+    search find occurrences inside tokens, which must not count."""
+    if search == "numpy":
+        monkeypatch.setattr(NgramProposer, "BYTES_MAX_TOKENS", 0)
     proposer = NgramProposer(3, 1, 3)
     seq = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
     assert proposer.propose(seq) == [7, 8, 5]  # "2 3" last seen before 7 8 5 (longest n = 3: "5 2 3" not seen)
@@ -84,8 +91,8 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     assert proposer.propose(np.array([1, 2, 3])) == []
     assert proposer.propose(np.array([7])) == []
     rng = np.random.default_rng(0)
-    for _ in range(300):
-        tokens = rng.integers(0, 4, size=rng.integers(1, 40)).tolist()
+    for _ in range(600):
+        tokens = [values[i] for i in rng.integers(0, len(values), size=rng.integers(1, 40))]
         k, min_n = int(rng.integers(1, 5)), int(rng.integers(1, 3))
         max_n = min_n + int(rng.integers(0, 3))
         got = NgramProposer(k, min_n, max_n).propose(np.array(tokens, dtype=np.int64))

@@ -535,6 +535,16 @@ def main() -> int:
                                                   torch.zeros(4, 4, dtype=torch.int64),
                                                   torch.zeros(4, dtype=torch.int64),
                                                   torch.zeros(4, 5, dtype=torch.int64))
+        CASE[0] = "rejection sample 128256, k 2"  # (a step whose rows have at most 2 drafts: the same variant)
+        rejection_sampler.rejection_sample_triton(empty(4, 3, 128256, dtype=torch.float32),
+                                                  torch.zeros(4, 2, dtype=torch.int64),
+                                                  torch.zeros(4, dtype=torch.int64),
+                                                  torch.zeros(4, 3, dtype=torch.int64))
+        CASE[0] = "rejection sample 128256, k 1"
+        rejection_sampler.rejection_sample_triton(empty(1, 2, 128256, dtype=torch.float32),
+                                                  torch.zeros(1, 1, dtype=torch.int64),
+                                                  torch.zeros(1, dtype=torch.int64),
+                                                  torch.zeros(1, 2, dtype=torch.int64))
         CASE[0] = "rejection sample 128256, k 4, draft probabilities"
         rejection_sampler.rejection_sample_triton(empty(4, 5, 128256, dtype=torch.float32),
                                                   torch.zeros(4, 4, dtype=torch.int64),
@@ -554,6 +564,10 @@ def main() -> int:
         run_ahead.fix_up_inputs_triton(*longs, int32(65), int32(65, 512), 16, torch.zeros(64, dtype=torch.int64),
                                        torch.zeros(64, dtype=torch.int64), torch.zeros(600, dtype=torch.int64),
                                        (1, 4, 5, 1), torch.zeros(65, dtype=torch.int64)[1:])
+        CASE[0] = "fix-up of a step's inputs, the start-up's tables"  # (kernels/run_ahead.py warm_up_run_ahead)
+        run_ahead.fix_up_inputs_triton(*longs, int32(2), int32(2, 2), 4, torch.zeros(64, dtype=torch.int64),
+                                       torch.zeros(64, dtype=torch.int64), torch.zeros(600, dtype=torch.int64),
+                                       (1, 1, 1, 1), torch.zeros(64, dtype=torch.int64))
         CASE[0] = "append to the token histories, 5 a row"
         run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
                                        torch.zeros(32, dtype=torch.int64), torch.zeros(32, 5, dtype=torch.int64),

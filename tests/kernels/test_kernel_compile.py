@@ -67,6 +67,11 @@ def test_batch_shape_compiles_no_new_variant(compiled):
     # a step launched ahead: its history width, its fix-up's counts, its rows' widths
     assert by_case["n-gram lookup, k 4, max_n 3"] == by_case["n-gram lookup, k 4, max_n 3, another width"]
     assert by_case["fix-up of a step's inputs"] == by_case["fix-up of a step's inputs, other counts"]
+    # what start-up compiles is what a step launches: its tables' stride and block size (4 and 2 at start-up)
+    assert by_case["fix-up of a step's inputs"] == by_case["fix-up of a step's inputs, the start-up's tables"]
+    # a verify step's most drafts a row (K) varies step to step: one rejection sampling variant for all
+    assert (by_case["rejection sample 128256, k 4"] == by_case["rejection sample 128256, k 2"]
+            == by_case["rejection sample 128256, k 1"])
     assert by_case["append to the token histories, 5 a row"] == by_case["append to the token histories, 3 a row"]
     for kernel in ("shrink", "expand"):  # LoRA: 64 and 80 rows share their tiles (and shrink's K split)
         assert by_case[f"lora {kernel} qkv r16, 64 rows"] == by_case[f"lora {kernel} qkv r16, 80 rows"]
