@@ -140,7 +140,9 @@ def append_tokens_ref(tokens: torch.Tensor, num_tokens: torch.Tensor, slots: tor
     num_tokens[slots] = ends + kept.sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["stride_new", "width", "slots_ptr", "rows_ptr", "new_ptr"])  # nor its widths, views
+# nor its widths, views, nor its histories' length and stride (start-up compiles it on a 2 x 9 dummy: specialized,
+# a plain engine's first penalized step compiled another variant on the H100, 2026-12-05)
+@triton.jit(do_not_specialize=["stride_t", "stride_new", "width", "max_len", "slots_ptr", "rows_ptr", "new_ptr"])
 def _append_kernel(tokens_ptr, stride_t, num_tokens_ptr, slots_ptr, new_ptr, stride_new, rows_ptr, width, max_len,
                    HAS_ROWS: tl.constexpr, W_POW2: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)

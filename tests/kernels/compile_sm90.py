@@ -572,6 +572,10 @@ def main() -> int:
         run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64),
                                        torch.zeros(32, dtype=torch.int64), torch.zeros(32, 5, dtype=torch.int64),
                                        torch.zeros(32, dtype=torch.int64))
+        CASE[0] = "append to the token histories, the start-up's dummy"  # (warm_up_run_ahead's arguments)
+        index = torch.zeros(8, dtype=torch.int64)
+        run_ahead.append_tokens_triton(int32(2, 9), index[:2], index[:1], torch.full((1, 2), -1, dtype=torch.int64),
+                                       index[:1])
         CASE[0] = "append to the token histories, 3 a row"
         index = torch.zeros(4, dtype=torch.int64)  # (slots a view 8 bytes in: not 16-byte aligned)
         run_ahead.append_tokens_triton(int32(256, 8193), torch.zeros(256, dtype=torch.int64), index[1:2],
