@@ -422,8 +422,8 @@ class SpecDecoder:
         verify steps ran ahead by their cost (drafts were accepted) turn them on pipelined first
         (RunAheadChoice.drafts_off), the costs measured again."""
         speculate = self.should_speculate(num_running)
-        if (not speculate and num_running and (self.acceptance or 0.0) > 0.0 and self.drafts_on_device
-                and self.run_ahead.drafts_off()):
+        if (not speculate and num_running and self.config.disable_by_batch_size is None
+                and (self.acceptance or 0.0) > 0.0 and self.drafts_on_device and self.run_ahead.drafts_off()):
             self._switched()
             speculate = self.should_speculate(num_running)
         if speculate:

@@ -1032,6 +1032,9 @@ def test_drafts_priced_out_ahead_turn_on_pipelined(monkeypatch):
     spec.recent.clear()
     spec.observe(10, 0)  # nothing accepted: drafts off either way
     assert spec.decide(32) == 0 and spec.run_ahead.ahead
+    limited = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3, disable_by_batch_size=16))  # off by the batch size:
+    limited.observe(10, 9)  # the way does not matter
+    assert limited.decide(32) == 0 and limited.run_ahead.ahead
     monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "1")  # pinned: never switched
     pinned = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
     pinned.observe(10, 9)
