@@ -214,21 +214,20 @@ class StepCostModel:
     window: int = 256
     samples: deque = field(default_factory=deque)
     _fitted: tuple[float, float] | None = field(default=None, init=False, repr=False)
-    _since_fit: int | None = field(default=None, init=False, repr=False)  # samples since the fit (None: not made)
+    _since_fit: int = field(default=REFIT_EVERY, init=False, repr=False)  # samples since the fit (stale at first)
 
     def record(self, num_tokens: int, seconds: float) -> None:
         self.samples.append((num_tokens, seconds))
         if len(self.samples) > self.window:
             self.samples.popleft()
-        if self._since_fit is not None:
-            self._since_fit += 1
+        self._since_fit += 1
 
     def clear(self) -> None:
         self.samples.clear()
-        self._since_fit = None
+        self._since_fit = self.REFIT_EVERY
 
     def fit(self) -> tuple[float, float] | None:
-        if self._since_fit is None or self._since_fit >= self.REFIT_EVERY:
+        if self._since_fit >= self.REFIT_EVERY:
             self._fitted, self._since_fit = self._fit(), 0
         return self._fitted
 
