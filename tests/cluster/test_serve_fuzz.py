@@ -31,6 +31,12 @@ from tests.cluster.conftest import API_KEY
 
 EXAMPLES_PER_OPERATION = 300  # 4 operations with a body (1,200 cases), 4 GETs
 MAX_STREAM_EVENTS = 100_000  # more than any generated request streams: a stream's end is the request timeout's
+# Tokens a generated case may ask the server to generate (its choices x max_tokens): the schema allows 32 prompts x
+# n 32 x 1,023 tokens, minutes of work on a loaded CI machine, and a client timeout must not decide a check (a
+# stream of 5 prompts x n 18 with min_tokens was cut short after 5,623 events at 60 s and failed sse_events_conform)
+TOKENS_PER_CASE = 1024
+# path -> the field that limits its output, and the limit when none is given (chat's: the context's rest)
+GENERATING = {"/v1/completions": ("max_tokens", 16), "/v1/chat/completions": ("max_completion_tokens", 1024)}
 INPUTS_IN_PARAMETERS = {"/v1/models/{model}", "/tokenizer_info"}  # GETs with something to make invalid
 # (param, message) of the 400s that a schema-valid request may get: what a JSON schema cannot state
 INEXPRESSIBLE = [
@@ -49,6 +55,35 @@ def generation_document(document: dict) -> dict:
         if "allOf" in component:
             component["allOf"] = [rule for rule in component["allOf"] if not {"if", "anyOf"} & set(rule)]
     return loose
+
+
+def _count(value) -> int | None:
+    """A JSON number that is a whole count (18.0 is one: the server takes it as 18), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value):
+        return int(value)
+    return None
+
+
+def within_budget(case: Case) -> Case:
+    """The case with max_tokens, max_completion_tokens and min_tokens lowered (never raised) so that its choices
+    generate at most TOKENS_PER_CASE tokens; a case of several choices that gives no limit, whose default would
+    pass the budget, gets one. The judge judges the body as sent, and min_tokens is lowered with max_tokens, so a
+    pair in order stays in order."""
+    body = case.body
+    if case.path not in GENERATING or not isinstance(body, dict):
+        return case
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    choices = prompts * max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1)
+    cap = max(1, TOKENS_PER_CASE // choices)
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if (_count(body.get(field)) or 0) > cap:
+            body[field] = cap
+    limit, default = GENERATING[case.path]
+    if all(body.get(field) is None for field in ("max_tokens", "max_completion_tokens")) and \
+            choices * default > TOKENS_PER_CASE:
+        body[limit] = cap
+    return case
 
 
 class Judge:
@@ -131,7 +166,7 @@ def test_the_api_conforms_to_its_schema(serve_url):
     for operation in operations:
         has_input = ROUTES[operation.path][1] is not None or operation.path in INPUTS_IN_PARAMETERS
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_input else (GenerationMode.POSITIVE,):
-            @given(case=operation.as_strategy(generation_mode=mode))
+            @given(case=operation.as_strategy(generation_mode=mode).map(within_budget))
             @settings(max_examples=EXAMPLES_PER_OPERATION // 2, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             def run(case):
@@ -195,3 +230,24 @@ def test_a_stream_longer_than_schemathesis_default_is_judged_whole():
     assert response.status_code == 200
     sse_events_conform(None, response, case)
     assert response.text == "".join(events)
+
+
+def test_a_generated_case_asks_for_at_most_the_budget():
+    """The failing case of a CI run (5 prompts, n 18.0, a large max_tokens and min_tokens) is lowered to the budget
+    with min_tokens still at most max_tokens; small cases, GETs and values that are not counts are left as they are."""
+    from types import SimpleNamespace
+
+    big = SimpleNamespace(path="/v1/completions", body={"prompt": ["", "", "a", "b", "c"], "n": 18.0,
+                                                        "max_tokens": 900, "min_tokens": 800, "stream": True})
+    body = within_budget(big).body
+    assert body["max_tokens"] == body["min_tokens"] == TOKENS_PER_CASE // 90
+    assert body["n"] == 18.0 and body["max_tokens"] * 90 <= TOKENS_PER_CASE
+    chat = SimpleNamespace(path="/v1/chat/completions", body={"messages": [], "n": 8})
+    assert within_budget(chat).body["max_completion_tokens"] == TOKENS_PER_CASE // 8
+    many = SimpleNamespace(path="/v1/completions", body={"prompt": [[1, 2]] * 32, "n": 4})  # 16 tokens each
+    assert within_budget(many).body["max_tokens"] == TOKENS_PER_CASE // 128
+    for path, body in [("/v1/completions", {"prompt": [1, 2, 3], "n": 2, "max_tokens": 500}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": "many", "min_tokens": True}),
+                       ("/v1/chat/completions", {"messages": [], "max_tokens": 1000}),
+                       ("/v1/tokenize", {"prompt": "x" * 5000}), ("/v1/models", None)]:
+        assert within_budget(SimpleNamespace(path=path, body=copy.deepcopy(body))).body == body
