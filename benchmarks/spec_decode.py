@@ -32,6 +32,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="JSON lines of the speculative engine's timed runs: each step's decision (running "
+                             "requests, drafts given, measured acceptance, the cost model's fit and ratio, the "
+                             "run-ahead way) and each step time the cost model records")
 
 
 def _run(llm, messages, params) -> tuple[list, float]:
@@ -46,6 +50,33 @@ def _decisions(engine) -> dict:
     spec = engine.spec
     return {"steps": engine.timing.num_steps, "steps_off": spec.num_steps_off if spec else 0,
             "steps_ahead": spec.num_steps_ahead if spec else 0}
+
+
+def _trace(spec, out) -> None:
+    """Writes to `out` what `spec` (a SpecDecoder) decides and records, a JSON line each (--trace)."""
+    import json
+
+    decide, record, period = spec.decide, spec.cost.record, spec.record_verify_period
+    k = spec.config.num_speculative_tokens
+
+    def traced_decide(num_running: int) -> int:
+        decided = decide(num_running)
+        fit = spec.cost.fit()
+        ratio = spec.cost.ratio(num_running, num_running * (1 + k), spec.propose_s or 0.0) if num_running else None
+        out.write(json.dumps({"t": time.perf_counter(), "decide": decided, "running": num_running,
+                              "acceptance": spec.acceptance, "fit": fit, "ratio": ratio, "ahead": spec.run_ahead.ahead,
+                              "probe_every": spec.probe_every, "propose_s": spec.propose_s}) + "\n")
+        return decided
+
+    def traced_record(num_tokens: int, seconds: float) -> None:
+        out.write(json.dumps({"t": time.perf_counter(), "record": num_tokens, "s": seconds}) + "\n")
+        record(num_tokens, seconds)
+
+    def traced_period(ahead: bool, seconds: float) -> None:
+        out.write(json.dumps({"t": time.perf_counter(), "period": seconds, "ahead": ahead}) + "\n")
+        period(ahead, seconds)
+
+    spec.decide, spec.cost.record, spec.record_verify_period = traced_decide, traced_record, traced_period
 
 
 def main(args: argparse.Namespace) -> None:
@@ -71,10 +102,15 @@ def main(args: argparse.Namespace) -> None:
         llm.engine.scheduler.spec_stats = stats
         times[name] = []
         before = _decisions(llm.engine)
+        trace = open(args.trace, "w") if args.trace and llm.engine.spec is not None else None
+        if trace is not None:
+            _trace(llm.engine.spec, trace)
         for _ in range(args.repeats):
             outputs[name], seconds = _run(llm, messages, params)
             times[name].append(seconds)
         decisions = {k: v - before[k] for k, v in _decisions(llm.engine).items()}
+        if trace is not None:
+            trace.close()
         if llm.engine.spec is not None:  # how the engine ran the speculative runs (the run-ahead choice's state)
             choice = llm.engine.spec.run_ahead
             decisions |= {"run_ahead_setting": choice.pinned, "ahead_at_end": choice.ahead,
