@@ -205,15 +205,25 @@ class StepCostModel:
     fitted by least squares over the engine's last `window` steps run without overlap (each from its launch to its
     read-back, which in a pipelined step includes the deltas of the step before). `ratio(n, m, extra_s)` =
     (t(m) + extra_s) / t(n): what a verify step of m tokens (and extra_s of the proposer's before it) costs against
-    a plain one of n; None until the samples span enough token counts to fit both terms. The fit is made again
+    a plain one of n; None until the samples span enough token counts to fit both terms, and for m past the line's
+    range (below). The fit is made again
     every REFIT_EVERY samples, not each step (over 256 samples it cost 0.16 ms of the host's step on a 2-core CPU,
-    where SmolLM2's verify step at batch 32 takes 2.5 ms on an H200)."""
+    where SmolLM2's verify step at batch 32 takes 2.5 ms on an H200).
+
+    The line is trusted up to EXTRAPOLATE times the largest step it was fitted on, no further (None past that):
+    fitted on plain decode steps alone (speculation off, the prefills out of the window), its slope is what one
+    more request costs, which on a host-bound model (SmolLM2 on an H200: the driver's and the runner's work a
+    request) is mostly host time that a verify step pays once a request, not once a token; extrapolated to a verify
+    step's 5x tokens it priced speculation out for good (the probes' few drafts never moved it). Unpriced, the engine
+    speculates, and its verify steps' own times decide from then on."""
 
     REFIT_EVERY = 16
+    EXTRAPOLATE = 2.0
 
     window: int = 256
     samples: deque = field(default_factory=deque)
     _fitted: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _largest: int = field(default=0, init=False, repr=False)  # tokens of the largest step in the fit
     _since_fit: int = field(default=REFIT_EVERY, init=False, repr=False)  # samples since the fit (stale at first)
 
     def record(self, num_tokens: int, seconds: float) -> None:
@@ -235,6 +245,7 @@ class StepCostModel:
         if len(self.samples) < 8:
             return None
         n, t = np.asarray(self.samples, dtype=np.float64).T
+        self._largest = int(n.max())
         if n.max() < 2 * n.min():  # one size of step: the per-token term cannot be told from the fixed one
             return None
         per_token, fixed = np.polyfit(n, t, 1)
@@ -244,7 +255,7 @@ class StepCostModel:
 
     def ratio(self, num_tokens: int, spec_tokens: int, extra_s: float = 0.0) -> float | None:
         fitted = self.fit()
-        if fitted is None:
+        if fitted is None or spec_tokens > self.EXTRAPOLATE * self._largest:
             return None
         fixed, per_token = fitted
         return (fixed + spec_tokens * per_token + extra_s) / (fixed + num_tokens * per_token)

@@ -536,6 +536,31 @@ def test_step_cost_model_fits_the_fixed_and_per_token_cost():
     assert one_size.ratio(8, 40) is None  # one step size: the per-token term is not known
 
 
+def test_a_verify_step_is_not_priced_past_the_steps_measured():
+    """Plain decode steps alone (speculation off, no prefill left in the window) of a host-bound model, where one
+    more request costs 30 us of host time over a 0.25 ms step, and a few probes. Extrapolated to a verify step's 5x
+    tokens, that line priced it at 4.0 plain steps, over the 3.7 tokens acceptance 0.85 gives, and speculation
+    stayed off for good. Past EXTRAPOLATE times the largest step measured the model prices nothing (the engine
+    speculates), and the verify steps' own times decide: cheap ones keep it on, dear ones turn it off."""
+    from engine.spec_decode import SpecDecoder
+
+    def plain_steps(spec):
+        for r in list(range(32, 0, -1)) * 2:
+            spec.cost.record(r, 0.00025 + 0.00003 * r)
+        for _ in range(4):  # probes: 4 of 32 requests with drafts, the step not overlapped
+            spec.cost.record(48, 0.00025 + 0.00003 * 32 + 0.0003)
+
+    for verify_s, pays in [(0.0017, True), (0.006, False)]:
+        spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3))
+        spec.observe(100, 85)
+        plain_steps(spec)
+        assert spec.cost.ratio(32, 96) is not None and spec.cost.ratio(32, 160) is None
+        assert spec.should_speculate(32)
+        for _ in range(spec.cost.REFIT_EVERY):
+            spec.cost.record(160, verify_s)
+        assert spec.cost.ratio(32, 160) is not None and spec.should_speculate(32) is pays
+
+
 def test_expected_tokens_of_a_verify_step():
     from engine.spec_decode import expected_tokens
 
