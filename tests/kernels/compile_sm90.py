@@ -113,7 +113,8 @@ def resources(compiled) -> dict:
     # how the memory is read: 16-byte cp.async copies, int-to-float conversions, local memory (spills, arrays)
     usage |= {"cp_async_16": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]", ptx)),
               "int_to_float": len(re.findall(r"\bcvt\.rn\.f32\.[su](?:8|16|32|64)\b", ptx)),
-              "local_memory": len(re.findall(r"\b(?:ld|st)\.local\b", ptx))}
+              "local_memory": len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+              "prefetch_l2": len(re.findall(r"\bcp\.async\.bulk\.prefetch\.L2\b", ptx))}
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -372,6 +373,13 @@ def compile_int_stream() -> None:
         int_decode.linear_int_stream(empty(1, k), empty(*qweight, dtype=torch.int32), empty(*qzeros, dtype=torch.int32),
                                      empty(groups, n, dtype=torch.float16), 128, packing, None, gated, False, False,
                                      "tf32", {"BIASED": False})
+    for name, k, qweight, qzeros, groups, n, packing in [  # the scales' L2 prefetch (PREFETCH; off by default)
+            ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq),
+            ("gptq qkv", 4096, (512, 6144), (32, 6144 // 8), 32, 6144, gptq4)]:
+        CASE[0] = f"int4 stream prefetch {name}, 1 rows"
+        int_decode.linear_int_stream(empty(1, k), empty(*qweight, dtype=torch.int32), empty(*qzeros, dtype=torch.int32),
+                                     empty(groups, n, dtype=torch.float16), 128, packing, None, False, False, False,
+                                     "tf32", {"PREFETCH": True})
     for name, rows, k, qweight, qzeros, groups, packing, group, gated, config in [
             ("awq g32 gated", 5, 192, (192, 12), (6, 12), 6, awq, 32, True,
              dict(BLOCK_N=64, BLOCK_K=128, num_stages=3)),

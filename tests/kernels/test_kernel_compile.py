@@ -138,6 +138,17 @@ def test_int_stream_kernel_reads_words_wide_and_unpacks_them_cheaply(compiled):
             assert row["loop_instructions"] <= budget * values, (row["case"], row["loop_instructions"] / values)
 
 
+def test_int_stream_kernel_prefetches_the_next_tiles_scales_when_asked(compiled):
+    """PREFETCH (kernels/int_decode.py): one bulk L2 prefetch before the K loop and one in it (the next tile's
+    scales), from uniform registers: no spill (test_no_register_spills_...), the loop within the B + q budget
+    (test_int_stream_kernel_reads_words_wide_...); without it, none."""
+    stream = [row for row in compiled if row["kernel"] == "_int_decode_kernel"]
+    asked = [row for row in stream if "prefetch" in row["case"]]
+    assert len(asked) == 2, [row["case"] for row in stream]
+    for row in stream:
+        assert row["prefetch_l2"] == (2 if row in asked else 0), row
+
+
 def test_first_int_kernel_took_what_the_h200_could_not_run(compiled):
     """The float32-x launches of test_kernel_linear_int.py (its GPU failures: 'out of resources: shared memory'
     at 245-1,441 KB against 227) now fit, as do the old kernel's 16-bit decode and GEMM tiles."""
