@@ -266,10 +266,16 @@ def test_bench_serve_warm_up_sends_every_request_and_fails_on_an_error():
 def test_bench_spec_decode_compares_with_the_plain_engine(tmp_path):
     result = _run(tmp_path, "bench", "spec-decode", "--model", "tiny", "--device", "cpu", "--block-size", "4",
                   "--num-kv-blocks", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-                  "--batch-size", "2", "--max-tokens", "12", "--repeats", "1")
+                  "--batch-size", "2", "--max-tokens", "12", "--repeats", "1", "--trace", str(tmp_path / "t.jsonl"))
     (row,) = result["results"]
     assert row["identical"] and row["output_tokens"] > 0 and row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
     assert result["speculative_config"]["num_speculative_tokens"] == 3
+    # --trace: the timed run's decisions (one a step, of the batch's requests) and recorded step times
+    trace = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    decisions = [t for t in trace if "decide" in t]
+    assert decisions and 1 <= max(t["running"] for t in decisions) <= 2
+    assert all(0 <= t["decide"] <= t["running"] and isinstance(t["ahead"], bool) for t in decisions)
+    assert sum(t["record"] for t in trace if "record" in t) >= row["output_tokens"]  # every token's step timed
 
 
 def test_bench_spec_decode_with_a_draft_model(tmp_path):
