@@ -27,7 +27,10 @@ GPU_LORA = dict(layers={"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
 SMOKE_LORA = dict(layers={"qkv": (64, (64, 32, 32)), "down": (96, (64,))}, rank=16, num_adapters=4,
                   decode_batches=[1, 8], prefill_tokens=[40], prefill_seqs=4)
 TUNE_SHRINK = [dict(BLOCK_M=m, SPLIT_K=s) for m in (16, 32, 64) for s in (1, 4, 16)]
-TUNE_EXPAND = [dict(BLOCK_M=m, BLOCK_N=n) for m in (16, 64) for n in (64, 128)]
+# OUT_FIRST: out's tile loaded before the slot walk (its latency hidden under the walk's loads and dots); not yet
+# timed on a GPU, off by default
+TUNE_EXPAND = [dict(BLOCK_M=m, BLOCK_N=n) for m in (16, 64) for n in (64, 128)] + [
+    dict(OUT_FIRST=True), dict(BLOCK_M=64, BLOCK_N=128, OUT_FIRST=True)]
 
 
 def lora_inputs(num_tokens: int, in_features: int, widths: tuple, lora_cfg: dict, prefill: bool, dtype, device):
@@ -125,7 +128,7 @@ def bench_tune_lora(runner, cfg: dict, lora_cfg: dict):
                     x, lora_a, slots, config=c)
             impls["expand default"] = lambda: lora_expand_triton(out, y, lora_b, slots, starts)
             for c in TUNE_EXPAND:
-                impls["expand m{BLOCK_M} n{BLOCK_N}".format(**c)] = lambda c=c: lora_expand_triton(
+                impls["expand " + " ".join(f"{k}={v}" for k, v in c.items())] = lambda c=c: lora_expand_triton(
                     out, y, lora_b, slots, starts, config=c)
             return impls, lora_bytes(x, weight, lora_a, lora_b, slots), None
 

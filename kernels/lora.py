@@ -156,9 +156,10 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens,
                         start0, start1, start2, end0, end1, end2, stride_ot, stride_yi, stride_yt, stride_bs,
                         stride_bn, HI_LO: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, SORTED: tl.constexpr, OUT_FIRST: tl.constexpr, PDL: tl.constexpr):
     """out[rows, columns of one slice's block] = round(out + y[slice, rows] @ B[slot(row), columns].T), rows of
-    slot -1 untouched. Grid: (column blocks of all slices, row tiles)."""
+    slot -1 untouched. Grid: (column blocks of all slices, row tiles). OUT_FIRST: out's tile is loaded before the
+    walk over the slots (its latency under the y and B loads and the dots), not after it."""
     wait_for_prior(PDL)
     slice_id, first, end = _slice_of(tl.program_id(0), first_block1, first_block2, start0, start1, start2, end0,
                                      end1, end2, BLOCK_N)
@@ -169,6 +170,10 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens,
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
+    out_mask = (row_mask & (slots >= 0))[:, None] & col_mask[None, :]
+    if OUT_FIRST:
+        old = tl.load(out_ptrs, mask=out_mask, other=0.0)
     slot = _next_slot(slots, -1)
     while slot < (1 << 30):
         is_slot = slots == slot
@@ -186,9 +191,8 @@ def _lora_expand_kernel(out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, num_tokens,
         else:
             acc += tl.dot(yv, tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
         slot = _next_slot(slots, slot)
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
-    out_mask = (row_mask & (slots >= 0))[:, None] & col_mask[None, :]
-    old = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    if not OUT_FIRST:
+        old = tl.load(out_ptrs, mask=out_mask, other=0.0)
     tl.store(out_ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=out_mask)
 
 
@@ -372,7 +376,8 @@ def _expand_plan(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots
     kwargs = dict(HI_LO=out.dtype != torch.float32, Y_ALIGNED=_is_aligned(y),
                   UPCAST=upcast_dot_operands(out.dtype, out.device), PRECISION=dot_precision(out.dtype),
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_R=_block_r(rank), SORTED=is_sorted,
-                  **pdl_options(out.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  OUT_FIRST=cfg.get("OUT_FIRST", False), **pdl_options(out.device), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     return grid, scalars, kwargs, is_sorted
 
 

@@ -426,9 +426,9 @@ def compile_int_gemm() -> None:
 LORA_8B = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted=False):
+def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted=False, expand_config=None):
     """Shrink then expand of one Llama-3-8B projection's LoRA (`slots` adapters stacked; is_sorted: tiling the rows
-    sorted by slot, as the engine runs them)."""
+    sorted by slot, as the engine runs them; expand_config over the expand's default)."""
     in_features, widths = LORA_8B[layer]
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))
     order = int32(rows) if is_sorted else None
@@ -438,7 +438,8 @@ def lora_layer(name, rows, layer, rank, dtype=torch.bfloat16, slots=8, is_sorted
     CASE[0] = f"lora expand {name}"
     lora.lora_expand_triton(empty(rows, sum(widths), dtype=dtype), empty(len(widths), rows, rank,
                                                                          dtype=torch.float32),
-                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts, order=order)
+                            empty(slots, sum(widths), rank, dtype=dtype), int32(rows), starts,
+                            config=expand_config, order=order)
 
 
 def compile_lora() -> None:
@@ -460,6 +461,8 @@ def compile_lora() -> None:
         lora_layer(f"{layer} r16, 256 rows sorted", 256, layer, 16, is_sorted=True)
     for rank in (64, 128):
         lora_layer(f"qkv r{rank}, 256 rows sorted", 256, "qkv", rank, is_sorted=True)
+    for layer in ("gate_up", "down"):  # out's tile loaded before the slot walk (OUT_FIRST, off by default)
+        lora_layer(f"{layer} r16, 8192 rows out first", 8192, layer, 16, expand_config={"OUT_FIRST": True})
 
 
 def main() -> int:

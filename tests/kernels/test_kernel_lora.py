@@ -164,6 +164,7 @@ def test_split_k_and_narrow_tiles(dtype, device):
     check_shrink(x, lora_a, slots, config=dict(BLOCK_M=16, BLOCK_K=16, SPLIT_K=3))
     check_shrink(x, lora_a, slots, config=dict(BLOCK_M=32, BLOCK_K=32, SPLIT_K=1))
     check_expand(out, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16))
+    check_expand(out, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16, OUT_FIRST=True))
 
 
 def test_strided_views(device):
