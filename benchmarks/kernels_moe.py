@@ -14,10 +14,12 @@ from kernels.moe import fused_moe_ref, fused_moe_triton, topk_route
 GPU_MOE = dict(hidden=4096, inter=14336, num_experts=8, top_k=2, rows=[1, 8, 64, 512, 4096])
 SMOKE_MOE = dict(hidden=256, inter=512, num_experts=4, top_k=2, rows=[1, 16])
 BYTES_UP_TO_ROWS = 64  # decode-sized batches: scored by the weight bytes they must read
-TUNE_ROWS = [1, 8, 64, 512]
+TUNE_ROWS = [1, 8, 64, 512, 4096]
+# GROUP_M=1: the tiles of pairs in the order before grouped_tile (each tile's n-blocks in turn), beside the default
 TUNE_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
                 for n, k, w, st in [(32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 3),
-                                    (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]]
+                                    (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]] + [
+                dict(GROUP_M=1), dict(GROUP_M=16), dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=1)]
 
 
 def moe_inputs(rows: int, cfg: dict, dtype, device, seed: int = 0):
@@ -71,7 +73,7 @@ def bench_tune_moe(runner, cfg: dict, moe_cfg: dict):
             args = moe_inputs(rows, moe_cfg, cfg["dtype"], runner.device)
             impls = {"default": lambda: fused_moe_triton(*args)}
             for c in TUNE_CONFIGS:
-                name = "n{BLOCK_N} k{BLOCK_K} w{num_warps} st{num_stages}".format(**c)
+                name = " ".join(f"{k}={v}" for k, v in c.items())
                 impls[name] = lambda c=c: fused_moe_triton(*args, config=c)
             return impls, moe_work(rows, args[4], args[1], moe_cfg), None
 

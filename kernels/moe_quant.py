@@ -51,10 +51,12 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight
 from kernels.int_tiles import weight_tile
 from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import (
+    GROUP_M,
     _fits_one_program,
     align_by_expert_ref,
     align_by_expert_triton,
     experts_loop_ref,
+    grouped_tile,
     moe_config,
     store_pair_rows,
 )
@@ -233,29 +235,30 @@ def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, scale_row
 
 
 # num_pairs changes with every step's batch: not specialized on (kernels/moe.py says why)
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _moe_quant_gemm_kernel(
     a_ptr, w_ptr, z_ptr, s_ptr, g_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
-    N, K, num_pairs, group_size, up_row, up_scale_row,
+    N, K, num_pairs, num_tiles, group_size, up_row, up_scale_row,
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s, stride_ge,
     IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
     HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[pair, n-block] for one tile of pairs, as kernels/moe.py's `_moe_gemm_kernel`; GATED: the up rows are
-    weight rows up_row + n (their FP8 block scales from block row up_scale_row)."""
+    """out[pair, n-block] for one tile of pairs, as kernels/moe.py's `_moe_gemm_kernel` (its `grouped_tile`
+    order); GATED: the up rows are weight rows up_row + n (their FP8 block scales from block row up_scale_row)."""
     wait_for_prior(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0) // num_n_blocks
+    tile, n_block = grouped_tile(num_tiles, num_n_blocks, GROUP_M)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
     pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     a_rows = (pairs // ROWS_PER_A).to(tl.int64)
-    n0 = (tl.program_id(0) % num_n_blocks) * BLOCK_N
+    n0 = n_block * BLOCK_N
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     w_e, z_e = w_ptr + expert * stride_we, z_ptr + expert * stride_ze
@@ -344,11 +347,13 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
     group_size, up_scale_row = experts.scalar_args()
     _moe_quant_gemm_kernel[(tile_experts.shape[0] * cdiv(n, cfg["BLOCK_N"]),)](
         a, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
-        n, k, out.shape[0], group_size, n, up_scale_row, a.stride(0), out.stride(0), *strides, **flags,
+        n, k, out.shape[0], tile_experts.shape[0], group_size, n, up_scale_row, a.stride(0), out.stride(0),
+        *strides, **flags,
         UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast_dot_operands(a.dtype, a.device),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        **pdl_options(a.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GROUP_M=cfg.get("GROUP_M", GROUP_M), **pdl_options(a.device), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 

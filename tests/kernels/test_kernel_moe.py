@@ -4,12 +4,14 @@ invariants, and the Triton grouped GEMMs against the reference across shapes tha
 import pytest
 import torch
 
+from kernels._triton import tl, triton
 from kernels.moe import (
     align_by_expert_ref,
     align_by_expert_triton,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
+    grouped_tile,
     moe_config,
     topk_route,
 )
@@ -115,11 +117,35 @@ def test_triton_half_precision(dtype, device, poisoned_allocations):
     torch.testing.assert_close(fused_moe_triton(*args), fused_moe_ref(*args), atol=atol, rtol=rtol)
 
 
+@triton.jit
+def _visit(out_ptr, num_tiles, num_n_blocks, GROUP_M: tl.constexpr):
+    """Writes this program's (tile, n-block) (`grouped_tile`)."""
+    tile, n_block = grouped_tile(num_tiles, num_n_blocks, GROUP_M)
+    tl.store(out_ptr + tl.program_id(0) * 2, tile)
+    tl.store(out_ptr + tl.program_id(0) * 2 + 1, n_block)
+
+
+def test_grouped_tile_order_visits_every_tile_and_n_block_once(device):
+    """`grouped_tile` over grids of tiles x n-blocks that GROUP_M divides and does not (a last group cut short):
+    each (tile, n-block) exactly once; GROUP_M 1 is a tile's n-blocks in turn, and within a group the tiles run
+    fastest."""
+    for num_tiles, num_n_blocks, group_m in [(5, 3, 1), (5, 3, 2), (7, 4, 3), (8, 2, 8), (3, 5, 8), (17, 3, 8)]:
+        out = torch.full((num_tiles * num_n_blocks, 2), -1, dtype=torch.int32, device=device)
+        _visit[(num_tiles * num_n_blocks,)](out, num_tiles, num_n_blocks, GROUP_M=group_m)
+        pairs = [tuple(p) for p in out.tolist()]
+        assert sorted(pairs) == [(t, n) for t in range(num_tiles) for n in range(num_n_blocks)], pairs
+        if group_m == 1:
+            assert pairs == [(t, n) for t in range(num_tiles) for n in range(num_n_blocks)]
+        assert [t for t, _ in pairs[:min(group_m, num_tiles)]] == list(range(min(group_m, num_tiles)))
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_tile_sizes_never_change_results(block_m, device, poisoned_allocations):
-    """All tokens but a few on one expert (several tiles of it), some experts with none."""
+@pytest.mark.parametrize("group_m", [1, 3, 8])
+def test_tile_sizes_never_change_results(block_m, group_m, device, poisoned_allocations):
+    """All tokens but a few on one expert (several tiles of it), some experts with none; the tiles walked GROUP_M
+    at a time (1: each tile's n-blocks in turn; 3: a last group cut short), every (tile, n-block) once."""
     args = make_case(45, 32, 40, 6, 2, torch.float32, device, skew=6.0)
-    out = fused_moe_triton(*args, config={"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16})
+    out = fused_moe_triton(*args, config={"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": group_m})
     torch.testing.assert_close(out, fused_moe_ref(*args), atol=2e-5, rtol=2e-5)
 
 

@@ -116,10 +116,12 @@ def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocat
 @pytest.mark.parametrize("unpack_once", [False, True])
 def test_tile_configs_never_change_results(fmt, block_k, unpack_once, device, poisoned_allocations):
     """K tiles inside a group of 32 (one row of zeros and scales) and across groups (gathered), 16 and 64 tile
-    rows, each packed word loaded per element or once."""
+    rows, each packed word loaded per element or once; the tiles of pairs walked 3 at a time (a last group cut
+    short) or one by one (GROUP_M 1)."""
     args = make_case(45, 64, 64, 6, 2, _int(fmt), _int(fmt), torch.float32, device, skew=6.0)
-    for block_m in (16, 64):
-        config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": block_k, "UNPACK_ONCE": unpack_once}
+    for block_m, group_m in ((16, 3), (64, 1), (16, 1)):
+        config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": block_k, "UNPACK_ONCE": unpack_once,
+                  "GROUP_M": group_m}
         out = fused_moe_quant_triton(*args, config=config)
         torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
