@@ -70,7 +70,7 @@ PAIR_UNPACK = True
 # accumulators at its end (sm_90 SASS of 70B's down: 16 LDG.E.U16 some 250 instructions before their FFMAs), a
 # round trip to memory every K tile. PREFETCH (a config key; PREFETCH_SCALES its default) asks the L2 for the next
 # tile's scales at the top of each tile, in one bulk prefetch (`int_tiles.prefetch_l2`), so that load finds them
-# there: 35 more SASS instructions a K tile (750 against 715), no spill. Off until a GPU has timed it
+# there: 38 more SASS instructions a K tile (753 against 715), no spill. Off until a GPU has timed it
 # (`python -m benchmarks.kernels --only int4 --tune` times PREFETCH=True beside the default).
 PREFETCH_SCALES = False
 
