@@ -206,9 +206,8 @@ class StepCostModel:
     read-back, which in a pipelined step includes the deltas of the step before). `ratio(n, m, extra_s)` =
     (t(m) + extra_s) / t(n): what a verify step of m tokens (and extra_s of the proposer's before it) costs against
     a plain one of n; None until the samples span enough token counts to fit both terms, and for m past the line's
-    range (below). The fit is made again
-    every REFIT_EVERY samples, not each step (over 256 samples it cost 0.16 ms of the host's step on a 2-core CPU,
-    where SmolLM2's verify step at batch 32 takes 2.5 ms on an H200).
+    range (below). The fit is made again every REFIT_EVERY samples, not each step (over 256 samples it cost 0.16 ms
+    of the host's step on a 2-core CPU, where SmolLM2's verify step at batch 32 takes 2.5 ms on an H200).
 
     The line is trusted up to EXTRAPOLATE times the largest step it was fitted on, no further (None past that):
     fitted on plain decode steps alone (speculation off, the prefills out of the window), its slope is what one

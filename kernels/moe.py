@@ -266,7 +266,7 @@ def _grouped_gemm(a, w, out, aligned, rows_per_a: int, gated: bool, cfg: dict, r
         n, w.shape[2], out.shape[0], num_tiles, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None, UPCAST=upcast_dot_operands(a.dtype, a.device),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg.get("GROUP_M", GROUP_M), **pdl_options(a.device), num_warps=cfg["num_warps"],
+        GROUP_M=cfg["GROUP_M"], **pdl_options(a.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 

@@ -51,7 +51,6 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight
 from kernels.int_tiles import weight_tile
 from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import (
-    GROUP_M,
     _fits_one_program,
     align_by_expert_ref,
     align_by_expert_triton,
@@ -352,7 +351,7 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
         UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast_dot_operands(a.dtype, a.device),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg.get("GROUP_M", GROUP_M), **pdl_options(a.device), num_warps=cfg["num_warps"],
+        GROUP_M=cfg["GROUP_M"], **pdl_options(a.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
