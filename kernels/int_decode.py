@@ -56,7 +56,7 @@ from kernels._triton import (
     triton,
     wait_for_prior,
 )
-from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z, prefetch_l2, zero_points
+from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z, zero_points
 from kernels.linear import store_output, store_split_k_slice
 
 MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
@@ -65,14 +65,6 @@ MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace
 # 70B's AWQ linears at 1 row (5-18%), and 8B AWQ decode at batch 1 took 3.59 ms/token against 3.97
 # (h100-latency-llama3-8b-awq-pair-{on,off}.json). `BIASED=False` in a config (or this flag) takes the q - z path.
 PAIR_UNPACK = True
-# The scales of a K tile are 2-byte values (a word's 8 fields' scales 16 bytes apart along N): too small for
-# cp.async, so Triton's pipeline leaves them a plain load in the loop, issued mid-tile and multiplied into the
-# accumulators at its end (sm_90 SASS of 70B's down: 16 LDG.E.U16 some 250 instructions before their FFMAs), a
-# round trip to memory every K tile. PREFETCH (a config key; PREFETCH_SCALES its default) asks the L2 for the next
-# tile's scales at the top of each tile, in one bulk prefetch (`int_tiles.prefetch_l2`), so that load finds them
-# there: 38 more SASS instructions a K tile (753 against 715), no spill. Off until a GPU has timed it
-# (`python -m benchmarks.kernels --only int4 --tune` times PREFETCH=True beside the default).
-PREFETCH_SCALES = False
 
 
 @triton.jit
@@ -96,12 +88,6 @@ def _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, J: tl.con
     if HAS_MINS:
         part += xsum[:, None] * tl.load(m_row + c * P + J, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     return part
-
-
-@triton.jit
-def _prefetch_scales(s_ptr, g, stride_s, begin, end, WIDTH: tl.constexpr, ASM: tl.constexpr):
-    """Asks the L2 for the 2-byte scales [begin, min(begin + WIDTH, end)) of row g (`prefetch_l2`)."""
-    prefetch_l2(s_ptr + g * stride_s + begin, tl.minimum(end - begin, WIDTH) * 2, ASM)
 
 
 @triton.jit
@@ -139,7 +125,7 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
                    k_begin, k_end, group_size, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr,
                    ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
-                   PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, 8 BLOCK_C]: x's rows times W.T's columns 8 c0 .. 8 (c0 + BLOCK_C), K from k_begin to k_end
     (whole K tiles), for qweight packed along N (4 bits, 8 a word)."""
     c = c0 + tl.arange(0, BLOCK_C)
@@ -152,12 +138,7 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
     a5 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     a6 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     a7 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    if PREFETCH:
-        _prefetch_scales(s_ptr, k_begin // group_size, stride_s, c0 * 8, NC * 8, BLOCK_C * 8, ASM)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if PREFETCH:  # the next K tile's scales, read at this one's end: a load from the L2, not from memory
-            _prefetch_scales(s_ptr, tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // group_size, stride_s, c0 * 8,
-                             NC * 8, BLOCK_C * 8, ASM)
         ks = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
         xsum = tl.sum(xv.to(tl.float32), axis=1)
@@ -244,8 +225,8 @@ def _k_byte_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constex
 def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, n0, N,
                    k_begin, k_end, group_size, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
-                   FP16: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   FP16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: x's rows times W.T's columns n0 .. n0 + BLOCK_N, K from k_begin to k_end (whole
     K tiles), for qweight packed along K (P = 32 / BITS a word) with zero points packed along N (or mins)."""
     P: tl.constexpr = 32 // BITS
@@ -254,12 +235,7 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
     n_mask = cols < N
     zero_fields = cols % P
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH:
-        _prefetch_scales(s_ptr, k_begin // group_size, stride_s, n0, N, BLOCK_N, ASM)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if PREFETCH:  # the next K tile's scales (as _n_packed_tile)
-            _prefetch_scales(s_ptr, tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // group_size, stride_s, n0, N,
-                             BLOCK_N, ASM)
         prow = k0 // P + tl.arange(0, BLOCK_R)
         if EVEN_N:
             words = tl.load(qw_ptr + prow[:, None] * stride_qw + cols[None, :])
@@ -319,8 +295,7 @@ def _int_decode_kernel(
     BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
     of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
@@ -337,24 +312,24 @@ def _int_decode_kernel(
     if PACKED_ALONG_K:
         acc = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
                              n0, N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM,
-                             BIASED, FP16, EVEN_N, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K)
+                             BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = acc
         if GATED:
             acc_up = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
                                     stride_s, up_col + n0, up_col + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET,
-                                    HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, PREFETCH, BLOCK_M,
-                                    BLOCK_N, BLOCK_K)
+                                    HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N,
+                                    BLOCK_K)
     else:
         c0 = tl.program_id(0) * (BLOCK_N // P)  # a product, not n0 // P: its divisibility gives 16-byte loads
         acc = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
                              c0, N // P, k_begin, k_end, group_size, BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS,
-                             UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, PREFETCH, BLOCK_M, BLOCK_N // P, BLOCK_K)
+                             UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
         acc_up = acc
         if GATED:
             acc_up = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
                                     stride_s, up_word + c0, up_word + N // P, k_begin, k_end, group_size,
                                     BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16,
-                                    EVEN_N, PREFETCH, BLOCK_M, BLOCK_N // P, BLOCK_K)
+                                    EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
@@ -465,8 +440,7 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
         BIASED=biased,
         FP16=x.dtype == torch.float16,
-        EVEN_N=out_features % cfg["BLOCK_N"] == 0, PREFETCH=cfg.get("PREFETCH", PREFETCH_SCALES), SPLIT_K=split,
-        BLOCK_M=cfg["BLOCK_M"],
+        EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

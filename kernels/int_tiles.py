@@ -117,19 +117,6 @@ def weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, 
 
 
 @triton.jit
-def prefetch_l2(ptr, num_bytes, ASM: tl.constexpr):
-    """Asks the L2 for about the `num_bytes` from `ptr` (scalars): one bulk prefetch from the program's first thread
-    (`cp.async.bulk.prefetch.L2`, sm_90), which no register waits for, of the 16-byte multiple from `ptr` rounded
-    down to 16 bytes (the instruction's alignment); none under 16 bytes. Nothing under the interpreter."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.and.u32 p, t, 0, 1; "
-            "and.b32 t, $2, -16; setp.ne.and.u32 p, t, 0, p; and.b64 a, $1, -16; "
-            "@p cp.async.bulk.prefetch.L2.global [a], t; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def lop3_or(a, MASK: tl.constexpr, ASM: tl.constexpr):
     """(a & MASK) | 0x4B000000 (2^23's bits), int32: one lop3 on a GPU (ASM; LLVM emits an and and an or: ptxas
     takes one immediate per instruction), plain operators under the interpreter."""
