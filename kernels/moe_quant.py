@@ -314,8 +314,9 @@ def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated:
     """kernels/moe.py's `moe_config`, K tiles kept inside one group / scale block (shared memory: the packed tiles
     are smaller than the float ones it budgets)."""
     cfg = moe_config(num_pairs, experts.num_experts, out_features, gated, x.dtype, x.device)
-    # two [BLOCK_K, BLOCK_N] float32 tiles dequantized at once (gate, up): 128 x 64 ones spilled on sm_90
-    cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), **(overrides or {})}
+    # two [BLOCK_K, BLOCK_N] float32 tiles dequantized at once (gate, up): 128 x 64 ones spilled on sm_90 (and tiles
+    # at most 64 wide: the bf16 kernel's 128-wide 64-row tiles are not timed with dequantization)
+    cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), "BLOCK_N": min(cfg["BLOCK_N"], 64), **(overrides or {})}
     # each packed word loaded once for the 64-row tiles of larger batches (kernels/linear_int.py's choice: its
     # GEMM tiles do, its decode tiles not); needs tiles of whole words, which the shapes checked at load give
     is_int = isinstance(experts, IntExperts)
