@@ -113,8 +113,7 @@ def resources(compiled) -> dict:
     # how the memory is read: 16-byte cp.async copies, int-to-float conversions, local memory (spills, arrays)
     usage |= {"cp_async_16": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]", ptx)),
               "int_to_float": len(re.findall(r"\bcvt\.rn\.f32\.[su](?:8|16|32|64)\b", ptx)),
-              "local_memory": len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-              "prefetch_l2": len(re.findall(r"\bcp\.async\.bulk\.prefetch\.L2\b", ptx))}
+              "local_memory": len(re.findall(r"\b(?:ld|st)\.local\b", ptx))}
     if CUOBJDUMP.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -126,6 +125,7 @@ def resources(compiled) -> dict:
         if match:
             usage |= {"registers": int(match[1]), "spill_bytes": int(match[2]) + int(match[3])}
         usage["loop_instructions"] = main_loop_length(sass)
+        usage["byte_shared_loads"] = len(re.findall(r"\bLDS\.U8\b", sass))  # shared memory read a byte at a time
     return usage
 
 
@@ -169,23 +169,24 @@ FP8 = torch.float8_e4m3fn
 
 
 def _kv(kv_heads, dim, dtype, kv_fp8):
-    cache = empty(8, 16, kv_heads, dim, dtype=FP8 if kv_fp8 else dtype)
+    """K and V caches in the pool's layouts (an e4m3 V dimension-major), and an e4m3 pool's scales."""
+    k_cache = empty(8, 16, kv_heads, dim, dtype=FP8 if kv_fp8 else dtype)
     scales = dict(k_scale=empty(kv_heads, dtype=torch.float32), v_scale=empty(kv_heads, dtype=torch.float32))
-    return cache, scales if kv_fp8 else {}
+    return (k_cache, kv_cache.value_cache_layout(torch.empty_like(k_cache))), scales if kv_fp8 else {}
 
 
 def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None, window=None, kv_fp8=False):
     CASE[0] = name
-    q, (cache, scales) = empty(seqs, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
-    paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
+    q, ((k_cache, v_cache), scales) = empty(seqs, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
+    paged_attention.paged_attention_decode_triton(q, k_cache, v_cache, int32(seqs, 512), int32(seqs), 0.1,
                                                   num_splits=splits, config=config, fused_merge=fused_merge,
                                                   sliding_window=window, **scales)
 
 
 def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2, window=None, kv_fp8=False):
     CASE[0] = name
-    q, (cache, scales) = empty(tokens, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
-    paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(num_seqs, 512), int32(num_seqs + 1),
+    q, ((k_cache, v_cache), scales) = empty(tokens, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
+    paged_attention.paged_attention_prefill_triton(q, k_cache, v_cache, int32(num_seqs, 512), int32(num_seqs + 1),
                                                    int32(num_seqs), 0.1, max_query_len, sliding_window=window,
                                                    **scales)
 
@@ -372,9 +373,7 @@ def compile_int_stream() -> None:
             ("q - z", {"BIASED": False}, awq_down),
             ("q - z", {"BIASED": False}, ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8),
                                           32, 2 * 14336, awq, True)),
-            ("q - z", {"BIASED": False}, gptq_qkv),
-            # the scales' L2 prefetch (PREFETCH; off by default)
-            ("prefetch", {"PREFETCH": True}, awq_down), ("prefetch", {"PREFETCH": True}, gptq_qkv)]:
+            ("q - z", {"BIASED": False}, gptq_qkv)]:
         CASE[0] = f"int4 stream {variant} {name}, 1 rows"
         int_decode.linear_int_stream(empty(1, k), empty(*qweight, dtype=torch.int32), empty(*qzeros, dtype=torch.int32),
                                      empty(groups, n, dtype=torch.float16), 128, packing, None, gated, False, False,
