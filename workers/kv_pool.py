@@ -180,9 +180,10 @@ class HostKVPool:
         num_layers, first_size = len(device_caches), first[0].numel()
         self.buffer = torch.empty((num_blocks, num_layers, first_size + second[0].numel()), dtype=first.dtype)
         # the device blocks' bytes, so the same views (an e4m3 V cache dimension-major)
-        self.caches: KVCaches = [(self.buffer[:, i, :first_size].view(num_blocks, *first.shape[1:]),
-                                  self._like(second, self.buffer[:, i, first_size:].view(num_blocks, *second.shape[1:])))
-                                 for i in range(num_layers)]
+        self.caches: KVCaches = [
+            (self.buffer[:, i, :first_size].view(num_blocks, *first.shape[1:]),
+             self._like(second, self.buffer[:, i, first_size:].view(num_blocks, *second.shape[1:])))
+            for i in range(num_layers)]
         self.is_pinned = self.device.type == "cuda"
         self._copy_stream = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the offloads not yet waited for
