@@ -345,9 +345,10 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
     n = n_total // 2 if gated else n_total
     tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
     group_size, up_scale_row = experts.scalar_args()
-    _moe_quant_gemm_kernel[(tile_experts.shape[0] * cdiv(n, cfg["BLOCK_N"]),)](
+    num_tiles = tile_experts.shape[0]
+    _moe_quant_gemm_kernel[(num_tiles * cdiv(n, cfg["BLOCK_N"]),)](
         a, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
-        n, k, out.shape[0], tile_experts.shape[0], group_size, n, up_scale_row, a.stride(0), out.stride(0),
+        n, k, out.shape[0], num_tiles, group_size, n, up_scale_row, a.stride(0), out.stride(0),
         *strides, **flags,
         UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast_dot_operands(a.dtype, a.device),

@@ -366,18 +366,14 @@ def compile_int_stream() -> None:
                                          empty(*qzeros, dtype=torch.int32), empty(3, 96, dtype=torch.float32), None,
                                          128, packing, gated=gated)
     int_linear("int4 stream gguf q4_1 g128 qkv, 1 rows", 1, 4096, (512, 6144), None, 32, 6144, q4, mins=True)
-    awq_down = ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq, False)
-    gptq_qkv = ("gptq qkv", 4096, (512, 6144), (32, 6144 // 8), 32, 6144, gptq4, False)
-    for variant, config, (name, k, qweight, qzeros, groups, n, packing, gated) in [
-            # the q - z path (BIASED=False; B + q: default)
-            ("q - z", {"BIASED": False}, awq_down),
-            ("q - z", {"BIASED": False}, ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8),
-                                          32, 2 * 14336, awq, True)),
-            ("q - z", {"BIASED": False}, gptq_qkv)]:
-        CASE[0] = f"int4 stream {variant} {name}, 1 rows"
+    for name, k, qweight, qzeros, groups, n, packing, gated in [  # the q - z path (BIASED=False; B + q: default)
+            ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq, False),
+            ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8), 32, 2 * 14336, awq, True),
+            ("gptq qkv", 4096, (512, 6144), (32, 6144 // 8), 32, 6144, gptq4, False)]:
+        CASE[0] = f"int4 stream q - z {name}, 1 rows"
         int_decode.linear_int_stream(empty(1, k), empty(*qweight, dtype=torch.int32), empty(*qzeros, dtype=torch.int32),
                                      empty(groups, n, dtype=torch.float16), 128, packing, None, gated, False, False,
-                                     "tf32", config)
+                                     "tf32", {"BIASED": False})
     for name, rows, k, qweight, qzeros, groups, packing, group, gated, config in [
             ("awq g32 gated", 5, 192, (192, 12), (6, 12), 6, awq, 32, True,
              dict(BLOCK_N=64, BLOCK_K=128, num_stages=3)),
