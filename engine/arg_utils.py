@@ -64,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--preset", default=None,
                         help="a real-sized shape with random weights instead of --model (e.g. llama-3-8b)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compilation-config", "-O", type=_compilation_config, default=None, metavar="LEVEL|JSON",
+                        help="torch.compile, as vLLM's: -O3 or '{\"level\": 3}' compiles the model's forward "
+                             "around Pagoda's kernels (inductor's code between its GEMMs and attention); 0 (the "
+                             "default) runs it eagerly with Pagoda's hand-fused kernels")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="refused: Pagoda runs only its own model code (see the README's model list)")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) that replaces "
@@ -90,6 +94,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="the largest adapter rank accepted (the slots are this wide)")
     parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS["max_cpu_loras"],
                         help="adapters cached in each worker's host memory (default: --max-loras)")
+
+
+def _compilation_config(text: str) -> int | dict:
+    """-O3, -O 3 or --compilation-config '{"level": 3}' (the value checked by CompilationConfig)."""
+    text = text.strip()
+    return int(text) if text.isdigit() else _json_object(text)
 
 
 def _json_object(text: str) -> dict:
@@ -122,7 +132,8 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   onload_gb_per_s=args.onload_gb_per_s, onload_latency_s=args.onload_latency_s,
                   prefill_tokens_per_s=args.prefill_tokens_per_s, min_onload_blocks=args.min_onload_blocks,
                   kv_offload_policy=args.kv_offload_policy,
-                  speculative_config=getattr(args, "speculative_config", None))
+                  speculative_config=getattr(args, "speculative_config", None),
+                  compilation_config=getattr(args, "compilation_config", None))
     for name in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"):  # not every parser has them
         values[name] = getattr(args, name, _DEFAULTS[name])
     return EngineArgs(**(values | overrides))

@@ -302,6 +302,68 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+COMPILATION_LEVELS = (0, 3)  # vLLM's NO_COMPILATION and PIECEWISE; its 1 and 2 (dynamo alone) are not offered
+_COMPILATION_KEYS = ("level", "mode")  # "mode": vLLM's newer name for the level
+# the families whose forward traces as one graph around kernels/ops.py's ops (MoE's routed experts and DeepSeek's
+# MLA have no op yet)
+COMPILABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                            "Phi3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's compilation_config: level 0 runs the model eagerly (Pagoda's hand-fused kernels, decode under CUDA
+    graphs); level 3 compiles its forward pass with torch.compile: inductor generates the code between Pagoda's
+    GEMMs, KV writes and attention (kernels/ops.py, opaque custom ops), one graph for any number of tokens, and
+    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n})."""
+
+    level: int = 0
+
+    def __post_init__(self):
+        if self.level not in COMPILATION_LEVELS:
+            raise ParamError("compilation_config.level", f"must be one of {COMPILATION_LEVELS} (0: eager, 3: "
+                                                         f"torch.compile around Pagoda's kernels), got {self.level!r}")
+
+    @classmethod
+    def from_value(cls, value: int | str | dict | None) -> CompilationConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(value)
+        if not isinstance(value, dict):
+            raise ParamError("compilation_config", f"must be a level (0 or 3) or a JSON object, got {value!r}")
+        unknown = [key for key in value if key not in _COMPILATION_KEYS]
+        if unknown:
+            raise ParamError(f"compilation_config.{unknown[0]}", f"is not a key Pagoda knows (keys: "
+                                                                 f"{_COMPILATION_KEYS})")
+        if "level" in value and "mode" in value and value["level"] != value["mode"]:
+            raise ParamError("compilation_config.mode", "is the level's other name: give one of them")
+        level = value.get("level", value.get("mode", 0))
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise ParamError("compilation_config.level", f"must be an integer, got {level!r}")
+        return cls(level)
+
+    def check(self, model: ModelConfig, parallel: ParallelConfig, lora: LoRAConfig | None) -> None:
+        """Refuses what level 3 does not compile (yet), naming it."""
+        if self.level == 0:
+            return
+        if parallel.enforce_eager:
+            raise ParamError("compilation_config.level", "level 3 compiles the model; enforce_eager keeps it eager: "
+                                                         "give one of them")
+        architectures = model.hf_config.get("architectures") or []
+        if not any(arch in COMPILABLE_ARCHITECTURES for arch in architectures):
+            raise ParamError("compilation_config.level", f"level 3 compiles {COMPILABLE_ARCHITECTURES}, not "
+                                                         f"{architectures}: serve it with level 0")
+        if model.quant_config is not None and model.quant_config.is_packed_int:
+            raise ParamError("compilation_config.level", f"level 3 compiles bf16 and FP8 weights, not "
+                                                         f"{model.quant_config.method}: serve it with level 0")
+        if lora is not None:
+            raise ParamError("compilation_config.level", "level 3 does not compile LoRA adapters yet: serve them "
+                                                         "with level 0")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (engine/lora.py): `max_loras` adapters in GPU slots at once (the distinct adapters a step
@@ -332,6 +394,7 @@ class EngineConfig:
     stream_interval_s: float = 0.0
     lora: LoRAConfig | None = None  # None: no adapters (enable_lora off)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    compilation: CompilationConfig = CompilationConfig()  # level 0: eager
 
 
 @dataclass(frozen=True)
@@ -376,6 +439,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # adapters cached in host memory per worker; default: max_loras
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} (SpeculativeConfig)
     speculative_config: dict | None = None
+    # vLLM's compilation_config: 0 (eager, the default) or 3 (torch.compile around Pagoda's kernels), or a dict
+    # {"level": n} (CompilationConfig)
+    compilation_config: int | dict | None = None
 
     def __post_init__(self):
         if self.dtype in _DTYPE_ALIASES:  # vLLM's spellings
@@ -391,6 +457,7 @@ class EngineArgs:
         self._parts()
         self.lora_config()
         SpeculativeConfig.from_dict(self.speculative_config)
+        CompilationConfig.from_value(self.compilation_config)
 
     def lora_config(self) -> LoRAConfig | None:
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
@@ -431,8 +498,10 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if speculative is not None and speculative.method == "draft_model":
             speculative = replace(speculative, draft_model_config=self._draft_model_config(speculative, model_config))
+        compilation = CompilationConfig.from_value(self.compilation_config)
+        compilation.check(model_config, parallel, lora)
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
-                            parallel, self.stream_interval_s, lora, speculative)
+                            parallel, self.stream_interval_s, lora, speculative, compilation)
 
     def _draft_model_config(self, speculative: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
         """The draft model's checkpoint, read as the target's (same dtype, seed and context); its vocabulary must be

@@ -71,8 +71,10 @@ def references_forced() -> bool:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """The public functions' choice: the Triton launcher for CUDA tensors, else the torch reference."""
-    return HAS_TRITON and tensor.is_cuda and not references_forced()
+    """The public functions' choice: the Triton launcher for CUDA tensors, else the torch reference. While
+    torch.compile traces a model the reference, which inductor compiles and fuses with the code around it (the
+    kernels it must not see into are kernels/ops.py's custom ops)."""
+    return HAS_TRITON and tensor.is_cuda and not references_forced() and not torch.compiler.is_compiling()
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

@@ -126,15 +126,32 @@ def all_reduce_backend() -> str:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums `x` over the ranks; returns the sum (in place with NCCL, a new tensor with symmetric memory)."""
+    """Sums `x` over the ranks; returns the sum (in place with NCCL, a new tensor with symmetric memory; a new
+    tensor too while torch.compile traces the model: the custom op `_all_reduce_op`)."""
     if _world_size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _all_reduce_op(x)
     if _symm is not None and _symm.fits(x.numel(), x.dtype):
         staged = _symm.staging(tuple(x.shape))
         staged.copy_(x)
         return _symm.reduce(staged)
     dist.all_reduce(x)
     return x
+
+
+@torch.library.custom_op("pagoda::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks as an op that inductor cannot see into, in a tensor of its own (never the symmetric
+    buffer, which the next all-reduce overwrites while the graph may still hold it)."""
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(x):
+    return torch.empty_like(x)
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:

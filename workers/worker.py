@@ -25,6 +25,7 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.rejection_sampler import warm_up_rejection
 from kernels.run_ahead import warm_up_run_ahead
 from workers import parallel
+from workers.compile import compile_model
 from workers.draft_runner import DraftRunner
 from workers.grammar_mask import warm_up_grammar_mask
 from workers.kv_pool import (
@@ -101,6 +102,8 @@ class Worker:
                                              model_config.hf_config.get("bos_token_id"))
             logger.info("rank %d: KV cache in float8_e4m3fn, per-head scales %s .. %s (K), %s .. %s (V)", self.rank,
                         *_scale_range(k for k, _ in scales), *_scale_range(v for _, v in scales))
+        if self.config.compilation.level == 3:  # after the KV calibration, which runs the layers eagerly
+            compile_model(self.model)
 
     def _draft_model_config(self):
         spec = self.config.speculative
@@ -241,6 +244,12 @@ class Worker:
                                     num_scheduled_tokens={req_id: length})
             self.runner.execute_model(sched)
             self.runner.update_states(SchedulerOutput(finished_req_ids=[req_id]))
+        if self.config.compilation.level == 3 and num_blocks >= 2:  # a compiled model's prefill of several
+            # sequences is a graph of its own (one sequence's sizes of 1 are specialized): compiled now too
+            reqs = [NewRequestData(f"warm-up-pair-{i}", [1, 1], [], SamplingParams(max_tokens=1), [i], 0)
+                    for i in range(2)]
+            self.runner.execute_model(SchedulerOutput(new_reqs=reqs, num_scheduled_tokens={r.req_id: 2 for r in reqs}))
+            self.runner.update_states(SchedulerOutput(finished_req_ids=[r.req_id for r in reqs]))
         torch.cuda.synchronize(self.device)
 
     def device_stats(self) -> tuple[int, float]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import ops
 from kernels.fp8 import FP8_DTYPE
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
@@ -45,7 +46,7 @@ class KVScaledAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones(num_kv_heads, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones(num_kv_heads, device=device), persistent=False)
 
-    def kv_scales(self, k_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def kv_scales(self, k_cache: torch.Tensor | ops.CacheRef) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(k_scale, v_scale) for a float8 cache, (None, None) for one in the model's dtype."""
         return (self.k_scale, self.v_scale) if k_cache.dtype == FP8_DTYPE else (None, None)
 
@@ -77,4 +78,15 @@ class Attention(KVScaledAttention):
             out = paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                           meta.seq_lens, self.scale, meta.max_query_len, self.sliding_window,
                                           k_scale, v_scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: ops.CacheRef,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` while torch.compile traces the model: this step's k and v [T, H_kv, D] (rotated) are written
+        by the same opaque op that attends (kernels/ops.py `attention`), into the layer's caches, which the graph
+        does not hold."""
+        k_scale, v_scale = self.kv_scales(k_cache)
+        out = ops.attention(q, k, v, k_cache.layer, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                            None if meta.is_decode_only else meta.query_start_loc, self.scale, meta.max_query_len,
+                            self.sliding_window, k_scale, v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

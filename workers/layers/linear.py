@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
+from kernels import ops
 from kernels.activation import silu_and_mul
 from kernels.fp8 import QuantizedRows
 from kernels.linear import linear
@@ -107,14 +108,7 @@ class ColumnParallelLinear(nn.Module):
         return silu_and_mul(out, quantize_output) if gated else out
 
     def _forward(self, x: torch.Tensor | QuantizedRows, gated: bool, quantize_output: bool):
-        if self.quant_config is not None and self.quant_config.is_packed_int:
-            assert not quantize_output, "only an FP8 layer quantizes its output"
-            return linear_int(self, x, self.bias, gated)
-        if self.quant_config is not None:
-            return linear_fp8(x, self.weight, self.weight_scale, self.bias, gated, self.block_size, self.input_scale,
-                              quantize_output)
-        assert not quantize_output, "only an FP8 layer quantizes its output"
-        return linear(x, self.weight, self.bias, gated)
+        return matmul(self, x, self.bias, gated, quantize_output)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -234,20 +228,12 @@ class RowParallelLinear(nn.Module):
         # lora_order: as ColumnParallelLinear's
         if lora_slots is not None and self.lora is not None:
             return self._forward_lora(x, lora_slots, lora_order)
-        if self.quant_config is not None and self.quant_config.is_packed_int:
-            y = linear_int(self, x, None)
-            if not self.reduce_results:
-                return y
-            y = all_reduce(y)
-        elif self.quant_config is not None:
-            y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
-            if not self.reduce_results:
-                return y
-            y = all_reduce(y)
-        elif not self.reduce_results:
-            return linear(x, self.weight)
+        if not self.reduce_results:
+            return matmul(self, x, None)
+        if self.quant_config is None and not torch.compiler.is_compiling():
+            y = linear_all_reduce(x, self.weight)  # the matmul writes into the all-reduce's buffer
         else:
-            y = linear_all_reduce(x, self.weight)
+            y = all_reduce(matmul(self, x, None))
         return y + self.bias if self.bias is not None else y
 
     def _forward_lora(self, x: torch.Tensor | QuantizedRows, lora_slots: torch.Tensor,
@@ -255,17 +241,29 @@ class RowParallelLinear(nn.Module):
         """This rank's partial output plus its partial adapter delta (its input columns of A), then the all-reduce:
         both are linear in x's columns, so the sum over ranks is the whole delta."""
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
-        if self.quant_config is not None and self.quant_config.is_packed_int:
-            y = linear_int(self, x, None)
-        elif self.quant_config is not None:
-            y = linear_fp8(x, self.weight, self.weight_scale, None, False, self.block_size, self.input_scale)
-        else:
-            y = linear(x, self.weight)
+        y = matmul(self, x, None)
         self.lora.apply(y, x, lora_slots, lora_order)
         if not self.reduce_results:
             return y
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+def matmul(layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None, gated: bool = False,
+           quantize_output: bool = False):
+    """The layer's x @ W.T (+ bias) by its weight's kind: packed integers, FP8 (quantize_output: a gated output as
+    QuantizedRows for the FP8 layer after it) or the model dtype. While torch.compile traces the model, Pagoda's
+    GEMMs are opaque custom ops (kernels/ops.py) and the quantization around them is inductor's code."""
+    compiling = torch.compiler.is_compiling()
+    if layer.quant_config is not None and layer.quant_config.is_packed_int:
+        assert not quantize_output, "only an FP8 layer quantizes its output"
+        assert not compiling, "compilation_config level 3 takes no integer weights (engine/config.py refuses them)"
+        return linear_int(layer, x, bias, gated)
+    if layer.quant_config is not None:
+        return (ops.linear_fp8 if compiling else linear_fp8)(x, layer.weight, layer.weight_scale, bias, gated,
+                                                             layer.block_size, layer.input_scale, quantize_output)
+    assert not quantize_output, "only an FP8 layer quantizes its output"
+    return (ops.linear if compiling else linear)(x, layer.weight, bias, gated)
 
 
 def takes_quantized_rows(layer: nn.Module) -> bool:

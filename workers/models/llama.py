@@ -89,9 +89,13 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
-                                         *self.attn.kv_scales(k_cache))
-        out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
+        if torch.compiler.is_compiling():  # the caches are CacheRefs (workers/compile.py)
+            self.rotary_emb(positions, q, k)
+            out = self.attn.compiled(q, k, v, k_cache, meta)
+        else:
+            self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                             *self.attn.kv_scales(k_cache))
+            out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
         return self.o_proj(out, meta.lora_slots, meta.lora_order)
 
 
