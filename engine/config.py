@@ -304,10 +304,9 @@ class SpeculativeConfig:
 
 COMPILATION_LEVELS = (0, 3)  # vLLM's NO_COMPILATION and PIECEWISE; its 1 and 2 (dynamo alone) are not offered
 _COMPILATION_KEYS = ("level", "mode")  # "mode": vLLM's newer name for the level
-# the families whose forward traces as one graph around kernels/ops.py's ops (MoE's routed experts and DeepSeek's
-# MLA have no op yet)
+# the families whose forward traces as one graph around kernels/ops.py's ops (DeepSeek's MLA has no op yet)
 COMPILABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                            "Phi3ForCausalLM")
+                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -315,7 +314,8 @@ class CompilationConfig:
     """vLLM's compilation_config: level 0 runs the model eagerly (Pagoda's hand-fused kernels, decode under CUDA
     graphs); level 3 compiles its forward pass with torch.compile: inductor generates the code between Pagoda's
     GEMMs, KV writes and attention (kernels/ops.py, opaque custom ops), one graph for any number of tokens, and
-    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n})."""
+    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n}). DeepSeek-V2's
+    MLA has no op yet: refused (`check`)."""
 
     level: int = 0
 
@@ -345,7 +345,7 @@ class CompilationConfig:
             raise ParamError("compilation_config.level", f"must be an integer, got {level!r}")
         return cls(level)
 
-    def check(self, model: ModelConfig, parallel: ParallelConfig, lora: LoRAConfig | None) -> None:
+    def check(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         """Refuses what level 3 does not compile (yet), naming it."""
         if self.level == 0:
             return
@@ -356,12 +356,6 @@ class CompilationConfig:
         if not any(arch in COMPILABLE_ARCHITECTURES for arch in architectures):
             raise ParamError("compilation_config.level", f"level 3 compiles {COMPILABLE_ARCHITECTURES}, not "
                                                          f"{architectures}: serve it with level 0")
-        if model.quant_config is not None and model.quant_config.is_packed_int:
-            raise ParamError("compilation_config.level", f"level 3 compiles bf16 and FP8 weights, not "
-                                                         f"{model.quant_config.method}: serve it with level 0")
-        if lora is not None:
-            raise ParamError("compilation_config.level", "level 3 does not compile LoRA adapters yet: serve them "
-                                                         "with level 0")
 
 
 @dataclass(frozen=True)
@@ -499,7 +493,7 @@ class EngineArgs:
         if speculative is not None and speculative.method == "draft_model":
             speculative = replace(speculative, draft_model_config=self._draft_model_config(speculative, model_config))
         compilation = CompilationConfig.from_value(self.compilation_config)
-        compilation.check(model_config, parallel, lora)
+        compilation.check(model_config, parallel)
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s, lora, speculative, compilation)
 

@@ -21,6 +21,11 @@ from kernels.fp8 import QuantizedRows, quantize_per_token_ref
 from kernels.kv_cache import write_kv_cache as _write_kv_cache
 from kernels.linear import linear as _linear
 from kernels.linear_fp8 import linear_fp8 as _linear_fp8
+from kernels.linear_int import IntPacking
+from kernels.linear_int import linear_int as _linear_int
+from kernels.lora import lora_expand, lora_shrink
+from kernels.moe import fused_moe as _fused_moe
+from kernels.moe_quant import Fp8Experts, IntExperts, fused_moe_quant
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -109,3 +114,88 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, slo
 def _(q, k, v, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len, sliding_window,
       k_scale, v_scale):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("pagoda::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe.fused_moe: the routed experts of x [T, H] -> [T, H] (this rank's partial sum)."""
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe.register_fake
+def _(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pagoda::fused_moe_fp8", mutates_args=())
+def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, block_size: list[int] | None, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe_quant.fused_moe_quant over e4m3 experts (scales per row, or per block of block_size)."""
+    block = tuple(block_size) if block_size else None
+    return fused_moe_quant(x, Fp8Experts(w13, w13_scale, block, parts=2), Fp8Experts(w2, w2_scale, block),
+                           topk_weights, topk_ids)
+
+
+@fused_moe_fp8.register_fake
+def _(x, w13, w13_scale, w2, w2_scale, block_size, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pagoda::lora_apply", mutates_args=("out",))
+def lora_apply(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+               slice_starts: list[int], order: torch.Tensor | None) -> None:
+    """out [T, N] += each row's adapter delta: kernels/lora.py's shrink of x by its slot's A, expand by B."""
+    lora_expand(out, lora_shrink(x, a, slots, order=order), b, slots, tuple(slice_starts), order=order)
+
+
+@lora_apply.register_fake
+def _(out, x, a, b, slots, slice_starts, order):
+    return None
+
+
+def _packing(bits: int, packed_along_k: bool, fields: list[int] | None, zero_offset: int) -> IntPacking:
+    return IntPacking(bits, packed_along_k, tuple(fields) if fields is not None else None, zero_offset)
+
+
+def packing_args(packing: IntPacking) -> tuple[int, bool, list[int] | None, int]:
+    """An IntPacking as custom-op arguments (ops take tensors, numbers and lists, not dataclasses)."""
+    return (packing.bits, packing.is_packed_along_k, list(packing.fields) if packing.fields is not None else None,
+            packing.zero_offset)
+
+
+@torch.library.custom_op("pagoda::linear_int", mutates_args=())
+def linear_int(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
+               g_idx: torch.Tensor | None, group_size: int | None, bits: int, packed_along_k: bool,
+               fields: list[int] | None, zero_offset: int, bias: torch.Tensor | None, gated: bool,
+               mins: torch.Tensor | None) -> torch.Tensor:
+    """kernels.linear_int.linear_int: x @ W.T of packed integer weights (the streaming kernel, or dequantize and
+    cuBLAS)."""
+    return _linear_int(x, qweight, qzeros, scales, g_idx, group_size,
+                       _packing(bits, packed_along_k, fields, zero_offset), bias, gated, mins)
+
+
+@linear_int.register_fake
+def _(x, qweight, qzeros, scales, g_idx, group_size, bits, packed_along_k, fields, zero_offset, bias, gated, mins):
+    n = qweight.shape[1] if packed_along_k else qweight.shape[1] * (32 // bits)
+    return x.new_empty(x.shape[0], n // 2 if gated else n)
+
+
+@torch.library.custom_op("pagoda::fused_moe_int", mutates_args=())
+def fused_moe_int(x: torch.Tensor, w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
+                  w13_g_idx: torch.Tensor | None, w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor,
+                  w2_scales: torch.Tensor, w2_g_idx: torch.Tensor | None, group_size: int | None, bits: int,
+                  packed_along_k: bool, fields: list[int] | None, zero_offset: int, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe_quant.fused_moe_quant over packed integer experts."""
+    packing = _packing(bits, packed_along_k, fields, zero_offset)
+    return fused_moe_quant(x, IntExperts(w13_qweight, w13_qzeros, w13_scales, w13_g_idx, group_size, packing),
+                           IntExperts(w2_qweight, w2_qzeros, w2_scales, w2_g_idx, group_size, packing),
+                           topk_weights, topk_ids)
+
+
+@fused_moe_int.register_fake
+def _(x, w13_qweight, w13_qzeros, w13_scales, w13_g_idx, w2_qweight, w2_qzeros, w2_scales, w2_g_idx, group_size,
+      bits, packed_along_k, fields, zero_offset, topk_weights, topk_ids):
+    return torch.empty_like(x)

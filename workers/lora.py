@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 
 from engine.config import LoRAConfig
 from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_tensor_name
+from kernels import ops
 from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.mla import ReplicatedLinear
@@ -79,6 +80,9 @@ class LoRAWeights:
     def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, order: torch.Tensor | None = None) -> None:
         # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: int32 [T], the rows sorted
         # by slot (kernels/lora.py: the kernels' tiles; None: as they come)
+        if torch.compiler.is_compiling():  # the two kernels as one opaque op (kernels/ops.py)
+            ops.lora_apply(out, x, self.a, self.b, slots, list(self.slice_starts), order)
+            return
         lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts, order=order)
 
     def refresh(self, slot: int) -> None:

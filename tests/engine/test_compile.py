@@ -10,10 +10,11 @@ from torch._dynamo.utils import counters
 
 from engine.config import CompilationConfig, EngineArgs
 from engine.errors import ParamError
-from pagoda import LLM
+from pagoda import LLM, LoRARequest
 from tests.cluster.test_tensor_parallel import STRESS
 from tests.engine import test_fp8_parity as fp8
 from tests.engine.test_llm_parity import assert_same_tokens, hf_reference, run_pagoda
+from tests.prompts import PARITY_PROMPTS
 from workers.compile import CompiledForward
 
 # Kinds of steps a workload of prompts under STRESS takes: prefill chunks and decodes, each also of one token or one
@@ -29,9 +30,10 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe"])
 def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
-    """Llama, and Qwen3's RMSNorm over each q and k head, under preemption, chunked prefill and prefix caching."""
+    """Llama, Qwen3's RMSNorm over each q and k head, Qwen2-MoE's routed experts (an op) and gated shared expert,
+    under preemption, chunked prefill and prefix caching."""
     model_dir = tiny_checkpoints[arch]
     before = _graphs()
     llm, outs = run_pagoda(model_dir, compilation_config=3, **STRESS)
@@ -47,16 +49,60 @@ def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
         llm.shutdown()
 
 
-def test_compiled_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints):
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_compiled_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     """FP8: the per-token quantization of activations is inductor's code (fused with the norm before it), the
-    GEMMs and the e4m3 KV write are the ops; the tokens are the FP8 oracle's, as the eager engine's."""
-    model_dir = tiny_checkpoints["llama"]
+    GEMMs, FP8 experts and the e4m3 KV write are the ops; the tokens are the FP8 oracle's, as the eager engine's."""
+    model_dir = tiny_checkpoints[arch]
     llm, outs = fp8.run(model_dir, compilation_config={"level": 3}, **STRESS)
     try:
         assert _compiled(llm)
         fp8.assert_matches(fp8.oracle(model_dir), outs)
     finally:
         llm.shutdown()
+
+
+def test_compiled_mixed_batch_of_base_and_adapters_matches_peft(tiny_model_dir, tmp_path):
+    """LoRA: the shrink and expand kernels as one op that adds to the GEMM op's output, rows of the base model and
+    of two adapters in the same steps (and steps without adapter rows: a graph of their own), under chunked
+    prefill and more adapters than slots."""
+    from tests.engine import test_lora
+    from tests.lora_adapters import make_adapter
+
+    loras = [None] + [LoRARequest(name, i + 1, make_adapter(tiny_model_dir, str(tmp_path / name), rank, alpha,
+                                                            targets, seed=i, use_rslora=rs))
+                      for i, (name, (rank, alpha, targets, rs)) in enumerate(test_lora.ADAPTERS.items())
+                      if name in ("qv", "all")]
+    llm = test_lora.lora_llm(tiny_model_dir, max_loras=1, max_num_batched_tokens=8, compilation_config=3)
+    try:
+        assert _compiled(llm)
+        test_lora.run_and_check(llm, tiny_model_dir, PARITY_PROMPTS[:6], loras * 2)
+    finally:
+        llm.shutdown()
+
+
+def test_compiled_int_checkpoints_equal_transformers_on_the_dequantized_weights(tmp_path_factory):
+    """Integer weights as ops: an AWQ checkpoint (GEMM packing, group 32) and a GPTQ act-order one of the dense
+    model, a GPTQ act-order Mixtral (integer experts in the fused MoE op), written by the tests as the tools pack
+    them; tokens and logprobs equal transformers' over the dequantized weights."""
+    from checkpoints import int4_rtn as ic
+    from tests.engine import test_int4_checkpoints, test_moe_int4
+    from tests.hf_oracle import assert_matches_hf
+
+    dense = test_int4_checkpoints.int4_factory(tmp_path_factory)
+    moe = test_moe_int4.moe_int4_factory(tmp_path_factory)
+    cases = [dense(ic.Int4Format("awq", 32))[:2], dense(ic.Int4Format("gptq", 32, sym=False, desc_act=True))[:2],
+             moe("mixtral", ic.Int4Format("gptq", 32, desc_act=True))]
+    for checkpoint, oracle in cases:
+        outs = test_moe_int4.generate(checkpoint, inspect=lambda llm: _assert(_compiled(llm)), compilation_config=3)
+        model = test_moe_int4.hf_model(oracle)
+        for out in outs:
+            assert len(out.outputs[0].token_ids) == test_moe_int4.MAX_NEW
+            assert_matches_hf(model, out, num_top=2, atol=1e-4)
+
+
+def _assert(condition: bool) -> None:
+    assert condition
 
 
 def test_level_0_runs_the_model_eagerly(tiny_model_dir):
@@ -86,10 +132,8 @@ def test_the_spellings_of_level_3(value):
 
 
 @pytest.mark.parametrize("arch, kwargs, names", [
-    ("mixtral", {}, "MixtralForCausalLM"),
+    ("deepseek_v2", {}, "DeepseekV2ForCausalLM"),
     ("llama", {"enforce_eager": True}, "enforce_eager"),
-    ("llama", {"enable_lora": True}, "LoRA"),
-    ("llama", {"quantization": "awq", "load_format": "random"}, "awq"),
 ])
 def test_what_level_3_does_not_compile_is_refused(tiny_checkpoints, arch, kwargs, names):
     args = EngineArgs(model=tiny_checkpoints[arch], device="cpu", compilation_config=3, **kwargs)

@@ -60,6 +60,7 @@ def lora_llm(model_dir: str, **kwargs) -> LLM:
 def assert_completion_matches(model, out) -> None:
     """Each output token is transformers + peft's greedy choice, with its logprob (teacher-forced)."""
     completion = out.outputs[0]
+    assert len(completion.token_ids) == MAX_NEW, f"{out.prompt!r}: {completion.finish_reason}"  # a failed request too
     ref = hf_logprobs(model, out.prompt_token_ids + completion.token_ids)
     for j, token_id in enumerate(completion.token_ids):
         row = ref[len(out.prompt_token_ids) - 1 + j]

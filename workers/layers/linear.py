@@ -257,7 +257,10 @@ def matmul(layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor
     compiling = torch.compiler.is_compiling()
     if layer.quant_config is not None and layer.quant_config.is_packed_int:
         assert not quantize_output, "only an FP8 layer quantizes its output"
-        assert not compiling, "compilation_config level 3 takes no integer weights (engine/config.py refuses them)"
+        if compiling:
+            return ops.linear_int(x, layer.qweight, layer.qzeros, layer.scales,
+                                  layer.g_idx if layer.quant_config.desc_act else None, layer.group_size,
+                                  *ops.packing_args(layer.packing), bias, gated, layer.mins)
         return linear_int(layer, x, bias, gated)
     if layer.quant_config is not None:
         return (ops.linear_fp8 if compiling else linear_fp8)(x, layer.weight, layer.weight_scale, bias, gated,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
 from kernels.moe import fused_moe, topk_route
 from kernels.moe_quant import fused_moe_quant
 from workers.layers.linear import _divide, _param, copy_loaded, default_weight_loader, loaded_shape
@@ -108,6 +109,17 @@ class FusedMoE(nn.Module):
 
     def forward(self, h: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # h: [T, H]; topk_*: [T, top_k] -> this rank's partial sum [T, H]
+        if torch.compiler.is_compiling():  # the experts as an opaque op (kernels/ops.py)
+            if self.quant_config is None:
+                return ops.fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            if self.quant_config.is_packed_int:
+                w13, w2 = quantized_experts(self)
+                return ops.fused_moe_int(h, w13.qweight, w13.qzeros, w13.scales, w13.g_idx, w2.qweight, w2.qzeros,
+                                         w2.scales, w2.g_idx, w13.group_size, *ops.packing_args(w13.packing),
+                                         topk_weights, topk_ids)
+            return ops.fused_moe_fp8(h, self.w13_weight, self.w13_weight_scale, self.w2_weight,
+                                     self.w2_weight_scale, list(self.block_size) if self.block_size else None,
+                                     topk_weights, topk_ids)
         if self.quant_config is not None:
             return fused_moe_quant(h, *quantized_experts(self), topk_weights, topk_ids)
         return fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
