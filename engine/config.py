@@ -304,9 +304,8 @@ class SpeculativeConfig:
 
 COMPILATION_LEVELS = (0, 3)  # vLLM's NO_COMPILATION and PIECEWISE; its 1 and 2 (dynamo alone) are not offered
 _COMPILATION_KEYS = ("level", "mode")  # "mode": vLLM's newer name for the level
-# the families whose forward traces as one graph around kernels/ops.py's ops (DeepSeek's MLA has no op yet)
-COMPILABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# DeepSeek-V2's adapters on kv_b_proj fold into the absorbed queries and outputs by calls that have no op yet
+_NOT_COMPILED_WITH_LORA = ("DeepseekV2ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -314,8 +313,8 @@ class CompilationConfig:
     """vLLM's compilation_config: level 0 runs the model eagerly (Pagoda's hand-fused kernels, decode under CUDA
     graphs); level 3 compiles its forward pass with torch.compile: inductor generates the code between Pagoda's
     GEMMs, KV writes and attention (kernels/ops.py, opaque custom ops), one graph for any number of tokens, and
-    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n}). DeepSeek-V2's
-    MLA has no op yet: refused (`check`)."""
+    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n}). What has no
+    op yet is refused (`check`)."""
 
     level: int = 0
 
@@ -345,7 +344,7 @@ class CompilationConfig:
             raise ParamError("compilation_config.level", f"must be an integer, got {level!r}")
         return cls(level)
 
-    def check(self, model: ModelConfig, parallel: ParallelConfig) -> None:
+    def check(self, model: ModelConfig, parallel: ParallelConfig, lora: LoRAConfig | None) -> None:
         """Refuses what level 3 does not compile (yet), naming it."""
         if self.level == 0:
             return
@@ -353,9 +352,9 @@ class CompilationConfig:
             raise ParamError("compilation_config.level", "level 3 compiles the model; enforce_eager keeps it eager: "
                                                          "give one of them")
         architectures = model.hf_config.get("architectures") or []
-        if not any(arch in COMPILABLE_ARCHITECTURES for arch in architectures):
-            raise ParamError("compilation_config.level", f"level 3 compiles {COMPILABLE_ARCHITECTURES}, not "
-                                                         f"{architectures}: serve it with level 0")
+        if lora is not None and any(arch in _NOT_COMPILED_WITH_LORA for arch in architectures):
+            raise ParamError("compilation_config.level", f"level 3 does not compile LoRA adapters on "
+                                                         f"{architectures} yet: serve them with level 0")
 
 
 @dataclass(frozen=True)
@@ -493,7 +492,7 @@ class EngineArgs:
         if speculative is not None and speculative.method == "draft_model":
             speculative = replace(speculative, draft_model_config=self._draft_model_config(speculative, model_config))
         compilation = CompilationConfig.from_value(self.compilation_config)
-        compilation.check(model_config, parallel)
+        compilation.check(model_config, parallel, lora)
         return EngineConfig(model_config, cache, replace(scheduler, max_model_len=model_config.max_model_len),
                             parallel, self.stream_interval_s, lora, speculative, compilation)
 

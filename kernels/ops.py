@@ -24,6 +24,7 @@ from kernels.linear_fp8 import linear_fp8 as _linear_fp8
 from kernels.linear_int import IntPacking
 from kernels.linear_int import linear_int as _linear_int
 from kernels.lora import lora_expand, lora_shrink
+from kernels.mla_attention import mla_decode, mla_prefill, write_latent_cache
 from kernels.moe import fused_moe as _fused_moe
 from kernels.moe_quant import Fp8Experts, IntExperts, fused_moe_quant
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -114,6 +115,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, slo
 def _(q, k, v, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len, sliding_window,
       k_scale, v_scale):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("pagoda::mla_attention", mutates_args=())
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, layer: int,
+                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor | None, scale: float, max_query_len: int,
+                  latent_scale: torch.Tensor | None, rope_scale: torch.Tensor | None) -> torch.Tensor:
+    """DeepSeek-V2's latent attention as `attention` is: this step's latents [T, L] and rotated keys [T, R] written
+    into layer `layer`'s latent pool, then the absorbed attention of q_lat [T, H, L], q_pe [T, H, R] -> [T, H, L]."""
+    latent_cache, rope_cache = _kv_caches[layer]
+    write_latent_cache(latent, k_pe, latent_cache, rope_cache, slot_mapping, latent_scale, rope_scale)
+    if query_start_loc is None:
+        return mla_decode(q_lat, q_pe, latent_cache, rope_cache, block_tables, seq_lens, scale, latent_scale,
+                          rope_scale)
+    return mla_prefill(q_lat, q_pe, latent_cache, rope_cache, block_tables, query_start_loc, seq_lens, scale,
+                       max_query_len, latent_scale, rope_scale)
+
+
+@mla_attention.register_fake
+def _(q_lat, q_pe, latent, k_pe, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+      latent_scale, rope_scale):
+    return torch.empty_like(q_lat)
 
 
 @torch.library.custom_op("pagoda::fused_moe", mutates_args=())

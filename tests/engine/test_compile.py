@@ -30,10 +30,11 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe", "deepseek_v2"])
 def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
     """Llama, Qwen3's RMSNorm over each q and k head, Qwen2-MoE's routed experts (an op) and gated shared expert,
-    under preemption, chunked prefill and prefix caching."""
+    DeepSeek-V2's latent attention (an op that writes the latent pool and attends) and group-limited routing, under
+    preemption, chunked prefill and prefix caching."""
     model_dir = tiny_checkpoints[arch]
     before = _graphs()
     llm, outs = run_pagoda(model_dir, compilation_config=3, **STRESS)
@@ -132,7 +133,7 @@ def test_the_spellings_of_level_3(value):
 
 
 @pytest.mark.parametrize("arch, kwargs, names", [
-    ("deepseek_v2", {}, "DeepseekV2ForCausalLM"),
+    ("deepseek_v2", {"enable_lora": True}, "DeepseekV2ForCausalLM"),
     ("llama", {"enforce_eager": True}, "enforce_eager"),
 ])
 def test_what_level_3_does_not_compile_is_refused(tiny_checkpoints, arch, kwargs, names):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
 from kernels.mla_attention import mla_decode, mla_prefill, write_latent_cache
 from workers.layers.attention import AttentionMetadata, KVScaledAttention
 from workers.layers.linear import (
@@ -89,6 +90,16 @@ class MLAAttention(KVScaledAttention):
         return mla_prefill(q_lat, q_pe, latent_cache, rope_cache, meta.block_tables, meta.query_start_loc,
                            meta.seq_lens, self.scale, meta.max_query_len, latent_scale, rope_scale)
 
+    def compiled(self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                 latent_cache: ops.CacheRef, meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` while torch.compile traces the model: this step's latents and rotated keys are written by the
+        op that attends (kernels/ops.py `mla_attention`), into the layer's pool, which the graph does not hold."""
+        latent_scale, rope_scale = self.kv_scales(latent_cache)
+        return ops.mla_attention(q_lat, q_pe, latent, k_pe, latent_cache.layer, meta.slot_mapping,
+                                 meta.block_tables, meta.seq_lens,
+                                 None if meta.is_decode_only else meta.query_start_loc, self.scale,
+                                 meta.max_query_len, latent_scale, rope_scale)
+
 
 class MLAAttentionBlock(nn.Module):
     """One layer's MLA: projections, rotary, the latent write, attention, o_proj. Checkpoint names as DeepSeek's."""
@@ -142,8 +153,10 @@ class MLAAttentionBlock(nn.Module):
                                                                        dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         q_pe, k_pe = self.rotary_emb(positions, q_pe), self.rotary_emb(positions, k_pe)
-        write_latent_cache(latent, k_pe, latent_cache, rope_cache, meta.slot_mapping,
-                           *self.attn.kv_scales(latent_cache))
+        compiling = torch.compiler.is_compiling()  # the pool's tensors are CacheRefs (workers/compile.py)
+        if not compiling:  # else the attention op writes them
+            write_latent_cache(latent, k_pe, latent_cache, rope_cache, meta.slot_mapping,
+                               *self.attn.kv_scales(latent_cache))
         w_uk, w_uv = self.absorbed_weights()
         kv_b_lora = self.kv_b_proj.lora if slots is not None else None
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
@@ -151,7 +164,10 @@ class MLAAttentionBlock(nn.Module):
             rows = kv_b_lora.row_slots(slots)
             q_lat = q_lat.contiguous()
             kv_b_lora.absorb_query(q_lat, q_nope, rows)
-        out_lat = self.attn(q_lat, q_pe, latent_cache, rope_cache, meta)  # [T, H, L]
+        if compiling:
+            out_lat = self.attn.compiled(q_lat, q_pe, latent, k_pe, latent_cache, meta)
+        else:
+            out_lat = self.attn(q_lat, q_pe, latent_cache, rope_cache, meta)  # [T, H, L]
         out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         if kv_b_lora is not None:
             out = out.contiguous()
