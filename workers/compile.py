@@ -11,6 +11,8 @@ capture the compiled code after their warm-up runs compiled it.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -23,13 +25,23 @@ CACHE_SIZE_LIMIT = 16
 
 
 class CompiledForward:
-    """The model's forward, compiled; called as the forward is (input_ids, positions, kv_caches, meta)."""
+    """The model's forward, compiled; called as the forward is (input_ids, positions, kv_caches, meta).
+
+    Dynamo keeps its compiled code on the Python code object it traces, guarded by the model's parameters; two
+    models of one class in a process (tests, a draft and its target) would share it, each recompiling it for the
+    other until the recompile limit turns compilation off. So each model compiles its own copy of its class's
+    forward code. Past the limit a step fails (`fail_on_recompile_limit_hit`), never runs eagerly unnoticed."""
 
     def __init__(self, model: nn.Module):
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, CACHE_SIZE_LIMIT)
+        dynamo.fail_on_recompile_limit_hit = True
         # no "duck" sizes: a first step whose token count equals its sequence count (a decode) must not tie the two
         torch.fx.experimental._config.use_duck_shape = False
-        self.compiled = torch.compile(type(model).forward.__get__(model), dynamic=True, fullgraph=True)
+        forward = type(model).forward
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                 forward.__defaults__, forward.__closure__)
+        self.compiled = torch.compile(own.__get__(model), dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         return self.compiled(input_ids, positions, ops.set_kv_caches(kv_caches), meta)

@@ -40,9 +40,12 @@ _SCALAR_WRITES = 8  # a sequence of at most this many tokens is written token by
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, has_lora: bool = False):
+                 device: torch.device, has_lora: bool = False, full_width_tables: bool = False):
         self.block_size = block_size
         self.has_lora = has_lora  # LoRA slots are filled, copied and seen by the model (CUDA graphs: always)
+        # every step's block-table view as wide as the buffer (the kernels read only a sequence's blocks): a
+        # compiled model then sees no width that varies, or that is 1 and compiles a graph of its own
+        self.full_width_tables = full_width_tables
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = device.type == "cuda"
@@ -173,7 +176,8 @@ class InputBuffers:
         use_lora = self.has_lora if use_lora is None else use_lora
         meta = AttentionMetadata(
             slot_mapping=d["slot_mapping"][:num_tokens], query_start_loc=d["query_start_loc"][:num_seqs + 1],
-            seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs, :num_block_cols],
+            seq_lens=d["seq_lens"][:num_seqs],
+            block_tables=d["block_tables"][:num_seqs, :None if self.full_width_tables else num_block_cols],
             max_query_len=max_query_len, is_decode_only=max_query_len == 1,
             lora_slots=d["lora_slots"][:num_tokens] if use_lora else None,
             lora_order=d["lora_order"][:num_tokens] if use_lora else None)

@@ -26,6 +26,7 @@ from engine.outputs import DEVICE_DRAFT, GrammarBitmask, ModelRunnerOutput, NewR
 from engine.sampling_params import SamplingParams
 from kernels.ngram import ngram_lookup
 from kernels.run_ahead import fix_up_inputs
+from workers.compile import CompiledForward
 from workers.cuda_graphs import CudaGraphRunner
 from workers.grammar_mask import apply_grammar_bitmask, constrained_req_ids
 from workers.inputs import InputBuffers, to_device
@@ -132,7 +133,8 @@ class ModelRunner:
         max_blocks = -(-scheduler_config.max_model_len // block_size)
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device,
-                                    has_lora=lora is not None)
+                                    has_lora=lora is not None,
+                                    full_width_tables=isinstance(model.forward, CompiledForward))
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
             # spec_tokens (num_speculative_tokens, 0: no speculation): verify graphs of 1 + k tokens a sequence too
