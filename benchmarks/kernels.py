@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/kernels.py`: this fil
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels_fp8 import bench_fp8, bench_fp8_kv_decode, bench_tune_fp8, bench_tune_fp8_kv_decode
+from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8, bench_tune_fp8_kv_decode
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4, bench_tune_int4
 from benchmarks.kernels_lora import GPU_LORA, SMOKE_LORA, bench_lora, bench_tune_lora, print_lora_overhead
 from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
@@ -597,7 +597,7 @@ def main(argv=None) -> int:
                                                      args.int_layouts),
               "mla": lambda runner, cfg: bench_mla(runner, cfg, (SMOKE_MLA if args.smoke else GPU_MLA)
                                                    | ({"heads": args.mla_heads} if args.mla_heads else {})),
-              "lora": lambda runner, cfg: bench_lora(runner, cfg, lora_cfg), "fp8-kv": bench_fp8_kv_decode}
+              "lora": lambda runner, cfg: bench_lora(runner, cfg, lora_cfg)}
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune needs a GPU")

@@ -8,8 +8,7 @@
                             Triton GEMM, quantize_per_token + torch._scaled_mm, and _scaled_mm alone (x already
                             FP8: what the quantization pass costs). linear_fp8 takes _scaled_mm from
                             kernels/linear_fp8.py's SCALED_MM_MIN_ROWS on: set it where the rows cross.
-    fp8 kv decode           decode attention over an e4m3 pool against the bf16 pool, in bytes of the FP8 K/V; V in
-                            the pool's layout (dimension-major) and token-major. Alone: `--only fp8-kv`.
+    fp8 kv decode           decode attention over an e4m3 pool against the bf16 pool, in bytes of the FP8 K/V.
     --tune                  the decode-sized launch settings (`default_config`) against a sweep.
 """
 
@@ -23,14 +22,13 @@ import torch
 
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FP8_DTYPE, quantize_per_token, quantize_weight
-from kernels.kv_cache import to_value_cache
 from kernels.linear import linear_cublas, linear_triton
 from kernels.linear_fp8 import linear_fp8_ref, linear_fp8_scaled_mm, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 
 FP8_ROWS = [1, 2, 4, 8, 16]
 GEMM_ROWS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-KV_CASES = [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (256, 2048), (512, 3072), (256, 4096)]
+KV_CASES = [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (256, 2048)]
 SWAP_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, SPLIT_K=1)
                 for n, w in ((64, 4), (128, 8), (128, 4)) for k in (256, 512) for st in (3, 4)]
 # Split-K (kernels/linear_fp8.py auto_split_k): more programs for the layers of fewer 64-row tiles than SMs.
@@ -173,17 +171,14 @@ def bench_fp8_kv_decode(runner, cfg: dict):
 
         def build(batch=batch, ctx=ctx):
             copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
-            fp8 = fp8_pools(copies)
+            fp8 = [(k.to(FP8_DTYPE), v.to(FP8_DTYPE), t) for k, v, t, _, _ in copies]
             k_scale = v_scale = torch.ones(kv_heads, device=device)
             bf16_turn, fp8_turn = itertools.cycle([c[:3] for c in copies]), itertools.cycle(fp8)
-            token_major = itertools.cycle([(k, v.contiguous(), t) for k, v, t in fp8])  # the layout before 2026-12-06
             q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             impls = {"bf16 triton": lambda: paged_attention_decode_triton(q, *next(bf16_turn), lens, scale),
                      "fp8 triton": lambda: paged_attention_decode_triton(q, *next(fp8_turn), lens, scale,
-                                                                         k_scale=k_scale, v_scale=v_scale),
-                     "fp8 triton, token-major V": lambda: paged_attention_decode_triton(
-                         q, *next(token_major), lens, scale, k_scale=k_scale, v_scale=v_scale)}
+                                                                         k_scale=k_scale, v_scale=v_scale)}
 
             def check():
                 args = (q, *fp8[0], lens, scale)
@@ -193,11 +188,6 @@ def bench_fp8_kv_decode(runner, cfg: dict):
             return impls, dict(bytes=kv_bytes // 2), check
 
         runner.case("fp8 kv decode", f"batch {batch} ctx {ctx}", build)
-
-
-def fp8_pools(copies: list[tuple]) -> list[tuple]:
-    """cold_kv's bf16 copies as e4m3 pools laid out as the engine's (V dimension-major: kernels/kv_cache.py)."""
-    return [(k.to(FP8_DTYPE), to_value_cache(v.to(FP8_DTYPE)), t) for k, v, t, _, _ in copies]
 
 
 def bench_fp8(runner, cfg: dict):
@@ -230,7 +220,7 @@ def bench_tune_fp8_kv_decode(runner, cfg: dict):
 
         def build(batch=batch, ctx=ctx):
             copies, kv_bytes = cold_kv(batch, ctx, cfg, device)
-            turn = itertools.cycle(fp8_pools(copies))
+            turn = itertools.cycle([(k.to(FP8_DTYPE), v.to(FP8_DTYPE), t) for k, v, t, _, _ in copies])
             bf16_turn = itertools.cycle([c[:3] for c in copies])
             q = torch.randn(batch, heads, dim, dtype=cfg["dtype"], device=device)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)

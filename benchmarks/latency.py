@@ -364,7 +364,8 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
                                  "prompt_len": prompt_len, **measured})
     engine.check_integrity()
     run = {"quantization": config.model.quantization, "lora": label, "speculative": spec is not None,
-           "num_kv_blocks": engine.executor.num_kv_blocks, "workers": workers}
+           "compilation_level": config.compilation.level, "num_kv_blocks": engine.executor.num_kv_blocks,
+           "workers": workers, "startup_s": {k: round(v, 2) for k, v in engine.startup.phases.items()}}
     engine.shutdown()
     del engine
     free_device_memory()

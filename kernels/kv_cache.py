@@ -12,15 +12,6 @@ head_dim]`. A token's slot is `block_id * block_size + offset`; the block manage
 
 A float8_e4m3fn cache (kv_cache_dtype="fp8") stores k / k_scale[head] rounded to e4m3, with k_scale and v_scale
 float32 [num_kv_heads] powers of two (kernels/fp8.py): readers multiply back.
-
-An e4m3 V cache is dimension-major (`value_cache_layout`): its shape is the same, but a block's bytes lie as
-[num_kv_heads, head_dim, block_size], each value dimension's tokens side by side. Attention contracts P x V over the
-tokens, and the tensor cores take each thread's two values of a dimension from two tokens: token-major e4m3 V is
-then read from shared memory a byte at a time (there is no 8-bit transposing ldmatrix before sm_100), a third of
-the decode kernel's loop on sm_90 (kernels/paged_attention.py). The writers take any cache whose last or second
-dimension is contiguous. The bytes an e4m3 cache holds are finite: the pool is zeroed at allocation and the
-writers store NaN as 0, since the attention kernels read a dimension-major block's tail past the sequence (its
-probabilities are 0, and 0 x NaN would not be).
 """
 
 import torch
@@ -45,7 +36,7 @@ from kernels.fp8 import FP8_DTYPE, quantize_ref, to_e4m3
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     k_scale_ptr, v_scale_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
@@ -67,41 +58,15 @@ def _write_kv_cache_kernel(
         k = quantize_heads(k, k_scale_ptr, heads, NUM_HEADS, EXACT)
         v = quantize_heads(v, v_scale_ptr, heads, NUM_HEADS, EXACT)
     tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims, k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims * stride_vcd, v,
-             mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims, v, mask=mask)
 
 
 @triton.jit
 def quantize_heads(x, scale_ptr, heads, NUM_HEADS: tl.constexpr, EXACT: tl.constexpr):
-    """x [heads, dims] -> e4m3 x / scale[head] (a power of two: the reciprocal from its exponent bits); NaN -> 0
-    (the cache's bytes stay finite: see the module's docstring)."""
+    """x [heads, dims] -> e4m3 x / scale[head] (a power of two: the reciprocal from its exponent bits)."""
     scale = tl.load(scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0)
     inv = ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    x = x.to(tl.float32)
-    return to_e4m3(tl.where(x == x, x, 0.0) * inv, EXACT)
-
-
-def value_cache_layout(v_cache: torch.Tensor) -> torch.Tensor:
-    """The V cache over the memory of `v_cache` [num_blocks, block_size, num_kv_heads, head_dim] (its last three
-    dimensions contiguous, as a pool's allocation is): e4m3, the same shape dimension-major (strides (block,
-    1, head_dim * block_size, block_size)); another dtype, as it is."""
-    if v_cache.dtype != FP8_DTYPE:
-        return v_cache
-    num_blocks, block_size, num_heads, head_dim = v_cache.shape
-    return v_cache.view(num_blocks, num_heads, head_dim, block_size).permute(0, 3, 1, 2)
-
-
-def to_value_cache(v_cache: torch.Tensor) -> torch.Tensor:
-    """A copy of v_cache's values [num_blocks, block_size, num_kv_heads, head_dim] laid out as a pool's V cache
-    (`value_cache_layout`): for tests and benchmarks that build caches outside a pool."""
-    return value_cache_layout(torch.empty_like(v_cache, memory_format=torch.contiguous_format)).copy_(v_cache)
-
-
-def check_value_cache(name: str, v_cache: torch.Tensor) -> None:
-    """A V cache the kernels read: contiguous in its last dimension (token-major) or its second (dimension-major)."""
-    if v_cache.shape[-1] > 1 and v_cache.stride(-1) != 1 and v_cache.stride(1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (token-major) or its second (dimension-"
-                         f"major, kernels/kv_cache.py value_cache_layout), got strides {tuple(v_cache.stride())}")
+    return to_e4m3(x.to(tl.float32) * inv, EXACT)
 
 
 def check_kv_scales(k_cache, k_scale, v_scale) -> None:
@@ -144,9 +109,8 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_
     """Triton launcher of `write_kv_cache`: k, v may be strided views (e.g. slices of a fused qkv output)."""
     check_kv_cache_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_launchable(k, v, k_cache, v_cache, slot_mapping)
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
-    check_value_cache("v_cache", v_cache)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -155,7 +119,7 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *v_cache.stride(),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale if k_scale is not None else k, v_scale if v_scale is not None else v,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=next_power_of_2(num_heads), DIM_PAD=next_power_of_2(head_dim),
@@ -172,9 +136,8 @@ def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sca
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     k, v = k[keep], v[keep]
-    if k_cache.dtype == FP8_DTYPE:  # NaN -> 0, as the kernels store it
-        k, v = (quantize_ref(x.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf")), (1.0 / s)[:, None])
-                for x, s in ((k, k_scale), (v, v_scale)))
+    if k_cache.dtype == FP8_DTYPE:
+        k, v = quantize_ref(k, (1.0 / k_scale)[:, None]), quantize_ref(v, (1.0 / v_scale)[:, None])
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v
 

@@ -39,7 +39,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, dequantize
-from kernels.kv_cache import check_kv_scales, check_value_cache
+from kernels.kv_cache import check_kv_scales
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # decode: fewer tokens per split would cost more in the merge than it gains
@@ -60,27 +60,20 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SCORE_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    window=0, WINDOWED: tl.constexpr = False, V_RUN: tl.constexpr = 0,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     """One BLOCK_N-token key tile of online softmax. SCORE_MASK: 0 none (every token of the tile is in range: loads
     unmasked), 1 tokens < kv_end, 2 causal (q_pos). WINDOWED: also tokens > q_pos - window (per row), the row's
     sliding window. A row that sees no key of a tile must not have a running max of -inf then (exp2(-inf - -inf)
-    is NaN): prefill starts windowed rows at -1e30 instead; decode's splits never begin with such a tile.
-    V_RUN > 0: V is dimension-major (kernels/kv_cache.py value_cache_layout), runs of V_RUN tokens of a block
-    contiguous (V_RUN divides BLOCK_SIZE and n0), loaded a block at a time: a block that holds a key in range is
-    read whole (its tail's probabilities are 0 and its bytes finite), so the loads are vectors of V_RUN tokens."""
+    is NaN): prefill starts windowed rows at -1e30 instead; decode's splits never begin with such a tile."""
     tokens = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_range = tokens < kv_end
     masked: tl.constexpr = SCORE_MASK != 0
-    if V_RUN > 0:
-        in_block = (tokens // BLOCK_SIZE) * BLOCK_SIZE < kv_end  # the token's block holds a key in range
-    else:
-        in_block = in_range
-    blocks = _load(block_table_ptr + tokens // BLOCK_SIZE, in_block, masked).to(tl.int64)
+    blocks = _load(block_table_ptr + tokens // BLOCK_SIZE, in_range, masked).to(tl.int64)
     offsets = tokens % BLOCK_SIZE
     k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
     k = _load(k_cache_ptr + k_rows[:, None] + dims[None, :], in_range[:, None], masked)
@@ -97,9 +90,7 @@ def _attend_tile(
     p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
-    if V_RUN > 0:
-        v_rows = tl.max_contiguous(tl.multiple_of(v_rows, V_RUN), V_RUN)
-    v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :] * stride_vd, in_block[:, None], masked)
+    v = _load(v_cache_ptr + v_rows[:, None] + dims[None, :], in_range[:, None], masked)
     v = v.to(q.dtype)  # e4m3: its scale multiplies the output
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -159,13 +150,13 @@ def _merge_if_last(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     counters_ptr, qk_scale, num_heads, k_scale_ptr, v_scale_ptr,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     window=0, WINDOWED: tl.constexpr = False, KV_FP8: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    PDL: tl.constexpr = False, V_RUN: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_prior(PDL)
     seq = tl.program_id(0)
@@ -217,8 +208,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, end, q_pos, kv_head,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window, WINDOWED, V_RUN)
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, 1, UPCAST, DOT_PRECISION, window, WINDOWED)
 
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -292,12 +283,12 @@ def find_query_block(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constex
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, num_seqs, num_q_blocks, num_kv_heads, k_scale_ptr, v_scale_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bts, stride_ot, stride_oh,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, window=0, WINDOWED: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False, PDL: tl.constexpr = False, V_RUN: tl.constexpr = 0,
+    KV_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_prior(PDL)
     # One flat grid, heaviest query blocks first (the last of a sequence sees the most keys), every KV head of
@@ -343,13 +334,13 @@ def _prefill_kernel(
     for n0 in range(window_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window, WINDOWED, V_RUN)
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 0, UPCAST, DOT_PRECISION, window, WINDOWED)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, n0, kv_end, q_pos, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window, WINDOWED, V_RUN)
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, 2, UPCAST, DOT_PRECISION, window, WINDOWED)
 
     if KV_FP8:  # e4m3 V: its per-head scale multiplies the output
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -396,18 +387,8 @@ def _check_triton_layout(q, k_cache, v_cache, block_tables) -> None:
     head_dim = q.shape[2]
     if not (is_power_of_2(head_dim) and head_dim >= 16):
         raise ValueError(f"the Triton kernels take head_dim a power of two >= 16, got {head_dim}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
-    check_value_cache("v_cache", v_cache)
-
-
-def _v_run(v_cache: torch.Tensor) -> int:
-    """The kernels' V_RUN: 0 for a token-major V cache; dimension-major, the tokens of a block that one vector load
-    reads (up to 16 bytes' worth, a power of two that divides block_size)."""
-    if v_cache.stride(-1) == 1 and v_cache.shape[-1] > 1:
-        return 0
-    block_size = v_cache.shape[1]
-    return min(block_size & -block_size, 16 // v_cache.element_size())
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -556,7 +537,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
         scale * LOG2E, num_heads, k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride(),
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, next_power_of_2(queries_per_kv)), HEADS_PAD=next_power_of_2(queries_per_kv),
@@ -565,7 +546,6 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
         F16_DOTS=k_cache.dtype == FP8_DTYPE and bool(cfg["f16_dots"]),  # a config override: e4m3 caches only
-        V_RUN=_v_run(v_cache),
         **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
@@ -609,13 +589,13 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, query_star
     _prefill_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, num_seqs, num_q_blocks, num_kv_heads, k_scale if k_scale is not None else q,
-        v_scale if v_scale is not None else q, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride(),
+        v_scale if v_scale is not None else q, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
         UPCAST=upcast_dot_operands(q.dtype, q.device), DOT_PRECISION=dot_precision(q.dtype),
         window=sliding_window or 0, WINDOWED=sliding_window is not None, KV_FP8=k_cache.dtype == FP8_DTYPE,
-        V_RUN=_v_run(v_cache), **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

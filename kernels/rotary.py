@@ -25,7 +25,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE
-from kernels.kv_cache import check_kv_cache_inputs, check_value_cache, quantize_heads, write_kv_cache_ref
+from kernels.kv_cache import check_kv_cache_inputs, quantize_heads, write_kv_cache_ref
 from kernels.rope_scaling import compute_inv_freq
 
 
@@ -74,7 +74,7 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_r
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd, k_scale_ptr, v_scale_ptr,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
     FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
@@ -104,8 +104,7 @@ def _rotary_kernel(
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + all_dims, mask=mask)
         if FP8:
             v = quantize_heads(v, v_scale_ptr, heads, NUM_KV_HEADS, EXACT)
-        tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + all_dims * stride_vcd,
-                 v, mask=mask)
+        tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + all_dims, v, mask=mask)
 
 
 def _as_heads(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
@@ -150,15 +149,14 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None
         v3 = _as_heads("v", v, num_tokens, head_dim)
         check_kv_cache_inputs(k3, v3, k_cache, v_cache, slots, k_scale, v_scale)
         check_launchable(v, k_cache, v_cache, slots)
-        for name, t in (("v", v3), ("k_cache", k_cache)):
+        for name, t in (("v", v3), ("k_cache", k_cache), ("v_cache", v_cache)):
             check_last_dim_contiguous(name, t)
-        check_value_cache("v_cache", v_cache)
         block_size = k_cache.shape[1]
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         cos_sin_cache.stride(0), v3, k_cache, v_cache, slots, v3.stride(0), v3.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], v_cache.stride(-1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
         k_scale if k_scale is not None else cos_sin_cache, v_scale if v_scale is not None else cos_sin_cache,
         NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=k3.shape[1], Q_HEADS_PAD=next_power_of_2(q3.shape[1]),
         KV_HEADS_PAD=next_power_of_2(k3.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),

@@ -3,10 +3,7 @@ memory; and the host-memory tier behind it (`HostKVPool`), in the same layout an
 
     per-head K and V (every family but DeepSeek)      latent (DeepSeek's multi-head latent attention, MLA)
     k_cache [num_blocks, block_size, H_kv, D]         latent_cache [num_blocks, block_size, 1, kv_lora_rank]
-    v_cache [num_blocks, block_size, H_kv, D] (*)     rope_cache   [num_blocks, block_size, 1, qk_rope_head_dim]
-
-    (*) e4m3: dimension-major within a block, [H_kv, D, block_size] in memory (kernels/kv_cache.py
-        value_cache_layout); the same shape, so only the kernels see it.
+    v_cache [num_blocks, block_size, H_kv, D]         rope_cache   [num_blocks, block_size, 1, qk_rope_head_dim]
 
 A latent pool stores per token and layer the compressed KV c_kv (which every head's key and value are projected
 from) and the one rotated key k_pe that every head shares: 512 + 64 values for DeepSeek-V2, the same on every
@@ -23,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import CacheConfig
-from kernels.kv_cache import value_cache_layout
 from workers.inputs import to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -75,16 +71,10 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     first, second = layout.shapes(num_blocks, block_size)
     if first == second:
         buffer = torch.zeros((layout.num_layers, 2, *first), dtype=dtype, device=device)
-        return [(buffer[i, 0], _second(layout, buffer[i, 1])) for i in range(layout.num_layers)]
+        return [(buffer[i, 0], buffer[i, 1]) for i in range(layout.num_layers)]
     firsts = torch.zeros((layout.num_layers, 1, *first), dtype=dtype, device=device)
     seconds = torch.zeros((layout.num_layers, 1, *second), dtype=dtype, device=device)
     return [(firsts[i, 0], seconds[i, 0]) for i in range(layout.num_layers)]
-
-
-def _second(layout: KVLayout, tensor: torch.Tensor) -> torch.Tensor:
-    """A layer's second tensor over its memory: per-head V in the kernels' layout (an e4m3 V cache is dimension-major
-    within a block: kernels/kv_cache.py value_cache_layout), a latent pool's rope keys as they are."""
-    return tensor if layout.is_latent else value_cache_layout(tensor)
 
 
 def kv_buffers(caches: KVCaches) -> list[torch.Tensor]:
@@ -179,11 +169,9 @@ class HostKVPool:
         first, second = device_caches[0]
         num_layers, first_size = len(device_caches), first[0].numel()
         self.buffer = torch.empty((num_blocks, num_layers, first_size + second[0].numel()), dtype=first.dtype)
-        # the device blocks' bytes, so the same views (an e4m3 V cache dimension-major)
-        self.caches: KVCaches = [
-            (self.buffer[:, i, :first_size].view(num_blocks, *first.shape[1:]),
-             self._like(second, self.buffer[:, i, first_size:].view(num_blocks, *second.shape[1:])))
-            for i in range(num_layers)]
+        self.caches: KVCaches = [(self.buffer[:, i, :first_size].view(num_blocks, *first.shape[1:]),
+                                  self.buffer[:, i, first_size:].view(num_blocks, *second.shape[1:]))
+                                 for i in range(num_layers)]
         self.is_pinned = self.device.type == "cuda"
         self._copy_stream = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the offloads not yet waited for
@@ -194,11 +182,6 @@ class HostKVPool:
         word = _widest_word(math.gcd(*(r.shape[-1] * r.element_size() for r in rows)))  # divides a host block too
         self._device_rows = [r.view(torch.uint8).view(word) for r in rows]
         self._host_blocks = self.buffer.view(num_blocks, -1).view(torch.uint8).view(word)  # [Nh, words of a block]
-
-    @staticmethod
-    def _like(device_cache: torch.Tensor, host_cache: torch.Tensor) -> torch.Tensor:
-        """host_cache (token-major) laid out as device_cache is."""
-        return host_cache if device_cache.stride(-1) == 1 else value_cache_layout(host_cache)
 
     @property
     def num_bytes(self) -> int:

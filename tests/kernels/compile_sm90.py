@@ -125,7 +125,6 @@ def resources(compiled) -> dict:
         if match:
             usage |= {"registers": int(match[1]), "spill_bytes": int(match[2]) + int(match[3])}
         usage["loop_instructions"] = main_loop_length(sass)
-        usage["byte_shared_loads"] = len(re.findall(r"\bLDS\.U8\b", sass))  # shared memory read a byte at a time
     return usage
 
 
@@ -169,24 +168,23 @@ FP8 = torch.float8_e4m3fn
 
 
 def _kv(kv_heads, dim, dtype, kv_fp8):
-    """K and V caches in the pool's layouts (an e4m3 V dimension-major), and an e4m3 pool's scales."""
-    k_cache = empty(8, 16, kv_heads, dim, dtype=FP8 if kv_fp8 else dtype)
+    cache = empty(8, 16, kv_heads, dim, dtype=FP8 if kv_fp8 else dtype)
     scales = dict(k_scale=empty(kv_heads, dtype=torch.float32), v_scale=empty(kv_heads, dtype=torch.float32))
-    return (k_cache, kv_cache.value_cache_layout(torch.empty_like(k_cache))), scales if kv_fp8 else {}
+    return cache, scales if kv_fp8 else {}
 
 
 def decode(name, seqs, heads, kv_heads, dim, dtype, splits, fused_merge=None, config=None, window=None, kv_fp8=False):
     CASE[0] = name
-    q, ((k_cache, v_cache), scales) = empty(seqs, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
-    paged_attention.paged_attention_decode_triton(q, k_cache, v_cache, int32(seqs, 512), int32(seqs), 0.1,
+    q, (cache, scales) = empty(seqs, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
+    paged_attention.paged_attention_decode_triton(q, cache, cache, int32(seqs, 512), int32(seqs), 0.1,
                                                   num_splits=splits, config=config, fused_merge=fused_merge,
                                                   sliding_window=window, **scales)
 
 
 def prefill(name, tokens, heads, kv_heads, dim, dtype, max_query_len=None, num_seqs=2, window=None, kv_fp8=False):
     CASE[0] = name
-    q, ((k_cache, v_cache), scales) = empty(tokens, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
-    paged_attention.paged_attention_prefill_triton(q, k_cache, v_cache, int32(num_seqs, 512), int32(num_seqs + 1),
+    q, (cache, scales) = empty(tokens, heads, dim, dtype=dtype), _kv(kv_heads, dim, dtype, kv_fp8)
+    paged_attention.paged_attention_prefill_triton(q, cache, cache, int32(num_seqs, 512), int32(num_seqs + 1),
                                                    int32(num_seqs), 0.1, max_query_len, sliding_window=window,
                                                    **scales)
 

@@ -26,7 +26,7 @@ from kernels.fp8 import (
     quantize_weight,
     quantize_weight_blocks,
 )
-from kernels.kv_cache import to_value_cache, write_kv_cache_ref, write_kv_cache_triton
+from kernels.kv_cache import write_kv_cache_ref, write_kv_cache_triton
 from kernels.linear_fp8 import MAX_ROWS, auto_split_k, linear_fp8, linear_fp8_ref, linear_fp8_swap, linear_fp8_triton
 from kernels.paged_attention import (
     decode_config,
@@ -282,7 +282,6 @@ def kv_case(num_tokens, num_kv_heads, head_dim, block_size, device, seed=0):
     k_scale = torch.tensor([2.0 ** -4, 2.0 ** -2, 1.0][:num_kv_heads])
     v_scale = torch.tensor([2.0 ** -6, 2.0 ** -5, 2.0][:num_kv_heads])
     caches = [torch.full(shape, float("nan")).to(FP8_DTYPE) for _ in "kv"]  # NaN bytes wherever nothing is written
-    caches[1] = to_value_cache(caches[1])
     return [t.to(device) for t in (k, v, *caches, slots, k_scale, v_scale)]
 
 
@@ -298,29 +297,6 @@ def test_fp8_kv_write_is_bitwise_the_ref(num_kv_heads, head_dim, block_size, dev
                                rtol=2 ** -4)
     with pytest.raises(ValueError, match="k_scale must be float32"):
         write_kv_cache_triton(k, v, k_cache, v_cache, slots)
-    with pytest.raises(ValueError, match="v_cache must be contiguous in its last dimension .* or its second"):
-        strided = torch.zeros(*v_cache.shape[:3], 2 * v_cache.shape[3], dtype=FP8_DTYPE, device=device)[..., ::2]
-        write_kv_cache_triton(k, v, k_cache, strided, slots, k_scale, v_scale)
-
-
-def test_fp8_kv_writes_store_nan_as_zero(device):
-    """The e4m3 pool's bytes stay finite (the attention kernels read a dimension-major block's tail past the
-    sequence, where 0 x NaN would poison the output): NaN is stored as 0, +-inf as +-448, by the writers and the
-    reference alike."""
-    k, v, k_cache, v_cache, slots, k_scale, v_scale = kv_case(8, 2, 16, 4, device)
-    k[2:4, 0, :3] = float("nan")
-    v[2:4, 1, 5] = float("nan")
-    v[5, 0, 0], v[6, 0, 0] = float("inf"), float("-inf")
-    refs = [c.cpu().clone() for c in (k_cache, v_cache)]
-    write_kv_cache_ref(k.cpu(), v.cpu(), *refs, slots.cpu(), k_scale.cpu(), v_scale.cpu())
-    write_kv_cache_triton(k, v, k_cache, v_cache, slots, k_scale, v_scale)
-    blocks, offsets = slots[2:7].cpu() // 4, slots[2:7].cpu() % 4
-    for cache, ref in zip((k_cache.cpu(), v_cache.cpu()), refs):
-        assert torch.equal(bits(cache), bits(ref))
-        assert torch.isfinite(cache[blocks, offsets].float()).all()
-    assert torch.equal(refs[0][blocks[:2], offsets[:2], 0, :3].float(), torch.zeros(2, 3))
-    assert torch.equal(refs[1][blocks[:2], offsets[:2], 1, 5].float(), torch.zeros(2))
-    assert refs[1][blocks[3], offsets[3], 0, 0].float() == 448 and refs[1][blocks[4], offsets[4], 0, 0].float() == -448
 
 
 def test_fused_rotary_fp8_kv_write_is_bitwise_the_ref(device):
@@ -336,9 +312,8 @@ def test_fused_rotary_fp8_kv_write_is_bitwise_the_ref(device):
     assert torch.equal(bits(k_cache.cpu()), bits(ref[3])) and torch.equal(bits(v_cache.cpu()), bits(ref[4]))
 
 
-def paged_fp8(seq_lens, num_kv_heads, head_dim, block_size, device, seed=0, dims_major=True):
-    """Shuffled paged e4m3 K/V (unused blocks hold NaN bytes; the slots past a sequence in its last block, finite
-    values) and per-head scales; V in the pool's layout (dimension-major), or token-major."""
+def paged_fp8(seq_lens, num_kv_heads, head_dim, block_size, device, seed=0):
+    """Shuffled paged e4m3 K/V (unused blocks hold NaN bytes) and per-head scales."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 2
@@ -354,18 +329,14 @@ def paged_fp8(seq_lens, num_kv_heads, head_dim, block_size, device, seed=0, dims
     for s, nb in enumerate(blocks):
         tables[s, :nb] = order[start:start + nb].int()
         start += nb
-    if dims_major:
-        caches[1] = to_value_cache(caches[1])
     return [t.to(device) for t in (*caches, tables, k_scale, v_scale)]
 
 
-@pytest.mark.parametrize("dtype,dims_major", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
-                         ids=["float32", "bfloat16", "bfloat16 token-major V"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_decode_matches_ref(dtype, dims_major, num_splits, device, poisoned_allocations):
+def test_fp8_decode_matches_ref(dtype, num_splits, device, poisoned_allocations):
     seq_lens = [1, 17, 40]
-    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 4, device, dims_major=dims_major)
-    assert (v_cache.stride(1) == 1) == dims_major
+    k_cache, v_cache, tables, k_scale, v_scale = paged_fp8(seq_lens, 2, 32, 4, device)
     q = torch.randn(3, 8, 32).to(dtype).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2, k_scale=k_scale, v_scale=v_scale)

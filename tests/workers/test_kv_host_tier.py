@@ -46,9 +46,6 @@ def test_round_trip_is_bit_exact(dtype, block_size, layout):
     for (host_k, host_v), (k, v) in zip(pool.caches, device_caches):
         assert host_k.shape == (6, *k.shape[1:]) and host_v.shape == (6, *v.shape[1:])
         assert host_k.dtype == host_v.dtype == dtype
-        # an e4m3 V cache is dimension-major within a block (kernels/kv_cache.py), on both tiers
-        dims_major = dtype == torch.float8_e4m3fn and not layout.is_latent and block_size > 1
-        assert (v.stride(-1) != 1) == (host_v.stride(-1) != 1) == dims_major
 
     pool.offload([(5, 2), (1, 0), (3, 5)])  # pairs in any order
     pool.onload([(5, 0), (0, 7), (2, 4)])  # into other device blocks
