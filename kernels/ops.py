@@ -76,33 +76,39 @@ def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None,
 
 @dataclass(frozen=True)
 class CacheRef:
-    """What a compiled forward's layers get in place of a KV cache tensor: the layer's index and the pool's dtype.
-    The pool is never an input of the graph (its tensors are views of one allocation, which inductor would copy
-    to write into); `attention` finds the step's pool, which the compiled model's caller sets (`set_kv_caches`)."""
+    """What a compiled layer gets in place of a KV cache tensor: the layer's index, as a 0-d int64 host tensor (an
+    int would be a constant of the graph, and every layer a graph of its own), and the pool's dtype. The pool is
+    never an input of the graph (its tensors are views of one allocation, which inductor would copy to write into);
+    `attention` finds the step's pool, which the compiled model's caller sets (`set_kv_caches`)."""
 
-    layer: int
+    layer: torch.Tensor
     dtype: torch.dtype
 
 
 _kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the pool of the step being run (set_kv_caches)
 
 
-def set_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[CacheRef, CacheRef]]:
-    """Makes kv_caches the pool that `attention` reads and writes; returns their CacheRefs, for the forward."""
+def cache_refs(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[CacheRef, CacheRef]]:
+    """The CacheRefs of a pool's layers, for a compiled forward."""
+    return [(CacheRef(torch.tensor(i), k.dtype), CacheRef(torch.tensor(i), v.dtype))
+            for i, (k, v) in enumerate(kv_caches)]
+
+
+def set_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Makes kv_caches the pool that `attention` reads and writes."""
     global _kv_caches
     _kv_caches = kv_caches
-    return [(CacheRef(i, k.dtype), CacheRef(i, v.dtype)) for i, (k, v) in enumerate(kv_caches)]
 
 
 @torch.library.custom_op("pagoda::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, slot_mapping: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, scale: float,
               max_query_len: int, sliding_window: int | None, k_scale: torch.Tensor | None,
               v_scale: torch.Tensor | None) -> torch.Tensor:
     """This step's k, v [T, H_kv, D] written into layer `layer`'s KV cache at slot_mapping (-1: skip), then the
     paged attention of q [T, H, D] -> [T, H, D]: decode (query_start_loc None: one query a sequence) or packed
     prefill. One op, as vLLM's: its output depends on the write, so nothing reorders or drops it."""
-    k_cache, v_cache = _kv_caches[layer]
+    k_cache, v_cache = _kv_caches[int(layer)]  # a host tensor: no sync
     _write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if query_start_loc is None:
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
@@ -118,13 +124,14 @@ def _(q, k, v, layer, slot_mapping, block_tables, seq_lens, query_start_loc, sca
 
 
 @torch.library.custom_op("pagoda::mla_attention", mutates_args=())
-def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, layer: int,
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                  layer: torch.Tensor,
                   slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor | None, scale: float, max_query_len: int,
                   latent_scale: torch.Tensor | None, rope_scale: torch.Tensor | None) -> torch.Tensor:
     """DeepSeek-V2's latent attention as `attention` is: this step's latents [T, L] and rotated keys [T, R] written
     into layer `layer`'s latent pool, then the absorbed attention of q_lat [T, H, L], q_pe [T, H, R] -> [T, H, L]."""
-    latent_cache, rope_cache = _kv_caches[layer]
+    latent_cache, rope_cache = _kv_caches[int(layer)]
     write_latent_cache(latent, k_pe, latent_cache, rope_cache, slot_mapping, latent_scale, rope_scale)
     if query_start_loc is None:
         return mla_decode(q_lat, q_pe, latent_cache, rope_cache, block_tables, seq_lens, scale, latent_scale,
