@@ -48,6 +48,9 @@ class CompiledForward:
         dynamo.fail_on_recompile_limit_hit = True  # never run eagerly unnoticed
         # no "duck" sizes: a first step whose token count equals its sequence count (a decode) must not tie the two
         torch.fx.experimental._config.use_duck_shape = False
+        # round where the torch references round (a bf16 cast between float32 steps is not skipped), as the eager
+        # kernels do: FP8 quantizes those values
+        torch._inductor.config.emulate_precision_casts = True
         self.forward = type(model).forward.__get__(model)
         layers = model.model.layers
         compiled = torch.compile(_own_copy(type(layers[0]).forward), dynamic=True, fullgraph=True)
