@@ -1,7 +1,7 @@
 """Pagoda's own kernels as torch custom ops, for a model compiled by torch.compile (engine/config.py
 CompilationConfig, level 3).
 
-Compiled, a forward pass is one graph: inductor generates the code between these ops (residual adds, RMSNorm, the
+Compiled, a decoder layer is one graph: inductor generates the code between these ops (residual adds, RMSNorm, the
 per-token FP8 quantization of activations, rotary, SiLU-and-mul where no GEMM fuses it), and each op here is opaque
 to it: it runs the same dispatcher as an eager step (the Triton launchers on a GPU, the torch references on CPU) at
 the shapes the step has. The layers call them only while dynamo traces (`torch.compiler.is_compiling()`); an eager

@@ -1,12 +1,13 @@
-"""torch.compile of a model's forward pass (CompilationConfig level 3, engine/config.py).
+"""torch.compile of a model's decoder layers (CompilationConfig level 3, engine/config.py).
 
-One graph for every step: dynamic in the number of tokens and sequences (a decode batch of one, whose sizes of 1
-torch specializes, compiles once more), with Pagoda's GEMMs, attention (with its KV write) and all-reduces as opaque
-custom ops (kernels/ops.py, workers/parallel.py) and inductor's code for the rest, which the layers trace from the
-torch references of their other kernels (kernels/_triton.py `use_triton`). The KV pool is not an input of the graph:
-the layers get `CacheRef`s and the attention op finds the step's pool (`ops.set_kv_caches`). fullgraph: a graph
-break is an error at the first step, not a silently slower model. The decode CUDA graphs (workers/cuda_graphs.py)
-capture the compiled code after their warm-up runs compiled it.
+One compiled function serves every decoder layer of a model, dynamic in the number of tokens and sequences (a step
+of one token or one sequence, whose sizes of 1 torch specializes, compiles once more), with Pagoda's GEMMs,
+attention (with its KV write), MoE and LoRA kernels and all-reduces as opaque custom ops (kernels/ops.py,
+workers/parallel.py) and inductor's code for the rest, which the layers trace from the torch references of their
+other kernels (kernels/_triton.py `use_triton`). The KV pool is not an input of the graph: the layers get
+`CacheRef`s and the attention op finds the step's pool (`ops.set_kv_caches`). fullgraph: a graph break is an error
+at the first step, not a silently slower model. The decode CUDA graphs (workers/cuda_graphs.py) capture the compiled
+code after their warm-up runs compiled it; the prefill warm-up compiles the rest (workers/worker.py).
 """
 
 from __future__ import annotations
