@@ -107,6 +107,24 @@ def _assert(condition: bool) -> None:
     assert condition
 
 
+def test_compiled_speculative_decoding_gives_the_plain_output():
+    """Speculation with steps launched ahead (device drafts from test_spec_decode's oracle lookup): verify steps
+    (1 + k tokens a sequence through the prefill path) and plain steps run the compiled layers, with the plain
+    eager output, drafts accepted and rejected."""
+    from tests.engine import test_spec_decode as spec
+
+    params = [spec.SamplingParams(temperature=0.0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (37, 40, 23, 30)]
+    plain, _ = spec._run(spec.PROMPTS, params)
+    before = _graphs()
+    references = spec._references(spec.PROMPTS, plain)[:3]  # drafts from the oracle: some accepted, some not
+    compiled, engine = spec._run(spec.PROMPTS, params, 4, references, True, speculative_config=spec.NGRAM,
+                                 compilation_config=3)
+    assert 1 <= _graphs() - before <= MAX_GRAPHS  # the layers ran compiled (the engine has shut down)
+    spec._assert_same(plain, compiled, atol=1e-4)
+    stats = engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 def test_level_0_runs_the_model_eagerly(tiny_model_dir):
     llm = LLM(model=tiny_model_dir, dtype="float32", device="cpu", num_kv_blocks=64, compilation_config=0)
     try:
