@@ -134,7 +134,7 @@ class ModelRunner:
         self.buffers = InputBuffers(scheduler_config.max_num_batched_tokens + scheduler_config.max_num_seqs,
                                     scheduler_config.max_num_seqs, max_blocks, block_size, device,
                                     has_lora=lora is not None,
-                                    full_width_tables=isinstance(model.forward, CompiledForward))
+                                    full_width_tables=isinstance(getattr(model, "forward", None), CompiledForward))
         self.graphs = None
         if use_cuda_graphs and device.type == "cuda":
             # spec_tokens (num_speculative_tokens, 0: no speculation): verify graphs of 1 + k tokens a sequence too
