@@ -65,8 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="a real-sized shape with random weights instead of --model (e.g. llama-3-8b)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--compilation-config", "-O", type=_compilation_config, default=None, metavar="LEVEL|JSON",
-                        help="torch.compile, as vLLM's: -O3 or '{\"level\": 3}' compiles the model's forward "
-                             "around Pagoda's kernels (inductor's code between its GEMMs and attention); 0 (the "
+                        help="torch.compile, as vLLM's: -O3 or '{\"level\": 3}' compiles the model's decoder "
+                             "layers around Pagoda's kernels (inductor's code between its GEMMs and attention); 0 (the "
                              "default) runs it eagerly with Pagoda's hand-fused kernels")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="refused: Pagoda runs only its own model code (see the README's model list)")

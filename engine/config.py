@@ -311,10 +311,10 @@ _NOT_COMPILED_WITH_LORA = ("DeepseekV2ForCausalLM",)
 @dataclass(frozen=True)
 class CompilationConfig:
     """vLLM's compilation_config: level 0 runs the model eagerly (Pagoda's hand-fused kernels, decode under CUDA
-    graphs); level 3 compiles its forward pass with torch.compile: inductor generates the code between Pagoda's
-    GEMMs, KV writes and attention (kernels/ops.py, opaque custom ops), one graph for any number of tokens, and
-    the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n} ({"mode": n}). What has no
-    op yet is refused (`check`)."""
+    graphs); level 3 compiles its decoder layers with torch.compile (workers/compile.py): inductor generates the
+    code between Pagoda's GEMMs, KV writes and attention (kernels/ops.py, opaque custom ops), one graph for any
+    number of tokens, and the decode CUDA graphs capture the compiled code. Given as an int, or {"level": n}
+    ({"mode": n}). What has no op yet is refused (`check`)."""
 
     level: int = 0
 

@@ -62,7 +62,6 @@ def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None,
     """kernels.linear_fp8.linear_fp8, traced: the per-token quantization of x (a per-row weight without a static
     input scale) and of a gated output for the next FP8 layer (quantize_output) are torch code that inductor fuses
     with what computes x; the GEMM is the op."""
-    out_dtype = x.dtype
     if isinstance(x, torch.Tensor) and block_size is None and input_scale is None:
         values, scale = quantize_per_token_ref(x)
         x = QuantizedRows(values, scale, x.dtype)
@@ -70,7 +69,7 @@ def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None,
         out = _linear_fp8_op(x.values, x.scale, weight, weight_scale, bias, gated, None, input_scale, x.dtype)
     else:
         out = _linear_fp8_op(x, None, weight, weight_scale, bias, gated, list(block_size) if block_size else None,
-                             input_scale, out_dtype)
+                             input_scale, x.dtype)
     return QuantizedRows.of(out, reference=True) if quantize_output else out
 
 

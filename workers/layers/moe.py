@@ -112,14 +112,13 @@ class FusedMoE(nn.Module):
         if torch.compiler.is_compiling():  # the experts as an opaque op (kernels/ops.py)
             if self.quant_config is None:
                 return ops.fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            w13, w2 = quantized_experts(self)
             if self.quant_config.is_packed_int:
-                w13, w2 = quantized_experts(self)
                 return ops.fused_moe_int(h, w13.qweight, w13.qzeros, w13.scales, w13.g_idx, w2.qweight, w2.qzeros,
                                          w2.scales, w2.g_idx, w13.group_size, *ops.packing_args(w13.packing),
                                          topk_weights, topk_ids)
-            return ops.fused_moe_fp8(h, self.w13_weight, self.w13_weight_scale, self.w2_weight,
-                                     self.w2_weight_scale, list(self.block_size) if self.block_size else None,
-                                     topk_weights, topk_ids)
+            return ops.fused_moe_fp8(h, w13.weight, w13.scale, w2.weight, w2.scale,
+                                     list(w13.block_size) if w13.block_size else None, topk_weights, topk_ids)
         if self.quant_config is not None:
             return fused_moe_quant(h, *quantized_experts(self), topk_weights, topk_ids)
         return fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
