@@ -19,14 +19,16 @@ asks for 8 rank-16 adapters at >= 85% of the base model's throughput (256 reques
 
 import torch
 
-from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from kernels.lora import MAX_SHRINK_PARTS, lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 
 GPU_LORA = dict(layers={"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                         "down": (14336, (4096,))},
                 rank=16, num_adapters=8, decode_batches=[1, 64, 256], prefill_tokens=[2048], prefill_seqs=8)
 SMOKE_LORA = dict(layers={"qkv": (64, (64, 32, 32)), "down": (96, (64,))}, rank=16, num_adapters=4,
                   decode_batches=[1, 8], prefill_tokens=[40], prefill_seqs=4)
-TUNE_SHRINK = [dict(BLOCK_M=m, SPLIT_K=s) for m in (16, 32, 64) for s in (1, 4, 16)]
+# split K's partial sums at rank 16: at most MAX_SHRINK_PARTS (kernels/lora.py) a tile
+TUNE_SHRINK = [dict(BLOCK_M=m, SPLIT_K=s) for m in (16, 32, 64) for s in (1, 4, 8, 16, 32)
+               if s * m * 16 <= MAX_SHRINK_PARTS]
 # OUT_FIRST: out's tile loaded before the slot walk (its latency hidden under the walk's loads and dots); not yet
 # timed on a GPU, off by default
 TUNE_EXPAND = [dict(BLOCK_M=m, BLOCK_N=n) for m in (16, 64) for n in (64, 128)] + [

@@ -21,10 +21,12 @@ tile of rows that interleave 8 adapters walks up to 8 slots. Given `order`, the 
 `slots`: the engine's InputBuffers compute it on the host once a step), a tile takes the rows at its positions of
 `order` instead (it gathers their x, y and out rows): only the few slots of its run of sorted rows (some 32
 rows an adapter at 256 rows over 8), the same sums. The launchers ignore it where the rows fit one tile, whose walk
-sorting cannot shorten. Shrink splits K over programs when the tiles alone would not fill the GPU (float32
-atomics into y: its low bits then vary run to run); expand adds to `out` in float32 and rounds once. No host sync,
-no per-adapter loop: a decode call is CUDA-graph capturable, and the slots (and the order) may change between
-replays.
+sorting cannot shorten. Shrink splits K over programs when the tiles alone would not fill the GPU: each program
+stores its partial sums, and the last of a tile's programs to finish (an arrival count, reset by it for the next
+launch) adds them up in a fixed order and writes y, so y is the same run to run and needs no zeroed buffer (a
+memset was a third launch per adapted linear at decode sizes). Expand adds to `out` in float32 and rounds once. No
+host sync, no per-adapter loop: a decode call is CUDA-graph capturable, and the slots (and the order) may change
+between replays.
 
 Float32 y meets 16-bit B in expand as two 16-bit tensor-core dots, y = hi + lo with hi = y rounded to B's dtype
 and lo the rest: 16 bits of y's mantissa instead of 8, at the cost of a second dot on a memory-bound kernel (fp16
@@ -54,6 +56,7 @@ from kernels._triton import (
 )
 
 MAX_RANK = 128  # the kernels' limit on R (expand's B tile narrows past 64)
+MAX_SHRINK_PARTS = 8192  # split K: the partial sums [SPLIT_K, BLOCK_M, BLOCK_R] a tile's last program loads at once
 
 
 @triton.jit
@@ -105,14 +108,18 @@ def _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED: tl.constexpr):
 
 # The token count and y's slice stride (T * R) change every step: specializing on them would compile new variants
 # while requests wait.
-@triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi"])
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, num_tokens, K, R, k_blocks_per_split,
-                        stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
-                        NUM_SLICES: tl.constexpr, ATOMIC: tl.constexpr, Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
-    """y[slice, rows of the tile] (+)= x[rows] @ A[slot(row), slice].T over one K split. Grid: (slices x splits,
-    row tiles); a tile's slices run side by side and share its x rows in L2."""
+@triton.jit(do_not_specialize=["num_tokens", "k_blocks_per_split", "stride_yi", "stride_part"])
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, part_ptr, count_ptr, num_tokens, K, R,
+                        k_blocks_per_split, stride_xt, stride_as, stride_ai, stride_ar, stride_yi, stride_yt,
+                        stride_part, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_P: tl.constexpr,
+                        Y_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SORTED: tl.constexpr,
+                        PDL: tl.constexpr):
+    """y[slice, rows of the tile] = x[rows] @ A[slot(row), slice].T. Grid: (slices x splits, row tiles); a tile's
+    slices run side by side and share its x rows in L2. SPLIT_K > 1: each program sums one slice of K into
+    part [SPLIT_K, n_slices, T, R] (y's layout, stride_part apart) and the tile's last program (count_ptr: one int32
+    count per (slice, row tile), at 0 between launches) adds the SPLIT_K parts into y (SPLIT_P: SPLIT_K's next power
+    of two)."""
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     slice_id, split = pid % NUM_SLICES, pid // NUM_SLICES
@@ -132,12 +139,22 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, num_tokens, K
             acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
                                 stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
             slot = _next_slot(slots, slot)
-    y_ptrs = _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED) + rows[:, None] * stride_yt + ranks[None, :]
+    y_offsets = rows[:, None] * stride_yt + ranks[None, :]
     y_mask = row_mask[:, None] & (ranks < R)[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    y_slice = _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED)
+    if SPLIT_K == 1:
+        tl.store(y_slice + y_offsets, acc, mask=y_mask)
     else:
-        tl.store(y_ptrs, acc, mask=y_mask)
+        part_slice = _y_slice(part_ptr, slice_id, stride_yi, Y_ALIGNED)
+        tl.store(part_slice + split * stride_part + y_offsets, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's part is stored before the count says so
+        count = count_ptr + slice_id + NUM_SLICES * tl.program_id(1)
+        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.atomic_xchg(count, 0)
+            splits = tl.arange(0, SPLIT_P)[:, None, None]
+            parts = tl.load(part_slice + splits * stride_part + y_offsets[None, :, :],
+                            mask=(splits < SPLIT_K) & y_mask[None, :, :], other=0.0, cache_modifier=".cg")
+            tl.store(y_slice + y_offsets, tl.sum(parts, 0), mask=y_mask)
 
 
 @triton.jit
@@ -254,14 +271,17 @@ def shrink_config(num_tokens: int, in_features: int, rank: int, num_slices: int,
     """Row tiles of 16 for decode-sized batches, 32 up to 4096 rows (a grid that fills the GPU at 2048), then 64;
     BLOCK_K 128 with 4 warps, 64 with 8 past rank 64 (and 64 for float32), 3 stages: no register spills on sm_90
     (tests/kernels/test_kernel_compile.py). When the tiles x slices would leave SMs idle (decode), K is split over
-    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed."""
+    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed. At most
+    MAX_SHRINK_PARTS partial sums a tile's last program adds up at once (64 registers a thread at 4 warps)."""
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens < 4096 else 64
-    block_k = 128 if _block_r(rank) <= 64 and dtype != torch.float32 else 64
+    block_r = _block_r(rank)
+    block_k = 128 if block_r <= 64 and dtype != torch.float32 else 64
     programs = cdiv(num_tokens, block_m) * num_slices
     split_k = 1
     if programs < num_sms(device):
-        split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs)))
-    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4 if _block_r(rank) <= 64 else 8,
+        split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs),
+                             MAX_SHRINK_PARTS // (block_m * block_r)))
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4 if block_r <= 64 else 8,
             "num_stages": 3}
 
 
@@ -303,8 +323,8 @@ def _config_key(config: dict | None) -> tuple | None:
 
 def _shrink_plan(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, config: dict | None,
                  order: torch.Tensor | None) -> tuple:
-    """(y's shape, whether y starts at zero, grid, the kernel's scalar arguments after y, its keyword arguments,
-    whether the tiles take the rows through `order`), or y's shape alone when there is nothing to launch."""
+    """(y's shape, SPLIT_K, grid, the kernel's scalar arguments after count_ptr, its keyword arguments, whether the
+    tiles take the rows through `order`), or y's shape alone when there is nothing to launch."""
     _check_shrink(x, lora_a, slots)
     _check_order(order, x.shape[0])
     check_launchable(x, lora_a, slots, *(() if order is None else (order,)))
@@ -317,17 +337,43 @@ def _shrink_plan(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, con
         return (y_shape,)
     cfg = {**shrink_config(num_tokens, k, rank, num_slices, x.dtype, x.device), **(config or {})}
     split_k = cfg["SPLIT_K"]
+    block_r = _block_r(rank)
+    if split_k > 1 and next_power_of_2(split_k) * cfg["BLOCK_M"] * block_r > MAX_SHRINK_PARTS:
+        raise ValueError(f"SPLIT_K={split_k} x BLOCK_M={cfg['BLOCK_M']} x BLOCK_R={block_r} partial sums exceed "
+                         f"MAX_SHRINK_PARTS={MAX_SHRINK_PARTS}")
     k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
+    if split_k > 1 and grid[0] // split_k * grid[1] > MAX_SPLIT_TILES:
+        raise ValueError(f"split K takes at most {MAX_SPLIT_TILES} (slice, row tile) pairs, got "
+                         f"{grid[0] // split_k * grid[1]}")
     is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
-    # y is a new contiguous tensor: its strides are (T * R, R), and the allocator aligns its start (16 bytes at least)
+    # y (and each split's part) is a new contiguous tensor: its strides are (T * R, R), and the allocator aligns its
+    # start (16 bytes at least)
     scalars = (num_tokens, k, rank, k_blocks_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-               lora_a.stride(2), num_tokens * rank, rank)
-    kwargs = dict(NUM_SLICES=num_slices, ATOMIC=split_k > 1, Y_ALIGNED=num_tokens * rank % 4 == 0 and rank % 4 == 0,
+               lora_a.stride(2), num_tokens * rank, rank, num_slices * num_tokens * rank)
+    kwargs = dict(NUM_SLICES=num_slices, SPLIT_K=split_k, SPLIT_P=next_power_of_2(split_k),
+                  Y_ALIGNED=num_tokens * rank % 4 == 0 and rank % 4 == 0,
                   UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype),
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_R=_block_r(rank), BLOCK_K=cfg["BLOCK_K"], SORTED=is_sorted,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], SORTED=is_sorted,
                   **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y_shape, split_k > 1, grid, scalars, kwargs, is_sorted
+    return y_shape, split_k, grid, scalars, kwargs, is_sorted
+
+
+# Split K's arrival counts, one per (slice, row tile), per device: zeros, kept at 0 between launches by the kernel.
+# The shrink's own (not kernels/linear_fp8.py's): workers/lora.py may run it on a second stream beside a base
+# matmul whose split-K kernel counts in that array at the same time.
+MAX_SPLIT_TILES = 1024
+_SHRINK_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shrink_counts(device: torch.device) -> torch.Tensor | None:
+    """The device's counts, made outside CUDA graph capture (None during one, before the first eager call)."""
+    counts = _SHRINK_COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _SHRINK_COUNTS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counts
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
@@ -340,9 +386,14 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
         plan = _SHRINK_PLANS[key] = _shrink_plan(x, lora_a, slots, config, order)
     if len(plan) == 1:
         return torch.zeros(plan[0], dtype=torch.float32, device=x.device)
-    y_shape, atomic, grid, scalars, kwargs, is_sorted = plan
-    y = (torch.zeros if atomic else torch.empty)(y_shape, dtype=torch.float32, device=x.device)  # split K: adds
-    _lora_shrink_kernel[grid](x, lora_a, slots, order if is_sorted else slots, y, *scalars, **kwargs)
+    y_shape, split_k, grid, scalars, kwargs, is_sorted = plan
+    counts = _shrink_counts(x.device) if split_k > 1 else None
+    if split_k > 1 and counts is None:  # captured before any eager call made the counts: K unsplit
+        return lora_shrink_triton(x, lora_a, slots, {**(config or {}), "SPLIT_K": 1}, order)
+    y = torch.empty(y_shape, dtype=torch.float32, device=x.device)
+    parts = torch.empty((split_k, *y_shape), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    _lora_shrink_kernel[grid](x, lora_a, slots, order if is_sorted else slots, y, parts,
+                              counts if counts is not None else slots, *scalars, **kwargs)
     return y
 
 

@@ -11,9 +11,11 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
                    kv_b_proj: this rank's heads' rows, used as `LatentLoRAWeights` (below), never as a linear
 
 A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
-output (workers/layers/linear.py), every token with its own slot: no loop over adapters; the kernels tile the rows
-sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A slot an adapter leaves
-a module out of holds zeros there.
+output (workers/layers/linear.py `LoRAWeights.apply`), every token with its own slot: no loop over adapters; the
+kernels tile the rows sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A slot an
+adapter leaves a module out of holds zeros there. In the decode CUDA graphs the shrink, which reads only the
+layer's input, runs on a second stream beside the layer's own matmul (`OVERLAP_SHRINK`: two branches of the graph),
+so of the adapter's kernels only the expand lies on the replayed step's path.
 
 An adapter reaches a slot in two moves, both ordered by the driver's steps (engine/lora.py LoRAHostCache):
 
@@ -69,6 +71,22 @@ _MLA_MODULES = {
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# In a CUDA graph's capture, the shrink of each adapted linear on a second stream, beside the layer's own matmul
+# (both read only its input): a branch of the graph, off the step's path. Not in eager steps, where the streams'
+# host calls cost more than they hide (H100, 8B, 256 requests over 8 adapters: 0.725 of base's throughput with the
+# side stream in every step, 0.902 with none; benchmarks/results/h100-throughput-lora-8x16-overlap-*.json).
+# False: one stream everywhere.
+OVERLAP_SHRINK = True
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 @dataclass
 class LoRAWeights:
     """One linear's adapter slots."""
@@ -77,13 +95,30 @@ class LoRAWeights:
     b: torch.Tensor  # [max_loras, out_features (this rank's part), max_lora_rank], scaling folded in
     slice_starts: tuple[int, ...]  # each slice's first output column
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, order: torch.Tensor | None = None) -> None:
-        # out: [T, N] += each token's adapter delta; x: [T, K]; slots: int32 [T]; order: int32 [T], the rows sorted
-        # by slot (kernels/lora.py: the kernels' tiles; None: as they come)
-        if torch.compiler.is_compiling():  # the two kernels as one opaque op (kernels/ops.py)
+    def apply(self, matmul: Callable[[], torch.Tensor], x: torch.Tensor, slots: torch.Tensor,
+              order: torch.Tensor | None = None) -> torch.Tensor:
+        """matmul(): the layer's own output [T, N] for x [T, K]; returned with each token's adapter delta added.
+        slots: int32 [T]; order: int32 [T], the rows sorted by slot (kernels/lora.py: the kernels' tiles; None: as
+        they come). In a CUDA graph's capture the shrink runs on the side stream while matmul() runs
+        (`OVERLAP_SHRINK`)."""
+        if torch.compiler.is_compiling():  # the two kernels as one opaque op (kernels/ops.py), after the matmul
+            out = matmul()
             ops.lora_apply(out, x, self.a, self.b, slots, list(self.slice_starts), order)
-            return
-        lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts, order=order)
+            return out
+        if not (OVERLAP_SHRINK and x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            out = matmul()
+            lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts,
+                        order=order)
+            return out
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(main)  # x (and the step's slots) are ready
+        with torch.cuda.stream(side):
+            y = lora_shrink(x, self.a, slots, order=order)
+        out = matmul()
+        main.wait_stream(side)
+        y.record_stream(main)  # allocated on the side stream, read and freed on the main one
+        lora_expand(out, y, self.b, slots, self.slice_starts, order=order)
+        return out
 
     def refresh(self, slot: int) -> None:
         """After a load into the slot (or its zeroing): what the layer derives from a and b (none here)."""

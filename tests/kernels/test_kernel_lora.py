@@ -5,6 +5,7 @@ at sizes that cross the row, column and K tiles, with the rows as they come and 
 import pytest
 import torch
 
+from kernels import lora as lora_module
 from kernels.lora import (
     expand_config,
     lora_expand,
@@ -157,11 +158,12 @@ def test_every_rank_and_slice_layout(layout, rank, device, poisoned_allocations)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_k_and_narrow_tiles(dtype, device):
-    """Shrink's K split over programs (float32 atomics into y) with a ragged last split, and expand's column tiles
-    straddling nothing: each slice's blocks start at its own first column."""
+    """Shrink's K split over programs (partial sums added by each tile's last program) with a ragged last split and
+    an empty one, and expand's column tiles straddling nothing: each slice's blocks start at its own first column."""
     widths = (40, 12, 20)
     x, lora_a, lora_b, y, out, slots = make_case(37, 100, widths, 16, 4, dtype, decode_slots(37, 4), device)
     check_shrink(x, lora_a, slots, config=dict(BLOCK_M=16, BLOCK_K=16, SPLIT_K=3))
+    check_shrink(x, lora_a, slots, config=dict(BLOCK_M=16, BLOCK_K=16, SPLIT_K=8))  # 7 K blocks: one split empty
     check_shrink(x, lora_a, slots, config=dict(BLOCK_M=32, BLOCK_K=32, SPLIT_K=1))
     check_expand(out, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16))
     check_expand(out, y, lora_b, slots, starts_of(widths), config=dict(BLOCK_M=16, BLOCK_N=16, OUT_FIRST=True))
@@ -267,6 +269,22 @@ def test_a_call_that_differs_from_a_planned_one_is_checked_again(device):
         lora_expand_triton(out, y, lora_b, slots, (0, 16), order=order.float())
 
 
+def test_split_k_sums_in_a_fixed_order_and_leaves_its_counts_at_zero(device):
+    """The tiles' last programs add the parts in split order: the same y bit for bit on every launch (the atomics
+    they replace varied in the low bits), with the arrival counts back at 0 for the next launch (a CUDA graph
+    replays the same counts), and no zeroed y needed."""
+    x, lora_a, lora_b, y, out, slots = make_case(19, 256, (32, 16), 16, 3, torch.bfloat16, decode_slots(19, 3),
+                                                 device)
+    config = dict(BLOCK_M=16, BLOCK_K=32, SPLIT_K=4)
+    first = lora_shrink_triton(x, lora_a, slots, config=config)
+    torch.testing.assert_close(first, lora_shrink_ref(x, lora_a, slots), rtol=1e-5, atol=1e-5)
+    for _ in range(2):
+        assert torch.equal(lora_shrink_triton(x, lora_a, slots, config=config), first)
+    assert not lora_module._SHRINK_COUNTS[x.device].any()
+    with pytest.raises(ValueError, match="MAX_SHRINK_PARTS"):
+        lora_shrink_triton(x, lora_a, slots, config=dict(BLOCK_M=64, SPLIT_K=16))
+
+
 def test_decode_defaults_split_k_and_prefill_does_not():
     cpu = torch.device("cpu")
     assert shrink_config(1, 4096, 16, 3, torch.bfloat16, cpu)["SPLIT_K"] > 1
@@ -295,7 +313,7 @@ def test_public_functions_run_the_kernel_when_asked(device):
     """use_kernel=True: the Triton kernels (here under the interpreter), as a model test on CPU may ask."""
     x, lora_a, lora_b, y, out, slots = make_case(5, 24, (16, 8), 8, 2, torch.bfloat16, [0, 1, -1, 1, 0], device)
     y_kernel = lora_shrink(x, lora_a, slots, use_kernel=True)
-    torch.testing.assert_close(y_kernel, lora_shrink_triton(x, lora_a, slots))  # atomics: GPU low bits vary
+    assert torch.equal(y_kernel, lora_shrink_triton(x, lora_a, slots))
     expected = out.clone()
     lora_expand_triton(expected, y, lora_b, slots, (0, 16))
     lora_expand(out, y, lora_b, slots, (0, 16), use_kernel=True)

@@ -103,8 +103,8 @@ class ColumnParallelLinear(nn.Module):
         if lora_slots is None or self.lora is None:
             return self._forward(x, gated, quantize_output)
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
-        out = self._forward(x, False, False)  # the adapters add to the [gate ; up] output before the SiLU-and-mul
-        self.lora.apply(out, x, lora_slots, lora_order)
+        # the adapters add to the [gate ; up] output before the SiLU-and-mul
+        out = self.lora.apply(lambda: self._forward(x, False, False), x, lora_slots, lora_order)
         return silu_and_mul(out, quantize_output) if gated else out
 
     def _forward(self, x: torch.Tensor | QuantizedRows, gated: bool, quantize_output: bool):
@@ -241,8 +241,7 @@ class RowParallelLinear(nn.Module):
         """This rank's partial output plus its partial adapter delta (its input columns of A), then the all-reduce:
         both are linear in x's columns, so the sum over ranks is the whole delta."""
         assert isinstance(x, torch.Tensor), "a layer with LoRA slots takes no quantized rows"
-        y = matmul(self, x, None)
-        self.lora.apply(y, x, lora_slots, lora_order)
+        y = self.lora.apply(lambda: matmul(self, x, None), x, lora_slots, lora_order)
         if not self.reduce_results:
             return y
         y = all_reduce(y)

@@ -66,10 +66,9 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None,
                 lora_order: torch.Tensor | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         if lora_slots is not None and self.lora is not None:
-            self.lora.apply(y, x, lora_slots, lora_order)
-        return y
+            return self.lora.apply(lambda: F.linear(x, self.weight, self.bias), x, lora_slots, lora_order)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MLAAttention(KVScaledAttention):
