@@ -14,8 +14,8 @@ A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slic
 output (workers/layers/linear.py `LoRAWeights.apply`), every token with its own slot: no loop over adapters; the
 kernels tile the rows sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A slot an
 adapter leaves a module out of holds zeros there. In the decode CUDA graphs the shrink, which reads only the
-layer's input, runs on a second stream beside the layer's own matmul (`OVERLAP_SHRINK`: two branches of the graph),
-so of the adapter's kernels only the expand lies on the replayed step's path.
+layer's input, runs on a second stream beside the layer's own matmul (workers/side_stream.py: two branches of the
+graph), so of the adapter's kernels only the expand lies on the replayed step's path.
 
 An adapter reaches a slot in two moves, both ordered by the driver's steps (engine/lora.py LoRAHostCache):
 
@@ -45,6 +45,7 @@ from kernels import ops
 from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.mla import ReplicatedLinear
+from workers.side_stream import beside
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +72,6 @@ _MLA_MODULES = {
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-# In a CUDA graph's capture, the shrink of each adapted linear on a second stream, beside the layer's own matmul
-# (both read only its input): a branch of the graph, off the step's path. Not in eager steps, where the streams'
-# host calls cost more than they hide (H100, 8B, 256 requests over 8 adapters: 0.725 of base's throughput with the
-# side stream in every step, 0.902 with none; benchmarks/results/h100-throughput-lora-8x16-overlap-*.json).
-# False: one stream everywhere.
-OVERLAP_SHRINK = True
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
 @dataclass
 class LoRAWeights:
     """One linear's adapter slots."""
@@ -99,24 +84,12 @@ class LoRAWeights:
               order: torch.Tensor | None = None) -> torch.Tensor:
         """matmul(): the layer's own output [T, N] for x [T, K]; returned with each token's adapter delta added.
         slots: int32 [T]; order: int32 [T], the rows sorted by slot (kernels/lora.py: the kernels' tiles; None: as
-        they come). In a CUDA graph's capture the shrink runs on the side stream while matmul() runs
-        (`OVERLAP_SHRINK`)."""
+        they come). In a decode graph the shrink, which reads only x, runs beside matmul() (workers/side_stream.py)."""
         if torch.compiler.is_compiling():  # the two kernels as one opaque op (kernels/ops.py), after the matmul
             out = matmul()
             ops.lora_apply(out, x, self.a, self.b, slots, list(self.slice_starts), order)
             return out
-        if not (OVERLAP_SHRINK and x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            out = matmul()
-            lora_expand(out, lora_shrink(x, self.a, slots, order=order), self.b, slots, self.slice_starts,
-                        order=order)
-            return out
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        side.wait_stream(main)  # x (and the step's slots) are ready
-        with torch.cuda.stream(side):
-            y = lora_shrink(x, self.a, slots, order=order)
-        out = matmul()
-        main.wait_stream(side)
-        y.record_stream(main)  # allocated on the side stream, read and freed on the main one
+        y, out = beside(lambda: lora_shrink(x, self.a, slots, order=order), matmul, x.device)
         lora_expand(out, y, self.b, slots, self.slice_starts, order=order)
         return out
 

@@ -34,6 +34,7 @@ from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM, LlamaMLP
 from workers.models.moe import moe_checkpoint_entries
 from workers.parallel import all_reduce
+from workers.side_stream import beside
 
 
 class DeepseekRouter(nn.Module):
@@ -88,11 +89,11 @@ class DeepseekV2MoE(nn.Module):
                 lora_order: torch.Tensor | None = None) -> torch.Tensor:
         # lora_slots, lora_order: unused (engine/lora.py: adapters on DeepSeek-V2's attention only; the decoder layer
         # passes them to any MLP)
-        topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
-        out = self.experts(h, topk_weights, topk_ids)  # this rank's partial sum [T, hidden]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(h)
-        return all_reduce(out)
+        if self.shared_experts is None:
+            return all_reduce(self.experts(h, *self.gate(h)))  # this rank's partial sum [T, hidden], all-reduced
+        # in a decode graph the shared experts run beside the router and the routed ones (workers/side_stream.py)
+        shared, out = beside(lambda: self.shared_experts(h), lambda: self.experts(h, *self.gate(h)), h.device)
+        return all_reduce(out + shared)
 
 
 def is_moe_layer(args: ModelArgs, layer_idx: int) -> bool:

@@ -26,6 +26,7 @@ from workers.models.args import ModelArgs
 from workers.models.llama import LlamaForCausalLM, LlamaMLP, sliding_windows
 from workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from workers.parallel import all_reduce
+from workers.side_stream import beside
 
 
 class SparseMoeBlock(nn.Module):
@@ -56,13 +57,19 @@ class SparseMoeBlock(nn.Module):
     def forward(self, h: torch.Tensor, lora_slots: torch.Tensor | None = None,
                 lora_order: torch.Tensor | None = None) -> torch.Tensor:
         # lora_slots, lora_order: unused, the experts take no adapter (engine/lora.py: attention only on MoE families)
+        if self.shared_expert is None:
+            return all_reduce(self._routed(h))
+        # in a decode graph the gated shared expert runs beside the router and the experts (workers/side_stream.py)
+        shared, out = beside(lambda: torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h),
+                             lambda: self._routed(h), h.device)
+        return all_reduce(out + shared)
+
+    def _routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum: this rank's partial sum [T, hidden]."""
         topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
         if self.round_weights:
             topk_weights = topk_weights.to(h.dtype)
-        out = self.experts(h, topk_weights, topk_ids)  # this rank's partial sum [T, hidden]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
-        return all_reduce(out)
+        return self.experts(h, topk_weights, topk_ids)
 
 
 def moe_checkpoint_entries(dense_entries, name: str, loaded) -> Iterator[tuple[str, object, object]]:
