@@ -29,8 +29,8 @@ SMOKE_LORA = dict(layers={"qkv": (64, (64, 32, 32)), "down": (96, (64,))}, rank=
 # split K's partial sums at rank 16: at most MAX_SHRINK_PARTS (kernels/lora.py) a tile
 TUNE_SHRINK = [dict(BLOCK_M=m, SPLIT_K=s) for m in (16, 32, 64) for s in (1, 4, 8, 16, 32)
                if s * m * 16 <= MAX_SHRINK_PARTS]
-# OUT_FIRST: out's tile loaded before the slot walk (its latency hidden under the walk's loads and dots); not yet
-# timed on a GPU, off by default
+# OUT_FIRST: out's tile loaded before the slot walk (its latency hidden under the walk's loads and dots); off by
+# default: on an H100 faster at 256 rows, slower at a 2,048-token prefill (h100-kernels-tune-lora-parts.json)
 TUNE_EXPAND = [dict(BLOCK_M=m, BLOCK_N=n) for m in (16, 64) for n in (64, 128)] + [
     dict(OUT_FIRST=True), dict(BLOCK_M=64, BLOCK_N=128, OUT_FIRST=True)]
 
