@@ -11,9 +11,9 @@ Each target linear gets `LoRAWeights`, `max_loras` stacked slots (model dtype, r
                    kv_b_proj: this rank's heads' rows, used as `LatentLoRAWeights` (below), never as a linear
 
 A step's forward adds `lora_expand(out, lora_shrink(x, a, slots), b, slots, slice_starts)` to each such layer's
-output (workers/layers/linear.py `LoRAWeights.apply`), every token with its own slot: no loop over adapters; the
-kernels tile the rows sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A slot an
-adapter leaves a module out of holds zeros there. In the decode CUDA graphs the shrink, which reads only the
+output (`LoRAWeights.apply`, which workers/layers/linear.py calls), every token with its own slot: no loop over
+adapters; the kernels tile the rows sorted by slot (`order`, the step's argsort of the slots: workers/inputs.py). A
+slot an adapter leaves a module out of holds zeros there. In the decode CUDA graphs the shrink, which reads only the
 layer's input, runs on a second stream beside the layer's own matmul (workers/side_stream.py: two branches of the
 graph), so of the adapter's kernels only the expand lies on the replayed step's path.
 
