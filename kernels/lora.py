@@ -118,8 +118,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, part_ptr, cou
     """y[slice, rows of the tile] = x[rows] @ A[slot(row), slice].T. Grid: (slices x splits, row tiles); a tile's
     slices run side by side and share its x rows in L2. SPLIT_K > 1: each program sums one slice of K into
     part [SPLIT_K, n_slices, T, R] (y's layout, stride_part apart) and the tile's last program (count_ptr: one int32
-    count per (slice, row tile), at 0 between launches) adds the SPLIT_K parts into y (SPLIT_P: SPLIT_K's next power
-    of two)."""
+    count per (slice, row tile), at 0 between launches) adds the SPLIT_K parts into y, in a fixed order (SPLIT_P:
+    SPLIT_K's next power of two)."""
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     slice_id, split = pid % NUM_SLICES, pid // NUM_SLICES
@@ -139,7 +139,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, part_ptr, cou
             acc = _rows_times_a(acc, x_ptr, rows, slots == slot, stride_xt, a_slice + slot.to(tl.int64) * stride_as,
                                 stride_ar, ranks < R, k_lo, k_hi, UPCAST, PRECISION, BLOCK_K)
             slot = _next_slot(slots, slot)
-    y_offsets = rows[:, None] * stride_yt + ranks[None, :]
+    y_offsets = rows.to(tl.int32)[:, None] * stride_yt + ranks[None, :]  # int32: y is small (fewer registers)
     y_mask = row_mask[:, None] & (ranks < R)[None, :]
     y_slice = _y_slice(y_ptr, slice_id, stride_yi, Y_ALIGNED)
     if SPLIT_K == 1:
@@ -271,14 +271,17 @@ def shrink_config(num_tokens: int, in_features: int, rank: int, num_slices: int,
     """Row tiles of 16 for decode-sized batches, 32 up to 4096 rows (a grid that fills the GPU at 2048), then 64;
     BLOCK_K 128 with 4 warps, 64 with 8 past rank 64 (and 64 for float32), 3 stages: no register spills on sm_90
     (tests/kernels/test_kernel_compile.py). When the tiles x slices would leave SMs idle (decode), K is split over
-    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed. At most
-    MAX_SHRINK_PARTS partial sums a tile's last program adds up at once (64 registers a thread at 4 warps)."""
+    programs until there are some two an SM: a few programs cannot stream A and x at the memory's speed (at rank
+    64 in 16-row tiles), with at most MAX_SHRINK_PARTS partial sums for a tile's last program to add up."""
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens < 4096 else 64
     block_r = _block_r(rank)
     block_k = 128 if block_r <= 64 and dtype != torch.float32 else 64
     programs = cdiv(num_tokens, block_m) * num_slices
     split_k = 1
     if programs < num_sms(device):
+        if block_r == 64:  # split K at rank 64: 32-row tiles spilled a register on sm_90 (4 warps, 168 registers)
+            block_m = 16
+            programs = cdiv(num_tokens, block_m) * num_slices
         split_k = max(1, min(cdiv(in_features, block_k), cdiv(2 * num_sms(device), programs),
                              MAX_SHRINK_PARTS // (block_m * block_r)))
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4 if block_r <= 64 else 8,
