@@ -171,6 +171,23 @@ def wait_for_prior(PDL: tl.constexpr):
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
+# Split-K kernels' arrival counts: int32 zeros, one per tile, that each tile's last program resets to 0 (so a CUDA
+# graph replays the same counts). One array per device and owner: kernels that may run side by side on two streams
+# (workers/side_stream.py: the LoRA shrink beside a layer's int4 / FP8 matmul) count in different ones.
+_SPLIT_COUNTS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, num_tiles: int, owner: str = "linear") -> torch.Tensor | None:
+    """`owner`'s counts on `device`, at least num_tiles of them (grown outside CUDA graph capture only: None during
+    one, and the launcher then does not split K)."""
+    counts = _SPLIT_COUNTS.get((device, owner))
+    if counts is None or counts.numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _SPLIT_COUNTS[(device, owner)] = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=device)
+    return counts
+
+
 def upcast_dot_operands(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a kernel must feed tl.dot float32 operands instead of `dtype`.
 

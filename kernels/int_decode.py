@@ -52,6 +52,7 @@ from kernels._triton import (
     num_sms,
     pdl_options,
     shared_memory_per_block,
+    split_counts,
     tl,
     triton,
     wait_for_prior,
@@ -410,8 +411,6 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
 def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, bias, gated: bool, has_mins: bool,
                       upcast: bool, precision: str, config: dict | None = None) -> torch.Tensor:
     """Launches `_int_decode_kernel` on checked inputs (linear_int_triton checks them; `can_stream` must hold)."""
-    from kernels.linear_fp8 import _split_counts
-
     num_rows, k = x.shape
     n = (qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor)
     out_features = n // 2 if gated else n
@@ -425,7 +424,7 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         raise ValueError(f"BIASED needs 4-bit fields with zero points and bf16 / fp16 x, not {packing} and {x.dtype}")
     num_tiles = cdiv(out_features, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
-    counts = _split_counts(x.device, num_tiles) if split > 1 else None
+    counts = split_counts(x.device, num_tiles) if split > 1 else None
     if counts is None:
         split = 1
     parts = (torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x.device)

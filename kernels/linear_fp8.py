@@ -42,6 +42,7 @@ from kernels._triton import (
     num_sms,
     pdl_options,
     shared_memory_per_block,
+    split_counts,
     tl,
     triton,
     use_triton,
@@ -361,19 +362,6 @@ def auto_split_k(num_tiles: int, in_features: int, block_k: int, num_sms: int) -
     return max(1, min(split, 4, in_features // (2 * block_k)))
 
 
-_SPLIT_COUNTS: dict = {}  # device -> int32 zeros: one count per tile, kept at 0 between launches by the kernel
-
-
-def _split_counts(device, num_tiles: int) -> torch.Tensor | None:
-    """The tile counts of split-K launches on `device` (grown outside CUDA graph capture only: None during one)."""
-    counts = _SPLIT_COUNTS.get(device)
-    if counts is None or counts.numel() < num_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _SPLIT_COUNTS[device] = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=device)
-    return counts
-
-
 def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, out_dtype=torch.bfloat16,
                     config: dict | None = None):
     """Decode-sized (<= MAX_ROWS rows) `linear_fp8` of e4m3 x with row scales, per-row weight scales: the Triton
@@ -393,7 +381,7 @@ def linear_fp8_swap(x_q, x_scale, weight, weight_scale, bias=None, gated=False, 
     split = cfg.get("SPLIT_K", 1)
     if split == "auto":
         split = auto_split_k(num_tiles, in_features, cfg["BLOCK_K"], num_sms(x_q.device))
-    counts = _split_counts(x_q.device, num_tiles) if split > 1 else None
+    counts = split_counts(x_q.device, num_tiles) if split > 1 else None
     if counts is None:
         split = 1
     parts = torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x_q.device) \

@@ -48,6 +48,7 @@ from kernels._triton import (
     next_power_of_2,
     num_sms,
     pdl_options,
+    split_counts,
     tl,
     triton,
     upcast_dot_operands,
@@ -346,9 +347,6 @@ def _shrink_plan(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, con
                          f"MAX_SHRINK_PARTS={MAX_SHRINK_PARTS}")
     k_blocks_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"])
     grid = (num_slices * split_k, cdiv(num_tokens, cfg["BLOCK_M"]))
-    if split_k > 1 and grid[0] // split_k * grid[1] > MAX_SPLIT_TILES:
-        raise ValueError(f"split K takes at most {MAX_SPLIT_TILES} (slice, row tile) pairs, got "
-                         f"{grid[0] // split_k * grid[1]}")
     is_sorted = _sorted(order, num_tokens, cfg["BLOCK_M"])
     # y (and each split's part) is a new contiguous tensor: its strides are (T * R, R), and the allocator aligns its
     # start (16 bytes at least)
@@ -362,23 +360,6 @@ def _shrink_plan(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, con
     return y_shape, split_k, grid, scalars, kwargs, is_sorted
 
 
-# Split K's arrival counts, one per (slice, row tile), per device: zeros, kept at 0 between launches by the kernel.
-# The shrink's own (not kernels/linear_fp8.py's): workers/lora.py may run it on a second stream beside a base
-# matmul whose split-K kernel counts in that array at the same time.
-MAX_SPLIT_TILES = 1024
-_SHRINK_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _shrink_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's counts, made outside CUDA graph capture (None during one, before the first eager call)."""
-    counts = _SHRINK_COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _SHRINK_COUNTS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return counts
-
-
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
                        config: dict | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher of `lora_shrink`; config overrides `shrink_config`'s keys (tests, tuning); order as
@@ -390,8 +371,9 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
     if len(plan) == 1:
         return torch.zeros(plan[0], dtype=torch.float32, device=x.device)
     y_shape, split_k, grid, scalars, kwargs, is_sorted = plan
-    counts = _shrink_counts(x.device) if split_k > 1 else None
-    if split_k > 1 and counts is None:  # captured before any eager call made the counts: K unsplit
+    # the shrink's own counts: workers/side_stream.py runs it beside a base matmul that may split K too
+    counts = split_counts(x.device, grid[0] // split_k * grid[1], "lora shrink") if split_k > 1 else None
+    if split_k > 1 and counts is None:  # captured before an eager call made enough counts: K unsplit
         return lora_shrink_triton(x, lora_a, slots, {**(config or {}), "SPLIT_K": 1}, order)
     y = torch.empty(y_shape, dtype=torch.float32, device=x.device)
     parts = torch.empty((split_k, *y_shape), dtype=torch.float32, device=x.device) if split_k > 1 else y

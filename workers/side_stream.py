@@ -34,8 +34,8 @@ def beside(side: Callable[[], torch.Tensor], main: Callable[[], torch.Tensor],
            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(side(), main()): side() on the side stream while main() runs, during a CUDA graph's capture; else in turn.
     side() must return one tensor, and neither may read what the other writes, scratch included: two split-K
-    kernels counting in kernels/linear_fp8.py's shared arrival counts must not run side by side (the LoRA shrink
-    counts in its own; the routed experts' kernels count in none, so the shared experts' int4 / FP8 linears may)."""
+    kernels side by side must count in different owners' arrival counts (kernels/_triton.py `split_counts`: the
+    LoRA shrink has its own; the routed experts' kernels count in none, so the shared experts' linears may)."""
     if not (OVERLAP and device.type == "cuda" and not torch.compiler.is_compiling()
             and torch.cuda.is_current_stream_capturing()):
         return side(), main()

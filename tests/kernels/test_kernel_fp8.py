@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+import kernels._triton as triton_module
 import kernels.linear_fp8 as linear_fp8_module
 from kernels.fp8 import (
     FP8_DTYPE,
@@ -164,7 +165,7 @@ def test_swap_kernel_split_k_adds_up_to_the_unsplit_result(gated, bias, device, 
         split = linear_fp8_swap(*args, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3))
         torch.testing.assert_close(split, unsplit, atol=1e-2, rtol=1e-2)
         assert (split != unsplit).float().mean() < 0.05
-    assert linear_fp8_module._SPLIT_COUNTS[x_q.device].eq(0).all()
+    assert triton_module._SPLIT_COUNTS[(x_q.device, "linear")].eq(0).all()
     assert auto_split_k(64, 14336, 512, 132) == 2 and auto_split_k(64, 4096, 512, 132) == 2
     assert auto_split_k(96, 4096, 512, 132) == auto_split_k(224, 4096, 512, 132) == 1
     assert auto_split_k(8, 1024, 512, 132) == 1  # a slice takes two K tiles at least

@@ -5,7 +5,7 @@ at sizes that cross the row, column and K tiles, with the rows as they come and 
 import pytest
 import torch
 
-from kernels import lora as lora_module
+from kernels import _triton as triton_module
 from kernels.lora import (
     expand_config,
     lora_expand,
@@ -280,7 +280,7 @@ def test_split_k_sums_in_a_fixed_order_and_leaves_its_counts_at_zero(device):
     torch.testing.assert_close(first, lora_shrink_ref(x, lora_a, slots), rtol=1e-5, atol=1e-5)
     for _ in range(2):
         assert torch.equal(lora_shrink_triton(x, lora_a, slots, config=config), first)
-    assert not lora_module._SHRINK_COUNTS[x.device].any()
+    assert not triton_module._SPLIT_COUNTS[(x.device, "lora shrink")].any()
     with pytest.raises(ValueError, match="MAX_SHRINK_PARTS"):
         lora_shrink_triton(x, lora_a, slots, config=dict(BLOCK_M=64, SPLIT_K=16))
 
