@@ -45,7 +45,7 @@ from benchmarks.kernels_fp8 import bench_fp8, bench_tune_fp8, bench_tune_fp8_kv_
 from benchmarks.kernels_int import INT_LAYOUTS, INT_MODELS, SMOKE_INT_MODELS, bench_int4, bench_tune_int4
 from benchmarks.kernels_lora import GPU_LORA, SMOKE_LORA, bench_lora, bench_tune_lora, print_lora_overhead
 from benchmarks.kernels_mla import GPU_MLA, SMOKE_MLA, bench_mla
-from benchmarks.kernels_moe import GPU_MOE, SMOKE_MOE, bench_moe, bench_tune_moe
+from benchmarks.kernels_moe import GPU_MOE_SHAPES, SMOKE_MOE, bench_moe, bench_tune_moe
 from benchmarks.kernels_moe_quant import bench_moe_quant
 from kernels._triton import cdiv, tl, triton
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -563,6 +563,9 @@ def main(argv=None) -> int:
                                            "fp8-kv", "int4", "mla", "lora"],
                         action="append",
                         help="run only these groups (repeatable); int4, moe-quant, mla and lora run only when named")
+    parser.add_argument("--moe-shape", choices=list(GPU_MOE_SHAPES), default="mixtral-8x7b",
+                        help="--only moe / moe-quant: the experts' shape (Mixtral's 8 x 14336 x 4096, top 2, or "
+                             "Qwen3-30B-A3B's 128 x 768 x 2048, top 8)")
     parser.add_argument("--mla-heads", type=int, default=None,
                         help="--only mla: heads a rank (default 16, DeepSeek-V2-Lite's; 128 is V2's at tp 1)")
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
@@ -588,7 +591,7 @@ def main(argv=None) -> int:
           f"bf16 {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s")
     torch.manual_seed(0)
     runner = Runner(device, check=args.check, use_triton=device.type == "cuda")
-    moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE
+    moe_cfg = SMOKE_MOE if args.smoke else GPU_MOE_SHAPES[args.moe_shape]
     lora_cfg = SMOKE_LORA if args.smoke else GPU_LORA
     groups = {"decode": bench_decode, "prefill": bench_prefill, "elementwise": bench_elementwise,
               "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,

@@ -1,7 +1,9 @@
 """The fused MoE kernel's benchmark cases, for `python -m benchmarks.kernels --only moe` (and `--tune --only moe`).
 
-A Mixtral-8x7B layer's experts (8 x [2 x 14336 | 14336] x 4096, top-2) at decode and prefill batch sizes, the
-Triton grouped GEMMs against the torch reference (transformers' loop over the chosen experts, cuBLAS per expert).
+A Mixtral-8x7B layer's experts (8 x [2 x 14336 | 14336] x 4096, top-2; `--moe-shape qwen3-30b-a3b`: 128 x [2 x 768 |
+768] x 2048, top-8) at decode and prefill batch sizes, the Triton grouped GEMMs against the torch reference
+(transformers' loop over the chosen experts, cuBLAS per expert) and, at prefill sizes, against the same layer through
+torch._grouped_mm (`fused_moe_grouped_mm`: CUTLASS's grouped GEMMs on sm_90).
 Decode-sized batches are scored in bytes (the weights of the experts the batch routes to: a good step reads only
 those, once) against the copy ceiling; prefill-sized ones in FLOPs (2 x T x top_k x 3 x H x I) against bf16 peak.
 The experts' 2.8 GB are far past the L2, so every call reads them cold.
@@ -9,9 +11,12 @@ The experts' 2.8 GB are far past the L2, so every call reads them cold.
 
 import torch
 
-from kernels.moe import fused_moe_ref, fused_moe_triton, topk_route
+from kernels.moe import fused_moe_grouped_mm, fused_moe_ref, fused_moe_triton, topk_route
 
-GPU_MOE = dict(hidden=4096, inter=14336, num_experts=8, top_k=2, rows=[1, 8, 64, 512, 4096])
+GPU_MOE = dict(hidden=4096, inter=14336, num_experts=8, top_k=2, rows=[1, 8, 64, 512, 1024, 2048, 4096, 8192])
+GPU_MOE_SHAPES = {"mixtral-8x7b": GPU_MOE,
+                  "qwen3-30b-a3b": dict(hidden=2048, inter=768, num_experts=128, top_k=8,
+                                        rows=[1, 8, 64, 256, 512, 2048, 4096, 8192])}
 SMOKE_MOE = dict(hidden=256, inter=512, num_experts=4, top_k=2, rows=[1, 16])
 BYTES_UP_TO_ROWS = 64  # decode-sized batches: scored by the weight bytes they must read
 TUNE_ROWS = [1, 8, 64, 512, 4096]
@@ -54,15 +59,21 @@ def bench_moe(runner, cfg: dict, moe_cfg: dict):
             impls = {"torch ref": ref}
             if runner.use_triton:
                 impls["triton"] = lambda: fused_moe_triton(*args)
+                if rows > BYTES_UP_TO_ROWS and hasattr(torch, "_grouped_mm"):
+                    impls["grouped_mm"] = lambda: fused_moe_grouped_mm(*args)
 
             def check():
-                out, ref = fused_moe_triton(*args).float(), fused_moe_ref(*args).float()
-                torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
-                return (out - ref).abs().max().item()
+                ref = fused_moe_ref(*args).float()
+                errors = []
+                for impl in (fused_moe_triton, fused_moe_grouped_mm)[:2 if "grouped_mm" in impls else 1]:
+                    out = impl(*args).float()
+                    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+                    errors.append((out - ref).abs().max().item())
+                return max(errors)
 
             return impls, moe_work(rows, args[4], args[1], moe_cfg), check if runner.use_triton else None
 
-        runner.case("moe", f"rows {rows} top{moe_cfg['top_k']} of {moe_cfg['num_experts']}", build)
+        runner.case("moe", f"rows {rows} top{moe_cfg['top_k']} of {moe_cfg['num_experts']} x {moe_cfg['inter']}", build)
 
 
 def bench_tune_moe(runner, cfg: dict, moe_cfg: dict):

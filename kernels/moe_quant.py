@@ -51,9 +51,7 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight
 from kernels.int_tiles import weight_tile
 from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import (
-    _fits_one_program,
-    align_by_expert_ref,
-    align_by_expert_triton,
+    aligner,
     experts_loop_ref,
     grouped_tile,
     moe_config,
@@ -376,7 +374,7 @@ def fused_moe_quant_triton(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_
     cfg_down = _config(num_pairs, w2, hidden, False, x, config)
     if cfg_down["BLOCK_M"] != cfg_up["BLOCK_M"]:
         raise ValueError("both GEMMs must use one BLOCK_M: they share the expert alignment")
-    align = align_by_expert_triton if _fits_one_program(num_pairs, w13.num_experts) else align_by_expert_ref
+    align = aligner(num_pairs, w13.num_experts)
     aligned = align(topk_ids, w13.num_experts, cfg_up["BLOCK_M"])
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h, aligned, top_k, True, cfg_up)

@@ -483,6 +483,13 @@ def main() -> int:
         # The one-program alignment at its limit (MAX_ALIGN_ONEHOT pairs x experts): 16 x 8 of 128, 1024 x 2 of 8.
         fused_moe("moe qwen3-30b-a3b bf16, 16 tokens", 16, 2048, 768, 128, 8)
         fused_moe("moe mixtral bf16, 1024 tokens", 1024, 4096, 14336, 8, 2)
+        # past it, the chunked alignment (three kernels): decode steps of 256 and 200, a prefill of 4096 tokens
+        fused_moe("moe qwen3-30b-a3b bf16, 256 tokens", 256, 2048, 768, 128, 8)
+        fused_moe("moe qwen3-30b-a3b bf16, 200 tokens", 200, 2048, 768, 128, 8)
+        fused_moe("moe qwen3-30b-a3b bf16, 4096 tokens", 4096, 2048, 768, 128, 8)
+        for tokens in (1, 256):  # the router: softmax, top-k and renormalization in one kernel
+            CASE[0] = f"moe router qwen3-30b-a3b, {tokens} tokens"
+            moe.topk_route_triton(empty(tokens, 128), 8, True, torch.bfloat16)
         fused_moe("moe fp32", 4, 1024, 512, 4, 2, dtype=torch.float32)
         CASE[0] = "rms_norm+residual 4096"
         x = empty(4, 4096)

@@ -37,13 +37,14 @@ def compiled() -> list[dict]:
 
 def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
-    assert kernels == {"_align_kernel", "_append_kernel", "_decode_kernel", "_decode_merge_kernel", "_fix_up_kernel",
+    assert kernels == {"_align_count_kernel", "_align_kernel", "_align_scan_kernel", "_align_scatter_kernel",
+                       "_append_kernel", "_decode_kernel", "_decode_merge_kernel", "_fix_up_kernel",
                        "_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_int_decode_kernel", "_int_dequantize_kernel",
                        "_int_linear_kernel", "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel",
                        "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel", "_moe_gemm_kernel",
                        "_moe_quant_gemm_kernel", "_ngram_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
                        "_rejection_kernel", "_rms_norm_kernel", "_rotary_kernel", "_sample_kernel",
-                       "_silu_and_mul_kernel", "_silu_and_mul_quant_kernel", "_write_kv_cache_kernel",
+                       "_silu_and_mul_kernel", "_topk_route_kernel", "_silu_and_mul_quant_kernel", "_write_kv_cache_kernel",
                        "_write_latent_kernel"}
 
 
@@ -74,6 +75,12 @@ def test_batch_shape_compiles_no_new_variant(compiled):
             == by_case["rejection sample 128256, k 1"])
     assert (by_case["append to the token histories, 5 a row"] == by_case["append to the token histories, 3 a row"]
             == by_case["append to the token histories, the start-up's dummy"])
+    # MoE: the router for 1 and 256 tokens, the chunked alignment for decode steps of 256 and 200
+    assert by_case["moe router qwen3-30b-a3b, 1 tokens"] == by_case["moe router qwen3-30b-a3b, 256 tokens"]
+    for kernel in ("_align_count_kernel", "_align_scan_kernel", "_align_scatter_kernel"):
+        hashes = {row["hash"] for row in compiled if row["kernel"] == kernel
+                  and row["case"] in ("moe qwen3-30b-a3b bf16, 256 tokens", "moe qwen3-30b-a3b bf16, 200 tokens")}
+        assert len(hashes) == 1, (kernel, hashes)
     for kernel in ("shrink", "expand"):  # LoRA: 64 and 80 rows share their tiles (and shrink's K split)
         assert by_case[f"lora {kernel} qkv r16, 64 rows"] == by_case[f"lora {kernel} qkv r16, 80 rows"]
 

@@ -6,14 +6,19 @@ import torch
 
 from kernels._triton import tl, triton
 from kernels.moe import (
+    align_by_expert_chunks,
     align_by_expert_ref,
     align_by_expert_triton,
     fused_moe,
+    fused_moe_grouped_mm,
     fused_moe_ref,
     fused_moe_triton,
     grouped_tile,
     moe_config,
+    takes_grouped_mm,
     topk_route,
+    topk_route_ref,
+    topk_route_triton,
 )
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -93,6 +98,80 @@ def test_one_program_alignment_equals_the_reference(num_tokens, num_experts, top
         assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="exceed the one-program alignment"):
         align_by_expert_triton(torch.zeros(300, 8, dtype=torch.int64, device=device), 128, 16)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m",
+                         ALIGN_CASES + [(300, 128, 8, 16), (257, 128, 8, 64), (2000, 8, 2, 64), (5, 256, 8, 16),
+                                        (1000, 60, 4, 16)])
+def test_chunked_alignment_equals_the_reference(num_tokens, num_experts, top_k, block_m, device,
+                                                poisoned_allocations):
+    """The three-kernel alignment (any batch; several chunks of pairs from 300 tokens x 8 of 128 experts on) gives
+    the reference's outputs: pairs in order within each expert's padded run, the tiles' experts, the total."""
+    _, _, _, _, ids = make_case(num_tokens, 8, 8, num_experts, top_k, torch.float32, device, skew=2.0)
+    for got, expected in zip(align_by_expert_chunks(ids, num_experts, block_m),
+                             align_by_expert_ref(ids, num_experts, block_m)):
+        assert torch.equal(got, expected)
+
+
+ROUTE_CASES = [(1, 8, 2, True), (37, 128, 8, True), (5, 60, 4, False), (20, 256, 8, True), (3, 6, 6, True)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize", ROUTE_CASES)
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_matches_the_reference(num_tokens, num_experts, top_k, renormalize, weights_dtype, device,
+                                            poisoned_allocations):
+    """float32 logits (no ties): the same experts in the same order, and the weights to float32 rounding (the
+    kernel's exp is not torch's), then rounded to weights_dtype as the reference rounds them (one unit apart at
+    most)."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(device)
+    weights, ids = topk_route_triton(logits, top_k, renormalize, weights_dtype)
+    ref_weights, ref_ids = topk_route_ref(logits, top_k, renormalize, weights_dtype)
+    assert torch.equal(ids, ref_ids) and weights.dtype == weights_dtype
+    unit = 2.0 ** -7 if weights_dtype == torch.bfloat16 else 1e-6  # a bf16 unit: 2^-8 to 2^-7 of the value
+    assert ((weights.float() - ref_weights.float()).abs() <= unit * ref_weights.float().abs().clamp(min=1e-3)).all()
+    if renormalize and weights_dtype == torch.float32:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device=device))
+
+
+def test_route_kernel_takes_the_lowest_ids_among_ties(device):
+    """Tied probabilities (equal logits, as bf16 router logits often are): the lowest expert ids first, which is
+    the set CUDA's torch.topk keeps at the boundary (the values past the k-th, then the k-th's ties by index)."""
+    logits = torch.tensor([[0.5, 0.9, 0.5, 0.5, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]], device=device)
+    weights, ids = topk_route_triton(logits, 3, False)
+    assert ids.tolist() == [[1, 0, 2], [0, 1, 2]]
+    assert weights[0, 1] == weights[0, 2] and torch.allclose(weights[1], torch.full((3,), 0.2, device=device))
+
+
+def test_route_dispatch_on_cpu_is_the_reference():
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    for got, expected in zip(topk_route(logits, 4, True, torch.bfloat16), topk_route_ref(logits, 4, True,
+                                                                                           torch.bfloat16)):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_path_matches_the_reference(dtype, device):
+    """The torch._grouped_mm form of the layer (sorted pairs, gathered rows, two grouped GEMMs, put back) against
+    the experts loop, with experts no token chose among them."""
+    if not hasattr(torch, "_grouped_mm") or (device.type == "cuda" and dtype != torch.bfloat16):
+        pytest.skip("torch._grouped_mm: bf16 on a GPU")
+    x, w13, w2, weights, ids = make_case(50, 64, 96, 16, 2, dtype, device, skew=2.0)
+    torch.testing.assert_close(fused_moe_grouped_mm(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
+                               atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_grouped_mm_is_taken_for_large_experts_and_batches_only():
+    """The measured rule (kernels/moe.py GROUPED_MM_*): never on CPU tensors; on a GPU, bf16 experts of at least
+    GROUPED_MM_MIN_INTER columns with GROUPED_MM_PAIRS_PER_EXPERT pairs an expert."""
+    from kernels.moe import GROUPED_MM_MIN_INTER, GROUPED_MM_PAIRS_PER_EXPERT
+
+    w2 = torch.empty(8, 4, GROUPED_MM_MIN_INTER, dtype=torch.bfloat16)
+    assert not takes_grouped_mm(torch.empty(1, 4, dtype=torch.bfloat16), w2, 8 * GROUPED_MM_PAIRS_PER_EXPERT)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        x, w2 = torch.empty(1, 4, dtype=torch.bfloat16, device="cuda"), w2.cuda()
+        assert takes_grouped_mm(x, w2, 8 * GROUPED_MM_PAIRS_PER_EXPERT)
+        assert not takes_grouped_mm(x, w2, 8 * GROUPED_MM_PAIRS_PER_EXPERT - 1)
+        assert not takes_grouped_mm(x, w2[..., :GROUPED_MM_MIN_INTER // 2], 8 * GROUPED_MM_PAIRS_PER_EXPERT)
 
 
 # Shapes: hidden and intermediate not multiples of the tiles; tokens from decode-sized to several tiles per expert.

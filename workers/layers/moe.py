@@ -54,16 +54,18 @@ def expert_param_name(name: str) -> tuple[str, object] | None:
 
 
 class Router(nn.Module):
-    """hidden [T, H] -> (routing weights float32 [T, top_k], expert ids [T, top_k]); the weight is replicated."""
+    """hidden [T, H] -> (routing weights [T, top_k] in weights_dtype (float32, or the model's dtype where the model
+    rounds them to it: Qwen), expert ids [T, top_k]); the weight is replicated."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, dtype=torch.float32,
-                 device=None):
+                 device=None, weights_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.weights_dtype = top_k, renormalize, weights_dtype
         self.weight = _param((num_experts, hidden_size), dtype, device, default_weight_loader)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return topk_route(F.linear(h, self.weight), self.top_k, self.renormalize)  # logits in the model dtype
+        # logits in the model dtype
+        return topk_route(F.linear(h, self.weight), self.top_k, self.renormalize, self.weights_dtype)
 
 
 class FusedMoE(nn.Module):

@@ -40,8 +40,9 @@ class SparseMoeBlock(nn.Module):
         if not args.num_experts:
             raise ValueError("config.json has neither 'num_experts' nor 'num_local_experts', which the model needs")
         hidden = args.hidden_size
-        self.round_weights = round_weights  # Qwen casts the routing weights to the model dtype, Mixtral does not
-        self.gate = Router(hidden, args.num_experts, args.num_experts_per_tok, renormalize, dtype, device)
+        # Qwen casts the routing weights to the model dtype, Mixtral does not
+        self.gate = Router(hidden, args.num_experts, args.num_experts_per_tok, renormalize, dtype, device,
+                           weights_dtype=dtype if round_weights else torch.float32)
         self.experts = FusedMoE(args.num_experts, hidden, intermediate_size, dtype, device)
         self.shared_expert = None
         if shared_intermediate_size:
@@ -67,8 +68,6 @@ class SparseMoeBlock(nn.Module):
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum: this rank's partial sum [T, hidden]."""
         topk_weights, topk_ids = self.gate(h)  # [T, top_k] each
-        if self.round_weights:
-            topk_weights = topk_weights.to(h.dtype)
         return self.experts(h, topk_weights, topk_ids)
 
 
