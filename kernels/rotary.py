@@ -26,6 +26,7 @@ from kernels._triton import (
 )
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import check_kv_cache_inputs, quantize_heads, write_kv_cache_ref
+from kernels.rms_norm import rms_norm_ref
 from kernels.rope_scaling import compute_inv_freq
 
 
@@ -43,9 +44,22 @@ def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype
 
 
 @triton.jit
+def _head_norm(a1, a2, norm_ptr, dims, dim_mask, eps, dtype, HALF: tl.constexpr):
+    """RMSNorm of each head (rows of the halves a1 | a2, float32) over its 2 HALF dims, rounded as
+    kernels/rms_norm.py rounds: x * rsqrt(mean(x^2) + eps) to the dtype, then times the weight, to the dtype."""
+    inv_rms = tl.rsqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(norm_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    n1 = ((a1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((a2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return n1, n2
+
+
+@triton.jit
 def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_row, stride_ch, slot, scale_ptr,
-                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr):
+                  norm_ptr, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, NORM: tl.constexpr,
+                  EXACT: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HALF)
@@ -55,6 +69,8 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, cache_ptr, cache_r
     dtype = x1.dtype
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
+    if NORM:  # Qwen3's q_norm / k_norm over each head, before the rotation
+        a1, a2 = _head_norm(a1, a2, norm_ptr, dims, dims < HALF, eps, dtype, HALF)
     # Each product and the sum rounded to x's dtype, as torch computes q * cos + rotate_half(q) * sin.
     o1 = ((a1 * cos).to(dtype).to(tl.float32) - (a2 * sin).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)).to(dtype)
@@ -75,9 +91,10 @@ def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr,
+    q_norm_ptr, k_norm_ptr, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, NORM: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -87,8 +104,8 @@ def _rotary_kernel(
     # cos/sin rounded to q's dtype first, as transformers casts them.
     cos = tl.load(cs_ptr, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
     sin = tl.load(cs_ptr + HALF, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
-    _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos, sin, q_ptr, 0, 0, -1, k_scale_ptr,
-                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, False, False, EXACT)
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos, sin, q_ptr, 0, 0, -1, k_scale_ptr, q_norm_ptr, eps,
+                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD, False, False, NORM, EXACT)
     if WRITE_CACHE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # -1: a padding token, nothing written
     else:
@@ -96,7 +113,8 @@ def _rotary_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     _rotate_heads(k_ptr, token, stride_kt, stride_kh, cos, sin, k_cache_ptr, block * stride_kcb + offset * stride_kcs,
-                  stride_kch, slot, k_scale_ptr, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, WRITE_CACHE, FP8, EXACT)
+                  stride_kch, slot, k_scale_ptr, k_norm_ptr, eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD,
+                  WRITE_CACHE, FP8, NORM, EXACT)
     if WRITE_CACHE:
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         all_dims = tl.arange(0, 2 * HALF_PAD)[None, :]
@@ -131,9 +149,10 @@ def _check_inputs(positions, q, k, cos_sin_cache, head_dim):
     return _as_heads("q", q, num_tokens, head_dim), _as_heads("k", k, num_tokens, head_dim)
 
 
-def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None) -> None:
+def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None, qk_norm=None) -> None:
     """Triton launcher of `rotary_embedding` (one program per token, all its q and k heads); with
-    cache=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]), of `rotary_embedding_and_write_kv`."""
+    cache=(v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]), of `rotary_embedding_and_write_kv`; with
+    qk_norm=(q_weight, k_weight, eps), each head RMSNorm-ed first."""
     q3, k3 = _check_inputs(positions, q, k, cos_sin_cache, head_dim)
     check_launchable(positions, q, k, cos_sin_cache)
     for name, t in (("q", q3), ("k", k3), ("cos_sin_cache", cos_sin_cache)):
@@ -153,15 +172,19 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, cache=None
             check_last_dim_contiguous(name, t)
         block_size = k_cache.shape[1]
     half = head_dim // 2
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos_sin_cache, cos_sin_cache, 0.0)
+    if qk_norm is not None and not q_norm.shape == k_norm.shape == (head_dim,):
+        raise ValueError(f"qk_norm weights must be [head_dim={head_dim}], got {tuple(q_norm.shape)} and "
+                         f"{tuple(k_norm.shape)}")
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_sin_cache, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         cos_sin_cache.stride(0), v3, k_cache, v_cache, slots, v3.stride(0), v3.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         k_scale if k_scale is not None else cos_sin_cache, v_scale if v_scale is not None else cos_sin_cache,
-        NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=k3.shape[1], Q_HEADS_PAD=next_power_of_2(q3.shape[1]),
+        q_norm, k_norm, float(eps), NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=k3.shape[1], Q_HEADS_PAD=next_power_of_2(q3.shape[1]),
         KV_HEADS_PAD=next_power_of_2(k3.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
         BLOCK_SIZE=block_size, WRITE_CACHE=cache is not None, FP8=k_cache.dtype == FP8_DTYPE,
-        EXACT=is_interpreting(),
+        NORM=qk_norm is not None, EXACT=is_interpreting(),
         **pdl_options(q3.device), num_warps=4 if q3.shape[1] * head_dim <= 4096 else 8,
     )
 
@@ -190,16 +213,22 @@ def rotary_embedding(positions, q, k, cos_sin_cache, head_dim) -> None:
 
 
 def rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
-                                  slot_mapping, k_scale=None, v_scale=None) -> None:
+                                  slot_mapping, k_scale=None, v_scale=None, qk_norm=None) -> None:
     """`rotary_embedding` of q and k, then `write_kv_cache` of the rotated k and of v, in one kernel on a GPU.
 
     v: [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]; caches, slot_mapping and the scales of a
-    float8 cache as `write_kv_cache`.
+    float8 cache as `write_kv_cache`. qk_norm=(q_weight [head_dim], k_weight [head_dim], eps): first each head of
+    q and k RMSNorm-ed in place (Qwen3's q_norm / k_norm, `rms_norm` of the [T * heads, head_dim] rows), in the same
+    kernel, where the layer ran two norms and two copies of the strided heads before.
     """
     if use_triton(q):
         rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim,
-                                (v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
+                                (v, k_cache, v_cache, slot_mapping, k_scale, v_scale), qk_norm)
     else:
+        if qk_norm is not None:
+            q_weight, k_weight, eps = qk_norm
+            for x, weight in ((q, q_weight), (k, k_weight)):
+                x.copy_(rms_norm_ref(x.reshape(-1, head_dim), weight, eps).view(x.shape))
         rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
         num_tokens = positions.shape[0]
         write_kv_cache_ref(_as_heads("k", k, num_tokens, head_dim), _as_heads("v", v, num_tokens, head_dim),

@@ -502,6 +502,11 @@ def main() -> int:
                                        empty(64, 128, dtype=torch.float32), 128,
                                        (empty(4, 1024), empty(8, 16, 8, 128), empty(8, 16, 8, 128),
                                         torch.zeros(4, dtype=torch.int64)))
+        CASE[0] = "rotary + kv write + head norms, qwen3 32/4 x 128"
+        rotary.rotary_embedding_triton(torch.zeros(4, dtype=torch.int64), empty(4, 4096), empty(4, 512),
+                                       empty(64, 128, dtype=torch.float32), 128,
+                                       (empty(4, 512), empty(8, 16, 4, 128), empty(8, 16, 4, 128),
+                                        torch.zeros(4, dtype=torch.int64)), (empty(128), empty(128), 1e-6))
         CASE[0] = "silu_and_mul 14336"
         activation.silu_and_mul_triton(empty(4, 2 * 14336))
         CASE[0] = "linear fp32 gate_up + silu, 4 rows"  # tiles shrink to fit shared memory

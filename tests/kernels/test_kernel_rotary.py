@@ -195,6 +195,54 @@ def test_fused_rotary_and_kv_write_matches_the_two_refs(dtype, num_heads, num_kv
     assert k_cache.isnan().any(dim=(2, 3)).sum() == k_cache.shape[0] * block_size - (slots >= 0).sum()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 4, 64, 16), (8, 2, 32, 1), (6, 3, 80, 4)])
+def test_head_norms_fused_match_the_unfused_layer(dtype, num_heads, num_kv_heads, head_dim, block_size, device):
+    """qk_norm (Qwen3): each head of q and k RMSNorm-ed inside the rotary kernel, in place in the fused qkv rows,
+    against the layer's unfused way (rms_norm of the [T * heads, head_dim] copies, then rotary and the KV write):
+    to the dtype's rounding (the two sum the squares in other orders)."""
+    from kernels.rms_norm import rms_norm_ref
+
+    gen = torch.Generator().manual_seed(4)
+    positions, qkv, cos_sin, (k_cache, v_cache), slots = _fused_case(
+        device, dtype, num_heads, num_kv_heads, head_dim, block_size, 9, gen)
+    weights = [(1 + 0.5 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2)]
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    rotary_embedding_triton(positions, q, k, cos_sin, head_dim, (v, k_cache, v_cache, slots), (*weights, 1e-6))
+    rq, rk, rv = _split_qkv(ref_qkv, num_heads, num_kv_heads, head_dim)
+    rq = rms_norm_ref(rq.reshape(-1, head_dim), weights[0], 1e-6).view(rq.shape)
+    rk = rms_norm_ref(rk.reshape(-1, head_dim), weights[1], 1e-6).view(rk.shape)
+    rotary_embedding_ref(positions, rq, rk, cos_sin, head_dim)
+    write_kv_cache_ref(rk.unflatten(1, (num_kv_heads, head_dim)), rv.unflatten(1, (num_kv_heads, head_dim)),
+                       ref_k_cache, ref_v_cache, slots)
+    atol, rtol = TOL[dtype]
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    torch.testing.assert_close(qkv[:, :q_dim], rq, atol=2 * atol, rtol=2 * rtol)
+    torch.testing.assert_close(qkv[:, q_dim:q_dim + kv_dim], rk, atol=2 * atol, rtol=2 * rtol)
+    assert torch.equal(qkv[:, q_dim + kv_dim:], ref_qkv[:, q_dim + kv_dim:])  # v untouched
+    torch.testing.assert_close(k_cache, ref_k_cache, atol=2 * atol, rtol=2 * rtol, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v_cache, atol=0, rtol=0, equal_nan=True)
+
+
+def test_head_norms_on_cpu_are_the_layers_norms_then_the_refs():
+    """On CPU the public function norms each head with rms_norm_ref and rotates with the reference: bit for bit
+    the layer's unfused way (the transformers oracle's numbers)."""
+    from kernels.rms_norm import rms_norm_ref
+
+    gen = torch.Generator().manual_seed(5)
+    positions, qkv, cos_sin, (k_cache, v_cache), slots = _fused_case("cpu", torch.bfloat16, 4, 2, 16, 4, 6, gen)
+    weights = [(1 + 0.5 * torch.randn(16, generator=gen)).to(torch.bfloat16) for _ in range(2)]
+    ref_qkv = qkv.clone()
+    q, k, v = _split_qkv(qkv, 4, 2, 16)
+    rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, 16, k_cache, v_cache, slots, qk_norm=(*weights, 1e-6))
+    rq, rk, _ = _split_qkv(ref_qkv, 4, 2, 16)
+    rq = rms_norm_ref(rq.reshape(-1, 16), weights[0], 1e-6).view(rq.shape)
+    rk = rms_norm_ref(rk.reshape(-1, 16), weights[1], 1e-6).view(rk.shape)
+    rotary_embedding_ref(positions, rq, rk, cos_sin, 16)
+    assert torch.equal(qkv[:, :64], rq) and torch.equal(qkv[:, 64:96], rk)
+
+
 def test_fused_public_function_on_cpu_is_the_two_refs():
     gen = torch.Generator().manual_seed(3)
     positions, qkv, cos_sin, (k_cache, v_cache), slots = _fused_case("cpu", torch.float32, 4, 2, 16, 4, 6, gen)

@@ -34,11 +34,13 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
         """Rotates q and k in place and writes the rotated k and v at `slot_mapping` (one kernel on a GPU); a
-        float8 cache takes the layer's scales (`Attention.kv_scales`)."""
+        float8 cache takes the layer's scales (`Attention.kv_scales`); qk_norm=(q weight, k weight, eps): each
+        head RMSNorm-ed first, in the same kernel."""
         rotary_embedding_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, k_cache, v_cache,
-                                      slot_mapping, k_scale, v_scale)
+                                      slot_mapping, k_scale, v_scale, qk_norm)
 
 
 class InterleavedRotaryEmbedding(nn.Module):

@@ -83,18 +83,20 @@ class LlamaAttentionBlock(nn.Module):
         qkv = self.qkv_proj(h, lora_slots=meta.lora_slots, lora_order=meta.lora_order)
         q, k, v = self.qkv_proj.split(qkv)  # [T, H*D], [T, H_kv*D] x2
         num_tokens = h.shape[0]
-        if self.qk_norm:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
+        compiling = torch.compiler.is_compiling()
+        if self.qk_norm and compiling:  # over each head's head_dim: [T * H, D] rows (a copy of the strided slices)
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        if torch.compiler.is_compiling():  # the caches are CacheRefs (workers/compile.py)
+        if compiling:  # the caches are CacheRefs (workers/compile.py)
             self.rotary_emb(positions, q, k)
             out = self.attn.compiled(q, k, v, k_cache, meta)
-        else:
+        else:  # the heads' norms (Qwen3), the rotation and the KV write: one kernel on a GPU, q and k in place
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
             self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
-                                             *self.attn.kv_scales(k_cache))
+                                             *self.attn.kv_scales(k_cache), qk_norm=qk_norm)
             out = self.attn(q, k_cache, v_cache, meta)  # [T, H*D]
         return self.o_proj(out, meta.lora_slots, meta.lora_order)
 
