@@ -44,8 +44,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                        "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel", "_moe_gemm_kernel",
                        "_moe_quant_gemm_kernel", "_ngram_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
                        "_rejection_kernel", "_rms_norm_kernel", "_rotary_kernel", "_sample_kernel",
-                       "_silu_and_mul_kernel", "_topk_route_kernel", "_silu_and_mul_quant_kernel", "_write_kv_cache_kernel",
-                       "_write_latent_kernel"}
+                       "_silu_and_mul_kernel", "_topk_route_kernel", "_silu_and_mul_quant_kernel",
+                       "_write_kv_cache_kernel", "_write_latent_kernel"}
 
 
 def test_every_kernel_waits_for_the_previous_one_before_touching_memory(compiled):
