@@ -49,37 +49,55 @@ from kernels.linear import rows_times_weight, silu_mul_rounded
 
 
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-               weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+               weights_dtype: torch.dtype = torch.float32, scale: float = 1.0, renorm_eps: float = 0.0,
+               groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over experts in float32, the top_k, renormalized to sum 1 when asked (Mixtral always, Qwen-MoE with
     norm_topk_prob): (weights [T, top_k] rounded to weights_dtype (Qwen rounds them to the model's dtype), expert
-    ids int64 [T, top_k]), as transformers' routers. On a GPU one kernel (`topk_route_triton`), where torch runs
-    some six a layer (with the chunked alignment, a Qwen3-30B-A3B decode step on an H100 went from 5.00 to 4.31
-    ms/token at batch 1: docs/benchmarks.md)."""
-    if use_triton(router_logits) and router_logits.shape[-1] <= MAX_ROUTE_EXPERTS and top_k <= MAX_ROUTE_TOP_K:
-        return topk_route_triton(router_logits, top_k, renormalize, weights_dtype)
-    return topk_route_ref(router_logits, top_k, renormalize, weights_dtype)
+    ids int64 [T, top_k]), as transformers' routers. DeepSeek's: groups=(n_group, topk_group) keeps the experts of
+    the topk_group groups whose best score is highest (group-limited greedy: the others score 0), renorm_eps is
+    added to the renormalization's sum, and weights not renormalized are multiplied by scale
+    (routed_scaling_factor). On a GPU one kernel (`topk_route_triton`), where torch runs some six a layer (with the
+    chunked alignment, a Qwen3-30B-A3B decode step on an H100 went from 5.00 to 4.31 ms/token at batch 1:
+    docs/benchmarks.md)."""
+    if (use_triton(router_logits) and router_logits.shape[-1] <= MAX_ROUTE_EXPERTS and top_k <= MAX_ROUTE_TOP_K
+            and (groups is None or groups[0] <= MAX_ROUTE_GROUPS)):
+        return topk_route_triton(router_logits, top_k, renormalize, weights_dtype, scale, renorm_eps, groups)
+    return topk_route_ref(router_logits, top_k, renormalize, weights_dtype, scale, renorm_eps, groups)
 
 
 def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   weights_dtype: torch.dtype = torch.float32, scale: float = 1.0, renorm_eps: float = 0.0,
+                   groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `topk_route` (and its CPU implementation)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
+    if groups is not None:
+        n_group, topk_group = groups
+        grouped = probs.unflatten(-1, (n_group, -1))  # [T, n_group, E / n_group]
+        best_groups = grouped.amax(dim=-1).topk(topk_group, dim=-1).indices  # [T, topk_group]
+        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        probs = grouped.masked_fill(~kept[..., None], 0.0).flatten(1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
+    elif scale != 1.0:
+        weights = weights * scale
     return weights.to(weights_dtype), ids
 
 
 MAX_ROUTE_EXPERTS = 1024  # a row of router logits the kernel holds in registers
 MAX_ROUTE_TOP_K = 32
+MAX_ROUTE_GROUPS = 32
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    """BLOCK_T tokens a program: the softmax of each row in float32, then TOP_K rounds of (largest probability,
-    its lowest expert id), removed before the next; renormalized over the chosen ones when asked."""
+def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scale, renorm_eps,
+                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_T tokens a program: the softmax of each row in float32; with N_GROUP > 1 only the experts of the
+    TOPK_GROUP groups of highest best score kept (the others score 0, as DeepSeek masks them); then TOP_K rounds of
+    (largest probability, its lowest expert id), removed before the next; renormalized over the chosen ones, or
+    times scale."""
     wait_for_prior(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
@@ -90,18 +108,34 @@ def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts
     shifted = logits - tl.where(is_token, tl.max(logits, 1), 0.0)[:, None]
     e = tl.where(valid, tl.exp(shifted), 0.0)
     probs = e / tl.where(is_token, tl.sum(e, 1), 1.0)[:, None]
+    if N_GROUP > 1:
+        group_of = experts // (num_experts // N_GROUP)  # [BLOCK_E]; past num_experts: N_GROUP or more
+        group_ids = tl.arange(0, GROUP_PAD)
+        best = tl.full([BLOCK_T, GROUP_PAD], -1.0, tl.float32)  # each group's best score (-1: no such group)
+        for g in tl.static_range(N_GROUP):
+            in_g = valid & (group_of[None, :] == g)
+            best = tl.where(group_ids[None, :] == g, tl.max(tl.where(in_g, probs, -1.0), 1)[:, None], best)
+        kept = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(best, 1)
+            top_id = tl.min(tl.where(best == top[:, None], group_ids[None, :], GROUP_PAD), 1)
+            kept = kept | (group_of[None, :] == top_id[:, None]).to(tl.int32)
+            best = tl.where(group_ids[None, :] == top_id[:, None], -2.0, best)
+        probs = tl.where(kept != 0, probs, 0.0)
     probs = tl.where(valid, probs, -1.0)  # below any probability: never chosen
     slots = tl.arange(0, K_PAD)
     chosen = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     chosen_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(probs, 1)
-        best_id = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), 1)
-        chosen = tl.where(slots[None, :] == k, best[:, None], chosen)
+        best_p = tl.max(probs, 1)
+        best_id = tl.min(tl.where(probs == best_p[:, None], experts[None, :], BLOCK_E), 1)
+        chosen = tl.where(slots[None, :] == k, best_p[:, None], chosen)
         chosen_ids = tl.where(slots[None, :] == k, best_id[:, None], chosen_ids)
         probs = tl.where(experts[None, :] == best_id[:, None], -2.0, probs)
     if RENORMALIZE:
-        chosen = chosen / tl.sum(tl.where(slots[None, :] < TOP_K, chosen, 0.0), 1)[:, None]
+        chosen = chosen / (tl.sum(tl.where(slots[None, :] < TOP_K, chosen, 0.0), 1)[:, None] + renorm_eps)
+    elif SCALE:
+        chosen = chosen * scale
     out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     mask = is_token[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, chosen.to(weights_ptr.dtype.element_ty), mask=mask)
@@ -109,23 +143,30 @@ def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts
 
 
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                      weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of `topk_route` (logits [T, E], E <= MAX_ROUTE_EXPERTS, top_k <= MAX_ROUTE_TOP_K)."""
+                      weights_dtype: torch.dtype = torch.float32, scale: float = 1.0, renorm_eps: float = 0.0,
+                      groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of `topk_route` (logits [T, E], E <= MAX_ROUTE_EXPERTS, top_k <= MAX_ROUTE_TOP_K, groups
+    (n_group <= MAX_ROUTE_GROUPS dividing E, topk_group) or None)."""
     check_launchable(router_logits)
     check_last_dim_contiguous("router_logits", router_logits)
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= min(num_experts, MAX_ROUTE_TOP_K) or num_experts > MAX_ROUTE_EXPERTS:
         raise ValueError(f"top_k {top_k} of {num_experts} experts: the kernel takes 1..{MAX_ROUTE_TOP_K} of at most "
                          f"{MAX_ROUTE_EXPERTS}")
+    n_group, topk_group = groups if groups is not None else (1, 1)
+    if not 0 < n_group <= MAX_ROUTE_GROUPS or num_experts % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(f"groups {groups}: n_group must divide the {num_experts} experts (at most "
+                         f"{MAX_ROUTE_GROUPS}) and topk_group be in 1..n_group")
     weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         block_e = next_power_of_2(num_experts)
         block_t = max(1, min(16, 2048 // block_e))  # one variant for every batch
         _topk_route_kernel[(cdiv(num_tokens, block_t),)](
-            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
-            K_PAD=next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-            **pdl_options(router_logits.device), num_warps=4)
+            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), float(scale),
+            float(renorm_eps), TOP_K=top_k, K_PAD=next_power_of_2(top_k), RENORMALIZE=renormalize,
+            SCALE=scale != 1.0, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_PAD=next_power_of_2(n_group),
+            BLOCK_T=block_t, BLOCK_E=block_e, **pdl_options(router_logits.device), num_warps=4)
     return weights, ids
 
 

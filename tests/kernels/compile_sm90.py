@@ -490,6 +490,10 @@ def main() -> int:
         for tokens in (1, 256):  # the router: softmax, top-k and renormalization in one kernel
             CASE[0] = f"moe router qwen3-30b-a3b, {tokens} tokens"
             moe.topk_route_triton(empty(tokens, 128), 8, True, torch.bfloat16)
+        CASE[0] = "moe router deepseek-v2 group-limited, 160 experts"
+        moe.topk_route_triton(empty(4, 160, dtype=torch.float32), 6, False, scale=16.0, groups=(8, 3))
+        CASE[0] = "moe router deepseek-v2-lite, 64 experts"
+        moe.topk_route_triton(empty(4, 64, dtype=torch.float32), 6, False, scale=1.0)
         fused_moe("moe fp32", 4, 1024, 512, 4, 2, dtype=torch.float32)
         CASE[0] = "rms_norm+residual 4096"
         x = empty(4, 4096)

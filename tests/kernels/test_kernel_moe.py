@@ -133,6 +133,23 @@ def test_route_kernel_matches_the_reference(num_tokens, num_experts, top_k, reno
         torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device=device))
 
 
+@pytest.mark.parametrize("num_experts,top_k,groups,renormalize", [(160, 6, (8, 3), False), (64, 6, (8, 3), True),
+                                                                   (64, 6, None, False), (24, 4, (4, 1), False)])
+def test_route_kernel_is_deepseeks_routing(num_experts, top_k, groups, renormalize, device, poisoned_allocations):
+    """DeepSeek's routing (workers/models/deepseek_v2.py DeepseekRouter): group-limited greedy (V2's 160 experts in 8
+    groups, the best 3 kept; groups of a power-of-two count and of not), the renormalization with its 1e-20, or the
+    routed scaling factor; the kernel against the reference, float32 logits."""
+    logits = torch.randn(19, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(device)
+    kwargs = dict(scale=16.0, renorm_eps=1e-20, groups=groups)
+    weights, ids = topk_route_triton(logits, top_k, renormalize, **kwargs)
+    ref_weights, ref_ids = topk_route_ref(logits, top_k, renormalize, **kwargs)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=0, rtol=1e-6)
+    if groups is not None:  # every chosen expert in one of the topk_group kept groups
+        per_group = num_experts // groups[0]
+        assert all(len(set((row // per_group).tolist())) <= groups[1] for row in ids.cpu())
+
+
 def test_route_kernel_takes_the_lowest_ids_among_ties(device):
     """Tied probabilities (equal logits, as bf16 router logits often are): the lowest expert ids first, which is
     the set CUDA's torch.topk keeps at the boundary (the values past the k-th, then the k-th's ties by index)."""

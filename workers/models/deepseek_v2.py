@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import topk_route
 from workers.kv_pool import KVLayout
 from workers.layers.linear import _param, default_weight_loader
 from workers.layers.mla import MLAAttentionBlock
@@ -57,16 +58,11 @@ class DeepseekRouter(nn.Module):
         self.weight = _param((num_experts, args.hidden_size), torch.float32, device, default_weight_loader)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(h.float(), self.weight).softmax(dim=-1)  # [T, E] float32
-        if self.is_group_limited:
-            groups = scores.unflatten(-1, (self.n_group, -1))  # [T, n_group, E / n_group]
-            best_groups = groups.amax(dim=-1).topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-            kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-            scores = groups.masked_fill(~kept[..., None], 0.0).flatten(1)
-        weights, ids = scores.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-        return weights * self.routed_scaling_factor, ids
+        # softmax of the float32 logits, group-limited greedy when asked, the top_k, renormalized (with
+        # transformers' 1e-20) or scaled: kernels/moe.py topk_route (one kernel on a GPU)
+        return topk_route(F.linear(h.float(), self.weight), self.top_k, self.renormalize,
+                          scale=self.routed_scaling_factor, renorm_eps=1e-20,
+                          groups=(self.n_group, self.topk_group) if self.is_group_limited else None)
 
 
 class DeepseekV2MoE(nn.Module):
