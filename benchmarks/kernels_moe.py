@@ -65,7 +65,7 @@ def bench_moe(runner, cfg: dict, moe_cfg: dict):
             def check():
                 ref = fused_moe_ref(*args).float()
                 errors = []
-                for impl in (fused_moe_triton, fused_moe_grouped_mm)[:2 if "grouped_mm" in impls else 1]:
+                for impl in [fused_moe_triton] + ([fused_moe_grouped_mm] if "grouped_mm" in impls else []):
                     out = impl(*args).float()
                     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
                     errors.append((out - ref).abs().max().item())

@@ -89,6 +89,15 @@ MAX_ROUTE_TOP_K = 32
 MAX_ROUTE_GROUPS = 32
 
 
+@triton.jit
+def _take_best(scores, ids, PAD: tl.constexpr):
+    """Each row's largest score [rows], the lowest of the ids [PAD] holding it [rows], and the scores with that one
+    removed (-2: below any score left, probabilities and the -1 of padding)."""
+    best = tl.max(scores, 1)
+    best_id = tl.min(tl.where(scores == best[:, None], ids[None, :], PAD), 1)
+    return best, best_id, tl.where(ids[None, :] == best_id[:, None], -2.0, scores)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scale, renorm_eps,
                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
@@ -117,21 +126,17 @@ def _topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts
             best = tl.where(group_ids[None, :] == g, tl.max(tl.where(in_g, probs, -1.0), 1)[:, None], best)
         kept = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
-            top = tl.max(best, 1)
-            top_id = tl.min(tl.where(best == top[:, None], group_ids[None, :], GROUP_PAD), 1)
+            _, top_id, best = _take_best(best, group_ids, GROUP_PAD)
             kept = kept | (group_of[None, :] == top_id[:, None]).to(tl.int32)
-            best = tl.where(group_ids[None, :] == top_id[:, None], -2.0, best)
         probs = tl.where(kept != 0, probs, 0.0)
     probs = tl.where(valid, probs, -1.0)  # below any probability: never chosen
     slots = tl.arange(0, K_PAD)
     chosen = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     chosen_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     for k in tl.static_range(TOP_K):
-        best_p = tl.max(probs, 1)
-        best_id = tl.min(tl.where(probs == best_p[:, None], experts[None, :], BLOCK_E), 1)
+        best_p, best_id, probs = _take_best(probs, experts, BLOCK_E)
         chosen = tl.where(slots[None, :] == k, best_p[:, None], chosen)
         chosen_ids = tl.where(slots[None, :] == k, best_id[:, None], chosen_ids)
-        probs = tl.where(experts[None, :] == best_id[:, None], -2.0, probs)
     if RENORMALIZE:
         chosen = chosen / (tl.sum(tl.where(slots[None, :] < TOP_K, chosen, 0.0), 1)[:, None] + renorm_eps)
     elif SCALE:
@@ -265,9 +270,10 @@ def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_pairs, fill_len
     counts = tl.sum((experts[:, None] == lanes[None, :]).to(tl.int32), 0)
     tl.store(counts_ptr + chunk * NUM_EXPERTS + lanes, counts, mask=lanes < NUM_EXPERTS)
     fill = tl.arange(0, FILL_BLOCK)
-    for start in range(chunk * fill_span, tl.minimum(fill_len, (chunk + 1) * fill_span), FILL_BLOCK):
+    fill_end = tl.minimum(fill_len, (chunk + 1) * fill_span)
+    for start in range(chunk * fill_span, fill_end, FILL_BLOCK):
         tl.store(sorted_ids_ptr + start + fill, tl.full([FILL_BLOCK], 0, tl.int32) + num_pairs,
-                 mask=start + fill < tl.minimum(fill_len, (chunk + 1) * fill_span))
+                 mask=start + fill < fill_end)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_tiles"])
@@ -349,14 +355,19 @@ def align_by_expert_chunks(topk_ids: torch.Tensor, num_experts: int, block_m: in
     return sorted_ids, tile_experts, num_padded
 
 
+def _expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts]: the pairs of each expert, on the device (torch.bincount syncs with the host)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
 def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Torch reference of `align_by_expert` (and its implementation on CPU)."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     num_tiles = _num_tiles(num_pairs, num_experts, block_m)
     experts = topk_ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    counts = _expert_counts(experts, num_experts)
     padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
     order = torch.argsort(experts, stable=True)  # pair ids, grouped by expert
     sorted_experts = experts[order]
@@ -533,8 +544,7 @@ def fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids):
         return torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)  # (bincount syncs with the host)
-    ends = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+    ends = _expert_counts(flat, w13.shape[0]).cumsum(0).to(torch.int32)
     rows = x.index_select(0, order // top_k)
     h = silu_and_mul(torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends))
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)

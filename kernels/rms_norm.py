@@ -32,6 +32,13 @@ from kernels.fp8 import FP8_DTYPE, QuantizedRows, pow2_scales, to_e4m3
 
 
 @triton.jit
+def normed_rounded(xf, inv_rms, w, dtype: tl.constexpr):
+    """RMSNorm's output from float32 x, its 1 / rms and float32 weights, rounded as HF rounds it: x * inv_rms to
+    dtype, then times the weight, to dtype (shared with kernels/rotary.py's per-head norms)."""
+    return ((xf * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_nr, hidden_size, eps,
@@ -48,9 +55,8 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_nr + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden_size + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = (normed * w).to(x.dtype)
+    out = normed_rounded(xf, inv_rms, w, x.dtype)
     if QUANTIZE:  # quantize_per_token of that output (ACTIVATION_EXP = 8)
         out = out.to(tl.float32)
         scale, inv = pow2_scales(tl.max(tl.abs(out), 0), 8)

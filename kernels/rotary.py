@@ -30,7 +30,7 @@ from kernels._triton import (
 )
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import check_kv_cache_inputs, quantize_heads, write_kv_cache_ref
-from kernels.rms_norm import rms_norm_ref
+from kernels.rms_norm import normed_rounded, rms_norm_ref
 from kernels.rope_scaling import compute_inv_freq
 
 
@@ -50,13 +50,12 @@ def compute_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype
 @triton.jit
 def _head_norm(a1, a2, norm_ptr, dims, dim_mask, eps, dtype, HALF: tl.constexpr):
     """RMSNorm of each head (rows of the halves a1 | a2, float32) over its 2 HALF dims, rounded as
-    kernels/rms_norm.py rounds: x * rsqrt(mean(x^2) + eps) to the dtype, then times the weight, to the dtype."""
+    kernels/rms_norm.py rounds (`normed_rounded`), back in float32."""
     inv_rms = tl.rsqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / (2 * HALF) + eps)[:, None]
     w1 = tl.load(norm_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
     w2 = tl.load(norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    n1 = ((a1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((a2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    return n1, n2
+    return (normed_rounded(a1, inv_rms, w1, dtype).to(tl.float32),
+            normed_rounded(a2, inv_rms, w2, dtype).to(tl.float32))
 
 
 @triton.jit
