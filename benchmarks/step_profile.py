@@ -38,7 +38,6 @@ def kind_of(name: str) -> str:
 def profile_steps(engine, num_steps: int) -> dict:
     """Runs `num_steps` engine steps under torch.profiler; returns per-step figures (milliseconds)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -48,6 +47,13 @@ def profile_steps(engine, num_steps: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
+    return summarize(prof, wall_ms, num_steps)
+
+
+def summarize(prof, wall_ms: float, num_steps: int) -> dict:
+    """Per-step figures (milliseconds) of a finished torch.profiler run over `num_steps` steps that took wall_ms."""
+    from torch.autograd import DeviceType
+
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
     by_kind: dict[str, list[float]] = {}
