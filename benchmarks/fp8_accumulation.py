@@ -9,6 +9,11 @@ over the four (triton.testing.do_bench, no CUDA graph: the latency benchmark is 
 cuBLASLt's `_scaled_mm` (linear_fp8 from 17 rows) beside it, on a GPU. `--small`: small shapes, also on a CPU under
 TRITON_INTERPRET=1 (no times; the interpreter rounds float32 to bf16 otherwise than a GPU, so its fractions are not
 the hardware's).
+
+`--fast-accum` (a GPU) instead times cuBLASLt's GEMM with `use_fast_accum` off and on (kernels/linear_fp8.py
+`FAST_ACCUM`) at Llama-3-8B's four projections and 256-8,192 rows: microseconds (the median of 15 replays of a CUDA
+graph of 10 GEMMs), TFLOP/s, and the error against float32 math on the same e4m3 values (largest and mean, each
+over the output's largest / mean magnitude): benchmarks/results/h100-fp8-fast-accum-gemms.json.
 """
 
 from __future__ import annotations
@@ -73,14 +78,64 @@ def run(cfg: dict, device: torch.device) -> list[dict]:
     return results
 
 
+def _graph_us(fn, calls: int = 10, replays: int = 15) -> float:
+    """Microseconds a call: the median over replays of a CUDA graph of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def fast_accum(cfg: dict) -> list[dict]:
+    """torch._scaled_mm (rowwise scales) with use_fast_accum off and on, per projection and row count."""
+    torch.manual_seed(0)
+    results = []
+    for name, (n, k, _) in llama_linears(cfg).items():
+        w_q, w_scale = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        for rows in (256, 512, 1024, 4096, 8192):
+            x_q, x_scale = quantize_per_token(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+            ref = (x_q.float() * x_scale[:, None]) @ (w_q.float() * w_scale[:, None]).t()
+            row: dict = {"layer": name, "rows": rows}
+            for fast in (False, True):
+                def gemm(fast=fast, x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale):
+                    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale[:, None].contiguous(),
+                                            scale_b=w_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+                error = (gemm().float() - ref).abs()
+                us = _graph_us(gemm)
+                row |= {f"us_fast{int(fast)}": us, f"tflops_fast{int(fast)}": 2 * rows * n * k / us / 1e6,
+                        f"maxerr_fast{int(fast)}": (error.max() / ref.abs().max()).item(),
+                        f"meanerr_fast{int(fast)}": (error.mean() / ref.abs().mean()).item()}
+            row["speedup"] = row["us_fast0"] / row["us_fast1"]
+            results.append(row)
+            print(row, flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="small shapes (a CPU under TRITON_INTERPRET=1)")
+    parser.add_argument("--fast-accum", action="store_true", help="cuBLASLt's use_fast_accum off / on (a GPU)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {"benchmark": "fp8-accumulation", "device": device_name(),
-              "results": run(SMALL if args.small else LLAMA3_8B, device)}
+    rows = fast_accum(LLAMA3_8B) if args.fast_accum else run(SMALL if args.small else LLAMA3_8B, device)
+    result = {"benchmark": "fp8-accumulation", "device": device_name(), "results": rows}
     write_json(args.output_json, result)
     return result
 
