@@ -49,6 +49,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "--max-num-seqs): which cap a workload wants, in one call")
     add_structured_args(parser)
     add_lora_bench_args(parser)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps of the first setting's run, after --profile-after steps of it "
+                             "(benchmarks/step_profile.py StepWindow: GPU busy and idle, kernels by kind)")
+    parser.add_argument("--profile-after", type=int, default=100)
     parser.add_argument("--output-json", default=None)
 
 
@@ -82,16 +86,28 @@ def run_pagoda(args, model_dir: str, load_format: str, prompts: list[list[int]],
         llm.generate(requests[:4], params, use_tqdm=False, lora_request=loras[:4])  # warm-up
         llm.engine.block_manager.reset_prefix_cache()
         timing, grammar = replace(llm.engine.timing), replace(llm.engine.structured.stats)
+        window = None
+        if args.profile_steps and not rows:
+            from benchmarks.step_profile import StepWindow
+
+            window = StepWindow(llm.engine, args.profile_after, args.profile_steps)
         start = time.perf_counter()
         outs = llm.generate(requests, params, use_tqdm=False, lora_request=loras)
         elapsed = time.perf_counter() - start
+        if window is not None:
+            window.close()
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         num_blocks = llm.engine.block_manager.num_blocks
         rows.append(_rates("pagoda", len(prompts), sum(map(len, prompts)), output_tokens, elapsed) | {
             "sampling": name, "sampling_params": setting, "structured": structured, "lora": lora_label(overrides, args),
             "max_num_seqs": llm.engine.config.scheduler.max_num_seqs, "num_kv_blocks": num_blocks,
             "kv_tokens": num_blocks * args.block_size, "engine_steps": llm.engine.timing.since(timing)}
-            | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {}))
+            | (grammar_figures(llm.engine.structured.stats, grammar) if structured else {})
+            | ({"profile": window.result} if window is not None else {}))
+        if window is not None and window.result is not None:
+            from benchmarks.step_profile import print_profile
+
+            print_profile(f"steps {args.profile_after}..{args.profile_after + args.profile_steps}", window.result)
     llm.shutdown()
     del llm
     free_device_memory()

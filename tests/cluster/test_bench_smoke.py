@@ -157,8 +157,12 @@ def test_bench_throughput_beside_transformers(tmp_path):
 
 def test_bench_throughput_sampling_sweep_on_one_engine(tmp_path):
     result = _run(tmp_path, "bench", "throughput", "--num-requests", "4", "--input-len-range", "8", "16",
-                  "--output-len", "4", "--no-prefix-caching", "--sampling-sweep", "greedy", "seed")
+                  "--output-len", "4", "--no-prefix-caching", "--sampling-sweep", "greedy", "seed",
+                  "--profile-steps", "2", "--profile-after", "1")
     greedy, seed = result["results"]
+    profile = greedy["profile"]  # steps 2 and 3 of the first setting's run (no kernels on a CPU)
+    assert profile["after_steps"] == 1 and profile["wall_ms"] > 0 and profile["tokens_per_step"] >= 1
+    assert "profile" not in seed
     assert (greedy["sampling"], seed["sampling"]) == ("greedy", "seed")
     assert seed["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
     assert greedy["vs_first"] == 1.0 and seed["vs_first"] == seed["total_tokens_per_s"] / greedy["total_tokens_per_s"]
