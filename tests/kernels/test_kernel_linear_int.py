@@ -283,9 +283,11 @@ def gguf_layer(qtype: str, out_features: int, in_features: int, device) -> dict:
 GGUF_TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"]
 
 
-@pytest.mark.parametrize("qtype", GGUF_TYPES)
-@pytest.mark.parametrize("rows", [3, 40])
-@pytest.mark.parametrize("gated", [False, True])
+# Each type at both sizes, gated on one of them in turn (each size gated and not, in 10 cases rather than 20).
+GGUF_CASES = [(qtype, rows, (i + j) % 2 == 1) for i, qtype in enumerate(GGUF_TYPES) for j, rows in enumerate((3, 40))]
+
+
+@pytest.mark.parametrize("qtype,rows,gated", GGUF_CASES, ids=str)
 def test_triton_gguf_layouts_match_ref(qtype, rows, gated, device, poisoned_allocations):
     """Q6_K's groups of 16 (at BLOCK_K 16 one group a tile, else gathered), float32 scales and mins, 8-bit fields
     with mins, in the decode tiles (3 rows) and the GEMM tiles (40): the kernel's result is the reference's (to
@@ -322,10 +324,16 @@ STREAM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Fo
                   ic.Int4Format("pack-quantized", 128), ic.Int4Format("pack-quantized", 64, bits=8)]
 
 
-@pytest.mark.parametrize("fmt", STREAM_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("rows, gated, bias, split", [(1, False, False, 1), (5, True, False, 2),
-                                                      (16, False, True, 4)])
-@pytest.mark.parametrize("dtype, biased", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+STREAM_SHAPES = [(1, False, False, 1), (5, True, False, 2), (16, False, True, 4)]  # rows, gated, bias, split
+STREAM_DTYPES = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]  # x's dtype, biased
+# Each format with each dtype / unpacking, the shape turning with both (a Latin square: each shape meets each
+# dtype / unpacking about as often), 21 cases rather than all 63 (each is a second or two under the interpreter).
+STREAM_CASES = [(fmt, *STREAM_SHAPES[(i + j) % 3], *dtype_biased)
+                for i, fmt in enumerate(STREAM_FORMATS) for j, dtype_biased in enumerate(STREAM_DTYPES)]
+
+
+@pytest.mark.parametrize("fmt, rows, gated, bias, split, dtype, biased", STREAM_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
 def test_stream_kernel_matches_ref(fmt, rows, gated, bias, split, dtype, biased, device, poisoned_allocations):
     """float32 x: the exact-weight product to float32 rounding. bf16 x, by either unpacking of 4-bit fields (biased:
     B + q in 16-bit pairs, B + z subtracted): within two bf16 units of the output's scale of the float32 product
