@@ -35,7 +35,7 @@ lint: setup
 # Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
 # host, a real Prometheus, `pagoda serve` processes); CI runs both. The tests that start no Ray cluster run on two
 # processes (pytest-xdist, a file to a process); those of the session's Ray cluster and Serve apps after them, in one.
-NO_RAY_TESTS := tests/kernels tests/workers tests/engine tests/checkpoints
+NO_RAY_TESTS := tests/kernels tests/workers tests/engine tests/checkpoints tests/bench
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" -n 2 --dist loadfile $(NO_RAY_TESTS)
 	$(BIN)/python -m pytest -q -ra --durations=25 -m "not slow" $(addprefix --ignore=,$(NO_RAY_TESTS))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks.structured import main as structured_host
-from tests.cluster.test_bench_smoke import _run
+from tests.bench_cli import run_json as _run
 
 
 @pytest.mark.slow  # ~11 s
