@@ -11,9 +11,10 @@ TRITON_INTERPRET=1 (no times; the interpreter rounds float32 to bf16 otherwise t
 the hardware's).
 
 `--fast-accum` (a GPU) instead times cuBLASLt's GEMM with `use_fast_accum` off and on (kernels/linear_fp8.py
-`FAST_ACCUM`) at Llama-3-8B's four projections and 256-8,192 rows: microseconds (the median of 15 replays of a CUDA
-graph of 10 GEMMs), TFLOP/s, and the error against float32 math on the same e4m3 values (largest and mean, each
-over the output's largest / mean magnitude): benchmarks/results/h100-fp8-fast-accum-gemms.json.
+`FAST_ACCUM`) at Llama-3-8B's four projections and 256-8,192 rows: microseconds (triton's do_bench_cudagraph, the
+median), TFLOP/s, and the error against float32 math on the same e4m3 values (largest and mean, each over the
+output's largest / mean magnitude): benchmarks/results/h100-fp8-fast-accum-gemms.json (made by this mode's first
+version, the median of 15 replays of a CUDA graph of 10 GEMMs).
 """
 
 from __future__ import annotations
@@ -78,31 +79,10 @@ def run(cfg: dict, device: torch.device) -> list[dict]:
     return results
 
 
-def _graph_us(fn, calls: int = 10, replays: int = 15) -> float:
-    """Microseconds a call: the median over replays of a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def fast_accum(cfg: dict) -> list[dict]:
     """torch._scaled_mm (rowwise scales) with use_fast_accum off and on, per projection and row count."""
+    import triton.testing
+
     torch.manual_seed(0)
     results = []
     for name, (n, k, _) in llama_linears(cfg).items():
@@ -117,7 +97,8 @@ def fast_accum(cfg: dict) -> list[dict]:
                                             scale_b=w_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast)
 
                 error = (gemm().float() - ref).abs()
-                us = _graph_us(gemm)
+                torch.cuda.synchronize()  # do_bench_cudagraph runs gemm on a new stream, which would not wait
+                us = 1e3 * triton.testing.do_bench_cudagraph(gemm, rep=40, return_mode="median")
                 row |= {f"us_fast{int(fast)}": us, f"tflops_fast{int(fast)}": 2 * rows * n * k / us / 1e6,
                         f"maxerr_fast{int(fast)}": (error.max() / ref.abs().max()).item(),
                         f"meanerr_fast{int(fast)}": (error.mean() / ref.abs().mean()).item()}
