@@ -15,7 +15,8 @@ lives about as long as the blocks it stands for, and a replica with a large host
 their requests) far longer. Routing:
 
 1. longest known prefix → its replica, if that replica is not much busier than the least-loaded candidate
-   (`queue_len <= min_queue_len + imbalance_threshold`);
+   (`queue_len <= min_queue_len + imbalance_threshold`; a candidate whose queue length the router has not heard of
+   lately counts as idle);
 2. a request for a LoRA adapter: the replicas it last routed that adapter to (the adapter is likely resident there:
    in a GPU slot or the workers' host cache), those not much busier than the least-loaded candidate, Serve picking
    the shortest queue among them; when every one of them is that busy, the next rule sends it to another replica,
@@ -165,10 +166,13 @@ class PrefixAffinity:
         return ranks + [self.two_choices(replicas)]
 
     def _is_busy(self, replica: Hashable, queue_lens: dict[Hashable, int | None]) -> bool:
-        """Much busier than the least-loaded replica (imbalance_threshold more ongoing requests)."""
-        known = [q for q in queue_lens.values() if q is not None]
+        """Much busier than the least-loaded candidate (imbalance_threshold more ongoing requests). A candidate whose
+        queue length is unknown (never probed, or Serve's entry for it older than its 10 s timeout, as it is for a
+        replica no request went to lately) counts as idle: the two-choices rank then has Serve probe it. Left out of
+        the minimum, it would let one hot prefix or adapter keep its replica forever."""
         queue_len = queue_lens.get(replica)
-        return queue_len is not None and bool(known) and queue_len > min(known) + self.imbalance_threshold
+        least = min((q or 0 for q in queue_lens.values()), default=0)
+        return queue_len is not None and queue_len > least + self.imbalance_threshold
 
     def two_choices(self, replicas: Sequence[Hashable]) -> list[Hashable]:
         """Two random replicas, in random order (Serve takes the first of equal queues)."""

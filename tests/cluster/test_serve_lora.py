@@ -4,9 +4,10 @@ written by peft on the tiny model, served with `--enable-lora --lora-modules` on
 same `LoRARequest` (greedy). Also: /v1/models, runtime loading and unloading (on, off, the API key, bad adapters),
 routing by adapter, and the lora metrics. The GCS store that ingress replicas share is tested directly too."""
 
-import threading
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import httpx
 import openai
@@ -297,27 +298,29 @@ def test_ingress_replicas_share_runtime_adapters_through_the_gcs(ray_cluster):
 
 @pytest.mark.slow
 def test_a_hot_adapter_spreads_when_its_replica_is_busy(serve_base, tiny_model_dir, adapters):
-    """A burst of one adapter's requests, with the router's imbalance threshold at 1: its replica fills, and the
-    rest go to the other, which serves the adapter too."""
+    """With the router's imbalance threshold at 1, one adapter's requests go to the replica that holds it while it
+    runs at most 1 more than the other; the next goes to the other, which serves the adapter too. The requests are
+    streams held open (each read to its first token, so it runs on its replica when the next is routed; 2,000 tokens
+    each, so none ends before the test closes it), not a burst whose overlap depends on the machine's speed."""
     from ray import serve
 
     flags = ["--model", tiny_model_dir, "--served-model-name", "hot-base", "--enable-lora", "--lora-modules",
-             f"hot={adapters['qv']}", "--num-replicas", "2", "--replica-num-cpus", "0.5", "--num-kv-blocks", "256"]
+             f"hot={adapters['qv']}", "--num-replicas", "2", "--replica-num-cpus", "0.5", "--num-kv-blocks", "512"]
     url = deploy(serve_base, "pagoda-lora-hot", flags, router={"imbalance_threshold": 1})
+    body = {"model": "hot", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     try:
-        app_replicas = set()
-        lock = threading.Lock()
-
-        def one(i):
-            r = httpx.post(f"{url}/v1/completions", timeout=120,
-                           json={"model": "hot", "prompt": f"{i} hot", "max_tokens": 32, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            with lock:
-                app_replicas.add(r.headers["x-pagoda-replica"])
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(one, range(32)))
-        assert len(app_replicas) == 2
+        with httpx.Client(timeout=120) as http, ExitStack() as streams:
+            replicas, lines = [], []
+            for i in range(3):
+                response = streams.enter_context(
+                    http.stream("POST", f"{url}/v1/completions", json={**body, "prompt": f"{i} hot"}))
+                assert response.status_code == 200
+                lines.append(response.iter_lines())  # kept: a closed line iterator closes the stream (an abort)
+                first = next(line for line in lines[-1] if line.startswith("data: "))
+                assert json.loads(first[len("data: "):])["choices"][0]["text"] is not None
+                replicas.append(response.headers["x-pagoda-replica"])
+            assert replicas[1] == replicas[0]  # the adapter's holder: it runs 1, the other none
+            assert replicas[2] != replicas[0]  # its holder runs 2, more than 0 + 1: the hot adapter spreads
     finally:
         serve.delete("pagoda-lora-hot")
 

@@ -57,6 +57,16 @@ def test_unbalanced_load_falls_back_to_two_choices():
     assert ranks == [["r0", "r1"]]  # Serve picks the shorter queue of the two
 
 
+def test_a_replica_whose_queue_length_is_unknown_counts_as_idle():
+    """Serve forgets a queue length after 10 s: a replica no request went to lately is unknown. Counted as idle, the
+    busy owner of a hot prefix yields to two choices (Serve probes both), instead of keeping every request."""
+    policy = PrefixAffinity(chunk_chars=16, imbalance_threshold=4, rng=random.Random(0))
+    policy.record(policy.chunk_hashes(SHARED), "r0")
+    assert policy.choose(SHARED + "q", ["r0", "r1"], {"r0": 4, "r1": None})[0] == ["r0"]  # within the threshold
+    assert policy.choose(SHARED + "q", ["r0", "r1"], {"r0": 5, "r1": None}) == [["r0", "r1"]]
+    assert policy.choose(SHARED + "q", ["r0", "r1"], {"r0": None, "r1": 0})[0] == ["r0"]  # unknown: not busy
+
+
 def test_no_prefix_spreads_by_two_choices():
     policy = PrefixAffinity(rng=random.Random(1))
     seen = {tuple(sorted(policy.choose(f"{i} unrelated", ["a", "b", "c", "d"], {})[0])) for i in range(50)}
