@@ -1,10 +1,10 @@
 """The fused MoE over quantized experts (kernels/moe_quant.py), for `python -m benchmarks.kernels --only moe-quant`.
 
 A Mixtral-8x7B layer's experts (benchmarks/kernels_moe.py's GPU_MOE) as AWQ int4 (group 128), FP8 with a scale per
-row (quantization="fp8") and FP8 in 128 x 128 blocks (an FP8 checkpoint), each against the bf16 fused kernel on the
-same routing ("bf16 triton", the baseline) and the torch reference that dequantizes the chosen experts. Decode-sized
-batches are scored in the quantized bytes of the experts the batch routes to (so the bf16 row's fraction is of
-those bytes too: compare its time), larger ones in FLOPs.
+row (quantization="fp8") and FP8 in 128 x 128 blocks (an FP8 checkpoint; both W8A8), each against the bf16 fused
+kernel on the same routing ("bf16 triton", the baseline) and the torch reference that dequantizes the chosen
+experts. Decode-sized batches are scored in the quantized bytes of the experts the batch routes to (so the bf16
+row's fraction is of those bytes too: compare its time), larger ones in FLOPs.
 """
 
 import torch
@@ -75,7 +75,12 @@ def bench_moe_quant(runner, cfg: dict, moe_cfg: dict):
 
                 def check():
                     out, expected = fused_moe_quant_triton(*args).float(), fused_moe_quant_ref(*args).float()
-                    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+                    if fmt.startswith("fp8"):  # W8A8: an h that rounds otherwise in bf16 may land on the next
+                        # e4m3 value for down (tests/kernels/test_kernel_moe_quant.py's assert_fp8_moe_close)
+                        far = ~torch.isclose(out, expected, atol=3e-2, rtol=3e-2)
+                        assert far.float().mean() < 0.01, f"{far.float().mean():.2%} of the outputs differ"
+                    else:
+                        torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
                     return (out - expected).abs().max().item()
 
                 return impls, work, check if runner.use_triton else None

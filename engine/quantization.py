@@ -40,13 +40,13 @@ is not supported: a checkpoint is never loaded as if it were unquantized.
 Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): the routed experts are quantized as the other linears
 are (workers/layers/moe_quant.py, kernels/moe_quant.py): an AWQ / GPTQ / pack-quantized checkpoint's experts as
 stored, and FP8 ones, online (quantization="fp8", a scale per output row) or from an FP8 checkpoint (per row,
-tensor or block); FP8 experts are weight-only (their inputs stay in the model's dtype), so a checkpoint with static
-input scales is refused for them. Routers and Qwen2-MoE's shared_expert_gate stay as the checkpoint gives them
-(unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda quantizes
-(engine/moe_modules.py).
+tensor or block); FP8 experts quantize their inputs per token (W8A8, as the FP8 linears: kernels/moe_quant.py), so a
+checkpoint with static input scales is refused for them. Routers and Qwen2-MoE's shared_expert_gate stay as the
+checkpoint gives them (unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda
+quantizes (engine/moe_modules.py).
 
 DeepSeek-V2 (multi-head latent attention, config.json kv_lora_rank) takes quantization="fp8" on its unquantized
-checkpoint only (its routed experts FP8 weight-only as above; kv_b_proj, q_a_proj, kv_a_proj_with_mqa and the router
+checkpoint only (its routed experts FP8 as above; kv_b_proj, q_a_proj, kv_a_proj_with_mqa and the router
 in the model's dtype); int and FP8 checkpoints of it are refused.
 """
 

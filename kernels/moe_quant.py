@@ -1,30 +1,36 @@
 """Fused mixture of experts over quantized expert weights: kernels/moe.py's grouped GEMMs (the same routing, expert
-alignment, SiLU-and-mul and combine), each weight tile dequantized in registers before its tl.dot.
+alignment, SiLU-and-mul and combine) over int or FP8 experts.
 
     IntExperts   W4A16 / W8A16: one projection's experts stacked, each as kernels/linear_int.py holds an int
                  layer (AWQ, GPTQ v1, compressed-tensors' offset binary; its `IntPacking`):
                      qweight int32 [E, K, N / 8] (AWQ) or [E, K / p, N]    qzeros int32 [E, G, N / p]
                      scales [E, G, N]                                       g_idx int32 [E, K] (act-order) or none
-    Fp8Experts   W8A16: weight e4m3 [E, N, K]; scale float32 [E, N] (a scale per output row), or a scale per
+    Fp8Experts   W8A8: weight e4m3 [E, N, K]; scale float32 [E, N] (a scale per output row), or a scale per
                  block of block_size (bn, bk): [E, parts * ceil(N_part / bn), ceil(K / bk)], where `parts` 2 says
                  the rows are gate's then up's (N_part = N / 2 each) with their own blocks (a tensor-parallel rank's
                  gate rows need not fill whole blocks)
 
-    W[e] [N, K] = kernels.linear_int.dequantize_ref(expert e), or w_q * scale (per row / block), computed in
-                  float32 and rounded to x's dtype
+Int experts (W4A16 / W8A16): each [BLOCK_K, BLOCK_N] weight tile is dequantized in registers (kernels/int_tiles.py's
+`weight_tile`, float32, rounded to x's dtype) before its tl.dot with x's tile; `fused_moe_quant_ref` is
+`kernels.moe.fused_moe_ref` over the dequantized weights (W[e] = kernels.linear_int.dequantize_ref(expert e) in
+x's dtype), so both compute what an unquantized model holding the dequantized weights computes.
 
-Activations are never quantized here (FP8 experts are weight-only: x and h stay in the model's dtype, and each FP8
-tile is multiplied as x's dtype, not by an FP8 MMA). `fused_moe_quant_ref` is `kernels.moe.fused_moe_ref` over the
-dequantized weights (only the experts some token chose are dequantized, for the call), and the Triton kernel
-dequantizes each [BLOCK_K, BLOCK_N] tile with the same float32 arithmetic and rounding, so both compute what an
-unquantized model holding the dequantized weights computes.
+FP8 experts (W8A8, as the FP8 linear layers: kernels/linear_fp8.py): each GEMM's input is quantized per token
+(kernels/fp8.py's power-of-two scales: x once per token, the SiLU-and-mul output h once per (token, expert) pair,
+a pass of its own), and the tiles multiply as e4m3 on the tensor cores (float32 accumulation, promoted every K
+tile; float32 x and the interpreter multiply the same e4m3 values in float32). The scales come after the dot:
+a block scale per K tile (BLOCK_K divides bk, so a tile lies in one block column), the token's and a per-row
+weight scale once at the end:
+
+    out[pair, n] = x_scale[pair] * sum over K tiles (sum_k x_q[pair, k] * w_q[n, k]) * w_scale[n, tile's block]
+
+The reference computes the same in float32 on dequantized values: linear(a, w) = (quantized a, dequantized) @
+(w_q * scale, dequantized).T, rounded to a's dtype.
 
 `_moe_quant_gemm_kernel` is `_moe_gemm_kernel` (kernels/moe.py: one BLOCK_M tile of an expert's (token, slot) pairs
-against BLOCK_N output features) with its weight tiles from `_weight_tile`: int tiles unpacked by
-kernels/int_tiles.py's `weight_tile` (kernels/linear_int.py's: one row of zeros and scales when the tile's inputs
-are one group, else a gather per element, act-order; each packed word loaded once for 64-row tiles), FP8 tiles
-times their row's scale or the tile's block scale (BLOCK_K divides bk, so a K tile lies in one block column).
-First version: not yet measured on a GPU.
+against BLOCK_N output features) with int weight tiles unpacked by kernels/int_tiles.py's `weight_tile`
+(kernels/linear_int.py's: one row of zeros and scales when the tile's inputs are one group, else a gather per
+element, act-order; each packed word loaded once for 64-row tiles), FP8 tiles as stored.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import (
     FLOAT_DTYPES,
@@ -40,6 +47,7 @@ from kernels._triton import (
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
+    is_interpreting,
     pdl_options,
     tl,
     triton,
@@ -47,8 +55,9 @@ from kernels._triton import (
     use_triton,
     wait_for_prior,
 )
-from kernels.fp8 import FP8_DTYPE, dequantize_weight
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, dequantize_weight
 from kernels.int_tiles import weight_tile
+from kernels.linear_fp8 import _fp8_dot
 from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import (
     aligner,
@@ -200,52 +209,35 @@ MAX_BLOCK_K = 64
 
 
 @triton.jit
-def _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s,
-              PER_ROW: tl.constexpr, SCALE_BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_K, BLOCK_N]: W.T at input features ks, weight rows `rows`: w_q times the row's scale
-    (scale_rows = rows) or its block's (scale_rows: block rows; the tile lies in block column k0 // bk)."""
-    mask = k_mask[:, None] & n_mask[None, :]
-    w = tl.load(w_ptr + rows[None, :] * stride_w + ks[:, None], mask=mask, other=0.0).to(tl.float32)
-    if PER_ROW:
-        scale = tl.load(s_ptr + scale_rows, mask=n_mask, other=0.0)
-    else:
-        scale = tl.load(s_ptr + scale_rows * stride_s + k0 // SCALE_BLOCK_K, mask=n_mask, other=0.0)
-    return w * scale[None, :]
-
-
-@triton.jit
-def _weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, scale_rows, n_mask, n_end, K, stride_w,
-                 stride_z, stride_s, group_size, IS_FP8: tl.constexpr, PER_ROW: tl.constexpr,
-                 SCALE_BLOCK_K: tl.constexpr, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr,
-                 PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                 ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One expert's dequantized W.T tile, float32 [BLOCK_K, BLOCK_N] at weight rows n0 + arange(BLOCK_N) (`rows`,
-    valid below n_end), pointers already at the expert."""
-    if IS_FP8:
-        w = _fp8_tile(w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s, PER_ROW,
-                      SCALE_BLOCK_K)
-    else:
-        w = weight_tile(w_ptr, z_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, rows, n_mask, n_end, K, stride_w, stride_z,
-                        stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
-                        False, UNPACK_ONCE, BLOCK_K, BLOCK_N)
-    return w
+def _fp8_block_dot(xv, w_ptr, s_ptr, ks, k_mask, rows, scale_rows, n_mask, k0, stride_w, stride_s,
+                   PER_ROW: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
+                   PROMOTE_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N]: e4m3 x tile @ W.T at input features ks, weight rows `rows` (the e4m3 values as
+    stored), times the tile's block scales (scale_rows: block rows; the tile lies in block column k0 // bk);
+    per-row scales come later, once."""
+    w = tl.load(w_ptr + rows[None, :] * stride_w + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    part = _fp8_dot(xv, w, PRECISE, PROMOTE_K)
+    if not PER_ROW:
+        part = part * tl.load(s_ptr + scale_rows * stride_s + k0 // SCALE_BLOCK_K, mask=n_mask, other=0.0)[None, :]
+    return part
 
 
 # num_pairs changes with every step's batch: not specialized on (kernels/moe.py says why)
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _moe_quant_gemm_kernel(
-    a_ptr, w_ptr, z_ptr, s_ptr, g_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr, num_padded_ptr,
-    N, K, num_pairs, num_tiles, group_size, up_row, up_scale_row,
+    a_ptr, a_scale_ptr, w_ptr, z_ptr, s_ptr, g_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile_experts_ptr,
+    num_padded_ptr, N, K, num_pairs, num_tiles, group_size, up_row, up_scale_row,
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s, stride_ge,
     IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
     HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair, n-block] for one tile of pairs, as kernels/moe.py's `_moe_gemm_kernel` (its `grouped_tile`
-    order); GATED: the up rows are weight rows up_row + n (their FP8 block scales from block row up_scale_row)."""
+    order); GATED: the up rows are weight rows up_row + n (their FP8 block scales from block row up_scale_row).
+    IS_FP8: a is e4m3 with a scale per row (a_scale_ptr), multiplied on the FP8 tensor cores (the module doc)."""
     wait_for_prior(PDL)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     tile, n_block = grouped_tile(num_tiles, num_n_blocks, GROUP_M)
@@ -272,22 +264,36 @@ def _moe_quant_gemm_kernel(
         k_mask = ks < K
         xv = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
-        w = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, scale_rows, n_mask, N, K, stride_w,
-                         stride_z, stride_s, group_size, IS_FP8, PER_ROW, SCALE_BLOCK_K, ZERO_OFFSET, BITS,
-                         PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, UNPACK_ONCE, BLOCK_K,
-                         BLOCK_N).to(dtype)  # W rounded to x's dtype, as the reference rounds it
-        if UPCAST:
-            xv = xv.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(xv, w, input_precision=PRECISION)
-        if GATED:
-            w_up = _weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, up_scale_rows,
-                                n_mask, up_row + N, K, stride_w, stride_z, stride_s, group_size, IS_FP8, PER_ROW,
-                                SCALE_BLOCK_K, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
-                                UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)
+        if IS_FP8:
+            acc += _fp8_block_dot(xv, w_e, s_e, ks, k_mask, offs_n, scale_rows, n_mask, k0, stride_w, stride_s,
+                                  PER_ROW, SCALE_BLOCK_K, PRECISE, PROMOTE_K)
+            if GATED:
+                acc_up += _fp8_block_dot(xv, w_e, s_e, ks, k_mask, up_row + offs_n, up_scale_rows, n_mask, k0,
+                                         stride_w, stride_s, PER_ROW, SCALE_BLOCK_K, PRECISE, PROMOTE_K)
+        else:
+            w = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_w, stride_z,
+                            stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
+                            ONE_GROUP, False, UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)  # rounded as the ref rounds
             if UPCAST:
-                w_up = w_up.to(tl.float32)
-            acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+                xv = xv.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(xv, w, input_precision=PRECISION)
+            if GATED:
+                w_up = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, n_mask,
+                                   up_row + N, K, stride_w, stride_z, stride_s, group_size, ZERO_OFFSET, BITS,
+                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, False, UNPACK_ONCE, BLOCK_K,
+                                   BLOCK_N).to(dtype)
+                if UPCAST:
+                    w_up = w_up.to(tl.float32)
+                acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+    if IS_FP8:  # the token's scale, and the weight row's
+        x_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)[:, None]
+        acc = acc * x_scale
+        acc_up = acc_up * x_scale
+        if PER_ROW:
+            acc = acc * tl.load(s_e + scale_rows, mask=n_mask, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(s_e + up_scale_rows, mask=n_mask, other=0.0)[None, :]
     store_pair_rows(acc, acc_up, out_ptr, routing_ptr, pairs, row_mask, offs_n, n_mask, stride_o, GATED, WEIGHTED)
 
 
@@ -306,6 +312,8 @@ def _check_inputs(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, 
                          f"and {tuple(topk_weights.shape)}")
     check_dtype("topk_ids", topk_ids, (torch.int64, torch.int32))
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    if isinstance(w13, Fp8Experts) != isinstance(w2, Fp8Experts):
+        raise ValueError("w13 and w2 must both be FP8 experts or both integer ones")
 
 
 def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated: bool, x, overrides) -> dict:
@@ -313,7 +321,8 @@ def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated:
     are smaller than the float ones it budgets)."""
     cfg = moe_config(num_pairs, experts.num_experts, out_features, gated, x.dtype, x.device)
     # two [BLOCK_K, BLOCK_N] float32 tiles dequantized at once (gate, up): 128 x 64 ones spilled on sm_90 (and tiles
-    # at most 64 wide: the bf16 kernel's 128-wide 64-row tiles are not timed with dequantization)
+    # at most 64 wide: the bf16 kernel's 128-wide 64-row tiles are not timed with dequantization); FP8 tiles keep
+    # the same caps until timed otherwise
     cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), "BLOCK_N": min(cfg["BLOCK_N"], 64), **(overrides or {})}
     # each packed word loaded once for the 64-row tiles of larger batches (kernels/linear_int.py's choice: its
     # GEMM tiles do, its decode tiles not); needs tiles of whole words, which the shapes checked at load give
@@ -337,21 +346,23 @@ def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated:
 def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, gated: bool, cfg: dict,
                   routing=None) -> None:
     """One launch: out[pair] = a[pair // rows_per_a] @ W[expert of the pair's tile].T (gated: silu-and-mul;
-    routing: times routing[pair])."""
+    routing: times routing[pair]); a: x's dtype, or QuantizedRows for FP8 experts."""
     sorted_ids, tile_experts, num_padded = aligned
     n_total, k = experts.shape
     n = n_total // 2 if gated else n_total
     tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
     group_size, up_scale_row = experts.scalar_args()
+    values, scales = (a.values, a.scale) if isinstance(a, QuantizedRows) else (a, a)
     num_tiles = tile_experts.shape[0]
     _moe_quant_gemm_kernel[(num_tiles * cdiv(n, cfg["BLOCK_N"]),)](
-        a, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
-        n, k, out.shape[0], num_tiles, group_size, n, up_scale_row, a.stride(0), out.stride(0),
+        values, scales, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,
+        n, k, out.shape[0], num_tiles, group_size, n, up_scale_row, values.stride(0), out.stride(0),
         *strides, **flags,
         UNPACK_ONCE=cfg["UNPACK_ONCE"], ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
-        UPCAST=upcast_dot_operands(a.dtype, a.device),
-        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], **pdl_options(a.device), num_warps=cfg["num_warps"],
+        UPCAST=upcast_dot_operands(values.dtype, values.device), PRECISION=dot_precision(values.dtype),
+        PRECISE=is_interpreting() or out.dtype == torch.float32, PROMOTE_K=cfg["BLOCK_K"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], **pdl_options(values.device), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
@@ -359,7 +370,8 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
 def fused_moe_quant_triton(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids,
                            config: dict | None = None):
     """Triton launcher of `fused_moe_quant`: kernels/moe.py's alignment, two grouped-GEMM launches over the
-    quantized experts, the slots' sum. config overrides the launch settings of both GEMMs (tuning)."""
+    quantized experts (FP8 ones: each input quantized per token first), the slots' sum. config overrides the launch
+    settings of both GEMMs (tuning)."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     check_launchable(x, topk_weights, topk_ids, *w13.tensors(), *w2.tensors())
     check_last_dim_contiguous("x", x)
@@ -374,26 +386,38 @@ def fused_moe_quant_triton(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_
     cfg_down = _config(num_pairs, w2, hidden, False, x, config)
     if cfg_down["BLOCK_M"] != cfg_up["BLOCK_M"]:
         raise ValueError("both GEMMs must use one BLOCK_M: they share the expert alignment")
+    fp8 = isinstance(w13, Fp8Experts)
     align = aligner(num_pairs, w13.num_experts)
     aligned = align(topk_ids, w13.num_experts, cfg_up["BLOCK_M"])
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, aligned, top_k, True, cfg_up)
+    _grouped_gemm(QuantizedRows.of(x) if fp8 else x, w13, h, aligned, top_k, True, cfg_up)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, out, aligned, 1, False, cfg_down, routing=topk_weights.reshape(-1).contiguous())
+    _grouped_gemm(QuantizedRows.of(h) if fp8 else h, w2, out, aligned, 1, False, cfg_down,
+                  routing=topk_weights.reshape(-1).contiguous())
     return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
+
+
+def _fp8_linear_ref(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a quantized per token (the torch reference), dequantized, @ float32 w.T, rounded to a's dtype."""
+    return F.linear(QuantizedRows.of(a, reference=True).dequantize(), w).to(a.dtype)
 
 
 def fused_moe_quant_ref(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids):
     """Torch reference of `fused_moe_quant` (and its CPU implementation): `kernels.moe.fused_moe_ref` with each
-    chosen expert's weights dequantized to x's dtype for this call."""
+    chosen expert's weights dequantized for this call: to x's dtype (int experts), or to float32 with the FP8
+    experts' inputs quantized per token (the module doc)."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    if isinstance(w13, Fp8Experts):
+        return experts_loop_ref(x, lambda e: (w13.dequantize(e, torch.float32), w2.dequantize(e, torch.float32)),
+                                w13.num_experts, topk_weights, topk_ids, linear=_fp8_linear_ref)
     return experts_loop_ref(x, lambda e: (w13.dequantize(e, x.dtype), w2.dequantize(e, x.dtype)), w13.num_experts,
                             topk_weights, topk_ids)
 
 
 def fused_moe_quant(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids):
     """x [T, H]; quantized experts w13 ([gate ; up] rows, [2I, H] each) and w2 ([H, I] each); topk_weights and
-    topk_ids [T, K] -> [T, H] in x's dtype (kernels.moe.fused_moe's result over the dequantized weights)."""
+    topk_ids [T, K] -> [T, H] in x's dtype (kernels.moe.fused_moe's result over the dequantized weights; FP8
+    experts: over each GEMM's input quantized per token too)."""
     if use_triton(x):
         return fused_moe_quant_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_quant_ref(x, w13, w2, topk_weights, topk_ids)

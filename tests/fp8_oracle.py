@@ -7,8 +7,9 @@ in plain torch so that the definitions are checked, not copied.
   power-of-two scale that fits the row's largest |x| into 448 (or a static power-of-two scale).
 - A mixture-of-experts model's routed experts (transformers' stacked gate_up_proj / down_proj) hold their weights
   quantized and dequantized the same way (per row; down per row of each K shard), or an FP8 checkpoint's
-  dequantized, and compute as transformers does: their inputs are not quantized (Pagoda's FP8 experts are
-  weight-only). Routers and shared_expert_gate stay as they are.
+  dequantized, and compute as transformers' loop does with each GEMM's input quantized and dequantized per token
+  as a linear's is (x per token, the SiLU-and-mul output per token and expert: Pagoda's FP8 experts are W8A8).
+  Routers and shared_expert_gate stay as they are.
 - With `kv_fp8`, an attention function quantizes and dequantizes K (after rotary) and V per KV head with
   power-of-two scales from the same calibration batch Pagoda uses (workers/kv_scales.py), measured here on the
   oracle itself.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,11 @@ def fake_quant_weight(w: torch.Tensor, k_shards: int = 1) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def fake_quant_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[T, K] quantized and dequantized per token: the least power-of-two scale that fits the row into 448."""
+    return fake_quant(rows, pow2_at_least(rows.abs().amax(dim=-1, keepdim=True), 448.0))
+
+
 class FakeQuantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None = None):
         super().__init__()
@@ -65,10 +72,10 @@ class FakeQuantLinear(nn.Module):
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1]).float()
         if self.input_scale is None:
-            scale = pow2_at_least(rows.abs().amax(dim=-1, keepdim=True), 448.0)
+            quantized = fake_quant_rows(rows)
         else:
-            scale = torch.tensor(self.input_scale)
-        y = F.linear(fake_quant(rows, scale), self.weight, None if self.bias is None else self.bias.float())
+            quantized = fake_quant(rows, torch.tensor(self.input_scale))
+        y = F.linear(quantized, self.weight, None if self.bias is None else self.bias.float())
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
@@ -105,7 +112,7 @@ def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input
     for i, layer in enumerate(model.model.layers):
         for path, linear in list(layer.named_modules()):
             parent_path, _, name = path.rpartition(".")
-            # FakeQuantLinear: attention, dense MLPs, a shared expert (routed experts: below, weight-only; gates: never)
+            # FakeQuantLinear: attention, dense MLPs, a shared expert (routed experts: below; gates: never)
             if not isinstance(linear, nn.Linear) or name not in LINEARS or ".experts." in f".{path}.":
                 continue
             key = f"model.layers.{i}.{path}"
@@ -137,6 +144,22 @@ def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None) -> Non
             gate_up, down = fake_quant_weight(experts.gate_up_proj[e]), fake_quant_weight(experts.down_proj[e], tp)
         experts.gate_up_proj[e] = gate_up
         experts.down_proj[e] = down
+    experts.forward = types.MethodType(_fp8_experts_forward, experts)
+
+
+def _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts loop, restated, with each GEMM's input fake-quantized per token (per token and expert
+    for the SiLU-and-mul output, which down reads)."""
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():
+        if expert >= self.gate_up_proj.shape[0]:  # transformers' mark of no expert
+            continue
+        tokens, slots = torch.where(top_k_index == expert)
+        gate, up = F.linear(fake_quant_rows(hidden_states[tokens].float()), self.gate_up_proj[expert]).chunk(2, -1)
+        h = self.act_fn(gate) * up
+        y = F.linear(fake_quant_rows(h), self.down_proj[expert]) * top_k_weights[tokens, slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
 
 
 def _checkpoint_expert(weights: dict, layer: int, expert: int, names: tuple[str, str]) -> torch.Tensor:

@@ -67,8 +67,8 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         model = model_class(args, dtype=dtype, device=device, max_model_len=max_model_len)
     num_moe = sum(isinstance(m, FusedMoE) for m in model.modules())
     if quant_config is not None and num_moe and not quant_config.is_packed_int:
-        logger.info("FP8: the linear layers and the routed experts of %d MoE layers (weight-only: their inputs stay "
-                    "%s)", num_moe, dtype)
+        logger.info("FP8: the linear layers and the routed experts of %d MoE layers (their inputs quantized per "
+                    "token; routers in %s)", num_moe, dtype)
     if load_format == "random":
         init_random_weights(model, std=args.initializer_range, seed=seed)
     elif load_format in ("auto", "safetensors"):

@@ -62,7 +62,7 @@ def _mla_fp8_oracle(model_dir: str, fp8_weights: bool):
     """transformers' model whose attention sees its latents and rope keys quantized to e4m3 and back, with the
     power-of-two scale a layer (and tensor) that Pagoda's calibration batch gives (workers/kv_scales.py); with
     fp8_weights, tests/fp8_oracle.py's fake-quantized linears where Pagoda's are FP8: q_proj or q_b_proj, o_proj,
-    the dense MLP and the shared experts, and its weight-only routed experts (not q_a_proj, kv_a_proj_with_mqa,
+    the dense MLP and the shared experts, and its W8A8 routed experts (not q_a_proj, kv_a_proj_with_mqa,
     kv_b_proj, routers)."""
     from transformers import AutoModelForCausalLM
 
@@ -129,7 +129,7 @@ def test_fp8_latent_pool_matches_the_oracle(checkpoints, model, quantization):
     assert attn.kv_b_proj.weight.dtype == torch.float32  # the absorbed W_UK / W_UV stay in the model's dtype
     moe = llm.engine.executor.worker.model.model.layers[1].mlp
     assert moe.experts.w13_weight.dtype == moe.experts.w2_weight.dtype == (
-        torch.float8_e4m3fn if quantization else torch.float32)  # routed experts: FP8 weight-only
+        torch.float8_e4m3fn if quantization else torch.float32)  # routed experts: FP8 (W8A8)
     assert moe.gate.weight.dtype == torch.float32
     if model == "tiny" and quantization is None:  # the guard: the float32 pool's logprobs are another computation
         with pytest.raises(AssertionError):

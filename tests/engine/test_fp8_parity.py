@@ -59,7 +59,7 @@ def assert_matches(reference, outs):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral"])
 def test_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     """Every family's linear layers: Qwen3's head norms, Phi-3's fused checkpoint tensors, Mixtral's attention
-    and routed experts (FP8 weights, inputs unquantized: in the oracle too; more in test_moe_fp8.py)."""
+    and routed experts (FP8 weights, inputs quantized per token: in the oracle too; more in test_moe_fp8.py)."""
     model_dir = tiny_checkpoints[arch]
     llm, outs = run(model_dir)
     assert_matches(oracle(model_dir), outs)

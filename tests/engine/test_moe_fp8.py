@@ -2,11 +2,11 @@
 per output row (test_fp8_parity.py's Mixtral and Qwen2-MoE cases); FP8 MoE checkpoints load as stored, their experts
 included: transformers' fp8 with weight_block_size [128, 128] (Qwen3-30B-A3B-FP8 / DeepSeek style, whose
 modules_to_not_convert names every layer's norms and router) or [16, 32], or a scale per tensor, and
-compressed-tensors per channel. Experts are weight-only FP8: their inputs stay in the model's dtype.
+compressed-tensors per channel. FP8 experts are W8A8: each GEMM's input is quantized per token, in the oracle too.
 
 The oracle is tests/fp8_oracle.py's transformers model carrying the checkpoint's dequantized weights (its attention
-and shared-expert linears quantizing their inputs per token, as Pagoda's do; its experts computing as transformers
-does), against greedy tokens and logprobs (5e-3, test_fp8_parity.py says why).
+and shared-expert linears quantizing their inputs per token, as Pagoda's do; its experts computing as transformers'
+loop does, their inputs quantized per token), against greedy tokens and logprobs (5e-3, test_fp8_parity.py says why).
 """
 
 import json

@@ -14,7 +14,7 @@ weights as for Mixtral and Qwen (workers/layers/moe.py).
 Tensor parallelism: attention heads split (mla.py; the latent pool replicated), each expert's intermediate dimension
 split as Pagoda's other MoE models, the shared experts' as a dense MLP's; one all-reduce per MoE block.
 
-quantization="fp8" (online): FP8 q_proj / q_b_proj, o_proj, dense MLPs and shared experts, and FP8 weight-only routed
+quantization="fp8" (online): FP8 q_proj / q_b_proj, o_proj, dense MLPs and shared experts, and FP8 routed
 experts (workers/layers/moe_quant.py, as Mixtral's); the router, q_a_proj, kv_a_proj_with_mqa and kv_b_proj stay in
 the model's dtype. Int and FP8 checkpoints are refused by the engine (engine/quantization.py).
 """
