@@ -109,6 +109,16 @@ def test_fp8_decode_kernel_multiplies_e4m3_on_hopper_tensor_cores(compiled):
                         for row in swap), [(row["case"], row["mma"]) for row in swap]
 
 
+def test_fp8_experts_multiply_e4m3_on_hopper_tensor_cores(compiled):
+    """W8A8 experts (kernels/moe_quant.py): the FP8 MoE GEMMs' 64-row tiles (prefill, large batches) are FP8 wgmma
+    with both operands e4m3; their 16-row tiles take mma.sync on f16 (Triton converts both operands), as the FP8
+    linear's 16-row tiles do."""
+    rows = [row for row in compiled if row["kernel"] == "_moe_quant_gemm_kernel" and "moe fp8" in row["case"]]
+    wide = [row for row in rows if row["BLOCK_M"] == 64]
+    assert wide and all(any(m.startswith("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3") for m in row["mma"])
+                        for row in wide), [(row["case"], row["mma"]) for row in rows]
+
+
 def test_fp8_linear_of_float32_x_multiplies_in_float32(compiled):
     """float32 x takes the precise dot (FP8 values multiplied and summed in float32, no tensor-core MMA: Hopper's
     FP8 MMA accumulates imprecisely, and the float32 GPU oracle test failed with it); bf16 x the FP8 MMA."""
