@@ -381,7 +381,8 @@ class LLMEngine:
             missed = pending.missed_drafts + sum(len(sched.scheduled_spec_token_ids[r]) - n  # (device drafts)
                                                  for r, n in result.draft_counts.items())
             self.spec.observe(stats.num_draft_tokens - drafts + missed, stats.num_accepted_tokens - accepted)
-            self.spec.cost.record(sched.total_num_scheduled_tokens, end - max(pending.launched_at, self._read_at))
+            if sched.is_decode_only:  # a step with prompt chunks runs eagerly: its time prices no verify step
+                self.spec.cost.record(sched.total_num_scheduled_tokens, end - max(pending.launched_at, self._read_at))
             verify = bool(sched.scheduled_spec_token_ids)
             if verify and self._read_verify:  # the period between consecutive verify steps' read-backs
                 self.spec.record_verify_period(pending.overlapped, end - self._read_at)

@@ -101,6 +101,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request computes its last token and its drafts, no prompt chunk (a graphed step)."""
+        return bool(self.num_scheduled_tokens) and all(
+            n == 1 + len(self.scheduled_spec_token_ids.get(r, ())) for r, n in self.num_scheduled_tokens.items())
+
 
 @dataclass
 class Logprobs:

@@ -202,8 +202,10 @@ class SpecDecodeStats:
 @dataclass
 class StepCostModel:
     """A step's time against the tokens it computes, t(n) = fixed + n * per_token (the weights' read, then compute),
-    fitted by least squares over the engine's last `window` steps run without overlap (each from its launch to its
-    read-back, which in a pipelined step includes the deltas of the step before). `ratio(n, m, extra_s)` =
+    fitted by least squares over the engine's last `window` decode steps (each from its launch, or overlapped, from
+    the read-back of the step before, to its read-back; a step with prompt chunks runs eagerly and is left out: on
+    the H100 SmolLM2's 288-token one took 18 ms against 2.5 for a graphed 160-token verify step, and its slope priced
+    verify steps out at batch 32). `ratio(n, m, extra_s)` =
     (t(m) + extra_s) / t(n): what a verify step of m tokens (and extra_s of the proposer's before it) costs against
     a plain one of n; None until the samples span enough token counts to fit both terms, and for m past the line's
     range (below). The fit is made again every REFIT_EVERY samples, not each step (over 256 samples it cost 0.16 ms
