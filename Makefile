@@ -35,7 +35,11 @@ lint: setup
 # Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
 # host, a real Prometheus, `pagoda serve` processes); CI runs both. The tests that start no Ray cluster run on two
 # processes (pytest-xdist, a file to a process); those of the session's Ray cluster and Serve apps after them, in one.
-NO_RAY_TESTS := tests/kernels tests/workers tests/engine tests/checkpoints tests/bench
+# (The unit-test files of cluster/ and deploy/ use no `ray_cluster` fixture, none of their tests.)
+NO_RAY_TESTS := tests/kernels tests/workers tests/engine tests/checkpoints tests/bench tests/test_package_boundaries.py \
+	$(addprefix tests/cluster/,test_serve_units.py test_lora_serving_units.py test_tool_choice.py test_tool_parsers.py) \
+	$(addprefix tests/deploy/,test_deploy_dashboard.py test_deploy_dockerfile.py test_deploy_grafana_push.py \
+	  test_deploy_k8s.py test_deploy_serve_config.py test_haproxy_bind.py)
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" -n 2 --dist loadfile $(NO_RAY_TESTS)
 	$(BIN)/python -m pytest -q -ra --durations=25 -m "not slow" $(addprefix --ignore=,$(NO_RAY_TESTS))

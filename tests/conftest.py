@@ -62,10 +62,16 @@ def tiny_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole test session (logical CPUs: the machine has only 2 cores)."""
+    """One local Ray cluster for the whole test session (logical CPUs: the machine has only 2 cores). Not in make
+    test's parallel phase (pytest-xdist: a cluster a worker, beside the other's work): a file there that needs one
+    belongs in the Makefile's Ray phase."""
     import contextlib
 
     import ray
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail("ray_cluster in a pytest-xdist worker: move this test file out of the Makefile's NO_RAY_TESTS "
+                    "(make test's parallel phase)", pytrace=False)
 
     with contextlib.ExitStack() as cluster:
         if not ray.is_initialized():
