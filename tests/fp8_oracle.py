@@ -144,12 +144,13 @@ def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None) -> Non
             gate_up, down = fake_quant_weight(experts.gate_up_proj[e]), fake_quant_weight(experts.down_proj[e], tp)
         experts.gate_up_proj[e] = gate_up
         experts.down_proj[e] = down
+    experts.tp = tp
     experts.forward = types.MethodType(_fp8_experts_forward, experts)
 
 
 def _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts loop, restated, with each GEMM's input fake-quantized per token (per token and expert
-    for the SiLU-and-mul output, which down reads)."""
+    for the SiLU-and-mul output, which down reads, over each tensor-parallel rank's slice of it)."""
     out = torch.zeros_like(hidden_states)
     for expert in top_k_index.unique().tolist():
         if expert >= self.gate_up_proj.shape[0]:  # transformers' mark of no expert
@@ -157,7 +158,8 @@ def _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         tokens, slots = torch.where(top_k_index == expert)
         gate, up = F.linear(fake_quant_rows(hidden_states[tokens].float()), self.gate_up_proj[expert]).chunk(2, -1)
         h = self.act_fn(gate) * up
-        y = F.linear(fake_quant_rows(h), self.down_proj[expert]) * top_k_weights[tokens, slots, None]
+        h = torch.cat([fake_quant_rows(part) for part in h.chunk(self.tp, dim=-1)], dim=-1)
+        y = F.linear(h, self.down_proj[expert]) * top_k_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
