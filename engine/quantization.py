@@ -40,8 +40,9 @@ is not supported: a checkpoint is never loaded as if it were unquantized.
 Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): the routed experts are quantized as the other linears
 are (workers/layers/moe_quant.py, kernels/moe_quant.py): an AWQ / GPTQ / pack-quantized checkpoint's experts as
 stored, and FP8 ones, online (quantization="fp8", a scale per output row) or from an FP8 checkpoint (per row,
-tensor or block); FP8 experts quantize their inputs per token (W8A8, as the FP8 linears: kernels/moe_quant.py), so a
-checkpoint with static input scales is refused for them. Routers and Qwen2-MoE's shared_expert_gate stay as the
+tensor or block); FP8 experts quantize their inputs per token (W8A8, as the FP8 linears: kernels/moe_quant.py), or,
+in a checkpoint with static input scales, by one scale a projection for all of a layer's experts (the largest of
+theirs, as vLLM does). Routers and Qwen2-MoE's shared_expert_gate stay as the
 checkpoint gives them (unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda
 quantizes (engine/moe_modules.py).
 
@@ -176,10 +177,6 @@ def _resolve(quantization: str | None, hf_config: dict, is_random_weights: bool)
     if method in ("fp8", "compressed-tensors"):
         config = _hf_fp8(qc) if method == "fp8" else _compressed_tensors(qc)
         if has_experts(hf_config):
-            if config.activation == "static":
-                raise ValueError(f"quantization_config: a {method} FP8 checkpoint with static input scales of a "
-                                 "mixture-of-experts model is not supported (Pagoda's FP8 experts take their inputs "
-                                 "unquantized)")
             _check_moe_ignored(config, hf_config, method)
             return config
         kept = [p for p in config.ignored if "lm_head" not in p and "embed" not in p]

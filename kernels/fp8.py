@@ -53,8 +53,14 @@ class QuantizedRows:
     dtype: torch.dtype  # x's own dtype: the consuming linear's output dtype
 
     @classmethod
-    def of(cls, x: torch.Tensor, reference: bool = False) -> "QuantizedRows":
-        """x quantized per token: `quantize_per_token` (or its torch reference)."""
+    def of(cls, x: torch.Tensor, reference: bool = False, static_scale: torch.Tensor | None = None
+           ) -> "QuantizedRows":
+        """x quantized per token: `quantize_per_token` (or its torch reference); with `static_scale` (float32 [1],
+        a power of two: a checkpoint's static input scale), every row by that one scale, values beyond it clamped
+        to +-448."""
+        if static_scale is not None:
+            scale = static_scale.float()
+            return cls(quantize_ref(x, 1.0 / scale), scale.expand(x.shape[0]).contiguous(), x.dtype)
         values, scale = (quantize_per_token_ref if reference else quantize_per_token)(x)
         return cls(values, scale, x.dtype)
 

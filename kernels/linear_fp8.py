@@ -54,7 +54,6 @@ from kernels.fp8 import (
     QuantizedRows,
     dequantize_weight,
     pow2_scales,
-    quantize_ref,
     to_e4m3,
 )
 from kernels.linear import store_output, store_split_k_slice
@@ -412,10 +411,7 @@ def _quantize_input(x, input_scale, reference: bool = False) -> QuantizedRows:
         if input_scale is not None:
             raise ValueError("x is quantized per token already: a layer with a static input_scale cannot take it")
         return x
-    if input_scale is None:
-        return QuantizedRows.of(x, reference)
-    scale = input_scale.float()
-    return QuantizedRows(quantize_ref(x, 1.0 / scale), scale.expand(x.shape[0]).contiguous(), x.dtype)
+    return QuantizedRows.of(x, reference, static_scale=input_scale)
 
 
 def linear_fp8(x, weight, weight_scale, bias=None, gated=False, block_size=None, input_scale=None,

@@ -559,18 +559,19 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids):
     return experts_loop_ref(x, lambda expert: (w13[expert], w2[expert]), w13.shape[0], topk_weights, topk_ids)
 
 
-def experts_loop_ref(x, expert_weights, num_experts: int, topk_weights, topk_ids, linear=F.linear):
+def experts_loop_ref(x, expert_weights, num_experts: int, topk_weights, topk_ids, linears=(F.linear, F.linear)):
     """transformers' loop over the experts some token chose: `expert_weights(e)` -> (w13 [2I, H], w2 [H, I]) in
     x's dtype (kernels/moe_quant.py's reference dequantizes them there, and only for the experts in use);
-    `linear(a, w)` -> a @ w.T in a's dtype (kernels/moe_quant.py's FP8 one quantizes a first)."""
+    `linears`: up's and down's linear(a, w) -> a @ w.T in a's dtype (kernels/moe_quant.py's FP8 ones quantize a
+    first)."""
     out = torch.zeros_like(x)
     for expert in range(num_experts):
         tokens, slots = torch.where(topk_ids == expert)
         if tokens.numel() == 0:
             continue
         w13, w2 = expert_weights(expert)
-        gate, up = linear(x[tokens], w13).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, w2) * topk_weights[tokens, slots, None]
+        gate, up = linears[0](x[tokens], w13).chunk(2, dim=-1)
+        y = linears[1](F.silu(gate) * up, w2) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 

@@ -17,7 +17,8 @@ x's dtype), so both compute what an unquantized model holding the dequantized we
 
 FP8 experts (W8A8, as the FP8 linear layers: kernels/linear_fp8.py): each GEMM's input is quantized per token
 (kernels/fp8.py's power-of-two scales: x once per token, the SiLU-and-mul output h once per (token, expert) pair,
-a pass of its own), and the tiles multiply as e4m3 on the tensor cores (float32 accumulation, promoted every K
+a pass of its own), or, where the projection has a static `input_scale` (a checkpoint's, one for all experts),
+by that one scale, and the tiles multiply as e4m3 on the tensor cores (float32 accumulation, promoted every K
 tile; float32 x and the interpreter multiply the same e4m3 values in float32). The scales come after the dot:
 a block scale per K tile (BLOCK_K divides bk, so a tile lies in one block column), the token's and a per-row
 weight scale once at the end:
@@ -149,6 +150,7 @@ class Fp8Experts:
     scale: torch.Tensor
     block_size: tuple[int, int] | None = None
     parts: int = 1
+    input_scale: torch.Tensor | None = None  # float32 [1], a power of two: static activations (else per token)
 
     @property
     def num_experts(self) -> int:
@@ -157,6 +159,10 @@ class Fp8Experts:
     @property
     def shape(self) -> tuple[int, int]:
         return self.weight.shape[1], self.weight.shape[2]
+
+    def quantize_input(self, a: torch.Tensor, reference: bool = False) -> QuantizedRows:
+        """The GEMM's input a [T, K] as the kernel reads it: per token, or by the static input scale."""
+        return QuantizedRows.of(a, reference, static_scale=self.input_scale)
 
     def dequantize(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         if self.block_size is None:
@@ -180,6 +186,11 @@ class Fp8Experts:
         if tuple(self.scale.shape) != expected:
             raise ValueError(f"{name} scale must be {expected} for weight {tuple(self.weight.shape)} and "
                              f"block_size {self.block_size}, got {tuple(self.scale.shape)}")
+        if self.input_scale is not None:
+            check_dtype(f"{name} input_scale", self.input_scale, (torch.float32,))
+            if self.input_scale.numel() != 1:
+                raise ValueError(f"{name} input_scale must hold one value, got shape "
+                                 f"{tuple(self.input_scale.shape)}")
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight, self.scale]
@@ -390,16 +401,17 @@ def fused_moe_quant_triton(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_
     align = aligner(num_pairs, w13.num_experts)
     aligned = align(topk_ids, w13.num_experts, cfg_up["BLOCK_M"])
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(QuantizedRows.of(x) if fp8 else x, w13, h, aligned, top_k, True, cfg_up)
+    _grouped_gemm(w13.quantize_input(x) if fp8 else x, w13, h, aligned, top_k, True, cfg_up)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(QuantizedRows.of(h) if fp8 else h, w2, out, aligned, 1, False, cfg_down,
+    _grouped_gemm(w2.quantize_input(h) if fp8 else h, w2, out, aligned, 1, False, cfg_down,
                   routing=topk_weights.reshape(-1).contiguous())
     return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
 
 
-def _fp8_linear_ref(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a quantized per token (the torch reference), dequantized, @ float32 w.T, rounded to a's dtype."""
-    return F.linear(QuantizedRows.of(a, reference=True).dequantize(), w).to(a.dtype)
+def _fp8_linear_ref(experts: Fp8Experts):
+    """linear(a, w): a quantized as `experts` quantize their input (per token by the torch reference, or by the
+    static scale), dequantized, @ float32 w.T, rounded to a's dtype."""
+    return lambda a, w: F.linear(experts.quantize_input(a, reference=True).dequantize(), w).to(a.dtype)
 
 
 def fused_moe_quant_ref(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights, topk_ids):
@@ -409,7 +421,8 @@ def fused_moe_quant_ref(x, w13: QuantizedExperts, w2: QuantizedExperts, topk_wei
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     if isinstance(w13, Fp8Experts):
         return experts_loop_ref(x, lambda e: (w13.dequantize(e, torch.float32), w2.dequantize(e, torch.float32)),
-                                w13.num_experts, topk_weights, topk_ids, linear=_fp8_linear_ref)
+                                w13.num_experts, topk_weights, topk_ids,
+                                linears=(_fp8_linear_ref(w13), _fp8_linear_ref(w2)))
     return experts_loop_ref(x, lambda e: (w13.dequantize(e, x.dtype), w2.dequantize(e, x.dtype)), w13.num_experts,
                             topk_weights, topk_ids)
 

@@ -120,7 +120,7 @@ def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input
             setattr(layer.get_submodule(parent_path), name,
                     FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
         if fp8_experts:
-            _fake_quant_experts(layer, i, tp, weights)
+            _fake_quant_experts(layer, i, tp, weights, input_scales)
     model.set_attn_implementation(_register_attention())
     if kv_fp8:
         calibrate(model)
@@ -128,10 +128,11 @@ def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input
 
 
 @torch.no_grad()
-def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None) -> None:
+def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None, input_scales: dict | None) -> None:
     """A MoE layer's experts with FP8 weights: online per row (down per row of each of `tp` K shards), or the
     checkpoint's dequantized ones (`weights`, by checkpoint module name: Mixtral's block_sparse_moe.experts.{e}.w1,
-    Qwen's mlp.experts.{e}.gate_proj...)."""
+    Qwen's mlp.experts.{e}.gate_proj...), and the static input scales of their gate / up and of their down
+    (`input_scales`, the same for every expert of the layer) or none (per token)."""
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is None or not hasattr(experts, "gate_up_proj"):
         return
@@ -145,28 +146,41 @@ def _fake_quant_experts(layer, index: int, tp: int, weights: dict | None) -> Non
         experts.gate_up_proj[e] = gate_up
         experts.down_proj[e] = down
     experts.tp = tp
+    experts.input_scales = tuple(_checkpoint_expert(input_scales or {}, index, 0, names, missing=None)
+                                 for names in (("w1", "gate_proj"), ("w2", "down_proj")))
     experts.forward = types.MethodType(_fp8_experts_forward, experts)
 
 
 def _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts loop, restated, with each GEMM's input fake-quantized per token (per token and expert
-    for the SiLU-and-mul output, which down reads, over each tensor-parallel rank's slice of it)."""
+    for the SiLU-and-mul output, which down reads, over each tensor-parallel rank's slice of it), or by the
+    layer's static input scales."""
+    up_scale, down_scale = self.input_scales
     out = torch.zeros_like(hidden_states)
     for expert in top_k_index.unique().tolist():
         if expert >= self.gate_up_proj.shape[0]:  # transformers' mark of no expert
             continue
         tokens, slots = torch.where(top_k_index == expert)
-        gate, up = F.linear(fake_quant_rows(hidden_states[tokens].float()), self.gate_up_proj[expert]).chunk(2, -1)
+        x = hidden_states[tokens].float()
+        x = fake_quant_rows(x) if up_scale is None else fake_quant(x, torch.tensor(up_scale))
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, -1)
         h = self.act_fn(gate) * up
-        h = torch.cat([fake_quant_rows(part) for part in h.chunk(self.tp, dim=-1)], dim=-1)
+        if down_scale is None:
+            h = torch.cat([fake_quant_rows(part) for part in h.chunk(self.tp, dim=-1)], dim=-1)
+        else:
+            h = fake_quant(h, torch.tensor(down_scale))
         y = F.linear(h, self.down_proj[expert]) * top_k_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 
-def _checkpoint_expert(weights: dict, layer: int, expert: int, names: tuple[str, str]) -> torch.Tensor:
+def _checkpoint_expert(weights: dict, layer: int, expert: int, names: tuple[str, str], **missing):
+    """weights' entry for one expert's projection, by Mixtral's name (names[0]) or Qwen's (names[1]); `missing`
+    (a keyword) what to return when neither is there (else KeyError)."""
     mixtral, qwen = (f"model.layers.{layer}.{block}.experts.{expert}.{name}"
                      for block, name in (("block_sparse_moe", names[0]), ("mlp", names[1])))
+    if mixtral not in weights and qwen not in weights and "missing" in missing:
+        return missing["missing"]
     return weights[mixtral] if mixtral in weights else weights[qwen]
 
 
@@ -255,17 +269,23 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]
     return dst, dequantized, _group_static_scales(input_scales)
 
 
-def _group_static_scales(raw: dict) -> dict:
-    """Pagoda's static input scale of a fused projection: the largest of its parts', rounded up to 2^k."""
+def _static_group(module: str) -> tuple[str, str]:
+    """The projection whose one static input scale a checkpoint module's goes into: q / k / v one, gate / up one,
+    and a MoE layer's routed experts one for all their gates and ups, one for all their downs."""
+    prefix, name = module.rsplit(".", 1)
+    if prefix.rsplit(".", 2)[-2:-1] == ["experts"]:  # ...experts.{e}.{projection}
+        return prefix.rsplit(".", 1)[0], "w2" if name in ("w2", "down_proj") else "w13"
     groups = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    return prefix, groups.get(name, name)
+
+
+def _group_static_scales(raw: dict) -> dict:
+    """Pagoda's static input scale of each module: the largest of its group's (`_static_group`), rounded up to 2^k."""
     largest: dict = {}
     for module, value in raw.items():
-        prefix, name = module.rsplit(".", 1)
-        key = (prefix, groups.get(name, name))
+        key = _static_group(module)
         largest[key] = max(largest.get(key, 0.0), value)
-    return {m: pow2_at_least(torch.tensor(largest[(m.rsplit(".", 1)[0], groups.get(m.rsplit(".", 1)[1],
-                                                                                   m.rsplit(".", 1)[1]))]),
-                             1.0).item() for m in raw}
+    return {m: pow2_at_least(torch.tensor(largest[_static_group(m)]), 1.0).item() for m in raw}
 
 
 def _write_quantization_config(dst: str, fmt: str) -> None:

@@ -5,6 +5,8 @@ do; q/k/v, gate/up and the per-head KV scales are the same at any degree. Under 
 prefix-cache hits (tests/cluster/test_tensor_parallel.py's stress settings).
 """
 
+import pytest
+
 from pagoda import LLM
 from tests import fp8_oracle
 from tests.cluster.test_tensor_parallel import STRESS
@@ -39,6 +41,21 @@ def test_tp2_fp8_experts_match_the_tp2_oracle(ray_cluster, tiny_checkpoints):
     llm, outs = run(model_dir, tensor_parallel_size=2)
     try:
         assert_matches(oracle(model_dir, tp=2), outs)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_static_fp8_experts_match_the_oracle(ray_cluster, tiny_checkpoints, tmp_path):
+    """A compressed-tensors FP8 Mixtral with static input scales at tp 2: each rank loads every expert's scales
+    and keeps the largest (gate / up's, down's), so both ranks quantize the experts' inputs alike, by one scale
+    (no tensor-parallel slice of it: the oracle is the tp 1 one)."""
+    src = tiny_checkpoints["mixtral"]
+    model_dir, weights, input_scales = fp8_oracle.write_fp8_checkpoint(src, str(tmp_path / "static"), "ct-static")
+    llm, outs = run(model_dir, tensor_parallel_size=2, quantization=None, kv_cache_dtype="auto")
+    try:
+        model = fp8_oracle.oracle_model(src, weights=weights, input_scales=input_scales, kv_fp8=False)
+        assert_matches(fp8_oracle.greedy(model, prompt_ids(model_dir), MAX_NEW), outs)
     finally:
         llm.shutdown()
 

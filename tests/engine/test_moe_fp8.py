@@ -2,7 +2,10 @@
 per output row (test_fp8_parity.py's Mixtral and Qwen2-MoE cases); FP8 MoE checkpoints load as stored, their experts
 included: transformers' fp8 with weight_block_size [128, 128] (Qwen3-30B-A3B-FP8 / DeepSeek style, whose
 modules_to_not_convert names every layer's norms and router) or [16, 32], or a scale per tensor, and
-compressed-tensors per channel. FP8 experts are W8A8: each GEMM's input is quantized per token, in the oracle too.
+compressed-tensors per channel, or per tensor with static input scales (an input scale per expert projection in the
+checkpoint; one per layer for all experts' gate / up and one for their down in Pagoda and the oracle: the largest,
+rounded up to a power of two). FP8 experts are W8A8: each GEMM's input is quantized per token (or by the static
+scale), in the oracle too.
 
 The oracle is tests/fp8_oracle.py's transformers model carrying the checkpoint's dequantized weights (its attention
 and shared-expert linears quantizing their inputs per token, as Pagoda's do; its experts computing as transformers'
@@ -15,7 +18,6 @@ import os
 import pytest
 import torch
 
-from pagoda import LLM
 from tests import fp8_oracle
 from tests.engine.test_fp8_parity import MAX_NEW, assert_matches, prompt_ids, run
 
@@ -44,20 +46,23 @@ BLOCK128 = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 128, "moe_
 
 @pytest.mark.parametrize("arch, fmt, overrides", [("qwen3_moe", "fp8-block128", BLOCK128),
                                                   ("qwen3_moe", "fp8-block", None), ("mixtral", "ct-channel", None),
-                                                  ("qwen2_moe", "fp8-tensor", None)],
-                         ids=["qwen3_moe-block128", "qwen3_moe-block16x32", "mixtral-ct-channel", "qwen2_moe-tensor"])
+                                                  ("qwen2_moe", "fp8-tensor", None), ("mixtral", "ct-static", None),
+                                                  ("qwen2_moe", "ct-static", None)],
+                         ids=["qwen3_moe-block128", "qwen3_moe-block16x32", "mixtral-ct-channel", "qwen2_moe-tensor",
+                              "mixtral-ct-static", "qwen2_moe-ct-static"])
 def test_fp8_moe_checkpoints_match_their_dequantized_oracle(tiny_checkpoints, tmp_path, arch, fmt, overrides):
     """Qwen3-MoE's dense layer 0 and 6 experts (128 x 128 blocks, and 2 x 2 blocks of 16 x 32 per gate / up),
-    Mixtral's per-channel experts, Qwen2-MoE's shared expert and its per-tensor scales."""
+    Mixtral's per-channel experts, Qwen2-MoE's shared expert and its per-tensor scales; static input scales on
+    Mixtral's experts and on Qwen2-MoE's experts and shared expert."""
     from checkpoints.tiny import make_tiny_model
 
     src = (make_tiny_model(str(tmp_path / "float"), arch, seed=6, config_overrides=overrides) if overrides
            else tiny_checkpoints[arch])
-    model_dir, weights, _ = fp8_oracle.write_fp8_checkpoint(src, str(tmp_path / fmt), fmt)
+    model_dir, weights, input_scales = fp8_oracle.write_fp8_checkpoint(src, str(tmp_path / fmt), fmt)
     if fmt in IGNORED:
         _set_ignored(model_dir, *IGNORED[fmt])
-    reference = fp8_oracle.greedy(fp8_oracle.oracle_model(src, weights=weights, kv_fp8=False),
-                                  prompt_ids(model_dir), MAX_NEW)
+    reference = fp8_oracle.greedy(fp8_oracle.oracle_model(src, weights=weights, input_scales=input_scales,
+                                                          kv_fp8=False), prompt_ids(model_dir), MAX_NEW)
     llm, outs = run(model_dir, quantization=None, kv_cache_dtype="auto")  # the checkpoint says FP8
     assert_matches(reference, outs)
     experts = llm.engine.executor.worker.model.model.layers[1].mlp.experts
@@ -66,6 +71,13 @@ def test_fp8_moe_checkpoints_match_their_dequantized_oracle(tiny_checkpoints, tm
         bn, bk = fp8_oracle.BLOCKS[fmt]
         inter, hidden = experts.inter_per_rank, experts.hidden_size
         assert experts.w13_weight_scale.shape == (experts.num_experts, 2 * -(-inter // bn), -(-hidden // bk))
+    if fmt == "ct-static":  # one scale for all experts: the largest of the checkpoint's, a power of two
+        for proj, names in (("w13", ("w1", "gate_proj", "w3", "up_proj")), ("w2", ("w2", "down_proj"))):
+            raw = [v for m, v in _raw_input_scales(model_dir).items()
+                   if ".layers.1." in m and ".experts." in m and m.rsplit(".", 1)[1] in names]
+            assert len(raw) == experts.num_experts * (2 if proj == "w13" else 1)
+            expected = fp8_oracle.pow2_at_least(torch.tensor(max(raw)), 1.0).item()
+            assert getattr(experts, f"{proj}_input_scale").item() == expected
 
 
 def test_the_oracle_tells_fp8_experts_apart(tiny_checkpoints):
@@ -92,8 +104,22 @@ def test_random_fp8_experts(tiny_checkpoints):
         assert projection.weight.dtype == torch.float8_e4m3fn and abs(w.std().item() - 0.3) < 0.02
 
 
-def test_static_input_scales_of_moe_experts_are_refused(tiny_checkpoints, tmp_path):
-    model_dir, _, _ = fp8_oracle.write_fp8_checkpoint(tiny_checkpoints["mixtral"], str(tmp_path / "static"),
-                                                      "ct-static")
-    with pytest.raises(ValueError, match="static input scales of a mixture-of-experts model is not supported"):
-        LLM(model=model_dir, device="cpu")
+def _raw_input_scales(model_dir: str) -> dict:
+    """The checkpoint's input_scale tensors by module name."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    return {n.rsplit(".", 1)[0]: t.item() for n, t in tensors.items() if n.endswith(".input_scale")}
+
+
+def test_the_oracle_tells_static_expert_scales_apart(tiny_checkpoints, tmp_path):
+    """A static-scale checkpoint's experts match the oracle with its static scales, and not the oracle whose
+    experts quantize per token: the static cases above could fail."""
+    src = tiny_checkpoints["mixtral"]
+    model_dir, weights, input_scales = fp8_oracle.write_fp8_checkpoint(src, str(tmp_path / "static"), "ct-static")
+    _, outs = run(model_dir, quantization=None, kv_cache_dtype="auto")
+    ids = prompt_ids(model_dir)
+    per_token_experts = {m: v for m, v in input_scales.items() if ".experts." not in m}
+    with pytest.raises(AssertionError):
+        assert_matches(fp8_oracle.greedy(fp8_oracle.oracle_model(src, weights=weights, input_scales=per_token_experts,
+                                                                 kv_fp8=False), ids, MAX_NEW), outs)

@@ -168,6 +168,26 @@ def test_fp8_128_blocks_over_several_block_columns(device, poisoned_allocations)
     torch.testing.assert_close(fused_moe_quant_triton(*args), fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("case", ["per-row", "block 16x32"], ids=str)
+def test_fp8_static_input_scales(case, device, poisoned_allocations):
+    """A checkpoint's static input scales (one a projection, powers of two): each GEMM's input quantized by it, the
+    largest |x| and |h| beyond 448 times it clamped; the kernel equals the reference, and the result is not what
+    per-token scales give."""
+    b13, b2 = FP8_CASES[case]
+    x, w13, w2, weights, ids = make_case(37, 96, 80, 4, 2, lambda w: fp8_experts(w, b13, 2),
+                                         lambda w: fp8_experts(w, b2), torch.float32, device)
+    static13, static2 = (dataclasses.replace(w, input_scale=torch.tensor([scale], device=device))
+                         for w, scale in ((w13, 2.0 ** -7), (w2, 2.0 ** -9)))
+    assert (x.abs() > 448 * 2.0 ** -7).any()  # some clamp
+    args = (x, static13, static2, weights, ids)
+    out = fused_moe_quant_triton(*args)
+    torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(out, fused_moe_quant_ref(x, w13, w2, weights, ids), atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="input_scale must hold one value"):
+        two = dataclasses.replace(w13, input_scale=torch.ones(2, device=device))
+        fused_moe_quant_triton(x, two, static2, weights, ids)
+
+
 def test_fp8_reference_dequantizes_each_part_with_its_blocks():
     w = torch.randn(2, 2 * 24, 64)
     experts = fp8_experts(w, (16, 32), parts=2)
@@ -191,7 +211,7 @@ def assert_fp8_moe_close(out, args, max_rows: int = 2):
     if rows:
         h_max = w2_max = 0.0
         for e in ids.unique().tolist():
-            gate, up = _fp8_linear_ref(x, w13.dequantize(e, torch.float32)).chunk(2, dim=-1)
+            gate, up = _fp8_linear_ref(w13)(x, w13.dequantize(e, torch.float32)).chunk(2, dim=-1)
             h_max = max(h_max, (torch.nn.functional.silu(gate) * up).float().abs().max().item())
             w2_max = max(w2_max, w2.dequantize(e, torch.float32).abs().max().item())
         bound = atol + 2 ** -3 * h_max * w2_max

@@ -36,7 +36,7 @@ from workers.parallel import get_tp_rank, get_tp_size
 
 # an expert's weight, or (quantized experts) its packed integers, zeros, scales, g_idx, or FP8 scales
 _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)"
-                            r"\.(weight|qweight|qzeros|scales|g_idx|weight_scale)$")
+                            r"\.(weight|qweight|qzeros|scales|g_idx|weight_scale|input_scale)$")
 _GATE_UP_INDEX = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 

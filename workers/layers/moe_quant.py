@@ -15,6 +15,10 @@ FP8 (quantization="fp8" online, per output row; or an FP8 checkpoint, per row / 
 
     w13_weight   e4m3 [E, 2 I_r, H]     w13_weight_scale  [E, 2 I_r], or [E, 2 ceil(I_r / bn), ceil(H / bk)]
     w2_weight    e4m3 [E, H, I_r]       w2_weight_scale   [E, H],     or [E, ceil(H / bn), ceil(I_r / bk)]
+    w13_input_scale, w2_input_scale     float32 [1] (static-activation checkpoints only): the largest of the
+                                        experts' gate / up (down) input scales, rounded up to a power of two,
+                                        as vLLM takes one static scale for all of a layer's experts (the kernel
+                                        quantizes each GEMM's input once, for every expert)
 
 Tensor parallelism, as the unquantized experts: rank r takes rows [r I_r, (r + 1) I_r) of each expert's gate and
 up (its [gate ; up] w13: whole int32s of packed columns, whole FP8 scale blocks) and the same columns of its down
@@ -33,7 +37,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.fp8 import FP8_DTYPE, quantize_weight, quantize_weight_blocks
+from kernels.fp8 import FP8_DTYPE, pow2_ceil, quantize_weight, quantize_weight_blocks
 from kernels.moe_quant import Fp8Experts, IntExperts
 from workers.layers.quantization import _blocks
 from workers.layers.quantization_int import _divided, _groups, _mid_range_zeros, _random_scale, packing_of
@@ -224,6 +228,13 @@ def create_fp8_experts(moe, config: QuantConfig, device) -> None:
             setattr(moe, f"{proj.name}_weight_scale", scale)
         else:
             moe.register_buffer(f"{proj.name}_weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
+        input_scale = None
+        if config.activation == "static":
+            input_scale = _param(moe, (1,), torch.float32, device, functools.partial(_load_input_scale, moe, proj),
+                                 proj.name)
+            input_scale.data.zero_()  # the loader keeps the largest
+            input_scale.random_init = lambda std, generator, p=input_scale: p.data.fill_(1.0)
+        setattr(moe, f"{proj.name}_input_scale", input_scale)
 
 
 def _fp8_scale_shape(moe, proj: _Projection) -> tuple[int, ...]:
@@ -256,6 +267,13 @@ def _load_fp8_weight(moe, proj: _Projection, param: nn.Parameter, loaded, shard_
     assert tuple(dst.shape) == tuple(part.shape), (f"expert {proj.name}: shape mismatch: parameter "
                                                    f"{tuple(dst.shape)}, loaded {tuple(part.shape)}")
     dst.copy_(part)
+
+
+def _load_input_scale(moe, proj: _Projection, param: nn.Parameter, loaded, shard_id) -> None:
+    """One expert's (gate's, up's or down's) static input scale: the parameter keeps the largest, rounded up to a
+    power of two (kernels/fp8.py's activation scales are powers of two)."""
+    value = pow2_ceil(loaded[...].float().reshape(1)).to(param.device)
+    param.data.copy_(torch.maximum(param.data, value))
 
 
 def _load_fp8_scale(moe, proj: _Projection, param: nn.Parameter, loaded, shard_id) -> None:
@@ -303,5 +321,6 @@ def quantized_experts(moe) -> tuple[IntExperts | Fp8Experts, IntExperts | Fp8Exp
         return tuple(IntExperts(getattr(moe, f"{p}_qweight"), getattr(moe, f"{p}_qzeros"), getattr(moe, f"{p}_scales"),
                                 getattr(moe, f"{p}_g_idx") if desc_act else None, moe.group_size, moe.packing)
                      for p in ("w13", "w2"))  # type: ignore[return-value]
-    return (Fp8Experts(moe.w13_weight, moe.w13_weight_scale, moe.block_size, parts=2),
-            Fp8Experts(moe.w2_weight, moe.w2_weight_scale, moe.block_size))
+    return (Fp8Experts(moe.w13_weight, moe.w13_weight_scale, moe.block_size, parts=2,
+                       input_scale=moe.w13_input_scale),
+            Fp8Experts(moe.w2_weight, moe.w2_weight_scale, moe.block_size, input_scale=moe.w2_input_scale))
