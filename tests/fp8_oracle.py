@@ -226,7 +226,8 @@ BLOCKS = {"fp8-block": (16, 32), "fp8-block128": (128, 128)}
 def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]:
     """An FP8 copy of the tiny checkpoint `src` in `dst`, routed experts included (routers and shared_expert_gate
     are not linears here: left as they are). fmt: "fp8-tensor" (transformers' fp8, a scale per tensor),
-    "fp8-block" (weight_block_size [16, 32]), "fp8-block128" ([128, 128], Qwen3-30B-A3B-FP8 / DeepSeek style),
+    "fp8-static" (AutoFP8's: a weight_scale per tensor, a static input_scale per linear), "fp8-block" (weight_block_size
+    [16, 32]), "fp8-block128" ([128, 128], Qwen3-30B-A3B-FP8 / DeepSeek style),
     "ct-channel" (compressed-tensors, per-channel weights, dynamic per-token inputs) or "ct-static"
     (compressed-tensors, per-tensor weights and static input scales). Returns (dst, the dequantized weights and
     the static input scales the oracle uses)."""
@@ -250,7 +251,7 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]
             amax = padded.unflatten(0, (-1, rows)).unflatten(2, (-1, cols)).amax(dim=(1, 3))
             scale = amax / 448
             full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:w.shape[0], :w.shape[1]]
-        elif fmt in ("fp8-tensor", "ct-static"):
+        elif fmt in ("fp8-tensor", "fp8-static", "ct-static"):
             scale = w.abs().amax() / 448
             full = scale
         else:
@@ -258,9 +259,11 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]
             full = scale
         q = (w / full).clamp(-448, 448).to(E4M3)
         out[name] = q
-        out[f"{module}.{'weight_scale_inv' if fmt.startswith('fp8') else 'weight_scale'}"] = scale
+        # AutoFP8's static checkpoints (quant_method fp8) name it weight_scale, as compressed-tensors does
+        inv = fmt.startswith("fp8") and fmt != "fp8-static"
+        out[f"{module}.{'weight_scale_inv' if inv else 'weight_scale'}"] = scale
         dequantized[module] = q.float() * full
-        if fmt == "ct-static":
+        if fmt in ("ct-static", "fp8-static"):
             raw = (0.02 + 0.05 * torch.rand((), generator=gen)).reshape(1)  # a calibrated-looking scale
             out[f"{module}.input_scale"] = raw
             input_scales[module] = raw.item()
@@ -293,7 +296,8 @@ def _write_quantization_config(dst: str, fmt: str) -> None:
     with open(path) as f:
         config = json.load(f)
     if fmt.startswith("fp8"):
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if fmt == "fp8-static" else "dynamic",
+              "fmt": "e4m3"}
         if fmt in BLOCKS:
             qc["weight_block_size"] = list(BLOCKS[fmt])
     else:

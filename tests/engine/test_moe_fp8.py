@@ -47,13 +47,15 @@ BLOCK128 = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 128, "moe_
 @pytest.mark.parametrize("arch, fmt, overrides", [("qwen3_moe", "fp8-block128", BLOCK128),
                                                   ("qwen3_moe", "fp8-block", None), ("mixtral", "ct-channel", None),
                                                   ("qwen2_moe", "fp8-tensor", None), ("mixtral", "ct-static", None),
-                                                  ("qwen2_moe", "ct-static", None)],
+                                                  ("qwen2_moe", "ct-static", None),
+                                                  ("qwen3_moe", "fp8-static", None)],
                          ids=["qwen3_moe-block128", "qwen3_moe-block16x32", "mixtral-ct-channel", "qwen2_moe-tensor",
-                              "mixtral-ct-static", "qwen2_moe-ct-static"])
+                              "mixtral-ct-static", "qwen2_moe-ct-static", "qwen3_moe-autofp8-static"])
 def test_fp8_moe_checkpoints_match_their_dequantized_oracle(tiny_checkpoints, tmp_path, arch, fmt, overrides):
     """Qwen3-MoE's dense layer 0 and 6 experts (128 x 128 blocks, and 2 x 2 blocks of 16 x 32 per gate / up),
     Mixtral's per-channel experts, Qwen2-MoE's shared expert and its per-tensor scales; static input scales on
-    Mixtral's experts and on Qwen2-MoE's experts and shared expert."""
+    Mixtral's experts and on Qwen2-MoE's experts and shared expert (compressed-tensors), on Qwen3-MoE's (AutoFP8's
+quant_method fp8 with activation_scheme static)."""
     from checkpoints.tiny import make_tiny_model
 
     src = (make_tiny_model(str(tmp_path / "float"), arch, seed=6, config_overrides=overrides) if overrides
@@ -71,7 +73,7 @@ def test_fp8_moe_checkpoints_match_their_dequantized_oracle(tiny_checkpoints, tm
         bn, bk = fp8_oracle.BLOCKS[fmt]
         inter, hidden = experts.inter_per_rank, experts.hidden_size
         assert experts.w13_weight_scale.shape == (experts.num_experts, 2 * -(-inter // bn), -(-hidden // bk))
-    if fmt == "ct-static":  # one scale for all experts: the largest of the checkpoint's, a power of two
+    if fmt.endswith("-static"):  # one scale for all experts: the largest of the checkpoint's, a power of two
         for proj, names in (("w13", ("w1", "gate_proj", "w3", "up_proj")), ("w2", ("w2", "down_proj"))):
             raw = [v for m, v in _raw_input_scales(model_dir).items()
                    if ".layers.1." in m and ".experts." in m and m.rsplit(".", 1)[1] in names]
