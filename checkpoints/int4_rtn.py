@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 # Phi-3's checkpoints fuse q/k/v and gate/up: the tools quantize and pack each fused tensor as one linear; Mixtral's
 # experts are w1 (gate) / w3 (up) / w2 (down); routers ("gate") and shared_expert_gate stay float
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
-           "w1", "w2", "w3")
+           "w1", "w2", "w3", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the last: DeepSeek-V2's MLA
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_PACK_ORDER[i]
 
 

@@ -23,8 +23,8 @@ model's dtype):
 
 With random weights (load_format "random", a `--preset`) and no quantization_config, quantization="awq" or "gptq"
 takes a default config (RANDOM_INT_CONFIGS: AWQ 4 bits, group 128, zero points; GPTQ 4 bits, group 128, symmetric,
-no act-order) and the int layers draw their integers packed: benchmarks of real-sized int4 models without a
-checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
+no act-order; the group halved where a linear's input features need it) and the int layers draw their integers
+packed: benchmarks of real-sized int4 models without a checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
 
 quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K are
 served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an int layer of their type
@@ -46,9 +46,11 @@ theirs, as vLLM does). Routers and Qwen2-MoE's shared_expert_gate stay as the
 checkpoint gives them (unquantized); an ignore list may name those, norms and the LM head, and nothing Pagoda
 quantizes (engine/moe_modules.py).
 
-DeepSeek-V2 (multi-head latent attention, config.json kv_lora_rank) takes quantization="fp8" on its unquantized
-checkpoint only (its routed experts FP8 as above; kv_b_proj, q_a_proj, kv_a_proj_with_mqa and the router
-in the model's dtype); int and FP8 checkpoints of it are refused.
+DeepSeek-V2 (multi-head latent attention, config.json kv_lora_rank): quantization="fp8" on its unquantized checkpoint
+(its routed experts FP8 as above; kv_b_proj, q_a_proj, kv_a_proj_with_mqa and the router in the model's dtype), and
+its int and FP8 checkpoints as stored (every projection quantized: q_a_proj and kv_a_proj_with_mqa replicated,
+kv_b_proj dequantized at load into the absorbed W_UK / W_UV, workers/layers/mla.py; routed and shared experts as
+the other MoE families'). Its GGUF files are not served as int blocks.
 """
 
 from __future__ import annotations
@@ -143,12 +145,9 @@ def resolve_quantization(quantization: str | None, hf_config: dict,
     if quantization not in QUANTIZATIONS:
         raise ParamError("quantization", f"must be one of {QUANTIZATIONS}, got {quantization!r}")
     config = _resolve(quantization, hf_config, is_random_weights)
-    if config is not None and hf_config.get("kv_lora_rank") is not None and \
-            (config.method != "fp8" or config.is_checkpoint_fp8):
-        raise ValueError(f"quantization: {config.method} weights (quantization={quantization!r}) of a multi-head "
-                         "latent attention model (DeepSeek-V2, config.json kv_lora_rank) are not supported: Pagoda "
-                         "reads its kv_b_proj as the absorbed W_UK / W_UV and keeps q_a_proj and kv_a_proj_with_mqa "
-                         "in the model's dtype; quantization='fp8' on its unquantized checkpoint is supported")
+    if config is not None and config.method == "gguf" and hf_config.get("kv_lora_rank") is not None:
+        raise ValueError("quantization='gguf': a multi-head latent attention model's (DeepSeek-V2's) GGUF linears "
+                         "are not served as int blocks")
     return config
 
 
@@ -163,7 +162,8 @@ def _resolve(quantization: str | None, hf_config: dict, is_random_weights: bool)
         return None
     if not qc:
         if quantization in ("awq", "gptq") and is_random_weights:
-            return _int_checkpoint(quantization, quantization, RANDOM_INT_CONFIGS[quantization], hf_config)
+            return _int_checkpoint(quantization, quantization, _random_int_config(quantization, hf_config),
+                                   hf_config)
         if quantization in ("awq", "gptq"):
             raise ValueError(f"quantization={quantization!r}: the checkpoint has no quantization_config (an "
                              f"{quantization.upper()} checkpoint is read as stored, never made at load; random "
@@ -220,8 +220,10 @@ def gguf_quant_config(qtype: str) -> QuantConfig:
 
 
 def has_experts(hf_config: dict) -> bool:
-    """Whether the model routes tokens to experts (Mixtral's num_local_experts, Qwen-MoE's num_experts)."""
-    return bool(hf_config.get("num_local_experts") or hf_config.get("num_experts"))
+    """Whether the model routes tokens to experts (Mixtral's num_local_experts, Qwen-MoE's num_experts,
+    DeepSeek's n_routed_experts)."""
+    return bool(hf_config.get("num_local_experts") or hf_config.get("num_experts")
+                or hf_config.get("n_routed_experts"))
 
 
 def _hf_fp8(qc: dict) -> QuantConfig:
@@ -278,6 +280,21 @@ def _check_float8(what: str, args: dict) -> None:
     if args.get("num_bits") != 8 or args.get("type") != "float" or args.get("symmetric") is False:
         raise ValueError(f"quantization_config: compressed-tensors {what} {args!r} is not supported "
                          "(8-bit symmetric float only)")
+
+
+def _random_int_config(method: str, hf_config: dict) -> dict:
+    """RANDOM_INT_CONFIGS[method], its group size halved (to 32 at least) until it divides every linear's input
+    features the config names (DeepSeek-V2-Lite's dense intermediate size, 10,944, takes groups of 64)."""
+    qc = dict(RANDOM_INT_CONFIGS[method])
+    heads = hf_config.get("num_attention_heads") or 1
+    head_dim = hf_config.get("v_head_dim") or hf_config.get("head_dim") or (hf_config.get("hidden_size") or 0) // heads
+    shared = (hf_config.get("moe_intermediate_size") or 0) * (hf_config.get("n_shared_experts") or 0)
+    sizes = [hf_config.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+                                        "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank")]
+    sizes = [k for k in sizes + [heads * head_dim, shared] if k]
+    while qc["group_size"] > min(INT_GROUP_SIZES) and any(k % qc["group_size"] for k in sizes):
+        qc["group_size"] //= 2
+    return qc
 
 
 def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_config: dict) -> QuantConfig:

@@ -33,6 +33,8 @@ E4M3 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # Phi-3's fused ones: per-row scales are the same fused or not
 ROW_PARALLEL = ("o_proj", "down_proj")
+# DeepSeek-V2's latent attention: an FP8 checkpoint quantizes these too (online FP8 leaves all but q_b_proj float)
+MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's experts in a checkpoint (Qwen-MoE's: gate_proj / up_proj / down_proj)
 KV_CALIBRATION = {"seqs": 4, "len": 128, "seed": 1234}  # workers/kv_scales.py's batch
 
@@ -109,13 +111,17 @@ def oracle_model(model_dir: str, tp: int = 1, weights: dict | None = None, input
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    linears = LINEARS + (MLA_LINEARS if weights else ())
     for i, layer in enumerate(model.model.layers):
         for path, linear in list(layer.named_modules()):
             parent_path, _, name = path.rpartition(".")
             # FakeQuantLinear: attention, dense MLPs, a shared expert (routed experts: below; gates: never)
-            if not isinstance(linear, nn.Linear) or name not in LINEARS or ".experts." in f".{path}.":
+            if not isinstance(linear, nn.Linear) or name not in linears or ".experts." in f".{path}.":
                 continue
             key = f"model.layers.{i}.{path}"
+            if name == "kv_b_proj":  # Pagoda dequantizes it at load: the weight only, its input not quantized
+                linear.weight.data.copy_(weights[key])
+                continue
             w = weights[key] if weights else fake_quant_weight(linear.weight.data, tp if name in ROW_PARALLEL else 1)
             setattr(layer.get_submodule(parent_path), name,
                     FakeQuantLinear(w, linear.bias, (input_scales or {}).get(key)))
@@ -240,7 +246,7 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str) -> tuple[str, dict, dict]
     gen = torch.Generator().manual_seed(5)
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS + EXPERT_LINEARS):
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS + MLA_LINEARS + EXPERT_LINEARS):
             out[name] = t
             continue
         w = t.float()

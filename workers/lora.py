@@ -44,7 +44,6 @@ from engine.lora import WEIGHTS_FILE, LoRAAdapter, lora_module_shapes, parse_ten
 from kernels import ops
 from kernels.lora import MAX_RANK, lora_expand, lora_shrink
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.mla import ReplicatedLinear
 from workers.side_stream import beside
 
 logger = logging.getLogger(__name__)
@@ -181,10 +180,7 @@ class LoRAManager:
         slots, rank = self.config.max_loras, self.config.max_lora_rank
         if isinstance(linear, RowParallelLinear):
             k, n, starts = linear.in_features_per_rank, linear.out_features, (0,)
-        elif isinstance(linear, ReplicatedLinear):
-            n, k = linear.weight.shape
-            starts = (0,)
-        else:
+        else:  # column-parallel (a ReplicatedLinear is one of a single part)
             assert isinstance(linear, ColumnParallelLinear), type(linear)
             k, n = linear.in_features, linear.out_features_per_rank
             if hasattr(linear, "q_size"):  # QKVParallelLinear
@@ -305,8 +301,6 @@ class LoRAManager:
         linear = self.layers[layer].get_submodule(path)
         if isinstance(linear, RowParallelLinear):
             a, rows = a[:, linear.shard().src_cols], slice(None)
-        elif isinstance(linear, ReplicatedLinear):
-            rows = slice(None)
         else:
             shard = linear.shard(shard_id)
             b, rows = b[shard.src_rows], shard.dst

@@ -87,6 +87,9 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         model.load_weights(checkpoint_names(weights, quant_config))
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
+    for module in model.modules():  # what a layer makes of its loaded weights (MLA: kv_b_proj dequantized)
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     return model.eval()
 
 

@@ -42,12 +42,15 @@ def test_tp2_int4_equals_one_rank_on_the_dequantized_checkpoint(ray_cluster, int
 
 
 @pytest.mark.parametrize("arch, fmt", [("qwen2_moe", ic.Int4Format("awq", 32)),
-                                       ("mixtral", ic.Int4Format("gptq", 32, desc_act=True))],
-                         ids=["qwen2_moe-awq-g32", "mixtral-gptq-g32-act"])
+                                       ("mixtral", ic.Int4Format("gptq", 32, desc_act=True)),
+                                       ("deepseek_v2", ic.Int4Format("awq", 32))],
+                         ids=["qwen2_moe-awq-g32", "mixtral-gptq-g32-act", "deepseek_v2-awq-g32"])
 def test_tp2_moe_int4_experts_equal_one_rank_on_the_dequantized_checkpoint(ray_cluster, tmp_path_factory, arch, fmt):
-    """Quantized experts at tp 2: each rank its 32 (Qwen2-MoE) / 128 (Mixtral) columns of every expert's gate/up
-    rows and down columns (AWQ g32: its own groups; GPTQ act-order: every group, its g_idx slice), and Qwen2-MoE's
-    int4 shared expert beside them."""
+    """Quantized experts at tp 2: each rank its 32 (Qwen2-MoE, DeepSeek-V2) / 128 (Mixtral) columns of every
+    expert's gate/up rows and down columns (AWQ g32: its own groups; GPTQ act-order: every group, its g_idx slice),
+    and Qwen2-MoE's and DeepSeek-V2's int4 shared experts beside them; DeepSeek-V2's latent attention: each rank its
+    heads' rows of q_b_proj and kv_b_proj (dequantized at load) and columns of o_proj, q_a_proj and
+    kv_a_proj_with_mqa whole on both."""
     dst, oracle = moe_int4_factory(tmp_path_factory)(arch, fmt)
 
     def check(llm):

@@ -136,23 +136,77 @@ def test_fp8_latent_pool_matches_the_oracle(checkpoints, model, quantization):
             assert_same_logprobs(model_dir, outs)
 
 
-@pytest.mark.parametrize("quantization,load_format", [("awq", "random"), ("gptq", "random")])
-def test_int_weights_are_refused(checkpoints, quantization, load_format):
-    """Int layers would hold kv_b_proj, which MLA reads as the absorbed W_UK / W_UV: refused at the config."""
-    from engine.config import EngineArgs
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel", "ct-static"])
+def test_fp8_checkpoints_match_their_dequantized_oracle(tmp_path, fmt):
+    """An FP8 checkpoint of the tiny DeepSeek-V2 (every projection FP8: q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+    kv_b_proj, o_proj, the MLPs and experts), served as stored: q_a_proj and kv_a_proj_with_mqa FP8 on every rank,
+    kv_b_proj dequantized at load, the experts W8A8; against the oracle on the checkpoint's dequantized weights
+    (its kv_b_proj reads its input unquantized, as the absorbed form does)."""
+    # Seed 0, not the session's tiny model (seed 8): there one activation of one prompt lands where the two float32
+    # computations round it to neighbouring e4m3 values (its logprobs move by up to 0.06, the other prompts' by 0)
+    src = make_tiny_model(str(tmp_path / "float"), "deepseek_v2", seed=0)
+    model_dir, weights, input_scales = fp8_oracle.write_fp8_checkpoint(src, str(tmp_path / fmt), fmt)
+    if fmt.startswith("ct-"):
+        _set_ct_ignore(model_dir, ["lm_head", "re:.*mlp.gate$"])
+    model = fp8_oracle.oracle_model(src, weights=weights, input_scales=input_scales, kv_fp8=False)
+    ids = prompt_ids_of(model_dir)
+    reference = fp8_oracle.greedy(model, ids, MAX_NEW)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    for (ref_tokens, ref_logprobs), out in zip(reference, outs):
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, (token_id, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs)):
+            assert abs(entry[token_id] - ref_logprobs[step][token_id].item()) < 5e-3
+    attn = llm.engine.executor.worker.model.model.layers[0].self_attn
+    assert attn.q_a_proj.weight.dtype == attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.quant_config is None
+    llm.shutdown()
 
-    with pytest.raises(ValueError, match="kv_lora_rank"):
-        EngineArgs(model=checkpoints["tiny"], dtype="float32", device="cpu", quantization=quantization,
-                   load_format=load_format).create_engine_config()
+
+def _set_ct_ignore(model_dir: str, names: list[str]) -> None:
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = names
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
-def test_fp8_checkpoints_are_refused():
+def prompt_ids_of(model_dir: str) -> list[list[int]]:
+    from tests.engine.test_fp8_parity import prompt_ids
+
+    return prompt_ids(model_dir)
+
+
+@pytest.mark.parametrize("quantization", ["awq", "gptq"])
+def test_random_int_weights(checkpoints, quantization):
+    """load_format="random" with quantization="awq" / "gptq" (the presets' path): every projection drawn packed,
+    q_a_proj and kv_a_proj_with_mqa int on every rank, kv_b_proj the dequantized draw (the initializer's standard
+    deviation, 0.3), and the model generates."""
+    llm = LLM(model=checkpoints["tiny"], dtype="float32", device="cpu", quantization=quantization,
+              load_format="random", num_kv_blocks=64)
+    out = llm.generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    attn = llm.engine.executor.worker.model.model.layers[0].self_attn
+    assert attn.q_a_proj.qweight.dtype == attn.kv_a_proj_with_mqa.qweight.dtype == torch.int32
+    assert attn.kv_b_proj.quant_config is None and abs(attn.kv_b_proj.weight.std().item() - 0.3) < 0.03
+    llm.shutdown()
+
+
+def test_random_int_group_size_fits_deepseek_v2_lite():
+    """DeepSeek-V2-Lite's dense intermediate size (10,944) is no multiple of 128: its random AWQ layers take groups
+    of 64; Llama-3-8B's keep 128."""
+    from checkpoints.presets import PRESETS
     from engine.quantization import resolve_quantization
 
-    hf_config = {"kv_lora_rank": 512, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    with pytest.raises(ValueError, match="kv_lora_rank"):
-        resolve_quantization(None, hf_config)
-    assert resolve_quantization("fp8", {"kv_lora_rank": 512}).method == "fp8"  # online FP8 is served
+    lite = resolve_quantization("awq", PRESETS["deepseek-v2-lite"], is_random_weights=True)
+    llama = resolve_quantization("awq", PRESETS["llama-3-8b"], is_random_weights=True)
+    assert (lite.group_size, llama.group_size) == (64, 128)
 
 
 # ---- the pool: host tier, sizing ---------------------------------------------------------------------------------

@@ -25,19 +25,25 @@ from tests.prompts import PARITY_PROMPTS
 # whole groups of 32 and whole int32s of AWQ's packed columns.
 SHAPES = {"mixtral": {"hidden_size": 128, "intermediate_size": 256},
           "qwen2_moe": {"hidden_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128},
-          "qwen3_moe": {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256}}
+          "qwen3_moe": {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256},
+          "deepseek_v2": {"moe_intermediate_size": 64}}
 # What the tools write beside the packing: AutoAWQ's Mixtral class keeps "gate" (the router) in float; AWQ skips a
 # module whose name contains an entry, so Qwen2-MoE's router needs "mlp.gate" ("gate" would also skip gate_proj);
 # llm-compressor's MoE recipes ignore the routers by regex. GPTQModel quantizes only the modules it lists.
 IGNORED = {("awq", "mixtral"): {"modules_to_not_convert": ["gate"]},
            ("awq", "qwen2_moe"): {"modules_to_not_convert": ["mlp.gate", "shared_expert_gate"]},
            ("pack-quantized", "qwen2_moe"): {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]},
-           ("pack-quantized", "qwen3_moe"): {"ignore": ["lm_head", "re:.*mlp.gate$"]}}
+           ("pack-quantized", "qwen3_moe"): {"ignore": ["lm_head", "re:.*mlp.gate$"]},
+           ("pack-quantized", "deepseek_v2"): {"ignore": ["lm_head", "re:.*mlp.gate$"]}}
 CASES = [("mixtral", ic.Int4Format("awq", 32)), ("mixtral", ic.Int4Format("gptq", 32, desc_act=True)),
          ("qwen2_moe", ic.Int4Format("awq", 64)), ("qwen2_moe", ic.Int4Format("pack-quantized", 32, desc_act=True)),
          ("qwen2_moe", ic.Int4Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2")),
          ("qwen3_moe", ic.Int4Format("gptq", 64, bits=8, sym=True)),
-         ("qwen3_moe", ic.Int4Format("pack-quantized", 32, sym=True)), ("qwen3_moe", ic.Int4Format("gptq", -1))]
+         ("qwen3_moe", ic.Int4Format("pack-quantized", 32, sym=True)), ("qwen3_moe", ic.Int4Format("gptq", -1)),
+         # DeepSeek-V2's latent attention too: q_a_proj / kv_a_proj_with_mqa int on every rank, kv_b_proj
+         # dequantized at load
+         ("deepseek_v2", ic.Int4Format("awq", 32)), ("deepseek_v2", ic.Int4Format("gptq", 32, desc_act=True)),
+         ("deepseek_v2", ic.Int4Format("pack-quantized", 32, sym=True))]
 MAX_NEW = 6
 
 
@@ -88,13 +94,14 @@ def hf_model(model_dir: str):
 
 
 def assert_packed_experts(llm) -> None:
-    """Every routed expert and linear held as packed int32s; only norms, biases, routers and shared_expert_gate in
-    float."""
+    """Every routed expert and linear held as packed int32s; only norms, biases, routers, shared_expert_gate and
+    MLA's kv_b_proj (dequantized at load: read as matrices) in float."""
     model = llm.engine.executor.worker.model
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     assert experts and all(e.w13_qweight.dtype == e.w2_qweight.dtype == torch.int32 for e in experts)
     floats = [name for name, p in model.model.layers.named_parameters() if p.is_floating_point()
-              and not name.endswith(("scales", "bias", "norm.weight", "mlp.gate.weight", "shared_expert_gate.weight"))]
+              and not name.endswith(("scales", "bias", "norm.weight", "mlp.gate.weight", "shared_expert_gate.weight",
+                                     "kv_b_proj.weight"))]
     assert not floats, f"float weights: {floats}"
 
 

@@ -24,9 +24,10 @@ from torch import nn
 from engine.quantization import QuantConfig
 from kernels import ops
 from kernels.activation import silu_and_mul
-from kernels.fp8 import QuantizedRows
+from kernels.fp8 import QuantizedRows, dequantize_weight
 from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
+from kernels.linear_int import dequantize_ref
 from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config, quantized_layers
 from workers.layers.quantization_int import create_int_weights, linear_int
 from workers.parallel import all_reduce, get_tp_rank, get_tp_size, linear_all_reduce
@@ -71,9 +72,11 @@ class ColumnParallelLinear(nn.Module):
     Built inside `quantized_layers(config)` (workers/layers/quantization.py), the weight is FP8 with scales, or
     an AWQ / GPTQ checkpoint's packed integers (workers/layers/quantization_int.py)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32, device=None,
+                 replicated: bool = False):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # replicated: the whole W on every rank (one part: workers/layers/mla.py's ReplicatedLinear)
+        self.tp_rank, self.tp_size = (0, 1) if replicated else (get_tp_rank(), get_tp_size())
         self.in_features = in_features
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
         _make_weight(self, self.out_features_per_rank, in_features, dtype, device, is_k_split=False)
@@ -304,3 +307,17 @@ def remake_weight(layer: nn.Module, config: QuantConfig | None, dtype) -> None:
                   else (layer.out_features_per_rank, layer.in_features))
     with quantized_layers(config):
         _make_weight(layer, rows, cols, dtype, device, is_k_split)
+
+
+@torch.no_grad()
+def dequantize_in_place(layer: nn.Module, dtype) -> None:
+    """A loaded quantized Column- or RowParallelLinear as a plain weight of this rank's dequantized values in `dtype`
+    (a layer read as a matrix, not through a linear kernel: MLA's kv_b_proj, workers/layers/mla.py)."""
+    config = layer.quant_config
+    if config.is_packed_int:
+        w = dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx if config.desc_act else None,
+                           layer.group_size, layer.packing, torch.float32, layer.mins)
+    else:
+        w = dequantize_weight(layer.weight, layer.weight_scale, layer.block_size)
+    remake_weight(layer, None, dtype)
+    layer.weight.data.copy_(w)

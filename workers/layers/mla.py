@@ -12,8 +12,14 @@ step expands the latents (exact reassociation: equal up to rounding to transform
 
 Tensor parallelism (as vLLM): q_proj / q_b_proj and kv_b_proj split by heads (column-parallel), o_proj
 row-parallel; q_a_proj, kv_a_proj_with_mqa and the norms replicated, so every rank computes and stores the same
-latents: the latent pool is replicated, its size per rank independent of tp. kv_b_proj (the absorbed W_UK and W_UV),
-q_a_proj and kv_a_proj_with_mqa stay in the model's dtype under FP8 quantization.
+latents: the latent pool is replicated, its size per rank independent of tp.
+
+Quantization: online FP8 (quantization="fp8" on a float checkpoint) quantizes q_proj / q_b_proj and o_proj; q_a_proj,
+kv_a_proj_with_mqa and kv_b_proj stay in the model's dtype. A quantized checkpoint (AWQ, GPTQ, pack-quantized, FP8)
+stores every projection quantized: q_a_proj and kv_a_proj_with_mqa are then served as stored, replicated (the whole
+packed / FP8 weight on every rank), and kv_b_proj, which the absorbed form reads as the matrices W_UK and W_UV and
+never through a linear kernel, is dequantized into the model's dtype once it has loaded (each rank its heads' rows;
+as vLLM does).
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
@@ -31,11 +36,10 @@ from workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     _divide,
-    _param,
-    default_weight_loader,
+    dequantize_in_place,
 )
 from workers.layers.norm import RMSNorm
-from workers.layers.quantization import quantized_layers
+from workers.layers.quantization import current_quant_config, quantized_layers
 from workers.layers.rotary import InterleavedRotaryEmbedding
 from workers.models.args import MLAArgs, ModelArgs
 from workers.parallel import get_tp_size
@@ -54,21 +58,23 @@ def mla_softmax_scale(mla: MLAArgs, rope_scaling: dict | None) -> float:
     return scale
 
 
-class ReplicatedLinear(nn.Module):
-    """y = x @ W.T (+ b), the whole W on every rank, in the model's dtype; plus each token's LoRA delta where the
-    step has adapters (`lora`: workers/lora.py, the whole A and B on every rank)."""
+class ReplicatedLinear(ColumnParallelLinear):
+    """y = x @ W.T (+ b), the whole W on every rank: a column-parallel layer of one part (in the model's dtype, or
+    packed / FP8 as a quantized checkpoint stores it when built inside `quantized_layers`); plus each token's LoRA
+    delta where the step has adapters (`lora`: workers/lora.py, the whole A and B on every rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
-        super().__init__()
-        self.weight = _param((out_features, in_features), dtype, device, default_weight_loader)
-        self.bias = _param((out_features,), dtype, device, default_weight_loader) if bias else None
-        self.lora = None
+        super().__init__(in_features, out_features, bias, dtype, device, replicated=True)
 
     def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None,
                 lora_order: torch.Tensor | None = None) -> torch.Tensor:
-        if lora_slots is not None and self.lora is not None:
-            return self.lora.apply(lambda: F.linear(x, self.weight, self.bias), x, lora_slots, lora_order)
-        return F.linear(x, self.weight, self.bias)
+        return super().forward(x, lora_slots=lora_slots, lora_order=lora_order)
+
+
+def _stored_config():
+    """The quantization a checkpoint stores (int, or an FP8 checkpoint's), else None (online FP8 or none)."""
+    config = current_quant_config()
+    return config if config is not None and (config.is_packed_int or config.is_checkpoint_fp8) else None
 
 
 class MLAAttention(KVScaledAttention):
@@ -110,26 +116,35 @@ class MLAAttentionBlock(nn.Module):
         mla = args.mla
         assert mla is not None, "MLAAttentionBlock needs config.json's kv_lora_rank"
         hidden, bias = args.hidden_size, args.attention_bias
-        self.mla = mla
+        self.mla, self.dtype = mla, dtype
         self.num_heads = _divide(args.num_heads, get_tp_size(), "num_attention_heads")
         q_rows = args.num_heads * mla.qk_head_dim
+        stored = _stored_config()
         if mla.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_rows, False, dtype, device)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias, dtype, device)
+            with quantized_layers(stored):
+                self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias, dtype, device)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype, device)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_rows, False, dtype, device)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias, dtype,
-                                                   device)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
-        with quantized_layers(None):  # read as W_UK and W_UV, never through a linear kernel
+        with quantized_layers(stored):
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias,
+                                                       dtype, device)
+            # dequantized after loading (`finish_loading`): read as W_UK and W_UV, never through a linear kernel
             self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, args.num_heads * (mla.qk_nope_head_dim
                                                                                       + mla.v_head_dim),
                                                   False, dtype, device)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
         self.kv_b_proj.absorbed_heads = (self.num_heads, mla.qk_nope_head_dim)  # its LoRA slots: LatentLoRAWeights
         self.o_proj = RowParallelLinear(args.num_heads * mla.v_head_dim, hidden, bias, dtype, device)
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
         self.attn = MLAAttention(self.num_heads, mla_softmax_scale(mla, args.rope_scaling), device)
+
+    def finish_loading(self) -> None:
+        """Once the weights have loaded (workers/weights.py): a quantized checkpoint's kv_b_proj as its dequantized
+        weight in the model's dtype."""
+        if self.kv_b_proj.quant_config is not None:
+            dequantize_in_place(self.kv_b_proj, self.dtype)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV [H, v, L]) of this rank's heads: views of kv_b_proj's weight."""
