@@ -24,7 +24,8 @@ model's dtype):
 With random weights (load_format "random", a `--preset`) and no quantization_config, quantization="awq" or "gptq"
 takes a default config (RANDOM_INT_CONFIGS: AWQ 4 bits, group 128, zero points; GPTQ 4 bits, group 128, symmetric,
 no act-order; the group halved where a linear's input features need it) and the int layers draw their integers
-packed: benchmarks of real-sized int4 models without a checkpoint. A checkpoint's own weights without a quantization_config are never quantized to int at load.
+packed: benchmarks of real-sized int4 models without a checkpoint. A checkpoint's own weights without a
+quantization_config are never quantized to int at load.
 
 quantization="gguf" on a .gguf model: decoder linears stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K are
 served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an int layer of their type
@@ -286,15 +287,16 @@ def _random_int_config(method: str, hf_config: dict) -> dict:
     """RANDOM_INT_CONFIGS[method], its group size halved (to 32 at least) until it divides every linear's input
     features the config names (DeepSeek-V2-Lite's dense intermediate size, 10,944, takes groups of 64)."""
     qc = dict(RANDOM_INT_CONFIGS[method])
+    group = int(qc["group_size"])
     heads = hf_config.get("num_attention_heads") or 1
     head_dim = hf_config.get("v_head_dim") or hf_config.get("head_dim") or (hf_config.get("hidden_size") or 0) // heads
     shared = (hf_config.get("moe_intermediate_size") or 0) * (hf_config.get("n_shared_experts") or 0)
     sizes = [hf_config.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size",
                                         "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank")]
     sizes = [k for k in sizes + [heads * head_dim, shared] if k]
-    while qc["group_size"] > min(INT_GROUP_SIZES) and any(k % qc["group_size"] for k in sizes):
-        qc["group_size"] //= 2
-    return qc
+    while group > min(INT_GROUP_SIZES) and any(k % group for k in sizes):
+        group //= 2
+    return {**qc, "group_size": group}
 
 
 def _int_checkpoint(quantization: str | None, method: str | None, qc: dict, hf_config: dict) -> QuantConfig:
