@@ -72,7 +72,7 @@ INT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
 # quantization="awq" / "gptq" with random weights and no quantization_config (`--preset llama-3-8b --quantization
 # awq`): the layout most hub checkpoints have, as the tools write it; the int layers draw their integers packed
-RANDOM_INT_CONFIGS = {
+RANDOM_INT_CONFIGS: dict[str, dict] = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"},
@@ -287,13 +287,13 @@ def _random_int_config(method: str, hf_config: dict) -> dict:
     """RANDOM_INT_CONFIGS[method], its group size halved (to 32 at least) until it divides every linear's input
     features the config names (DeepSeek-V2-Lite's dense intermediate size, 10,944, takes groups of 64)."""
     qc = dict(RANDOM_INT_CONFIGS[method])
-    group = int(qc["group_size"])
+    group: int = qc["group_size"]
     heads = hf_config.get("num_attention_heads") or 1
     head_dim = hf_config.get("v_head_dim") or hf_config.get("head_dim") or (hf_config.get("hidden_size") or 0) // heads
     shared = (hf_config.get("moe_intermediate_size") or 0) * (hf_config.get("n_shared_experts") or 0)
-    sizes = [hf_config.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+    named = [hf_config.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size",
                                         "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank")]
-    sizes = [k for k in sizes + [heads * head_dim, shared] if k]
+    sizes = [int(k) for k in named + [heads * head_dim, shared] if k]
     while group > min(INT_GROUP_SIZES) and any(k % group for k in sizes):
         group //= 2
     return {**qc, "group_size": group}
