@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import moe_int_decode
 from kernels._triton import (
     FLOAT_DTYPES,
     cdiv,
@@ -364,6 +365,11 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
     tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
     group_size, up_scale_row = experts.scalar_args()
     values, scales = (a.values, a.scale) if isinstance(a, QuantizedRows) else (a, a)
+    if isinstance(experts, IntExperts) and not cfg.get("NO_STREAM") and moe_int_decode.takes(experts, cfg["BLOCK_M"],
+                                                                                             gated):
+        moe_int_decode.moe_int_stream(values, experts, out, aligned, rows_per_a, gated, routing,
+                                      upcast_dot_operands(values.dtype, values.device), dot_precision(values.dtype))
+        return
     num_tiles = tile_experts.shape[0]
     _moe_quant_gemm_kernel[(num_tiles * cdiv(n, cfg["BLOCK_N"]),)](
         values, scales, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,

@@ -78,6 +78,7 @@ import kernels.linear_int as linear_int  # noqa: E402
 import kernels.lora as lora  # noqa: E402
 import kernels.mla_attention as mla_attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
+import kernels.moe_int_decode as moe_int_decode  # noqa: E402
 import kernels.moe_quant as moe_quant  # noqa: E402
 import kernels.ngram as ngram  # noqa: E402
 import kernels.paged_attention as paged_attention  # noqa: E402
@@ -88,7 +89,8 @@ import kernels.run_ahead as run_ahead  # noqa: E402
 import kernels.sampling as sampling  # noqa: E402
 
 for module in (activation, fp8, int_decode, kv_cache, linear, linear_fp8, linear_int, lora, mla_attention, moe,
-               moe_quant, ngram, paged_attention, rms_norm, rotary, sampling, rejection_sampler, run_ahead):
+               moe_int_decode, moe_quant, ngram, paged_attention, rms_norm, rotary, sampling, rejection_sampler,
+               run_ahead):
     module.check_launchable = lambda *tensors: None  # CPU tensors stand in for CUDA ones: nothing runs
     module.pdl_options = lambda device: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU
 paged_attention.upcast_dot_operands = linear.upcast_dot_operands = moe.upcast_dot_operands = lambda *args: False
@@ -220,7 +222,8 @@ def fused_moe_quant(name, tokens, hidden, inter, experts, top_k, make):
 
 def compile_moe_quant() -> None:
     """The fused MoE over int4 (AWQ, GPTQ act-order), int8 and FP8 (per row, 128 x 128 blocks) experts, at decode
-    (16-row tiles) and prefill (64-row tiles) sizes of Mixtral-8x7B and Qwen3-30B-A3B."""
+    (16-row tiles; int layouts without act-order streamed by kernels/moe_int_decode.py) and prefill (64-row tiles)
+    sizes of Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V2-Lite."""
     awq = lambda n, k, parts: int_experts(8, n, k, 128, linear_int.AWQ_GEMM)  # noqa: E731
     for tokens in (1, 4096):
         fused_moe_quant(f"moe awq mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, awq)
@@ -228,7 +231,11 @@ def compile_moe_quant() -> None:
     for tokens in (8, 2048):  # 16-row tiles; 64-row ones, each packed word loaded once
         fused_moe_quant(f"moe gptq act-order qwen3-30b-a3b, {tokens} tokens", tokens, 2048, 768, 128, 8, gptq_act)
     int8 = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(8))  # noqa: E731
-    fused_moe_quant("moe gptq int8 qwen3-30b-a3b, 8 tokens", 8, 2048, 768, 128, 8, int8)
+    fused_moe_quant("moe gptq int8 qwen3-30b-a3b, 8 tokens", 8, 2048, 768, 128, 8, int8)  # streamed (along K)
+    gptq = lambda n, k, parts: int_experts(128, n, k, 128, linear_int.gptq_v1(4))  # noqa: E731
+    fused_moe_quant("moe gptq qwen3-30b-a3b, 1 tokens", 1, 2048, 768, 128, 8, gptq)  # streamed, K split
+    awq64 = lambda n, k, parts: int_experts(64, n, k, 64, linear_int.AWQ_GEMM)  # noqa: E731
+    fused_moe_quant("moe awq deepseek-v2-lite, 1 tokens", 1, 2048, 1408, 64, 6, awq64)  # streamed, K split
     fp8_rows = lambda n, k, parts: fp8_experts(8, n, k)  # noqa: E731
     for tokens in (1, 4096):
         fused_moe_quant(f"moe fp8 per-row mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, fp8_rows)

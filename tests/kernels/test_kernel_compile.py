@@ -42,7 +42,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                        "_fp8_linear_kernel", "_fp8_linear_swap_kernel", "_int_decode_kernel", "_int_dequantize_kernel",
                        "_int_linear_kernel", "_linear_kernel", "_lora_expand_kernel", "_lora_shrink_kernel",
                        "_mla_decode_kernel", "_mla_merge_kernel", "_mla_prefill_kernel", "_moe_gemm_kernel",
-                       "_moe_quant_gemm_kernel", "_ngram_kernel", "_prefill_kernel", "_quantize_per_token_kernel",
+                       "_moe_int_stream_kernel", "_moe_quant_gemm_kernel", "_ngram_kernel", "_prefill_kernel",
+                       "_quantize_per_token_kernel",
                        "_rejection_kernel", "_rms_norm_kernel", "_rotary_kernel", "_sample_kernel",
                        "_silu_and_mul_kernel", "_topk_route_kernel", "_silu_and_mul_quant_kernel",
                        "_write_kv_cache_kernel", "_write_latent_kernel"}

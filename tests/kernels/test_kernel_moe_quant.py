@@ -110,6 +110,40 @@ def test_int_kernel_matches_the_reference(fmt, shape, device, poisoned_allocatio
     torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
 
 
+STREAM_FORMATS = [ic.Int4Format("awq", 32), ic.Int4Format("awq", 128), ic.Int4Format("gptq", 128, sym=True),
+                  ic.Int4Format("gptq", 64, bits=8), ic.Int4Format("pack-quantized", 128, sym=True)]
+
+
+@pytest.mark.parametrize("fmt, num_tokens", [(STREAM_FORMATS[0], 3)] + [(f, 1) for f in STREAM_FORMATS[1:]],
+                         ids=lambda c: c.name if isinstance(c, ic.Int4Format) else str(c))
+def test_int_decode_stream_matches_the_reference(fmt, num_tokens, device, poisoned_allocations, monkeypatch):
+    """Decode-sized batches of the layouts kernels/moe_int_decode.py streams (AWQ's along N; GPTQ's and
+    pack-quantized's along K, 4 and 8 bits): each launch taken there, K split into slices the tile's last program
+    adds up (AWQ's cases: their K tiles of 32 make enough slices at these sizes); equal to the reference and to
+    kernels/moe_quant.py's GEMM."""
+    from kernels import moe_int_decode
+
+    launches = []
+    real = moe_int_decode._moe_int_stream_kernel
+
+    class Spy:  # records each launch's split of K
+        def __getitem__(self, grid):
+            launches.append(grid[1])
+            return real[grid]
+
+    monkeypatch.setattr(moe_int_decode, "_moe_int_stream_kernel", Spy())
+    hidden = 128 if fmt.method == "awq" else 256  # AWQ's K tiles here are 32: four of them make two slices
+    args = make_case(num_tokens, hidden, 128, 4, 2, _int(fmt), _int(fmt), torch.float32, device)
+    out = fused_moe_quant_triton(*args)
+    assert len(launches) == 2, launches  # gate/up and down
+    if fmt.method == "awq":  # K tiles of 32 here: K split (the slices' sum is the same code for both layouts)
+        assert max(launches) > 1, launches
+    torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+    monkeypatch.setattr(moe_int_decode, "STREAM", False)
+    torch.testing.assert_close(out, fused_moe_quant_triton(*args), atol=2e-5, rtol=2e-5)
+    assert len(launches) == 2
+
+
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=str)
 def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocations):
     fmt = ic.Int4Format("gptq", 32, desc_act=True)
