@@ -3,13 +3,15 @@
 A Mixtral-8x7B layer's experts (benchmarks/kernels_moe.py's GPU_MOE) as AWQ int4 (group 128), FP8 with a scale per
 row (quantization="fp8") and FP8 in 128 x 128 blocks (an FP8 checkpoint; both W8A8), each against the bf16 fused
 kernel on the same routing ("bf16 triton", the baseline) and the torch reference that dequantizes the chosen
-experts. Decode-sized batches are scored in the quantized bytes of the experts the batch routes to (so the bf16
-row's fraction is of those bytes too: compare its time), larger ones in FLOPs.
+experts; AWQ also by kernels/moe_quant.py's GEMM where the decode-sized stream (kernels/moe_int_decode.py) runs
+("triton gemm, no stream"). Decode-sized batches are scored in the quantized bytes of the experts the batch routes
+to (so the bf16 row's fraction is of those bytes too: compare its time), larger ones in FLOPs.
 """
 
 import torch
 
 from benchmarks.kernels_moe import BYTES_UP_TO_ROWS, moe_inputs
+from kernels import moe_int_decode
 from kernels.fp8 import quantize_weight, quantize_weight_blocks
 from kernels.linear_int import AWQ_GEMM
 from kernels.moe import fused_moe_triton
@@ -50,6 +52,15 @@ def expert_bytes(experts) -> int:
     return sum(t.numel() * t.element_size() for t in experts.tensors()) // experts.num_experts
 
 
+def _without_stream(args):
+    """kernels/moe_quant.py's int GEMM where kernels/moe_int_decode.py's stream would run (16-row tiles)."""
+    moe_int_decode.STREAM = False
+    try:
+        return fused_moe_quant_triton(*args)
+    finally:
+        moe_int_decode.STREAM = True
+
+
 def bench_moe_quant(runner, cfg: dict, moe_cfg: dict):
     for fmt in FORMATS:
         for rows in moe_cfg["rows"]:
@@ -62,6 +73,8 @@ def bench_moe_quant(runner, cfg: dict, moe_cfg: dict):
                 if runner.use_triton:
                     impls["bf16 triton"] = lambda: fused_moe_triton(x, w13, w2, weights, ids)
                     impls["triton"] = lambda: fused_moe_quant_triton(*args)
+                    if fmt == "awq g128":  # int experts' decode sizes: the stream (above) against the GEMM
+                        impls["triton gemm, no stream"] = lambda: _without_stream(args)
 
                 def ref():
                     return fused_moe_quant_ref(*args)
