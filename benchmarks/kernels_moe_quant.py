@@ -73,7 +73,7 @@ def bench_moe_quant(runner, cfg: dict, moe_cfg: dict):
                 if runner.use_triton:
                     impls["bf16 triton"] = lambda: fused_moe_triton(x, w13, w2, weights, ids)
                     impls["triton"] = lambda: fused_moe_quant_triton(*args)
-                    if fmt == "awq g128":  # int experts' decode sizes: the stream (above) against the GEMM
+                    if fmt == "awq g128" and runner.device.type == "cuda":  # the stream (above) against the GEMM
                         impls["triton gemm, no stream"] = lambda: _without_stream(args)
 
                 def ref():

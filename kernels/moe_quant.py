@@ -336,6 +336,8 @@ def _config(num_pairs: int, experts: QuantizedExperts, out_features: int, gated:
     # at most 64 wide: the bf16 kernel's 128-wide 64-row tiles are not timed with dequantization); FP8 tiles keep
     # the same caps until timed otherwise
     cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], MAX_BLOCK_K), "BLOCK_N": min(cfg["BLOCK_N"], 64), **(overrides or {})}
+    # tile settings (tuning, tests) are this GEMM's: a call that gives them runs it, not kernels/moe_int_decode.py
+    cfg.setdefault("NO_STREAM", bool(overrides))
     # each packed word loaded once for the 64-row tiles of larger batches (kernels/linear_int.py's choice: its
     # GEMM tiles do, its decode tiles not); needs tiles of whole words, which the shapes checked at load give
     is_int = isinstance(experts, IntExperts)

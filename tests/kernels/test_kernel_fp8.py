@@ -468,6 +468,7 @@ def test_gpu_fp8_kv_write_and_attention(cuda):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # the benchmark at toy sizes under the interpreter: make test-slow and CI run it
 def test_fp8_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     """benchmarks/kernels_fp8.py at toy sizes (its GPU run is the lead's): every case builds, checks and times."""
     import benchmarks.kernels as bench

@@ -233,6 +233,7 @@ def test_dispatch_threshold_is_an_argument():
         assert torch.equal(linear_int(x, **layer, dequantize_min_rows=threshold), linear_int_ref(x, **layer))
 
 
+@pytest.mark.slow  # the benchmark at toy sizes under the interpreter: make test-slow and CI run it
 def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     """benchmarks/kernels_int.py at toy sizes (its GPU run is the lead's): every path builds, matches the reference
     under --check and is timed (once here), with both rates in its rows and the crossing printed. (On a GPU the

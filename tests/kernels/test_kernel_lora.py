@@ -420,6 +420,7 @@ def test_gpu_decode_in_a_cuda_graph(num_tokens, is_sorted, cuda):
         torch.testing.assert_close(out, expected, atol=ulps(out.dtype), rtol=ulps(out.dtype))
 
 
+@pytest.mark.slow  # the benchmark at toy sizes under the interpreter: make test-slow and CI run it
 def test_benchmark_runs_and_checks_at_toy_sizes(device, monkeypatch, capsys):
     """benchmarks/kernels_lora.py at toy sizes (its GPU run is the lead's): every case builds, checks the kernels
     against the references and times each impl (once here), and the overhead lines come out."""
