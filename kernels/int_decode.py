@@ -355,16 +355,23 @@ def _sum_slices(part_ptr, out_ptr, bias_ptr, M, N, offs_n, n_mask, stride_o, up_
     3.60 -> 3.22 ms/token (benchmarks/results/h100-kernels-tune-int4-sum-rows.json,
     h100-latency-llama3-8b-awq-sum-rows-{before,after}.json)."""
     for m in range(0, M):
-        row_ptr = part_ptr + m * N + offs_n
-        acc = tl.zeros(offs_n.shape, tl.float32)
-        acc_up = tl.zeros(offs_n.shape, tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            acc += tl.load(row_ptr + split * 2 * slot, mask=n_mask, other=0.0, cache_modifier=".cg")
-            if GATED:
-                acc_up += tl.load(row_ptr + split * 2 * slot + slot, mask=n_mask, other=0.0, cache_modifier=".cg")
+        acc, acc_up = row_of_slices(part_ptr + m * N + offs_n, n_mask, slot, GATED, SPLIT_K)
         row = tl.full([1], m, tl.int32)
         store_output(acc[None, :], acc_up[None, :], out_ptr, bias_ptr, row, row < M, offs_n, n_mask, stride_o,
                      up_col, HAS_BIAS, GATED)
+
+
+@triton.jit
+def row_of_slices(row_ptr, n_mask, slot, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(acc, acc_up) float32 [BLOCK_N]: one output row's SPLIT_K slices of a split-K workspace ([SPLIT_K, 2, ...],
+    `slot` elements a half) added in slice order, from the L2."""
+    acc = tl.zeros(n_mask.shape, tl.float32)
+    acc_up = tl.zeros(n_mask.shape, tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(row_ptr + split * 2 * slot, mask=n_mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_up += tl.load(row_ptr + split * 2 * slot + slot, mask=n_mask, other=0.0, cache_modifier=".cg")
+    return acc, acc_up
 
 
 def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: int, num_rows: int,
@@ -404,15 +411,20 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
         block_n, block_k = (128, 128) if packed_along_k else (256, 128)
     while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
         block_k //= 2
-    tiles, k_tiles = cdiv(out_features, block_n), in_features // block_k
-    split = max(1, min(MAX_SPLIT_K, 2 * num_sms(device) // tiles, k_tiles // 2))
-    split = cdiv(k_tiles, cdiv(k_tiles, split))
+    split = split_k(cdiv(out_features, block_n), in_features // block_k, device)
     stages = 4
     row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
     while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
         stages -= 1
     return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
             "num_stages": stages}
+
+
+def split_k(num_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Slices of K for `num_tiles` column tiles (the rule in `stream_config`'s docstring): about two programs an
+    SM, at most MAX_SPLIT_K, slices of at least 2 of the k_tiles K tiles, then as few as give the same length."""
+    split = max(1, min(MAX_SPLIT_K, 2 * num_sms(device) // max(num_tiles, 1), k_tiles // 2))
+    return cdiv(k_tiles, cdiv(k_tiles, split))
 
 
 def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, bias, gated: bool, has_mins: bool,

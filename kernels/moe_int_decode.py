@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, is_interpreting, num_sms, pdl_options, split_counts, tl, triton, wait_for_prior
+from kernels._triton import cdiv, is_interpreting, pdl_options, split_counts, tl, triton, wait_for_prior
 from kernels.int_decode import (
-    MAX_SPLIT_K,
     PAIR_UNPACK,
     _k_packed_tile,
     _n_packed_tile,
     can_pair_unpack,
     can_stream,
+    row_of_slices,
+    split_k,
     stream_config,
 )
 from kernels.linear import store_split_k_slice
@@ -127,14 +128,8 @@ def _sum_slices(part_ptr, out_ptr, routing_ptr, sorted_ids_ptr, tile, num_pairs,
     for m in range(0, BLOCK_M):
         pair = tl.load(sorted_ids_ptr + tile * BLOCK_M + m)
         if pair < num_pairs:
-            row_ptr = part_ptr + (tile * BLOCK_M + m).to(tl.int64) * N + offs_n
-            acc = tl.zeros(offs_n.shape, tl.float32)
-            acc_up = tl.zeros(offs_n.shape, tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(row_ptr + split * 2 * slot, mask=n_mask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(row_ptr + split * 2 * slot + slot, mask=n_mask, other=0.0,
-                                      cache_modifier=".cg")
+            acc, acc_up = row_of_slices(part_ptr + (tile * BLOCK_M + m).to(tl.int64) * N + offs_n, n_mask, slot,
+                                        GATED, SPLIT_K)
             pairs = tl.full([1], pair, tl.int32)
             store_pair_rows(acc[None, :], acc_up[None, :], out_ptr, routing_ptr, pairs, pairs < num_pairs, offs_n,
                             n_mask, stride_o, GATED, WEIGHTED)
@@ -153,9 +148,7 @@ def moe_int_stream(a: torch.Tensor, experts, out: torch.Tensor, aligned, rows_pe
     # the tiles that hold pairs: one for each expert a pair chose, and one more for each 16 pairs of an expert
     num_pairs = out.shape[0]
     busy = min(num_tiles, min(num_pairs, experts.num_experts) + num_pairs // 16) * num_n_blocks
-    k_tiles = k // cfg["BLOCK_K"]
-    split = max(1, min(MAX_SPLIT_K, 2 * num_sms(a.device) // max(busy, 1), k_tiles // 2))
-    split = cdiv(k_tiles, cdiv(k_tiles, split))
+    split = split_k(busy, k // cfg["BLOCK_K"], a.device)
     counts = split_counts(a.device, num_tiles * num_n_blocks, owner="moe_int") if split > 1 else None
     if counts is None:
         split = 1

@@ -361,17 +361,17 @@ def _grouped_gemm(a, experts: QuantizedExperts, out, aligned, rows_per_a: int, g
                   routing=None) -> None:
     """One launch: out[pair] = a[pair // rows_per_a] @ W[expert of the pair's tile].T (gated: silu-and-mul;
     routing: times routing[pair]); a: x's dtype, or QuantizedRows for FP8 experts."""
-    sorted_ids, tile_experts, num_padded = aligned
-    n_total, k = experts.shape
-    n = n_total // 2 if gated else n_total
-    tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
-    group_size, up_scale_row = experts.scalar_args()
     values, scales = (a.values, a.scale) if isinstance(a, QuantizedRows) else (a, a)
     if isinstance(experts, IntExperts) and not cfg.get("NO_STREAM") and moe_int_decode.takes(experts, cfg["BLOCK_M"],
                                                                                              gated):
         moe_int_decode.moe_int_stream(values, experts, out, aligned, rows_per_a, gated, routing,
                                       upcast_dot_operands(values.dtype, values.device), dot_precision(values.dtype))
         return
+    sorted_ids, tile_experts, num_padded = aligned
+    n_total, k = experts.shape
+    n = n_total // 2 if gated else n_total
+    tensors, strides, flags = experts.kernel_args(cfg["BLOCK_K"])
+    group_size, up_scale_row = experts.scalar_args()
     num_tiles = tile_experts.shape[0]
     _moe_quant_gemm_kernel[(num_tiles * cdiv(n, cfg["BLOCK_N"]),)](
         values, scales, *tensors, out, out if routing is None else routing, sorted_ids, tile_experts, num_padded,

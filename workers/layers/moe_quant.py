@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.fp8 import FP8_DTYPE, pow2_ceil, quantize_weight, quantize_weight_blocks
+from kernels.fp8 import FP8_DTYPE, quantize_weight, quantize_weight_blocks
 from kernels.moe_quant import Fp8Experts, IntExperts
-from workers.layers.quantization import _blocks
+from workers.layers.quantization import _blocks, static_input_scale
 from workers.layers.quantization_int import _divided, _groups, _mid_range_zeros, _random_scale, packing_of
 
 _INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
@@ -229,11 +229,9 @@ def create_fp8_experts(moe, config: QuantConfig, device) -> None:
         else:
             moe.register_buffer(f"{proj.name}_weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
         input_scale = None
-        if config.activation == "static":
-            input_scale = _param(moe, (1,), torch.float32, device, functools.partial(_load_input_scale, moe, proj),
-                                 proj.name)
-            input_scale.data.zero_()  # the loader keeps the largest
-            input_scale.random_init = lambda std, generator, p=input_scale: p.data.fill_(1.0)
+        if config.activation == "static":  # every expert's gate / up (down) scale into one
+            input_scale = static_input_scale(device)
+            input_scale.shard_ids = weight.shard_ids
         setattr(moe, f"{proj.name}_input_scale", input_scale)
 
 
@@ -267,13 +265,6 @@ def _load_fp8_weight(moe, proj: _Projection, param: nn.Parameter, loaded, shard_
     assert tuple(dst.shape) == tuple(part.shape), (f"expert {proj.name}: shape mismatch: parameter "
                                                    f"{tuple(dst.shape)}, loaded {tuple(part.shape)}")
     dst.copy_(part)
-
-
-def _load_input_scale(moe, proj: _Projection, param: nn.Parameter, loaded, shard_id) -> None:
-    """One expert's (gate's, up's or down's) static input scale: the parameter keeps the largest, rounded up to a
-    power of two (kernels/fp8.py's activation scales are powers of two)."""
-    value = pow2_ceil(loaded[...].float().reshape(1)).to(param.device)
-    param.data.copy_(torch.maximum(param.data, value))
 
 
 def _load_fp8_scale(moe, proj: _Projection, param: nn.Parameter, loaded, shard_id) -> None:

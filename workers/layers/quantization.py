@@ -83,12 +83,21 @@ def create_fp8_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
         layer.weight_scale.random_init = lambda std, generator: None  # set with the weight
     else:
         layer.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
-    layer.input_scale = None
-    if config.activation == "static":
-        layer.input_scale = _param((1,), torch.float32, device, lambda p, loaded, shard_id=None:
-                                   _load_input_scale(layer, loaded))
-        layer.input_scale.data.zero_()  # the loader keeps the largest
-        layer.input_scale.random_init = lambda std, generator: layer.input_scale.data.fill_(1.0)
+    layer.input_scale = static_input_scale(device) if config.activation == "static" else None
+
+
+def static_input_scale(device) -> nn.Parameter:
+    """A static-activation checkpoint's input scale, float32 [1]: its loader keeps the largest of the values it is
+    given (a fused layer's parts, a layer's experts), each rounded up to a power of two; 1.0 with random weights."""
+    scale = _param((1,), torch.float32, device, _keep_largest_pow2)
+    scale.data.zero_()
+    scale.random_init = lambda std, generator: scale.data.fill_(1.0)
+    return scale
+
+
+def _keep_largest_pow2(param: nn.Parameter, loaded, shard_id=None) -> None:
+    value = pow2_ceil(loaded[...].float().reshape(1)).to(param.device)
+    param.data.copy_(torch.maximum(param.data, value))
 
 
 def _load_weight(layer, loaded, shard_id) -> None:
@@ -136,11 +145,6 @@ def _blocks(s: slice, block: int, what: str) -> slice:
         raise ValueError(f"weight_block_size {block}: this rank's {what} start at {s.start}, inside a scale block; "
                          "use a tensor_parallel_size whose shards cover whole blocks")
     return slice(s.start // block, -(-s.stop // block))
-
-
-def _load_input_scale(layer, loaded) -> None:
-    value = pow2_ceil(loaded[...].float().reshape(1))
-    layer.input_scale.data.copy_(torch.maximum(layer.input_scale.data, value.to(layer.input_scale.device)))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
