@@ -269,13 +269,18 @@ class RunAheadChoice:
     samples are close in time, so of about the same batch). Ahead hides the host's step under the device's; its
     fix-ups and lookup cost the host more small launches, which a host-bound step (a small model: SmolLM2 on an
     H200, 3.5 against 1.3 ms a verify step) pays in full. The cheaper way runs; the other gets TRIAL_STEPS every
-    PROBE_EVERY verify steps, so the choice follows the batch. The first step after a switch is not counted (it
-    straddles both). Periods are timed only between consecutive verify steps, so a way that makes speculation stop
-    paying would never be left (its verify steps, now only probes, are never consecutive): `drafts_off` leaves
-    ahead for the pipelined way then, unless that was measured the slower."""
+    `probe_every` verify steps, so the choice follows the batch: PROBE_EVERY at first, doubled by each trial that
+    finds the other way slower still (up to PROBE_EVERY_MAX), back to PROBE_EVERY when a trial wins or the cheaper
+    way turns the slower by its own steps (a trial in the slower way costs its steps' excess: at 6 of every 70 steps
+    and a way 2x as dear, 8% of the run; a workload of short requests meets the trials again and again). The first
+    step after a switch is not counted (it straddles both). Periods are timed only between consecutive verify steps,
+    so a way that makes speculation stop paying would never be left (its verify steps, now only probes, are never
+    consecutive): `drafts_off` leaves ahead for the pipelined way then, unless that was measured the slower.
+    """
 
     TRIAL_STEPS = 6
     PROBE_EVERY = 64
+    PROBE_EVERY_MAX = 1024
     DECAY = 0.7
 
     def __init__(self, pinned: bool | None = None) -> None:
@@ -283,7 +288,9 @@ class RunAheadChoice:
         self.ahead = pinned is not False
         self.period: dict[bool, float | None] = {True: None, False: None}
         self.num_switches = 0
+        self.probe_every = self.PROBE_EVERY  # the cheaper way's verify steps between trials of the other
         self._steps = 0  # verify steps read back since the last switch
+        self._trial = False  # this way runs as a trial: the other was measured the cheaper
 
     def record(self, ahead: bool, period: float) -> bool:
         """A verify step read back: whether it was launched ahead, and its period. Returns whether the way switched."""
@@ -297,9 +304,15 @@ class RunAheadChoice:
         other = self.period[not ahead]
         if other is None or mine > other:  # this way's trial (or it is the slower): back when done
             if self._steps > self.TRIAL_STEPS:
+                # a trial that lost: the other way longer before the next; else the costs crossed: watch closely
+                trial_lost = self._trial and other is not None
+                self.probe_every = min(2 * self.probe_every, self.PROBE_EVERY_MAX) if trial_lost else self.PROBE_EVERY
                 return self._switch()
-        elif self._steps > self.PROBE_EVERY:  # the cheaper way: the other gets a trial now and then
-            return self._switch()
+        elif self._trial and self._steps > self.TRIAL_STEPS:  # a trial that won: this way is now the cheaper
+            self._trial = False
+            self.probe_every = self.PROBE_EVERY
+        elif self._steps > self.probe_every:  # the cheaper way: the other gets a trial now and then
+            return self._switch(trial=True)
         return False
 
     def drafts_off(self) -> bool:
@@ -317,10 +330,11 @@ class RunAheadChoice:
     def from_env(cls) -> RunAheadChoice:
         return cls(run_ahead_setting())
 
-    def _switch(self) -> bool:
+    def _switch(self, trial: bool = False) -> bool:
         self.ahead = not self.ahead
         self.num_switches += 1
         self._steps = 0
+        self._trial = trial
         return True
 
 

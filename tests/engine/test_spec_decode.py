@@ -1005,6 +1005,31 @@ def test_run_ahead_choice_takes_the_faster_way_and_probes_the_other(faster):
     assert choice.num_switches == before and choice.period[not choice.ahead] != 100.0
 
 
+def test_run_ahead_choice_backs_off_trials_that_keep_losing():
+    """Each trial that finds the other way slower again doubles the steps to the next (up to PROBE_EVERY_MAX): the
+    trials' excess shrinks to a small share of a long run; a trial that wins, or costs that cross, bring trials
+    back to every PROBE_EVERY steps."""
+    from engine.spec_decode import RunAheadChoice
+
+    choice = RunAheadChoice()
+    ways = _drive(choice, {True: 2.0, False: 1.0}, 4000)  # pipelined the cheaper: ahead's trials lose
+    trial_starts = [i for i in range(1, len(ways)) if ways[i] and not ways[i - 1]]
+    gaps = [b - a for a, b in zip(trial_starts, trial_starts[1:])]
+    assert len(gaps) >= 4 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 4 * gaps[0]  # spread out
+    assert choice.probe_every == RunAheadChoice.PROBE_EVERY_MAX
+    assert sum(ways[2 * RunAheadChoice.PROBE_EVERY:]) / len(ways[2 * RunAheadChoice.PROBE_EVERY:]) < 0.03
+    # ahead turns the cheaper (the batch grew): pipelined's own steps go dear, the choice follows and trials start
+    # over from every PROBE_EVERY steps (in 200 steps: one trial of pipelined at most, which loses)
+    ways = _drive(choice, {True: 1.0, False: 3.0}, 200)
+    assert sum(ways[-100:]) > 90 and choice.probe_every <= 2 * RunAheadChoice.PROBE_EVERY
+    # a trial that wins keeps the new way, and the interval starts over (one losing trial of the old way since)
+    choice = RunAheadChoice()
+    _drive(choice, {True: 2.0, False: 1.0}, 1000)
+    assert choice.probe_every > RunAheadChoice.PROBE_EVERY and not choice.ahead
+    ways = _drive(choice, {True: 0.5, False: 1.0}, RunAheadChoice.PROBE_EVERY_MAX + 200)
+    assert ways[-1] is True and sum(ways[-150:]) > 140 and choice.probe_every <= 2 * RunAheadChoice.PROBE_EVERY
+
+
 @pytest.mark.parametrize("value, pinned", [("1", True), ("0", False), ("auto", None), ("bogus", None), (None, False)])
 def test_run_ahead_choice_from_the_environment(monkeypatch, value, pinned):
     """Unset (None; tests/conftest.py sets 1 for the others), verify steps are pipelined: on an H200 SmolLM2's copy
