@@ -33,7 +33,7 @@ lint: setup
 	$(BIN)/mypy
 
 # Everything that runs on a CPU but the slow end-to-end tests (marked slow: Ray's autoscaler, two servers on one
-# host, a real Prometheus, `pagoda serve` processes, the kernel benchmarks' toy runs); CI runs both. The tests that start no Ray cluster run on two
+# host, a real Prometheus, `pagoda serve` processes, the kernel benchmarks' toy runs, most torch.compile cases); CI runs both. The tests that start no Ray cluster run on two
 # processes (pytest-xdist, a file to a process); those of the session's Ray cluster and Serve apps after them, in one.
 # (The unit-test files of cluster/ and deploy/ use no `ray_cluster` fixture, none of their tests.)
 NO_RAY_TESTS := tests/kernels tests/workers tests/engine tests/checkpoints tests/bench tests/test_package_boundaries.py \

@@ -10,6 +10,11 @@ so `GGUFSlice[a:b]` dequantizes only rows a..b, and `GGUFSlice[:, a:b]` only the
 when a and b fall on block boundaries (otherwise the whole rows, then the columns are cut). Each tensor-parallel
 rank thus dequantizes only its shard, as it reads only its slice of a safetensors file.
 
+Mixture-of-experts files (Mixtral, written as `llama` with an expert count; `qwen2moe`; `qwen3moe`) stack each
+block's experts in one tensor a projection (`ffn_gate_exps` [experts, rows, columns]); each expert is read as its
+own slice, under the name a checkpoint gives it. The experts are dequantized (into the model's dtype, or FP8's),
+also with quantization="gguf", which serves the other linears from their blocks.
+
 llama.cpp stores the q and k projections of Llama models with each head's rows interleaved for its rotary layout
 (pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...); the slices undo that with a row permutation, read lazily like the rest.
 
@@ -36,14 +41,26 @@ from checkpoints.source import build_once, cache_root
 # Types `gguf.quants.dequantize` handles and that Pagoda has checked; any other type is an error naming it.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
-_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes q/k rows for these architectures only
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
+            "ffn_up_shexp", "ffn_down_shexp")
+# general.architecture -> the model class; llama with {arch}.expert_count is Mixtral (llama.cpp converts it so)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # config.json's model_type, where it differs
+_PERMUTED_QK = {"llama", "mixtral"}  # model types whose q/k rows llama.cpp's converter permutes (Llama's, Mixtral's)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+                "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# Mixtral's modules under other names than Qwen-MoE's
+_MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate"}
+# An MoE block's experts, stacked [experts, rows, columns] per projection: each expert's own tensor in a checkpoint
+_EXPERT_TENSORS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                   "ffn_down_exps": ("down_proj", "w2")}
 # general.sampling.* (llama.cpp's recommended sampling) -> generation_config.json names
 _SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "penalty_repeat": "repetition_penalty"}
@@ -106,6 +123,13 @@ def gguf_hf_config(reader) -> dict:
     if "rope_freqs.weight" in names:
         raise NotImplementedError("GGUF tensor rope_freqs.weight (llama3-style RoPE scaling) is not supported")
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    num_experts = int(get("expert_count", 0))
+    if arch == "llama" and num_experts:
+        arch_name, model_type = "MixtralForCausalLM", "mixtral"
+    elif arch in ("qwen2moe", "qwen3moe") or not num_experts:
+        arch_name, model_type = _ARCHITECTURES[arch], _MODEL_TYPES.get(arch, arch)
+    else:
+        raise NotImplementedError(f"GGUF architecture {arch!r} with {num_experts} experts is not supported")
     num_heads = int(get("attention.head_count"))
     num_kv_heads = get("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
@@ -117,7 +141,7 @@ def gguf_hf_config(reader) -> dict:
                                   f"{get('rope.dimension_count')} of head_dim {head_dim}) are not supported")
     vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     config = {
-        "architectures": [_ARCHITECTURES[arch]], "model_type": arch, "hidden_size": hidden,
+        "architectures": [arch_name], "model_type": model_type, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": num_heads, "num_key_value_heads": int(num_kv_heads), "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -125,8 +149,10 @@ def gguf_hf_config(reader) -> dict:
         "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": int(vocab_size),
         "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",
     }
-    if arch == "qwen2":
+    if arch.startswith("qwen"):
         config["use_sliding_window"] = False
+    if num_experts:
+        config.update(_moe_config(arch, model_type, get, names, config["num_hidden_layers"]))
     scaling = get("rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -135,6 +161,22 @@ def gguf_hf_config(reader) -> dict:
     for key in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{key}_token_id" in meta:
             config[f"{'pad' if key == 'padding' else key}_token_id"] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+    return config
+
+
+def _moe_config(arch: str, model_type: str, get, names: set[str], num_layers: int) -> dict:
+    """The experts' fields of config.json: counts, widths, and (Qwen) the layers with a dense MLP instead. The top-k
+    weights' normalization is what llama.cpp's graph for the architecture does (it stores no key for it): Mixtral
+    and Qwen3-MoE normalize them, Qwen2-MoE does not."""
+    count, used = int(get("expert_count")), int(get("expert_used_count"))
+    if model_type == "mixtral":
+        return {"num_local_experts": count, "num_experts_per_tok": used, "sliding_window": None}
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    config = {"num_experts": count, "num_experts_per_tok": used, "norm_topk_prob": arch == "qwen3moe",
+              "moe_intermediate_size": int(get("expert_feed_forward_length")), "decoder_sparse_step": 1,
+              "mlp_only_layers": dense}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
     return config
 
 
@@ -170,8 +212,18 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
     hf_config = hf_config or gguf_hf_config(reader)
     head_dim = hf_config["head_dim"]
     permuted = hf_config["model_type"] in _PERMUTED_QK
+    mixtral = hf_config["model_type"] == "mixtral"
     for tensor in reader.tensors:
+        stem = tensor.name.rsplit(".", 1)[0].split(".")
+        if len(stem) == 3 and stem[0] == "blk" and stem[2] in _EXPERT_TENSORS:
+            yield from _expert_slices(tensor, int(stem[1]), _EXPERT_TENSORS[stem[2]][mixtral], mixtral)
+            continue
         name = hf_tensor_name(tensor.name)
+        if mixtral:
+            name = name.replace(".mlp.gate.", f".{_MIXTRAL_NAMES['mlp.gate']}.")
+        if name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:  # [hidden]: one output row
+            yield name, GGUFSlice(tensor, as_row=True)
+            continue
         rows = None
         if permuted and (".q_proj." in name or ".k_proj." in name):
             rows = qk_row_order(int(tensor.shape[-1]), head_dim)
@@ -184,6 +236,15 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
                 yield f"{module}.{part}", GGUFIntSlice(sliced, part)
         else:
             yield name, sliced
+
+
+def _expert_slices(tensor, layer: int, proj: str, mixtral: bool) -> Iterator[tuple[str, GGUFSlice]]:
+    """A stacked experts tensor [experts, rows, columns] as each expert's own weight, under the checkpoint's name
+    (Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2, Qwen-MoE's mlp.experts.{e}.gate_proj / up_proj /
+    down_proj): a slice reads only that expert's rows."""
+    block = "block_sparse_moe" if mixtral else "mlp"
+    for expert in range(int(tensor.shape[-1])):
+        yield f"model.layers.{layer}.{block}.experts.{expert}.{proj}.weight", GGUFSlice(tensor, expert=expert)
 
 
 def qk_row_order(num_rows: int, head_dim: int) -> np.ndarray:
@@ -199,16 +260,22 @@ class GGUFSlice:
     """A GGUF tensor read like a safetensors slice: `get_shape()`, `[a:b]` (rows), `[:, a:b]` (columns), `[:]`.
     Indexing dequantizes what it returns to a float32 tensor."""
 
-    def __init__(self, tensor, row_order: np.ndarray | None = None):
+    def __init__(self, tensor, row_order: np.ndarray | None = None, expert: int | None = None, as_row: bool = False):
+        """`expert`: of a stacked experts tensor [experts, rows, columns], that expert's [rows, columns]; `as_row`:
+        a 1-D tensor read as one row [1, n]."""
         from gguf import GGML_QUANT_SIZES
 
-        self.name = tensor.name
+        self.name = tensor.name if expert is None else f"{tensor.name}[{expert}]"
         self.qtype = tensor.tensor_type
         if self.qtype.name not in SUPPORTED_TYPES:
             raise NotImplementedError(f"GGUF tensor {tensor.name!r} has type {self.qtype.name}, which Pagoda cannot "
                                       f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
         self.shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         self.data = tensor.data  # memory-mapped: [rows, bytes per row], or elements for F32 / F16
+        if expert is not None:  # [experts, rows, bytes per row] (or elements)
+            self.shape, self.data = self.shape[1:], self.data[expert]
+        if as_row:
+            self.shape, self.data = (1, *self.shape), self.data.reshape(1, -1)
         self.block_size, self.type_size = GGML_QUANT_SIZES[self.qtype]
         self.row_order = row_order
 

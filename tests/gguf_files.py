@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 from safetensors.numpy import load_file
 
 from tests import gguf_kquants as kquants
 
-ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
+# A checkpoint's expert weight -> (its GGUF stack, the projection's name in llama.cpp's converter)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_STACK = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+# llama.cpp's quantize keeps the routers unquantized (F32 here)
+_KEPT_FLOAT = ("ffn_gate_inp",)
 
 
 def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -21,11 +30,16 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | None = None,
-               tensor_types: dict[str, str] | None = None) -> str:
+               tensor_types: dict[str, str] | None = None, dequantized_dir: str | None = None) -> str:
     """A GGUF file of the checkpoint in hf_dir: 2-D weights in `qtype` (`tensor_types`: GGUF tensor name -> its
-    own type, as llama.cpp's mixes give some tensors more bits), norms and biases in F32. The k-quants (Q4_K,
-    Q5_K, Q6_K; rows of whole 256-weight super-blocks) come from tests/gguf_kquants.py, the rest from gguf's
-    quantizers."""
+    own type, as llama.cpp's mixes give some tensors more bits), norms, biases and routers in F32; an MoE block's
+    experts stacked [experts, rows, columns] a projection (`ffn_gate_exps`, ...) in `qtype`, Mixtral as `llama`
+    with an expert count, as llama.cpp's converter writes them. The k-quants (Q4_K, Q5_K, Q6_K; rows of whole
+    256-weight super-blocks) come from tests/gguf_kquants.py, the rest from gguf's quantizers.
+
+    `dequantized_dir`: also a copy of the checkpoint there whose weights are what the file holds, dequantized by
+    gguf (quantization works row by row, so it commutes with llama.cpp's q/k row permutation and with stacking):
+    transformers' oracle for files its own GGUF loader does not read (its MoE configs miss the experts' width)."""
     import gguf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -43,31 +57,99 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
     writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta",
                                                                                                  10000.0))))
     writer.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    _add_experts(writer, cfg)
     for key, value in (sampling or {}).items():
         getattr(writer, f"add_sampling_{key}")(value)
     _add_tokenizer(writer, hf_dir)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
-    for name, w in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+    dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)  # Qwen3-MoE's mlp_only_layers
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    dequantized: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        if (m := _EXPERT.fullmatch(name)) is not None:
+            stacks.setdefault(f"blk.{m[1]}.{_EXPERT_STACK[m[3]]}.weight", {})[int(m[2])] = w
+            continue
         stem, suffix = name.rsplit(".", 1)
         if arch == "llama" and ".q_proj" in name:
             w = _llama_cpp_permute(w, num_heads)
         elif arch == "llama" and ".k_proj" in name:
             w = _llama_cpp_permute(w, cfg["num_key_value_heads"])
-        gguf_name = f"{names.get_name(stem)}.{suffix}"
-        if w.ndim == 2:
-            own = gguf.GGMLQuantizationType[(tensor_types or {}).get(gguf_name, qtype)]
-            if own.name in kquants.QUANTIZERS:  # gguf has no quantizer for these
-                data = kquants.quantize(w.astype(np.float32), own.name)
-            else:
-                data = gguf.quants.quantize(w.astype(np.float32), own)
-            writer.add_tensor(gguf_name, data, raw_dtype=own)
+        gguf_name = f"{names.get_name(stem) or dense_names.get_name(stem)}.{suffix}"
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp reads it as one vector [hidden]
+        if w.ndim == 2 and gguf_name.split(".")[-2] not in _KEPT_FLOAT:
+            dequantized[name] = _add_quantized(writer, gguf_name, w, (tensor_types or {}).get(gguf_name, qtype))
         else:
             writer.add_tensor(gguf_name, w.astype(np.float32))
+            dequantized[name] = w.astype(np.float32).reshape(weights[name].shape)
+    for gguf_name, experts in stacks.items():
+        stack = np.stack([experts[e] for e in range(len(experts))])
+        values = _add_quantized(writer, gguf_name, stack, (tensor_types or {}).get(gguf_name, qtype))
+        for name in weights:  # each expert's dequantized weight under its checkpoint name
+            if (m := _EXPERT.fullmatch(name)) is not None and f"blk.{m[1]}.{_EXPERT_STACK[m[3]]}.weight" == gguf_name:
+                dequantized[name] = values[int(m[2])]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if dequantized_dir is not None:
+        _write_dequantized(hf_dir, dequantized_dir, dequantized, num_heads, cfg["num_key_value_heads"], arch)
     return path
+
+
+def _add_quantized(writer, gguf_name: str, w: np.ndarray, qtype: str) -> np.ndarray:
+    """Adds `w` quantized to `qtype` (row by row along its last axis); returns gguf's dequantization of it."""
+    import gguf
+
+    own = gguf.GGMLQuantizationType[qtype]
+    if own.name in kquants.QUANTIZERS:  # gguf has no quantizer for these
+        data = kquants.quantize(w.astype(np.float32), own.name)
+    else:
+        data = gguf.quants.quantize(w.astype(np.float32), own)
+    writer.add_tensor(gguf_name, data, raw_dtype=own)
+    return gguf.quants.dequantize(data, own).reshape(w.shape)
+
+
+def _add_experts(writer, cfg: dict) -> None:
+    """The experts' metadata, as llama.cpp's converter writes it for Mixtral, Qwen2-MoE and Qwen3-MoE."""
+    count = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not count:
+        return
+    writer.add_expert_count(count)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in cfg:
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _write_dequantized(hf_dir: str, out_dir: str, dequantized: dict[str, np.ndarray], num_heads: int,
+                       num_kv_heads: int, arch: str) -> None:
+    """hf_dir's files, its weights replaced by the file's dequantized ones (q/k rows back in checkpoint order)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(hf_dir):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+    tensors = {}
+    for name, w in dequantized.items():
+        if arch == "llama" and (".q_proj" in name or ".k_proj" in name):
+            heads = num_heads if ".q_proj" in name else num_kv_heads
+            w = _llama_cpp_unpermute(w, heads)
+        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _llama_cpp_unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of `_llama_cpp_permute`."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _add_tokenizer(writer, hf_dir: str) -> None:

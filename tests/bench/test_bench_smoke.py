@@ -373,6 +373,7 @@ def test_bench_random_adapters_leave_no_directory_behind(tiny_model_dir, tmp_pat
     assert list(temp.iterdir()) == []
 
 
+@pytest.mark.slow  # 18 s under CPU: CI's slow suite
 def test_bench_host_ops(tmp_path):
     """The ops a step issues, counted by the runner's function: the ahead path's lookup, fix-up and append are one
     launch each with the Triton kernels (under the interpreter), some tens of torch ops each without."""

@@ -54,6 +54,49 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tiny_ggufs, tiny_checkpoints
     llm.shutdown()
 
 
+# Qwen2-MoE's tiny shared expert (48 wide) is no whole number of 32-weight blocks: 64 in its files
+MOE_OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
+MOE_CONFIG_KEYS = ("num_experts_per_tok", "moe_intermediate_size",
+                   "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "intermediate_size")
+
+
+def moe_gguf(tmp_path, arch: str, qtype: str) -> tuple[str, str, str]:
+    """(the tiny checkpoint, its GGUF file in `qtype`, the file's weights dequantized as a checkpoint)."""
+    from checkpoints.tiny import make_tiny_model
+
+    hf_dir = make_tiny_model(str(tmp_path / f"{arch}-hf"), arch, seed=3, config_overrides=MOE_OVERRIDES.get(arch))
+    path = write_gguf(hf_dir, str(tmp_path / f"{arch}.{qtype}.gguf"), qtype,
+                      dequantized_dir=str(tmp_path / f"{arch}-dequantized"))
+    return hf_dir, path, str(tmp_path / f"{arch}-dequantized")
+
+
+@pytest.mark.parametrize("arch, qtype", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_0")])
+def test_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, arch, qtype):
+    """Mixture-of-experts files as llama.cpp's converter writes them: each block's experts stacked a projection
+    (`ffn_gate_exps` [experts, rows, columns]); Mixtral as `llama` with an expert count (q/k rows permuted);
+    Qwen2-MoE with its shared expert and gate (`ffn_*_shexp`, `ffn_gate_inp_shexp` a vector); Qwen3-MoE with its
+    q/k norms and a dense first layer (mlp_only_layers). Pagoda reads each expert's slice; its tokens and logprobs
+    equal transformers' on the file's weights dequantized by gguf (transformers' own GGUF loader misses the
+    experts' width), with chunked prefill."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, path, dequantized = moe_gguf(tmp_path, arch, qtype)
+    oracle = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=7)
+    params = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2, logprobs=2)
+    for out in llm.generate(PARITY_PROMPTS, params, use_tqdm=False):
+        assert_matches_hf(oracle, out, num_top=2, atol=1e-4)
+    config = llm.engine.config.model.hf_config
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        original = json.load(f)
+    assert config["architectures"] == original["architectures"]
+    experts = lambda c: c.get("num_local_experts") or c.get("num_experts")  # noqa: E731 (transformers writes both)
+    assert experts(config) == experts(original)
+    for key in MOE_CONFIG_KEYS:
+        assert config.get(key) == original.get(key), key
+    llm.shutdown()
+
+
 def test_sampling_metadata_becomes_the_generation_defaults(tiny_checkpoints, tmp_path):
     path = write_gguf(tiny_checkpoints["llama"], str(tmp_path / "s.gguf"), sampling={"temp": 0.25, "top_k": 7})
     info = read_gguf_model(path)

@@ -9,8 +9,9 @@ from tests.bench_cli import run_json as _run
 
 
 @pytest.mark.parametrize("rate, client", [("inf", ["--client", "openai", "--client-processes", "2"]),
-                                          ("20", ["--client", "aiohttp"]),
-                                          ("inf", ["--client", "openai", "--structured", "json-schema"])])
+                                          pytest.param("20", ["--client", "aiohttp"], marks=pytest.mark.slow),
+                                          pytest.param("inf", ["--client", "openai", "--structured", "json-schema"],
+                                                       marks=pytest.mark.slow)])
 def test_bench_serve_against_the_running_app(tmp_path, serve_url, auth, rate, client):
     api_key = auth["Authorization"].removeprefix("Bearer ")
     before = time.time()

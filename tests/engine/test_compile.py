@@ -31,7 +31,12 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe", "deepseek_v2"])
+# Compiling costs 20-50 s a case under CPU: make test runs Llama and DeepSeek-V2, CI's slow suite the other cases too
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=SLOW), pytest.param("qwen2_moe", marks=SLOW),
+                                  "deepseek_v2"])
 def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
     """Llama, Qwen3's RMSNorm over each q and k head, Qwen2-MoE's routed experts (an op) and gated shared expert,
     DeepSeek-V2's latent attention (an op that writes the latent pool and attends) and group-limited routing, under
@@ -51,7 +56,7 @@ def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("mixtral", marks=SLOW)])
 def test_compiled_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     """FP8: the per-token quantization of activations is inductor's code (fused with the norm before it), the
     GEMMs, FP8 experts and the e4m3 KV write are the ops; the tokens are the FP8 oracle's, as the eager engine's."""
@@ -64,6 +69,7 @@ def test_compiled_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
         llm.shutdown()
 
 
+@SLOW
 def test_compiled_mixed_batch_of_base_and_adapters_matches_peft(tiny_model_dir, tmp_path):
     """LoRA: the shrink and expand kernels as one op that adds to the GEMM op's output, rows of the base model and
     of two adapters in the same steps (and steps without adapter rows: a graph of their own), under chunked
@@ -83,6 +89,7 @@ def test_compiled_mixed_batch_of_base_and_adapters_matches_peft(tiny_model_dir, 
         llm.shutdown()
 
 
+@SLOW
 def test_compiled_int_checkpoints_equal_transformers_on_the_dequantized_weights(tmp_path_factory):
     """Integer weights as ops: an AWQ checkpoint (GEMM packing, group 32) and a GPTQ act-order one of the dense
     model, a GPTQ act-order Mixtral (integer experts in the fused MoE op), written by the tests as the tools pack

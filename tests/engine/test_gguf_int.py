@@ -74,6 +74,29 @@ def test_tokens_and_logprobs_equal_the_dequantized_file(ggufs, arch, qtype):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(qtype)))
 
 
+@pytest.mark.parametrize("arch, qtype", [("qwen2_moe", "Q4_1"), ("mixtral", "Q8_0")])
+def test_moe_files_serve_their_dense_linears_from_blocks(tmp_path, arch, qtype):
+    """An MoE file under quantization="gguf": attention and Qwen2-MoE's shared expert from their blocks, the routed
+    experts dequantized (the fused MoE kernel takes no GGUF blocks yet); the same tokens and logprobs as the file
+    dequantized at load."""
+    from tests.checkpoints.test_gguf import moe_gguf
+
+    _, path, _ = moe_gguf(tmp_path, arch, qtype)
+
+    def check(llm):
+        layer = llm.engine.executor.worker.model.model.layers[1]
+        assert_layout(layer.self_attn.qkv_proj, qtype)
+        assert_layout(layer.self_attn.o_proj, qtype)
+        moe = layer.mlp  # (Mixtral's block_sparse_moe too)
+        if arch == "qwen2_moe":
+            assert_layout(moe.shared_expert.gate_up_proj, qtype)
+            assert_layout(moe.shared_expert.down_proj, qtype)
+        experts = moe.experts
+        assert experts.quant_config is None and experts.w13_weight.dtype == torch.float32
+
+    assert_same(generate(path), generate(path, quantization="gguf", inspect=check))
+
+
 @pytest.mark.slow  # 50 s on 2 cores: the whole real model from its blocks under the interpreter
 def test_the_builtin_smollm2_from_its_q4_1_blocks():
     """The built-in model's file (linears Q4_1, embeddings Q8_0) served from its blocks equals the same file

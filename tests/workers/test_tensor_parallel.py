@@ -76,13 +76,18 @@ def _rank_main(rank, paths, world_size, init_method, out_dir):
 def test_tp2_matches_tp1(tmp_path):
     # Every family: qwen2's tied embeddings and qkv bias, qwen3's head norms, phi3's fused checkpoint tensors, and
     # the MoE blocks' experts (and qwen2_moe's shared expert) split over the ranks; and a GGUF file, whose ranks
-    # dequantize their rows and column blocks, the q/k rows of their heads put back in Hugging Face order.
+    # dequantize their rows and column blocks, the q/k rows of their heads put back in Hugging Face order; and an MoE
+    # GGUF file, whose ranks read their rows (or columns, inside one 32-weight block) of each stacked expert.
     from tests.gguf_files import write_gguf
 
     archs = list(TINY_ARCHES)
     paths = [make_tiny_model(str(tmp_path / arch), arch, seed=4) for arch in archs]
     archs.append("llama.gguf")
     paths.append(write_gguf(paths[archs.index("llama")], str(tmp_path / "llama.Q8_0.gguf")))
+    moe = make_tiny_model(str(tmp_path / "qwen2_moe-64"), "qwen2_moe", seed=4,
+                          config_overrides={"shared_expert_intermediate_size": 64})  # whole blocks of 32
+    archs.append("qwen2_moe.gguf")
+    paths.append(write_gguf(moe, str(tmp_path / "qwen2_moe.Q8_0.gguf")))
     expected = _run(paths, 0, 1, None)
     init_method = f"file://{tmp_path / 'rendezvous'}"
     mp.start_processes(_rank_main, args=(paths, 2, init_method, str(tmp_path)), nprocs=2, start_method="spawn")

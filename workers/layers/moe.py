@@ -15,7 +15,8 @@ up_proj/down_proj` in Qwen-MoE); `expert_param_name` maps them to (w13 / w2, sha
 Built inside `quantized_layers(config)` with an AWQ / GPTQ / pack-quantized or FP8 config, the experts are held
 quantized (workers/layers/moe_quant.py: packed integers or e4m3, stacked per projection, loaded per expert as
 stored) and computed by kernels/moe_quant.py; the router (and a shared expert's gate) stay as the checkpoint gives
-them. A GGUF file's experts (quantization="gguf") would stay in the model's dtype.
+them. A GGUF file's experts (quantization="gguf") stay in the model's dtype, dequantized at load
+(checkpoints/gguf.py reads each of a stacked experts tensor's experts as its own slice).
 """
 
 from __future__ import annotations
