@@ -70,14 +70,15 @@ def moe_gguf(tmp_path, arch: str, qtype: str) -> tuple[str, str, str]:
     return hf_dir, path, str(tmp_path / f"{arch}-dequantized")
 
 
-@pytest.mark.parametrize("arch, qtype", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_0")])
-def test_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, arch, qtype):
+@pytest.mark.parametrize("arch, qtype", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_0"),
+                                         ("qwen3", "Q8_0")])
+def test_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, arch, qtype):
     """Mixture-of-experts files as llama.cpp's converter writes them: each block's experts stacked a projection
     (`ffn_gate_exps` [experts, rows, columns]); Mixtral as `llama` with an expert count (q/k rows permuted);
     Qwen2-MoE with its shared expert and gate (`ffn_*_shexp`, `ffn_gate_inp_shexp` a vector); Qwen3-MoE with its
-    q/k norms and a dense first layer (mlp_only_layers). Pagoda reads each expert's slice; its tokens and logprobs
-    equal transformers' on the file's weights dequantized by gguf (transformers' own GGUF loader misses the
-    experts' width), with chunked prefill."""
+    q/k norms and a dense first layer (mlp_only_layers); and dense Qwen3 (its head_dim from the file). Pagoda
+    reads each expert's slice; its tokens and logprobs equal transformers' on the file's weights dequantized by
+    gguf (transformers' own GGUF loader misses the experts' width and Qwen3's head_dim), with chunked prefill."""
     from transformers import AutoModelForCausalLM
 
     hf_dir, path, dequantized = moe_gguf(tmp_path, arch, qtype)
