@@ -56,8 +56,6 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-# Mixtral's modules under other names than Qwen-MoE's
-_MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate"}
 # An MoE block's experts, stacked [experts, rows, columns] per projection: each expert's own tensor in a checkpoint
 _EXPERT_TENSORS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                    "ffn_down_exps": ("down_proj", "w2")}
@@ -219,8 +217,8 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
             yield from _expert_slices(tensor, int(stem[1]), _EXPERT_TENSORS[stem[2]][mixtral], mixtral)
             continue
         name = hf_tensor_name(tensor.name)
-        if mixtral:
-            name = name.replace(".mlp.gate.", f".{_MIXTRAL_NAMES['mlp.gate']}.")
+        if mixtral:  # its router's name in a checkpoint (Qwen-MoE's: mlp.gate)
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         if name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:  # [hidden]: one output row
             yield name, GGUFSlice(tensor, as_row=True)
             continue
