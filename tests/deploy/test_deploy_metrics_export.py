@@ -122,6 +122,7 @@ def _scrape_until(url, names, send_traffic, timeout_s=90):
         time.sleep(2)
 
 
+@pytest.mark.slow  # 26 s of make test's serial Ray phase (its probe app, the export's flush): CI's slow suite
 def test_ray_exports_pagoda_metrics_under_the_dashboards_names(probe, known_metrics):
     url, send_traffic = probe
     samples, missing = _scrape_until(url, known_metrics, send_traffic)
