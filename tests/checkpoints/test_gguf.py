@@ -96,6 +96,17 @@ def test_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, arch, qty
     for key in MOE_CONFIG_KEYS:
         assert config.get(key) == original.get(key), key
     llm.shutdown()
+    # converted to a checkpoint (checkpoints/builtin.py convert_gguf): the checkpoint's own names, shapes and the
+    # file's values, bit for bit
+    from safetensors.torch import load_file
+
+    from checkpoints.builtin import convert_gguf
+
+    converted = load_file(os.path.join(convert_gguf(path, str(tmp_path / "converted")), "model.safetensors"))
+    expected = load_file(os.path.join(dequantized, "model.safetensors"))
+    assert set(converted) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(converted[name], tensor), name
 
 
 def test_sampling_metadata_becomes_the_generation_defaults(tiny_checkpoints, tmp_path):
