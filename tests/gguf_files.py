@@ -15,7 +15,7 @@ from tests import gguf_kquants as kquants
 
 ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
         "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
-# A checkpoint's expert weight -> (its GGUF stack, the projection's name in llama.cpp's converter)
+# A checkpoint's expert weight (layer, expert, projection), and each projection's stacked tensor in a GGUF file
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                      r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_STACK = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
@@ -67,11 +67,11 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)  # Qwen3-MoE's mlp_only_layers
     weights = load_file(os.path.join(hf_dir, "model.safetensors"))
-    stacks: dict[str, dict[int, np.ndarray]] = {}
+    stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}  # GGUF stack -> expert -> (checkpoint name, weight)
     dequantized: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         if (m := _EXPERT.fullmatch(name)) is not None:
-            stacks.setdefault(f"blk.{m[1]}.{_EXPERT_STACK[m[3]]}.weight", {})[int(m[2])] = w
+            stacks.setdefault(f"blk.{m[1]}.{_EXPERT_STACK[m[3]]}.weight", {})[int(m[2])] = (name, w)
             continue
         stem, suffix = name.rsplit(".", 1)
         if arch == "llama" and ".q_proj" in name:
@@ -87,11 +87,10 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | Non
             writer.add_tensor(gguf_name, w.astype(np.float32))
             dequantized[name] = w.astype(np.float32).reshape(weights[name].shape)
     for gguf_name, experts in stacks.items():
-        stack = np.stack([experts[e] for e in range(len(experts))])
+        stack = np.stack([experts[e][1] for e in range(len(experts))])
         values = _add_quantized(writer, gguf_name, stack, (tensor_types or {}).get(gguf_name, qtype))
-        for name in weights:  # each expert's dequantized weight under its checkpoint name
-            if (m := _EXPERT.fullmatch(name)) is not None and f"blk.{m[1]}.{_EXPERT_STACK[m[3]]}.weight" == gguf_name:
-                dequantized[name] = values[int(m[2])]
+        for e, (name, _) in experts.items():  # each expert's dequantized weight under its checkpoint name
+            dequantized[name] = values[e]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -80,9 +80,11 @@ def assert_dead(actors) -> None:
 
 # qwen2_moe at tp 2 (in place of qwen2, which tp 4 keeps): routed experts split over the ranks, a shared expert, q/k/v
 # biases, one all-reduce per MoE block; deepseek_v2 at tp 2: MLA's heads split, the latent pool replicated
-@pytest.mark.parametrize("arch,tp", [("llama", 2), pytest.param("llama", 4, marks=pytest.mark.slow),
+# make test's tp 2 here: DeepSeek-V2 (latent attention, experts); Llama's at tp 2 in its FP8, LoRA and structured
+# tests, Mixtral's FP8 experts; CI's slow suite every case
+@pytest.mark.parametrize("arch,tp", [pytest.param("llama", 2, marks=pytest.mark.slow),
+                                     pytest.param("llama", 4, marks=pytest.mark.slow),
                                      pytest.param("qwen2", 4, marks=pytest.mark.slow),
-                                     # (make test's MoE at tp 2: DeepSeek-V2 here, Mixtral's FP8 experts)
                                      pytest.param("qwen2_moe", 2, marks=pytest.mark.slow),
                                      ("deepseek_v2", 2)])
 def test_same_tokens_as_one_rank(ray_cluster, tiny_checkpoints, arch, tp):

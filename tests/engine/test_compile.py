@@ -31,7 +31,8 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-# Compiling costs 20-50 s a case under CPU: make test runs Llama and DeepSeek-V2, CI's slow suite the other cases too
+# Compiling costs 20-50 s a case under CPU: make test runs Llama's and DeepSeek-V2's greedy parity, CI's slow suite
+# every case
 SLOW = pytest.mark.slow
 
 
@@ -56,7 +57,8 @@ def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("mixtral", marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_compiled_fp8_weights_and_kv_match_the_oracle(tiny_checkpoints, arch):
     """FP8: the per-token quantization of activations is inductor's code (fused with the norm before it), the
     GEMMs, FP8 experts and the e4m3 KV write are the ops; the tokens are the FP8 oracle's, as the eager engine's."""
