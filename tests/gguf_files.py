@@ -29,6 +29,20 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# The tiny Qwen2-MoE's shared expert (48 wide) is no whole number of 32-weight blocks: 64 in its files
+WHOLE_BLOCKS = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
+
+
+def tiny_gguf(tmp_path, arch: str, qtype: str) -> tuple[str, str, str]:
+    """(a tiny checkpoint of `arch`, its GGUF file in `qtype`, the file's weights dequantized as a checkpoint)."""
+    from checkpoints.tiny import make_tiny_model
+
+    hf_dir = make_tiny_model(str(tmp_path / f"{arch}-hf"), arch, seed=3, config_overrides=WHOLE_BLOCKS.get(arch))
+    path = write_gguf(hf_dir, str(tmp_path / f"{arch}.{qtype}.gguf"), qtype,
+                      dequantized_dir=str(tmp_path / f"{arch}-dequantized"))
+    return hf_dir, path, str(tmp_path / f"{arch}-dequantized")
+
+
 def write_gguf(hf_dir: str, path: str, qtype: str = "Q8_0", sampling: dict | None = None,
                tensor_types: dict[str, str] | None = None, dequantized_dir: str | None = None) -> str:
     """A GGUF file of the checkpoint in hf_dir: 2-D weights in `qtype` (`tensor_types`: GGUF tensor name -> its

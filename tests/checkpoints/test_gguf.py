@@ -11,7 +11,7 @@ import torch
 
 from checkpoints.gguf import GGUFSlice, gguf_hf_config, open_gguf, qk_row_order, read_gguf_model
 from pagoda import LLM, SamplingParams
-from tests.gguf_files import write_gguf
+from tests.gguf_files import tiny_gguf, write_gguf
 from tests.hf_oracle import assert_matches_hf
 from tests.prompts import PARITY_PROMPTS
 
@@ -54,20 +54,8 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tiny_ggufs, tiny_checkpoints
     llm.shutdown()
 
 
-# Qwen2-MoE's tiny shared expert (48 wide) is no whole number of 32-weight blocks: 64 in its files
-MOE_OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
 MOE_CONFIG_KEYS = ("num_experts_per_tok", "moe_intermediate_size",
                    "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "intermediate_size")
-
-
-def moe_gguf(tmp_path, arch: str, qtype: str) -> tuple[str, str, str]:
-    """(the tiny checkpoint, its GGUF file in `qtype`, the file's weights dequantized as a checkpoint)."""
-    from checkpoints.tiny import make_tiny_model
-
-    hf_dir = make_tiny_model(str(tmp_path / f"{arch}-hf"), arch, seed=3, config_overrides=MOE_OVERRIDES.get(arch))
-    path = write_gguf(hf_dir, str(tmp_path / f"{arch}.{qtype}.gguf"), qtype,
-                      dequantized_dir=str(tmp_path / f"{arch}-dequantized"))
-    return hf_dir, path, str(tmp_path / f"{arch}-dequantized")
 
 
 @pytest.mark.parametrize("arch, qtype", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_0"),
@@ -81,7 +69,7 @@ def test_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, arch, qty
     gguf (transformers' own GGUF loader misses the experts' width and Qwen3's head_dim), with chunked prefill."""
     from transformers import AutoModelForCausalLM
 
-    hf_dir, path, dequantized = moe_gguf(tmp_path, arch, qtype)
+    hf_dir, path, dequantized = tiny_gguf(tmp_path, arch, qtype)
     oracle = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=7)
     params = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2, logprobs=2)

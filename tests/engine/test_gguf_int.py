@@ -16,7 +16,7 @@ from checkpoints.gguf_types import INT_LAYOUTS
 from engine.quantization import resolve_quantization
 from kernels.linear_int import dequantize_ref, offset_binary
 from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate, int4_factory
-from tests.gguf_files import write_gguf
+from tests.gguf_files import tiny_gguf, write_gguf
 from tests.gguf_kquants import QUANTIZERS as K_QUANTS
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512}  # k-quant rows are whole super-blocks of 256
@@ -79,9 +79,7 @@ def test_moe_files_serve_their_dense_linears_from_blocks(tmp_path, arch, qtype):
     """An MoE file under quantization="gguf": attention and Qwen2-MoE's shared expert from their blocks, the routed
     experts dequantized (the fused MoE kernel takes no GGUF blocks yet); the same tokens and logprobs as the file
     dequantized at load."""
-    from tests.checkpoints.test_gguf import moe_gguf
-
-    _, path, _ = moe_gguf(tmp_path, arch, qtype)
+    _, path, _ = tiny_gguf(tmp_path, arch, qtype)
 
     def check(llm):
         layer = llm.engine.executor.worker.model.model.layers[1]

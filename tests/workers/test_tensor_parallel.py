@@ -78,14 +78,14 @@ def test_tp2_matches_tp1(tmp_path):
     # the MoE blocks' experts (and qwen2_moe's shared expert) split over the ranks; and a GGUF file, whose ranks
     # dequantize their rows and column blocks, the q/k rows of their heads put back in Hugging Face order; and an MoE
     # GGUF file, whose ranks read their rows (or columns, inside one 32-weight block) of each stacked expert.
-    from tests.gguf_files import write_gguf
+    from tests.gguf_files import WHOLE_BLOCKS, write_gguf
 
     archs = list(TINY_ARCHES)
     paths = [make_tiny_model(str(tmp_path / arch), arch, seed=4) for arch in archs]
     archs.append("llama.gguf")
     paths.append(write_gguf(paths[archs.index("llama")], str(tmp_path / "llama.Q8_0.gguf")))
     moe = make_tiny_model(str(tmp_path / "qwen2_moe-64"), "qwen2_moe", seed=4,
-                          config_overrides={"shared_expert_intermediate_size": 64})  # whole blocks of 32
+                          config_overrides=WHOLE_BLOCKS["qwen2_moe"])
     archs.append("qwen2_moe.gguf")
     paths.append(write_gguf(moe, str(tmp_path / "qwen2_moe.Q8_0.gguf")))
     expected = _run(paths, 0, 1, None)
