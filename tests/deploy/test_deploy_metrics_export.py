@@ -6,16 +6,14 @@ Prometheus would. A real Prometheus, where one is installed (it is not a project
 every query of the dashboard against that node.
 """
 
-import json
 import shutil
-import subprocess
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 
 import pytest
 
+from tests.deploy.promql import empty_dashboard_queries, query, running_prometheus, scrape_health
 from tests.ports import free_port
 
 PROBE_APP = "pagoda-metrics-probe"
@@ -89,8 +87,8 @@ def probe(ray_cluster):
     base = f"http://127.0.0.1:{http_port}"
 
     def send_traffic():
-        for query in ("", "", "?fail=1"):
-            _get(f"{base}/{PROBE_APP}{query}")
+        for suffix in ("", "", "?fail=1"):
+            _get(f"{base}/{PROBE_APP}{suffix}")
         _get(f"{base}/-/healthz")
 
     send_traffic()
@@ -145,61 +143,24 @@ def test_ray_exports_pagoda_metrics_under_the_dashboards_names(probe, known_metr
     assert any({"deployment", "replica"} <= s for s in samples["ray_serve_deployment_replica_healthy"])
 
 
-def _dashboard_queries(repo):
-    dashboard = json.loads((repo / "deploy" / "grafana" / "pagoda.json").read_text())
-    return [t["expr"].replace("$model_name", MODEL) for p in dashboard["panels"] for t in p.get("targets", [])]
-
-
-def _prometheus_query(base, expr):
-    status, body = _get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    return json.loads(body)
-
-
-def _prometheus_query_range(base, expr, start_s, end_s):
-    """What Grafana asks a panel's query: a range query, here a point a second from start_s to end_s. An instant
-    query would find no gauge right after a scrape that failed (a loaded machine's scrape can outlast its timeout:
-    Prometheus then marks every series of the target stale), while counters' rate() windows still hold samples."""
-    params = {"query": expr, "start": f"{start_s:.3f}", "end": f"{end_s:.3f}", "step": "1"}
-    status, body = _get(f"{base}/api/v1/query_range?" + urllib.parse.urlencode(params))
-    return json.loads(body)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (not a project dependency)")
 def test_dashboard_queries_find_series_in_prometheus(probe, known_metrics, repo, tmp_path):
     url, send_traffic = probe
-    _scrape_until(url, known_metrics, send_traffic)
+    samples, missing = _scrape_until(url, known_metrics, send_traffic)
+    assert not missing, f"not exported by Ray: {sorted(missing)}"
     target = url.removeprefix("http://").removesuffix("/metrics")
-    (tmp_path / "prometheus.yml").write_text(
-        f"global: {{scrape_interval: 2s, scrape_timeout: 2s}}\nscrape_configs:\n- job_name: ray\n"
-        f"  static_configs: [{{targets: ['{target}']}}]\n")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    started = time.time()
-    prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with running_prometheus(target, tmp_path) as base:
         deadline = time.monotonic() + 60
         while True:  # rate() needs two scrapes that saw the counter
             send_traffic()
             time.sleep(2)
             try:
-                ready = _prometheus_query(base, "count_over_time(ray_pagoda_prompt_tokens_total[1m])")
+                ready = query(base, "count_over_time(ray_pagoda_prompt_tokens_total[1m])")
             except OSError:
                 continue
             values = [float(r["value"][1]) for r in ready.get("data", {}).get("result", [])]
             if (values and min(values) >= 3) or time.monotonic() > deadline:
                 break
-        empty = []
-        for expr in _dashboard_queries(repo):
-            answer = _prometheus_query_range(base, expr, started, time.time())
-            assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
-            if not answer["data"]["result"]:
-                empty.append(expr)
-        scrapes = _prometheus_query(base, 'sum_over_time(up{job="ray"}[5m]) / count_over_time(up{job="ray"}[5m])')
-        assert not empty, ("queries with no series:\n" + "\n".join(empty)
-                           + f"\nshare of successful scrapes: {scrapes['data']['result']}")
-    finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
+        empty = empty_dashboard_queries(base, repo, MODEL)
+        assert not empty, "queries with no series:\n" + "\n".join(empty) + "\n" + scrape_health(base)

@@ -9,13 +9,13 @@ the labels the dashboard groups by, and every PromQL expression of the dashboard
 import json
 import os
 import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
 
+from tests.deploy.promql import empty_dashboard_queries, query, running_prometheus, scrape_health
 from tests.ports import free_port
 
 APP = "pagoda-prometheus"
@@ -98,10 +98,6 @@ def _send_traffic(base: str) -> None:
                                                "temperature": 0})[0] == 200
 
 
-def _query(prometheus: str, expr: str) -> dict:
-    return json.loads(_request(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))[1])
-
-
 def _ours(name: str) -> str:
     """The series of this app (other tests' apps on the same Ray node export the same names)."""
     return f'{name}{{model_name=~"{MODELS}"}}' if name.startswith("ray_pagoda_") else name
@@ -112,26 +108,11 @@ def _series_labels(prometheus: str, name: str) -> list[set[str]]:
     return [set(series) for series in answer.get("data", [])]
 
 
-def _dashboard_queries(repo) -> list[str]:
-    dashboard = json.loads((repo / "deploy" / "grafana" / "pagoda.json").read_text())
-    return [t["expr"].replace("$model_name", MODELS) for p in dashboard["panels"] for t in p.get("targets", [])]
-
-
 @pytest.fixture(scope="module")
 def prometheus(running_app, tmp_path_factory):
-    """A real Prometheus on loopback scraping the Ray node every second; its HTTP API's base URL."""
-    _, target = running_app
-    root = tmp_path_factory.mktemp("prometheus")
-    (root / "prometheus.yml").write_text(
-        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n- job_name: ray\n"
-        f"  static_configs: [{{targets: ['{target}']}}]\n")
-    port = free_port()
-    process = subprocess.Popen(
-        ["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=30)
+    """A real Prometheus on loopback scraping the Ray node; its HTTP API's base URL."""
+    with running_prometheus(running_app[1], tmp_path_factory.mktemp("prometheus")) as base:
+        yield base
 
 
 @pytest.mark.slow
@@ -146,8 +127,8 @@ def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_
         _send_traffic(base)  # needs two scrapes
         time.sleep(3)
         try:
-            missing = {name for name in wanted if not _query(prometheus, _ours(name))["data"]["result"]}
-            errors = _query(prometheus, bad_request)["data"]["result"]
+            missing = {name for name in wanted if not query(prometheus, _ours(name))["data"]["result"]}
+            errors = query(prometheus, bad_request)["data"]["result"]
         except OSError:
             continue  # Prometheus still starting
     assert not missing, f"Prometheus has no samples of: {sorted(missing)}"
@@ -158,7 +139,7 @@ def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_
         if name.startswith("ray_pagoda_"):
             labels = _series_labels(prometheus, name)
             assert any(engine_labels <= s for s in labels), f"{name}: labels {labels}"
-    ours = _query(prometheus, f'ray_pagoda_prompt_tokens_total{{model_name="{MODEL}"}}')["data"]["result"]
+    ours = query(prometheus, f'ray_pagoda_prompt_tokens_total{{model_name="{MODEL}"}}')["data"]["result"]
     assert ours and all(series["metric"]["replica"] for series in ours)  # other tests' apps may report too
     success = _series_labels(prometheus, "ray_pagoda_request_success_total")
     assert any("finished_reason" in s for s in success)
@@ -166,18 +147,9 @@ def test_prometheus_scrapes_every_dashboard_metric_from_the_running_app(running_
     for _ in range(3):
         _send_traffic(base)
         time.sleep(2)
-    # Until every dashboard query has data, or a minute: on a loaded machine one scrape of the Ray node may miss its
-    # 1 s timeout, and Prometheus then marks every gauge stale until the next one (rates keep their window's samples)
+    # Until every dashboard query has data, or a minute (Ray exports every few seconds)
     deadline = time.monotonic() + 60
-    while True:
-        empty = []
-        for expr in _dashboard_queries(repo):
-            answer = _query(prometheus, expr)
-            assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
-            if not answer["data"]["result"] and not any(name in expr for name in ONLY_ON_CRASH):
-                empty.append(expr)
-        if not empty or time.monotonic() > deadline:
-            break
+    while (empty := empty_dashboard_queries(prometheus, repo, MODELS, ONLY_ON_CRASH)) and time.monotonic() < deadline:
         _send_traffic(base)
         time.sleep(2)
-    assert not empty, "dashboard queries with no data:\n" + "\n".join(empty)
+    assert not empty, "dashboard queries with no data:\n" + "\n".join(empty) + "\n" + scrape_health(prometheus)
