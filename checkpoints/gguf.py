@@ -13,14 +13,15 @@ rank thus dequantizes only its shard, as it reads only its slice of a safetensor
 Mixture-of-experts files (Mixtral, written as `llama` with an expert count; `qwen2moe`; `qwen3moe`) stack each
 block's experts in one tensor a projection (`ffn_gate_exps` [experts, rows, columns]); each expert is read as its
 own slice, under the name a checkpoint gives it. The experts are dequantized (into the model's dtype, or FP8's),
-also with quantization="gguf", which serves the other linears from their blocks.
+unless quantization="gguf" serves them from their blocks (below) as it serves the other linears.
 
 llama.cpp stores the q and k projections of Llama models with each head's rows interleaved for its rotary layout
 (pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...); the slices undo that with a row permutation, read lazily like the rest.
 
 With quantization="gguf", a decoder linear stored Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K is served from
 its own blocks instead: `GGUFIntSlice` (checkpoints/gguf_blocks.py) repacks the rows and blocks a rank asks for
-into an int layer's qweight / scales / mins, exactly (checkpoints/gguf_types.py: each type's layout).
+into an int layer's qweight / scales / mins, exactly (checkpoints/gguf_types.py: each type's layout); so is each
+expert of a layer whose experts are served from their blocks (its gate and up of one such type, its down of one).
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def linear_module_types(reader) -> dict[str, str]:
     """Hugging Face module name of each decoder linear ("model.layers.0.self_attn.q_proj") -> its GGUF type."""
     return {hf_tensor_name(t.name)[: -len(".weight")]: t.tensor_type.name for t in reader.tensors
             if _is_linear_weight(t.name)}
+
+
+def experts_module(layer: int, model_type: str) -> str:
+    """A layer's experts as a checkpoint names them: Mixtral's "model.layers.0.block_sparse_moe.experts", Qwen-MoE's
+    "model.layers.0.mlp.experts"."""
+    return f"model.layers.{layer}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}.experts"
+
+
+def expert_types(reader) -> dict[int, dict[str, str]]:
+    """Layer -> the GGUF type of its stacked experts tensors, by projection ("gate_proj", "up_proj", "down_proj")."""
+    types: dict[int, dict[str, str]] = {}
+    for t in reader.tensors:
+        stem = t.name.rsplit(".", 1)[0].split(".")
+        if len(stem) == 3 and stem[0] == "blk" and stem[2] in _EXPERT_TENSORS:
+            types.setdefault(int(stem[1]), {})[_EXPERT_TENSORS[stem[2]][0]] = t.tensor_type.name
+    return types
 
 
 def _is_linear_weight(gguf_name: str) -> bool:
@@ -205,7 +222,7 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
                          int_modules: Container[str] = ()) -> Iterator[tuple[str, GGUFSlice | GGUFIntSlice]]:
     """(Hugging Face name, lazy slice) for every tensor of the file, as `weights.iterate_weights` yields them;
     a served linear of `int_modules` (Hugging Face module names) as its `qweight`, `scales` (and `mins`) blocks
-    (`GGUFIntSlice`), not dequantized."""
+    (`GGUFIntSlice`), not dequantized; so the experts of a layer whose `experts_module` is named there."""
     reader = open_gguf(path)
     hf_config = hf_config or gguf_hf_config(reader)
     head_dim = hf_config["head_dim"]
@@ -214,7 +231,8 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
     for tensor in reader.tensors:
         stem = tensor.name.rsplit(".", 1)[0].split(".")
         if len(stem) == 3 and stem[0] == "blk" and stem[2] in _EXPERT_TENSORS:
-            yield from _expert_slices(tensor, int(stem[1]), _EXPERT_TENSORS[stem[2]][mixtral], mixtral)
+            module = experts_module(int(stem[1]), hf_config["model_type"])
+            yield from _expert_slices(tensor, module, _EXPERT_TENSORS[stem[2]][mixtral], int_modules)
             continue
         name = hf_tensor_name(tensor.name)
         if mixtral:  # its router's name in a checkpoint (Qwen-MoE's: mlp.gate)
@@ -236,13 +254,20 @@ def iterate_gguf_weights(path: str, hf_config: dict | None = None,
             yield name, sliced
 
 
-def _expert_slices(tensor, layer: int, proj: str, mixtral: bool) -> Iterator[tuple[str, GGUFSlice]]:
+def _expert_slices(tensor, module: str, proj: str,
+                   int_modules: Container[str]) -> Iterator[tuple[str, GGUFSlice | GGUFIntSlice]]:
     """A stacked experts tensor [experts, rows, columns] as each expert's own weight, under the checkpoint's name
-    (Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2, Qwen-MoE's mlp.experts.{e}.gate_proj / up_proj /
-    down_proj): a slice reads only that expert's rows."""
-    block = "block_sparse_moe" if mixtral else "mlp"
+    (`module`.{e}.w1 / w3 / w2 for Mixtral, .gate_proj / up_proj / down_proj for Qwen-MoE): a slice reads only that
+    expert's rows. Experts served as int blocks (`module` in `int_modules`): each expert's `qweight`, `scales`
+    (and `mins`)."""
+    layout = INT_LAYOUTS.get(tensor.tensor_type.name) if module in int_modules else None
     for expert in range(int(tensor.shape[-1])):
-        yield f"model.layers.{layer}.{block}.experts.{expert}.{proj}.weight", GGUFSlice(tensor, expert=expert)
+        sliced = GGUFSlice(tensor, expert=expert)
+        if layout is None:
+            yield f"{module}.{expert}.{proj}.weight", sliced
+            continue
+        for part in ("qweight", "scales", "mins") if layout.has_mins else ("qweight", "scales"):
+            yield f"{module}.{expert}.{proj}.{part}", GGUFIntSlice(sliced, part)
 
 
 def qk_row_order(num_rows: int, head_dim: int) -> np.ndarray:

@@ -32,7 +32,9 @@ served from their own blocks, each group of 32 (Q6_K: 16) weights a group of an 
 (checkpoints/gguf_types.py: 4 bits, or 8 holding 5- and 6-bit values; a zero point or an additive minimum; fp16 or
 float32 scales; checkpoints/gguf_blocks.py repacks them exactly); linears of another type (F16, Q2_K, Q3_K, ...),
 and fused q/k/v or gate/up whose parts differ in type, are dequantized at load as without it (a warning says so),
-as are an MoE file's routed experts (the fused MoE kernels take no GGUF blocks; its shared experts are linears).
+as are the routed experts of an MoE layer whose gate and up differ in type, or whose types the int kernels do not
+take; the others are served from their blocks by the fused MoE kernel, gate/up and down each of its own type
+(workers/weights.py `gguf_int_experts`); shared experts are linears.
 Without it (None, or "none") a GGUF file is dequantized at load; EngineArgs gives a .gguf model on a GPU
 quantization="gguf" unless told otherwise (engine/config.py).
 

@@ -42,8 +42,8 @@ def takes(experts, block_m: int, gated: bool) -> bool:
     n, k = experts.shape
     out_features = n // 2 if gated else n
     packing = experts.packing
-    if not STREAM or block_m != 16 or (gated and out_features % packing.pack_factor):
-        return False
+    if not STREAM or block_m != 16 or (gated and out_features % packing.pack_factor) or experts.mins is not None:
+        return False  # GGUF's mins: kernels/moe_quant.py's GEMM
     return can_stream(packing, experts.g_idx, experts.group_size or k, k, out_features, 1, 16)
 
 

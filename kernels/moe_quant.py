@@ -5,6 +5,8 @@ alignment, SiLU-and-mul and combine) over int or FP8 experts.
                  layer (AWQ, GPTQ v1, compressed-tensors' offset binary; its `IntPacking`):
                      qweight int32 [E, K, N / 8] (AWQ) or [E, K / p, N]    qzeros int32 [E, G, N / p]
                      scales [E, G, N]                                       g_idx int32 [E, K] (act-order) or none
+                 or, for GGUF's blocks (Q4_1, Q5_1, Q4_K, Q5_K), mins [E, G, N] in place of qzeros: w = q * scale
+                 + min (kernels/linear_int.py; the two projections of a layer may be of different types)
     Fp8Experts   W8A8: weight e4m3 [E, N, K]; scale float32 [E, N] (a scale per output row), or a scale per
                  block of block_size (bn, bk): [E, parts * ceil(N_part / bn), ceil(K / bk)], where `parts` 2 says
                  the rows are gate's then up's (N_part = N / 2 each) with their own blocks (a tensor-parallel rank's
@@ -76,11 +78,12 @@ class IntExperts:
     K."""
 
     qweight: torch.Tensor
-    qzeros: torch.Tensor
+    qzeros: torch.Tensor | None
     scales: torch.Tensor
     g_idx: torch.Tensor | None
     group_size: int | None
     packing: IntPacking
+    mins: torch.Tensor | None = None  # GGUF's additive minimums, in place of qzeros
 
     @property
     def num_experts(self) -> int:
@@ -96,17 +99,25 @@ class IntExperts:
     def dequantize(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s W [N, K] in `dtype`."""
         g_idx = None if self.g_idx is None else self.g_idx[expert]
-        return dequantize_ref(self.qweight[expert], self.qzeros[expert], self.scales[expert], g_idx,
-                              self.group_size, self.packing, dtype)
+        return dequantize_ref(self.qweight[expert], None if self.qzeros is None else self.qzeros[expert],
+                              self.scales[expert], g_idx, self.group_size, self.packing, dtype,
+                              None if self.mins is None else self.mins[expert])
 
     def check(self, name: str) -> None:
         n, k = self.shape
         p, g = self.packing.pack_factor, self.group_size or k
         check_dtype(f"{name} qweight", self.qweight, (torch.int32,))
-        check_dtype(f"{name} qzeros", self.qzeros, (torch.int32,))
+        if (self.qzeros is None) == (self.mins is None):
+            raise ValueError(f"{name}: give qzeros or mins, not both or neither")
         check_dtype(f"{name} scales", self.scales, FLOAT_DTYPES)
         num_groups = self.scales.shape[1] if self.scales.dim() == 3 else -1
-        expected = {"qzeros": (self.num_experts, num_groups, n // p), "scales": (self.num_experts, num_groups, n)}
+        expected = {"scales": (self.num_experts, num_groups, n)}
+        if self.qzeros is not None:
+            check_dtype(f"{name} qzeros", self.qzeros, (torch.int32,))
+            expected["qzeros"] = (self.num_experts, num_groups, n // p)
+        else:
+            check_dtype(f"{name} mins", self.mins, FLOAT_DTYPES)
+            expected["mins"] = (self.num_experts, num_groups, n)
         if self.g_idx is None and num_groups != k // g:
             raise ValueError(f"{name}: {num_groups} groups of scales, {k} input features in groups of {g}")
         if self.g_idx is not None:
@@ -118,7 +129,7 @@ class IntExperts:
                                  f"{tuple(getattr(self, field).shape)}")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qweight, self.qzeros, self.scales, self.g_idx) if t is not None]
+        return [t for t in (self.qweight, self.qzeros, self.scales, self.g_idx, self.mins) if t is not None]
 
     def max_block_k(self) -> int | None:
         """The largest K tile that keeps a tile inside one group (no gather), None: any."""
@@ -128,13 +139,14 @@ class IntExperts:
         """(tensors w, z, s, g; strides; constexprs) of `_moe_quant_gemm_kernel`."""
         k = self.shape[1]
         g_idx = self.g_idx if self.g_idx is not None else self.qweight
-        tensors = (self.qweight, self.qzeros, self.scales, g_idx)
-        strides = (self.qweight.stride(0), self.qweight.stride(1), self.qzeros.stride(0), self.qzeros.stride(1),
+        zeros = self.qzeros if self.qzeros is not None else self.mins  # the kernel's z_ptr holds either
+        tensors = (self.qweight, zeros, self.scales, g_idx)
+        strides = (self.qweight.stride(0), self.qweight.stride(1), zeros.stride(0), zeros.stride(1),
                    self.scales.stride(0), self.scales.stride(1), g_idx.stride(0))
         flags = dict(IS_FP8=False, PER_ROW=False, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1,
                      ZERO_OFFSET=self.packing.zero_offset, BITS=self.packing.bits,
                      PACKED_ALONG_K=self.packing.is_packed_along_k, AWQ_ORDER=self.packing.fields is not None,
-                     HAS_G_IDX=self.g_idx is not None,
+                     HAS_G_IDX=self.g_idx is not None, HAS_MINS=self.mins is not None,
                      ONE_GROUP=self.g_idx is None and (self.group_size or k) % block_k == 0)
         return tensors, strides, flags
 
@@ -209,7 +221,8 @@ class Fp8Experts:
         strides = (w.stride(0), w.stride(1), 0, 0, s.stride(0), s.stride(1) if s.dim() == 3 else 0, 0)
         bn, bk = self.block_size or (1, 1)
         flags = dict(IS_FP8=True, PER_ROW=self.block_size is None, SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
-                     ZERO_OFFSET=0, BITS=8, PACKED_ALONG_K=False, AWQ_ORDER=False, HAS_G_IDX=False, ONE_GROUP=False)
+                     ZERO_OFFSET=0, BITS=8, PACKED_ALONG_K=False, AWQ_ORDER=False, HAS_G_IDX=False, HAS_MINS=False,
+                     ONE_GROUP=False)
         return tensors, strides, flags
 
     def scalar_args(self) -> tuple[int, int]:
@@ -242,7 +255,7 @@ def _moe_quant_gemm_kernel(
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s, stride_ge,
     IS_FP8: tl.constexpr, PER_ROW: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr,
-    HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, HAS_MINS: tl.constexpr, ONE_GROUP: tl.constexpr, UNPACK_ONCE: tl.constexpr,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
@@ -285,7 +298,7 @@ def _moe_quant_gemm_kernel(
         else:
             w = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_w, stride_z,
                             stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                            ONE_GROUP, False, UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)  # rounded as the ref rounds
+                            ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)  # rounded as the ref rounds
             if UPCAST:
                 xv = xv.to(tl.float32)
                 w = w.to(tl.float32)
@@ -293,7 +306,7 @@ def _moe_quant_gemm_kernel(
             if GATED:
                 w_up = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, n_mask,
                                    up_row + N, K, stride_w, stride_z, stride_s, group_size, ZERO_OFFSET, BITS,
-                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, False, UNPACK_ONCE, BLOCK_K,
+                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
                                    BLOCK_N).to(dtype)
                 if UPCAST:
                     w_up = w_up.to(tl.float32)

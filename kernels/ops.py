@@ -211,20 +211,30 @@ def _(x, qweight, qzeros, scales, g_idx, group_size, bits, packed_along_k, field
     return x.new_empty(x.shape[0], n // 2 if gated else n)
 
 
+def int_experts_args(experts: IntExperts) -> tuple:
+    """One projection's IntExperts as `fused_moe_int`'s arguments: qweight, qzeros, scales, g_idx, mins,
+    group_size, then `packing_args`."""
+    return (experts.qweight, experts.qzeros, experts.scales, experts.g_idx, experts.mins, experts.group_size,
+            *packing_args(experts.packing))
+
+
 @torch.library.custom_op("pagoda::fused_moe_int", mutates_args=())
-def fused_moe_int(x: torch.Tensor, w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
-                  w13_g_idx: torch.Tensor | None, w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor,
-                  w2_scales: torch.Tensor, w2_g_idx: torch.Tensor | None, group_size: int | None, bits: int,
-                  packed_along_k: bool, fields: list[int] | None, zero_offset: int, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """kernels.moe_quant.fused_moe_quant over packed integer experts."""
-    packing = _packing(bits, packed_along_k, fields, zero_offset)
-    return fused_moe_quant(x, IntExperts(w13_qweight, w13_qzeros, w13_scales, w13_g_idx, group_size, packing),
-                           IntExperts(w2_qweight, w2_qzeros, w2_scales, w2_g_idx, group_size, packing),
-                           topk_weights, topk_ids)
+def fused_moe_int(x: torch.Tensor, w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor | None,
+                  w13_scales: torch.Tensor, w13_g_idx: torch.Tensor | None, w13_mins: torch.Tensor | None,
+                  w13_group_size: int | None, w13_bits: int, w13_packed_along_k: bool, w13_fields: list[int] | None,
+                  w13_zero_offset: int, w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor | None,
+                  w2_scales: torch.Tensor, w2_g_idx: torch.Tensor | None, w2_mins: torch.Tensor | None,
+                  w2_group_size: int | None, w2_bits: int, w2_packed_along_k: bool, w2_fields: list[int] | None,
+                  w2_zero_offset: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe_quant.fused_moe_quant over packed integer experts (`int_experts_args` of each projection: a
+    GGUF file's two may differ)."""
+    w13 = IntExperts(w13_qweight, w13_qzeros, w13_scales, w13_g_idx, w13_group_size,
+                     _packing(w13_bits, w13_packed_along_k, w13_fields, w13_zero_offset), w13_mins)
+    w2 = IntExperts(w2_qweight, w2_qzeros, w2_scales, w2_g_idx, w2_group_size,
+                    _packing(w2_bits, w2_packed_along_k, w2_fields, w2_zero_offset), w2_mins)
+    return fused_moe_quant(x, w13, w2, topk_weights, topk_ids)
 
 
 @fused_moe_int.register_fake
-def _(x, w13_qweight, w13_qzeros, w13_scales, w13_g_idx, w2_qweight, w2_qzeros, w2_scales, w2_g_idx, group_size,
-      bits, packed_along_k, fields, zero_offset, topk_weights, topk_ids):
+def _(x, *args):
     return torch.empty_like(x)

@@ -74,13 +74,14 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
     elif load_format in ("auto", "safetensors"):
         assert model_dir is not None, "a checkpoint directory is needed unless load_format='random'"
         if model_dir.endswith(".gguf"):
-            from checkpoints.gguf import iterate_gguf_weights, linear_module_types, open_gguf
+            from checkpoints.gguf import expert_types, iterate_gguf_weights, linear_module_types, open_gguf
 
-            # dequantized (FP8 quantizes them online), or the linears as int blocks ("gguf")
+            # dequantized (FP8 quantizes them online), or the linears and experts as int blocks ("gguf")
             int_modules: set[str] = set()
             if quant_config is not None and quant_config.method == "gguf":
-                types = linear_module_types(open_gguf(model_dir))
-                int_modules = gguf_int_layers(model, types, dtype)
+                reader = open_gguf(model_dir)
+                int_modules = gguf_int_layers(model, linear_module_types(reader), dtype)
+                int_modules |= gguf_int_experts(model, expert_types(reader), hf_config["model_type"])
             weights = iterate_gguf_weights(model_dir, hf_config, int_modules)
         else:
             weights = iterate_weights(model_dir)
@@ -113,6 +114,30 @@ def gguf_int_layers(model: nn.Module, types: dict[str, str], dtype) -> set[str]:
             remake_weight(module, wanted, dtype)
         if wanted is not None:
             int_modules.update(parts)
+    return int_modules
+
+
+def gguf_int_experts(model: nn.Module, types: dict[int, dict[str, str]], model_type: str) -> set[str]:
+    """Rebuilds as int experts each FusedMoE whose GGUF gate and up tensors (`types`: checkpoints.gguf.expert_types)
+    share a type the int kernels take and whose down tensor is of such a type too (its own:
+    workers/layers/moe_quant.py); the others stay float, to be dequantized at load. Returns the checkpoint's
+    experts modules served as int blocks (checkpoints.gguf.experts_module)."""
+    from checkpoints.gguf import experts_module
+
+    int_modules: set[str] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        layer = int(name.split(".")[2])  # model.layers.{layer}...
+        parts = types.get(layer, {})
+        gate, up, down = (parts.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
+        if gate == up and gate in GGUF_INT_LAYOUTS and down in GGUF_INT_LAYOUTS:
+            module.remake_int_experts({"w13": gguf_quant_config(gate), "w2": gguf_quant_config(down)})
+            int_modules.add(experts_module(layer, model_type))
+        else:
+            logger.warning("quantization='gguf': layer %d's experts (gate %s, up %s, down %s) are dequantized at "
+                           "load: the MoE kernels take int blocks of %s, gate and up of one type", layer, gate, up,
+                           down, ", ".join(GGUF_INT_LAYOUTS))
     return int_modules
 
 

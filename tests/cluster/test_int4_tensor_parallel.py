@@ -71,12 +71,19 @@ def test_a_row_parallel_slice_inside_a_group_is_refused(ray_cluster, int4_checkp
 MIXED = (("blk.0.attn_v.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q8_0"), ("blk.1.attn_output.weight", "Q4_1"))
 
 
-@pytest.mark.parametrize("qtype, types", [("Q4_0", ()), ("Q4_1", ()), ("Q8_0", ()), ("Q4_0", MIXED),
-                                          ("Q4_K", Q4_K_M)], ids=["Q4_0", "Q4_1", "Q8_0", "mixed", "k-quants"])
-def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, qtype, types):
+# Mixtral's experts from their blocks: gate/up Q8_0, down Q4_1 (minimums), each rank its 128 of 256 columns
+MOE_MIXED = tuple((f"blk.{i}.ffn_down_exps.weight", "Q4_1") for i in range(2))
+
+
+@pytest.mark.parametrize("arch, qtype, types", [("llama", "Q4_0", ()), ("llama", "Q4_1", ()), ("llama", "Q8_0", ()),
+                                                ("llama", "Q4_0", MIXED), ("llama", "Q4_K", Q4_K_M),
+                                                ("mixtral", "Q8_0", MOE_MIXED)],
+                         ids=["Q4_0", "Q4_1", "Q8_0", "mixed", "k-quants", "mixtral-experts"])
+def test_tp2_gguf_blocks_equal_one_rank_on_the_dequantized_file(ray_cluster, tmp_path_factory, arch, qtype, types):
     """quantization="gguf": each rank repacks only its rows and column groups of the served linears (in a mixed
-    file, each linear as its type allows; a k-quant's o_proj rank reads half a 256-weight super-block)."""
-    path = gguf_factory(tmp_path_factory)("llama", qtype, types)
+    file, each linear as its type allows; a k-quant's o_proj rank reads half a 256-weight super-block) and of the
+    routed experts (gate/up rows, down's column groups)."""
+    path = gguf_factory(tmp_path_factory)(arch, qtype, types)
 
     def check(llm):
         assert type(llm.engine.executor).__name__ == "RayExecutor"

@@ -16,7 +16,7 @@ from checkpoints.gguf_types import INT_LAYOUTS
 from engine.quantization import resolve_quantization
 from kernels.linear_int import dequantize_ref, offset_binary
 from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate, int4_factory
-from tests.gguf_files import tiny_gguf, write_gguf
+from tests.gguf_files import write_gguf
 from tests.gguf_kquants import QUANTIZERS as K_QUANTS
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512}  # k-quant rows are whole super-blocks of 256
@@ -74,23 +74,53 @@ def test_tokens_and_logprobs_equal_the_dequantized_file(ggufs, arch, qtype):
     assert_same(generate(path), generate(path, quantization="gguf", inspect=assert_int_layers(qtype)))
 
 
-@pytest.mark.parametrize("arch, qtype", [("qwen2_moe", "Q4_1"), ("mixtral", "Q8_0")])
-def test_moe_files_serve_their_dense_linears_from_blocks(tmp_path, arch, qtype):
-    """An MoE file under quantization="gguf": attention and Qwen2-MoE's shared expert from their blocks, the routed
-    experts dequantized (the fused MoE kernel takes no GGUF blocks yet); the same tokens and logprobs as the file
-    dequantized at load."""
-    _, path, _ = tiny_gguf(tmp_path, arch, qtype)
+def assert_expert_layout(experts, w13_type: str | None, w2_type: str | None) -> None:
+    """A FusedMoE holds its gate/up (w13) and down (w2) experts as these types' blocks; None, None: float."""
+    if w13_type is None:
+        assert experts.quant_config is None and experts.w13_weight.dtype == torch.float32
+        return
+    assert not hasattr(experts, "w13_weight") and not hasattr(experts, "w2_weight")
+    for proj, qtype in (("w13", w13_type), ("w2", w2_type)):
+        layout, held = INT_LAYOUTS[qtype], experts.projections[proj]
+        assert getattr(experts, f"{proj}_qweight").dtype == torch.int32, (proj, qtype)
+        assert held.packing == offset_binary(layout.bits) and held.config.group_size == layout.group_size, qtype
+        assert (getattr(experts, f"{proj}_mins") is not None) == layout.has_mins, (proj, qtype)
+        assert getattr(experts, f"{proj}_scales").dtype == getattr(torch, layout.scale_dtype), (proj, qtype)
+
+
+# (arch, qtype, tensor types of the file, each layer's expected (w13, w2) types)
+MOE_FILES = [
+    ("qwen2_moe", "Q4_1", {}, [("Q4_1", "Q4_1")] * 2),
+    # down in another type (llama.cpp's Q4_K_M keeps some in Q6_K); minimums in one projection only
+    ("mixtral", "Q8_0", {"blk.0.ffn_down_exps.weight": "Q4_1", "blk.1.ffn_down_exps.weight": "Q4_1"},
+     [("Q8_0", "Q4_1")] * 2),
+    # gate and up of different types are one GEMM: that layer's experts dequantized, the other's int
+    ("mixtral", "Q4_0", {"blk.1.ffn_gate_exps.weight": "Q8_0"}, [("Q4_0", "Q4_0"), (None, None)]),
+]
+
+
+@pytest.mark.parametrize("arch, qtype, tensor_types, expected", MOE_FILES)
+def test_moe_files_serve_their_linears_and_experts_from_blocks(tmp_path, arch, qtype, tensor_types, expected):
+    """An MoE file under quantization="gguf": attention, Qwen2-MoE's shared expert and the routed experts from
+    their blocks (the fused MoE kernel's int tiles, GGUF's minimums added); the same tokens and logprobs as the
+    file dequantized at load."""
+    from checkpoints.tiny import make_tiny_model
+    from tests.gguf_files import WHOLE_BLOCKS
+
+    hf_dir = make_tiny_model(str(tmp_path / "hf"), arch, seed=3, config_overrides=WHOLE_BLOCKS.get(arch))
+    path = write_gguf(hf_dir, str(tmp_path / f"{arch}.{qtype}.gguf"), qtype, tensor_types=tensor_types)
 
     def check(llm):
-        layer = llm.engine.executor.worker.model.model.layers[1]
+        layers = llm.engine.executor.worker.model.model.layers
+        assert len(layers) == len(expected)
+        layer = layers[1]
         assert_layout(layer.self_attn.qkv_proj, qtype)
         assert_layout(layer.self_attn.o_proj, qtype)
-        moe = layer.mlp  # (Mixtral's block_sparse_moe too)
         if arch == "qwen2_moe":
-            assert_layout(moe.shared_expert.gate_up_proj, qtype)
-            assert_layout(moe.shared_expert.down_proj, qtype)
-        experts = moe.experts
-        assert experts.quant_config is None and experts.w13_weight.dtype == torch.float32
+            assert_layout(layer.mlp.shared_expert.gate_up_proj, qtype)
+            assert_layout(layer.mlp.shared_expert.down_proj, qtype)
+        for block, types in zip(layers, expected):
+            assert_expert_layout(block.mlp.experts, *types)  # (Mixtral's block_sparse_moe too)
 
     assert_same(generate(path), generate(path, quantization="gguf", inspect=check))
 

@@ -144,6 +144,55 @@ def test_int_decode_stream_matches_the_reference(fmt, num_tokens, device, poison
     assert len(launches) == 2
 
 
+def gguf_experts(w: torch.Tensor, qtype: str) -> IntExperts:
+    """w [E, N, K] float -> IntExperts holding each expert quantized by gguf's own quantizer to `qtype` and repacked
+    as a served GGUF layer holds it (checkpoints/gguf_blocks.py: K-first, groups of 32, minimums or mid-range
+    zeros)."""
+    import gguf
+
+    from checkpoints.gguf_blocks import decode_blocks, pack_along_k
+    from checkpoints.gguf_types import INT_LAYOUTS
+    from workers.layers.quantization_int import _mid_range_zeros
+
+    layout, qtype_id = INT_LAYOUTS[qtype], gguf.GGMLQuantizationType[qtype]
+    size = gguf.GGML_QUANT_SIZES[qtype_id][1]
+    parts: dict[str, list] = {"qweight": [], "scales": [], "mins": []}
+    for expert in w:
+        raw = gguf.quants.quantize(expert.numpy(), qtype_id)
+        q, scale, low = decode_blocks(qtype, raw.reshape(raw.shape[0], -1, size))
+        parts["qweight"].append(pack_along_k(q, layout.bits).t())
+        parts["scales"].append(torch.from_numpy(scale).t())
+        if low is not None:
+            parts["mins"].append(torch.from_numpy(low).t())
+    stacked = {name: torch.stack(values).contiguous() for name, values in parts.items() if values}
+    packing = offset_binary(layout.bits)
+    zeros = None if layout.has_mins else _mid_range_zeros(
+        (w.shape[0], stacked["scales"].shape[1], w.shape[1] // packing.pack_factor), packing, "cpu")
+    return IntExperts(stacked["qweight"], zeros, stacked["scales"], None, layout.group_size, packing,
+                      stacked.get("mins"))
+
+
+@pytest.mark.parametrize("w13_type, w2_type, shape", [("Q4_1", "Q4_1", SHAPES[1]), ("Q8_0", "Q5_1", SHAPES[0]),
+                                                      ("Q5_1", "Q4_0", (40, 64, 96, 4, 1))], ids=str)
+def test_gguf_experts_match_the_reference(w13_type, w2_type, shape, device, poisoned_allocations):
+    """GGUF blocks as int experts (a layer's two projections may be of different types): minimums added (Q4_1, 4
+    bits; Q5_1, 8), zero points (Q4_0, Q8_0); the reference equals gguf's own dequantization of the blocks."""
+    import gguf
+
+    x, w13, w2, weights, ids = make_case(*shape, lambda w: gguf_experts(w, w13_type),
+                                         lambda w: gguf_experts(w, w2_type), torch.float32, device)
+    w = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    for qtype in {w13_type, w2_type}:
+        held, qtype_id = gguf_experts(w, qtype), gguf.GGMLQuantizationType[qtype]
+        for e in range(2):
+            assert torch.equal(held.dequantize(e, torch.float32), torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(w[e].numpy(), qtype_id), qtype_id))), qtype
+    assert (w13.mins is not None) == (w13_type in ("Q4_1", "Q5_1"))
+    out = fused_moe_quant_triton(x, w13, w2, weights, ids)
+    assert not out.isnan().any(), "a row of the output was not written"
+    torch.testing.assert_close(out, fused_moe_quant_ref(x, w13, w2, weights, ids), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=str)
 def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocations):
     fmt = ic.Int4Format("gptq", 32, desc_act=True)

@@ -15,8 +15,10 @@ up_proj/down_proj` in Qwen-MoE); `expert_param_name` maps them to (w13 / w2, sha
 Built inside `quantized_layers(config)` with an AWQ / GPTQ / pack-quantized or FP8 config, the experts are held
 quantized (workers/layers/moe_quant.py: packed integers or e4m3, stacked per projection, loaded per expert as
 stored) and computed by kernels/moe_quant.py; the router (and a shared expert's gate) stay as the checkpoint gives
-them. A GGUF file's experts (quantization="gguf") stay in the model's dtype, dequantized at load
-(checkpoints/gguf.py reads each of a stacked experts tensor's experts as its own slice).
+them. A GGUF file's experts (quantization="gguf") are built in the model's dtype; workers/weights.py
+`gguf_int_experts` then rebuilds those whose file types the int kernels take (`remake_int_experts`: a layer's gate
+and up of one type, its down of that or another) as int experts holding the file's blocks, and the others load
+dequantized (checkpoints/gguf.py reads each of a stacked experts tensor's experts as its own slice).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quantization import QuantConfig
 from kernels import ops
 from kernels.moe import fused_moe, topk_route
 from kernels.moe_quant import fused_moe_quant
@@ -37,7 +40,7 @@ from workers.parallel import get_tp_rank, get_tp_size
 
 # an expert's weight, or (quantized experts) its packed integers, zeros, scales, g_idx, or FP8 scales
 _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)"
-                            r"\.(weight|qweight|qzeros|scales|g_idx|weight_scale|input_scale)$")
+                            r"\.(weight|qweight|qzeros|scales|g_idx|mins|weight_scale|input_scale)$")
 _GATE_UP_INDEX = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
@@ -81,11 +84,19 @@ class FusedMoE(nn.Module):
         config = current_quant_config()
         self.quant_config = config if config is not None and config.method != "gguf" else None
         if self.quant_config is not None and self.quant_config.is_packed_int:
-            create_int_experts(self, self.quant_config, device)
+            create_int_experts(self, {"w13": self.quant_config, "w2": self.quant_config}, device)
         elif self.quant_config is not None:
             create_fp8_experts(self, self.quant_config, device)
         else:
             self._create_weights(dtype, device)
+
+    def remake_int_experts(self, configs: dict[str, QuantConfig]) -> None:
+        """Int experts of w13's and w2's formats in place of the float ones it was built with, before loading (a
+        GGUF file's types)."""
+        device = self.w13_weight.device
+        del self.w13_weight, self.w2_weight
+        self.quant_config = configs["w13"]
+        create_int_experts(self, configs, device)
 
     def _create_weights(self, dtype, device) -> None:
         num_experts, hidden_size = self.num_experts, self.hidden_size
@@ -117,9 +128,8 @@ class FusedMoE(nn.Module):
                 return ops.fused_moe(h, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
             w13, w2 = quantized_experts(self)
             if self.quant_config.is_packed_int:
-                return ops.fused_moe_int(h, w13.qweight, w13.qzeros, w13.scales, w13.g_idx, w2.qweight, w2.qzeros,
-                                         w2.scales, w2.g_idx, w13.group_size, *ops.packing_args(w13.packing),
-                                         topk_weights, topk_ids)
+                return ops.fused_moe_int(h, *ops.int_experts_args(w13), *ops.int_experts_args(w2), topk_weights,
+                                         topk_ids)
             return ops.fused_moe_fp8(h, w13.weight, w13.scale, w2.weight, w2.scale,
                                      list(w13.block_size) if w13.block_size else None, topk_weights, topk_ids)
         if self.quant_config is not None:

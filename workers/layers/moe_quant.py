@@ -11,6 +11,11 @@ N-first tensors copied transposed, the same int32 words):
     w13_scales   [E, G13, 2 I_r]                                    w2_scales   [E, G2, H]
     w13_g_idx    [E, H]  (GPTQ, act-order)                          w2_g_idx    [E, I_r]
 
+GGUF blocks (quantization="gguf": workers/weights.py `gguf_int_experts` rebuilds a layer's experts for its file's
+types) arrive N-first as compressed-tensors' do, repacked along K by checkpoints/gguf_blocks.py, with `w13_mins` /
+`w2_mins` [E, G, N] in place of qzeros where the type has minimums; gate/up and down may be of different types
+(Q4_K_M files keep some down projections in Q6_K): each projection has its own packing and group size.
+
 FP8 (quantization="fp8" online, per output row; or an FP8 checkpoint, per row / tensor / block):
 
     w13_weight   e4m3 [E, 2 I_r, H]     w13_weight_scale  [E, 2 I_r], or [E, 2 ceil(I_r / bn), ceil(H / bk)]
@@ -38,11 +43,12 @@ from torch import nn
 
 from engine.quantization import QuantConfig
 from kernels.fp8 import FP8_DTYPE, quantize_weight, quantize_weight_blocks
+from kernels.linear_int import IntPacking
 from kernels.moe_quant import Fp8Experts, IntExperts
 from workers.layers.quantization import _blocks, static_input_scale
-from workers.layers.quantization_int import _divided, _groups, _mid_range_zeros, _random_scale, packing_of
+from workers.layers.quantization_int import _divided, _mid_range_zeros, _random_scale, packing_of
 
-_INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+_INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "mins")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class _Projection:
     is_k_split: bool
     has_all_groups: bool = True
     num_groups: int = 1
+    config: QuantConfig | None = None  # int experts: this projection's format
+    packing: IntPacking | None = None
+    is_n_major: bool = False  # the checkpoint's tensors are [N, ...] (compressed-tensors, GGUF)
 
 
 def _projections(moe) -> list[_Projection]:
@@ -84,17 +93,17 @@ def _param(moe, shape, dtype, device, loader, proj: str) -> nn.Parameter:
 
 
 # ---- integers ------------------------------------------------------------------------------------------------------
-def create_int_experts(moe, config: QuantConfig, device) -> None:
-    """Gives `moe` the packed parameters of its experts (see the module docstring)."""
-    packing = packing_of(config)
-    p, g = packing.pack_factor, config.group_size
-    moe.packing, moe.group_size = packing, g
-    moe.is_n_major = config.method == "pack-quantized"  # the checkpoint's tensors are [N, ...]
+def create_int_experts(moe, configs: dict[str, QuantConfig], device) -> None:
+    """Gives `moe` the packed parameters of its experts (see the module docstring); `configs`: w13's and w2's
+    format (one config for both but in a GGUF file)."""
     moe.projections = {}
-    if moe.inter_per_rank % p:
-        raise ValueError(f"{config.method}: this rank's {moe.inter_per_rank} expert intermediate features do not "
-                         f"fill whole int32s of {p} values (tensor_parallel_size {moe.tp_size})")
     for proj in _projections(moe):
+        config = configs[proj.name]
+        packing = packing_of(config)
+        p, g = packing.pack_factor, config.group_size
+        if moe.inter_per_rank % p:
+            raise ValueError(f"{config.method}: this rank's {moe.inter_per_rank} expert intermediate features do "
+                             f"not fill whole int32s of {p} values (tensor_parallel_size {moe.tp_size})")
         k_total = proj.full[1]
         has_all_groups = g is None or config.desc_act or not proj.is_k_split
         if g is not None and k_total % g:
@@ -107,18 +116,26 @@ def create_int_experts(moe, config: QuantConfig, device) -> None:
         if proj.rows % p or (packing.is_packed_along_k and proj.cols % p):
             raise ValueError(f"{config.method}: expert {proj.name} [{proj.rows}, {proj.cols}] is not whole int32s "
                              f"of {p} values (tensor_parallel_size {moe.tp_size})")
-        proj = _Projection(proj.name, proj.rows, proj.cols, proj.full, proj.is_k_split, has_all_groups, num_groups)
+        proj = _Projection(proj.name, proj.rows, proj.cols, proj.full, proj.is_k_split, has_all_groups, num_groups,
+                           config, packing, config.method in ("pack-quantized", "gguf"))
         moe.projections[proj.name] = proj
-        _create_int_projection(moe, proj, config, device)
+        _create_int_projection(moe, proj, device)
     moe.g_idx_loaded = set()
 
 
-def _create_int_projection(moe, proj: _Projection, config: QuantConfig, device) -> None:
-    packing, E = moe.packing, moe.num_experts
+def _create_int_projection(moe, proj: _Projection, device) -> None:
+    config, packing, E = proj.config, proj.packing, moe.num_experts
     p, rows, cols = packing.pack_factor, proj.rows, proj.cols
     qweight_shape = (E, cols // p, rows) if packing.is_packed_along_k else (E, cols, rows // p)
-    shapes = {"qweight": (qweight_shape, torch.int32), "qzeros": ((E, proj.num_groups, rows // p), torch.int32),
-              "scales": ((E, proj.num_groups, rows), torch.float32 if moe.is_n_major else torch.float16)}
+    if config.method == "gguf":
+        scale_dtype = {"float16": torch.float16, "float32": torch.float32}[config.scale_dtype]
+    else:
+        scale_dtype = torch.float32 if proj.is_n_major else torch.float16
+    shapes = {"qweight": (qweight_shape, torch.int32), "scales": ((E, proj.num_groups, rows), scale_dtype)}
+    if config.has_mins:  # GGUF's w = q * scale + min: no zero points
+        shapes["mins"] = ((E, proj.num_groups, rows), scale_dtype)
+    else:
+        shapes["qzeros"] = ((E, proj.num_groups, rows // p), torch.int32)
     if config.method == "gptq" or config.desc_act:
         shapes["g_idx"] = ((E, cols), torch.int32)
     first_k = moe.tp_rank * cols if proj.is_k_split and proj.has_all_groups else 0
@@ -128,10 +145,11 @@ def _create_int_projection(moe, proj: _Projection, config: QuantConfig, device) 
             moe.register_buffer(attr, _mid_range_zeros(shape, packing, device))
             continue
         param = _param(moe, shape, dtype, device, functools.partial(_load_int, moe, proj, name), proj.name)
-        param.random_init = functools.partial(_random_int, moe, name, param, first_k)
+        param.random_init = functools.partial(_random_int, moe, proj, name, param, first_k)
         setattr(moe, attr, param)
-    if "g_idx" not in shapes:
-        setattr(moe, f"{proj.name}_g_idx", None)
+    for name in ("g_idx", "mins", "qzeros"):
+        if name not in shapes:
+            setattr(moe, f"{proj.name}_{name}", None)
 
 
 def _load_int(moe, proj: _Projection, name: str, param: nn.Parameter, loaded, shard_id) -> None:
@@ -139,32 +157,33 @@ def _load_int(moe, proj: _Projection, name: str, param: nn.Parameter, loaded, sh
     if name == "g_idx":
         _load_g_idx(moe, proj, param, loaded[k_src], expert)
         return
-    packing, p = moe.packing, moe.packing.pack_factor
+    packing, p = proj.packing, proj.packing.pack_factor
     if name == "qweight":
-        _check_full_shape(moe, proj, loaded)
+        _check_full_shape(proj, loaded)
         k_rows = _divided(k_src, p, "input features") if packing.is_packed_along_k else k_src
         n_div = 1 if packing.is_packed_along_k else p
-    else:  # qzeros, scales: a row per group
-        k_rows = slice(None) if proj.has_all_groups else _groups(moe, k_src)  # w2's k_src: this rank's
+    else:  # qzeros, scales, mins: a row per group (w2's k_src: this rank's, whole groups: checked at creation)
+        g = proj.config.group_size
+        k_rows = slice(None) if proj.has_all_groups else slice(k_src.start // g, k_src.stop // g)
         n_div = p if name == "qzeros" else 1
     n_src, n_dst = _divided(n_src, n_div, "output features"), _divided(n_dst, n_div, "output features")
-    part = loaded[n_src, k_rows].t() if moe.is_n_major else loaded[k_rows, n_src]
+    part = loaded[n_src, k_rows].t() if proj.is_n_major else loaded[k_rows, n_src]
     dst = param.data[expert][:, n_dst]
-    if name != "scales" and part.dtype != torch.int32:
-        raise ValueError(f"a {moe.quant_config.method} checkpoint's expert {name} must be int32, got {part.dtype}")
+    if name not in ("scales", "mins") and part.dtype != torch.int32:
+        raise ValueError(f"a {proj.config.method} checkpoint's expert {name} must be int32, got {part.dtype}")
     assert tuple(dst.shape) == tuple(part.shape), (f"expert {proj.name} {name}: shape mismatch: parameter "
                                                    f"{tuple(dst.shape)}, loaded {tuple(part.shape)}")
     dst.copy_(part)
 
 
-def _check_full_shape(moe, proj: _Projection, loaded) -> None:
+def _check_full_shape(proj: _Projection, loaded) -> None:
     """An expert's packed weight must be the model's [N, K] (a rank reads only its slice: a wrong width would
     load silently otherwise)."""
-    (n, k), p = proj.full, moe.packing.pack_factor
-    if moe.is_n_major:
+    (n, k), p = proj.full, proj.packing.pack_factor
+    if proj.is_n_major:
         expected = (n, k // p)
     else:
-        expected = (k // p, n) if moe.packing.is_packed_along_k else (k, n // p)
+        expected = (k // p, n) if proj.packing.is_packed_along_k else (k, n // p)
     shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
     if shape != expected:
         raise ValueError(f"an expert's {proj.name} packed weight is {shape}; the config's [{n}, {k}] packs to "
@@ -173,7 +192,8 @@ def _check_full_shape(moe, proj: _Projection, loaded) -> None:
 
 def _load_g_idx(moe, proj: _Projection, param: nn.Parameter, part, expert: int) -> None:
     part = (part if isinstance(part, torch.Tensor) else part[:]).to(torch.int32)
-    g, config = moe.group_size, moe.quant_config
+    config = proj.config
+    g = config.group_size
     first = 0 if proj.has_all_groups else moe.tp_rank * proj.cols
     part = part - first // g if g is not None else part
     if part.numel() and (int(part.min()) < 0 or int(part.max()) >= proj.num_groups):
@@ -192,19 +212,22 @@ def _load_g_idx(moe, proj: _Projection, param: nn.Parameter, part, expert: int) 
 
 
 @torch.no_grad()
-def _random_int(moe, name: str, param: nn.Parameter, first_k: int, std: float, generator: torch.Generator) -> None:
+def _random_int(moe, proj: _Projection, name: str, param: nn.Parameter, first_k: int, std: float,
+                generator: torch.Generator) -> None:
     """load_format="random": as workers/layers/quantization_int.py draws an int layer's, for every expert."""
-    bits = moe.packing.bits
+    bits, g = proj.packing.bits, proj.config.group_size
     if name == "qweight":
         param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=generator, device=param.device,
                                   dtype=torch.int32))
     elif name == "qzeros":
-        param.copy_(_mid_range_zeros(param.shape, moe.packing, param.device))
+        param.copy_(_mid_range_zeros(param.shape, proj.packing, param.device))
     elif name == "scales":
         param.fill_(_random_scale(std, bits))
+    elif name == "mins":  # centred as a zero point of 2^(bits - 1) would centre them
+        param.fill_(-(1 << (bits - 1)) * _random_scale(std, bits))
     else:
         k = torch.arange(first_k, first_k + param.shape[1], dtype=torch.int32, device=param.device)
-        param.copy_((k // moe.group_size if moe.group_size is not None else torch.zeros_like(k)).expand_as(param))
+        param.copy_((k // g if g is not None else torch.zeros_like(k)).expand_as(param))
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------------------------
@@ -308,10 +331,11 @@ def _random_fp8(moe, proj: _Projection, std: float, generator: torch.Generator) 
 def quantized_experts(moe) -> tuple[IntExperts | Fp8Experts, IntExperts | Fp8Experts]:
     """(w13, w2) of a FusedMoE with quantized experts, as kernels/moe_quant.py takes them."""
     if moe.quant_config.is_packed_int:
-        desc_act = moe.quant_config.desc_act
-        return tuple(IntExperts(getattr(moe, f"{p}_qweight"), getattr(moe, f"{p}_qzeros"), getattr(moe, f"{p}_scales"),
-                                getattr(moe, f"{p}_g_idx") if desc_act else None, moe.group_size, moe.packing)
-                     for p in ("w13", "w2"))  # type: ignore[return-value]
+        return tuple(IntExperts(getattr(moe, f"{p.name}_qweight"), getattr(moe, f"{p.name}_qzeros"),
+                                getattr(moe, f"{p.name}_scales"),
+                                getattr(moe, f"{p.name}_g_idx") if p.config.desc_act else None, p.config.group_size,
+                                p.packing, getattr(moe, f"{p.name}_mins"))
+                     for p in (moe.projections["w13"], moe.projections["w2"]))  # type: ignore[return-value]
     return (Fp8Experts(moe.w13_weight, moe.w13_weight_scale, moe.block_size, parts=2,
                        input_scale=moe.w13_input_scale),
             Fp8Experts(moe.w2_weight, moe.w2_weight_scale, moe.block_size, input_scale=moe.w2_input_scale))
