@@ -36,8 +36,15 @@ The scale multiplies the dot's result (a K tile lies in one group), and GGUF Q4_
 W is not rounded to x's dtype before the dot, as `dequantize_ref` rounds it: the result is the exact-weight product,
 which differs from the reference by that rounding (a bf16 unit in the last place of W, averaged over K).
 
+Groups smaller than a K tile (`ROW_SCALES`: along K, a group of whole word rows dividing the tile's 16 or more
+words: GGUF's 32 and Q6_K's 16, GPTQ's 32) cannot scale a tile's sum: each word row's group's scales (and zero
+points, or mins) are read beside its words (a [BLOCK_K / P, BLOCK_N] gather of a few rows, from L1) and W
+itself is dequantized before the dots, (q - z) * scale or q * scale + min, rounded to x's dtype as the reference
+rounds it: one more FMA a value (two with mins) and the scale loads. Not yet timed on a GPU; what it replaced at
+decode sizes is dequantize + cuBLAS, which reads and writes W in x's dtype each step.
+
 `linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
-group), the first kernel otherwise.
+group, or whole groups a K tile along K), the first kernel otherwise.
 """
 
 from __future__ import annotations
@@ -185,21 +192,29 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
 
 
 @triton.jit
-def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, J: tl.constexpr,
-                 BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr, BLOCK_R: tl.constexpr):
+def _k_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows, m_rows,
+                 J: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr,
+                 ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
     """acc + x's input features P r + j times the dequantized values j of words [BLOCK_R, BLOCK_N] (packed along
-    K), unscaled (q - z: the caller scales a K tile's sum)."""
+    K): unscaled (q - z: the caller scales a K tile's sum), or with ROW_SCALES (several groups a K tile) scaled
+    here, a group's scales (and mins) a word row of s_rows (m_rows), zterm_words then [BLOCK_R, BLOCK_N]."""
     H: tl.constexpr = 16 // BITS
     SH: tl.constexpr = BITS * (J % H)
     xj = _k_field_x(x_ptr, rows, row_mask, stride_x, k0, J, 32 // BITS, UPCAST, BLOCK_R)
     v = field_magic(words, J, BITS, ASM)
     if HAS_MINS:
-        zterm = tl.full([1], -(1 << (23 - SH)), tl.float32)
+        zterm = tl.full([1, 1], -(1 << (23 - SH)), tl.float32)
+    elif ROW_SCALES:
+        zterm = field_zero_term(zterm_words, zero_fields[None, :], ZERO_OFFSET, BITS, SH)
     else:
-        zterm = field_zero_term(zterm_words, zero_fields, ZERO_OFFSET, BITS, SH)
-    d = minus_z(v, zterm[None, :], SH).to(xj.dtype)
-    return tl.dot(xj, d, acc, input_precision=PRECISION)
+        zterm = field_zero_term(zterm_words, zero_fields, ZERO_OFFSET, BITS, SH)[None, :]
+    d = minus_z(v, zterm, SH)
+    if ROW_SCALES:  # W itself, as the reference dequantizes it: (q - z) * scale, or q * scale + min
+        d = d * s_rows
+        if HAS_MINS:
+            d = d + m_rows
+    return tl.dot(xj, d.to(xj.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -225,11 +240,13 @@ def _k_byte_field_dot(acc, x_ptr, rows, row_mask, stride_x, k0, d, J: tl.constex
 @triton.jit
 def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, n0, N,
                    k_begin, k_end, group_size, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
-                   FP16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+                   BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: x's rows times W.T's columns n0 .. n0 + BLOCK_N, K from k_begin to k_end (whole
-    K tiles), for qweight packed along K (P = 32 / BITS a word) with zero points packed along N (or mins)."""
+    K tiles), for qweight packed along K (P = 32 / BITS a word) with zero points packed along N (or mins).
+    ROW_SCALES: groups smaller than the K tile (GGUF's 32 and 16; whole word rows, whole groups a tile), each word
+    row's group's zeros, scales and mins read with its words and applied before the dots."""
     P: tl.constexpr = 32 // BITS
     BLOCK_R: tl.constexpr = BLOCK_K // P
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -243,7 +260,20 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         else:
             words = tl.load(qw_ptr + prow[:, None] * stride_qw + cols[None, :], mask=n_mask[None, :], other=0)
         g = k0 // group_size
-        if HAS_MINS:
+        s_rows = zero_fields  # (ROW_SCALES only)
+        m_rows = zero_fields
+        if ROW_SCALES:  # the group of each word row: group_size / P rows a group
+            groups = (k0 // P + tl.arange(0, BLOCK_R)) // (group_size // P)
+            s_rows = tl.load(s_ptr + groups[:, None] * stride_s + cols[None, :], mask=n_mask[None, :],
+                             other=0.0).to(tl.float32)
+            if HAS_MINS:
+                zterm_words = zero_fields
+                m_rows = tl.load(qz_ptr + groups[:, None] * stride_qz + cols[None, :], mask=n_mask[None, :],
+                                 other=0.0).to(tl.float32)
+            else:
+                zterm_words = tl.load(qz_ptr + groups[:, None] * stride_qz + (cols // P)[None, :],
+                                      mask=n_mask[None, :], other=0)
+        elif HAS_MINS:
             zterm_words = zero_fields
         else:
             zterm_words = tl.load(qz_ptr + g * stride_qz + cols // P, mask=n_mask, other=0)
@@ -263,25 +293,32 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 6, UPCAST, PRECISION, BLOCK_R)
             part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 7, UPCAST, PRECISION, BLOCK_R)
         else:
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 0, BITS,
-                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 1, BITS,
-                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 2, BITS,
-                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 3, BITS,
-                                ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                m_rows, 0, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                m_rows, 1, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                m_rows, 2, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
+            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                m_rows, 3, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
             if P == 8:
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 4, BITS,
-                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 5, BITS,
-                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 6, BITS,
-                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, 7, BITS,
-                                    ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BLOCK_R)
-        acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_MINS:
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                    m_rows, 4, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
+                                    BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                    m_rows, 5, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
+                                    BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                    m_rows, 6, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
+                                    BLOCK_R)
+                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
+                                    m_rows, 7, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
+                                    BLOCK_R)
+        if ROW_SCALES:
+            acc += part
+        else:
+            acc += part * tl.load(s_ptr + g * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_MINS and not ROW_SCALES:
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
             mins = tl.load(qz_ptr + g * stride_qz + cols, mask=n_mask, other=0.0).to(tl.float32)
@@ -294,14 +331,15 @@ def _int_decode_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, group_size,
     stride_x, stride_qw, stride_qz, stride_s, stride_o, up_col, up_word,
     BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    HAS_MINS: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr,
+    EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
     of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
     slices whole K tiles)."""
     tl.static_assert(not (BIASED and HAS_MINS), "the B + q path has zero points, not mins")
+    tl.static_assert(not (BIASED and ROW_SCALES), "the B + q path scales a K tile's sum")
     wait_for_prior(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
@@ -312,14 +350,14 @@ def _int_decode_kernel(
     P: tl.constexpr = 32 // BITS
     if PACKED_ALONG_K:
         acc = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
-                             n0, N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM,
-                             BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                             n0, N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST,
+                             PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = acc
         if GATED:
             acc_up = _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz,
                                     stride_s, up_col + n0, up_col + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET,
-                                    HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N,
-                                    BLOCK_K)
+                                    HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M,
+                                    BLOCK_N, BLOCK_K)
     else:
         c0 = tl.program_id(0) * (BLOCK_N // P)  # a product, not n0 // P: its divisibility gives 16-byte loads
         acc = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
@@ -376,12 +414,15 @@ def row_of_slices(row_ptr, n_mask, slot, GATED: tl.constexpr, SPLIT_K: tl.conste
 
 def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: int, num_rows: int,
                max_rows: int) -> bool:
-    """Whether `_int_decode_kernel` takes this layer: no g_idx, 4 or 8 bits, K tiles inside one group: along N
-    (AWQ, 4 bits, whole words of output features in each half) groups of a multiple of 32, along K of 16 words."""
+    """Whether `_int_decode_kernel` takes this layer: no g_idx, 4 or 8 bits; along N (AWQ, 4 bits, whole words of
+    output features in each half) K tiles inside one group, groups of a multiple of 32; along K groups of a multiple
+    of 16 words (K tiles inside one group), or whole word rows dividing 16 words (several groups a K tile,
+    `ROW_SCALES`: GGUF's 32 and 16, GPTQ's 32)."""
     if g_idx is not None or num_rows > max_rows or packing.bits not in (4, 8) or in_features % group_size:
         return False
     if packing.is_packed_along_k:  # a dot of each field spans BLOCK_K / P >= 16 input features
-        return group_size % (16 * packing.pack_factor) == 0
+        tile, p = 16 * packing.pack_factor, packing.pack_factor
+        return group_size % tile == 0 or (group_size % p == 0 and tile % group_size == 0 and in_features % tile == 0)
     return packing.bits == 4 and group_size % 32 == 0 and out_features % 8 == 0
 
 
@@ -393,7 +434,7 @@ def can_pair_unpack(packing, x_dtype: torch.dtype, has_mins: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def stream_config(num_rows: int, out_features: int, in_features: int, group_size: int, packed_along_k: bool,
-                  gated: bool, x_itemsize: int, device: torch.device) -> dict:
+                  gated: bool, x_itemsize: int, device: torch.device, pack_factor: int) -> dict:
     """Launch settings: BLOCK_N output features (256 packed along N: 32 words a K row, 8 per warp; 128 along K),
     K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4
     stages of cp.async (3 tiles of 16 KB in flight a program), and split-K until the column tiles times the slices
@@ -409,14 +450,20 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
         block_n, block_k = 64, 128 if packed_along_k else 32
     else:
         block_n, block_k = (128, 128) if packed_along_k else (256, 128)
-    while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
-        block_k //= 2
+    if packed_along_k and group_size % (16 * pack_factor):  # several groups a K tile (ROW_SCALES)
+        while in_features % block_k:  # K whole tiles (can_stream: of 16 words)
+            block_k //= 2
+    else:
+        while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
+            block_k //= 2
     split = split_k(cdiv(out_features, block_n), in_features // block_k, device)
     stages = 4
     row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
     while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
         stages -= 1
-    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+    # several groups a K tile, gated: gate's and up's scale (and min) tiles live beside their words (4 warps spilled)
+    warps = 8 if gated and group_size < block_k else 4
+    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
             "num_stages": stages}
 
 
@@ -435,12 +482,17 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
     out_features = n // 2 if gated else n
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     cfg = stream_config(num_rows, out_features, k, group_size, packing.is_packed_along_k, gated, x.dtype.itemsize,
-                        x.device) | (config or {})
-    assert num_rows <= cfg["BLOCK_M"] and group_size % cfg["BLOCK_K"] == 0, (num_rows, group_size, cfg)
+                        x.device, packing.pack_factor) | (config or {})
+    row_scales = group_size < cfg["BLOCK_K"]
+    assert num_rows <= cfg["BLOCK_M"], (num_rows, cfg)
+    assert (cfg["BLOCK_K"] % group_size == 0 and packing.is_packed_along_k if row_scales
+            else group_size % cfg["BLOCK_K"] == 0), (group_size, cfg)
     assert max(qweight.numel(), x.numel(), out.numel()) < 2**31, "int32 offsets"
-    biased = cfg.get("BIASED", PAIR_UNPACK and can_pair_unpack(packing, x.dtype, has_mins))
-    if biased and not can_pair_unpack(packing, x.dtype, has_mins):
-        raise ValueError(f"BIASED needs 4-bit fields with zero points and bf16 / fp16 x, not {packing} and {x.dtype}")
+    can_biased = can_pair_unpack(packing, x.dtype, has_mins) and not row_scales
+    biased = cfg.get("BIASED", PAIR_UNPACK and can_biased)
+    if biased and not can_biased:
+        raise ValueError(f"BIASED needs 4-bit fields with zero points, a K tile inside one group and bf16 / fp16 x, "
+                         f"not {packing}, groups of {group_size} and {x.dtype}")
     num_tiles = cdiv(out_features, cfg["BLOCK_N"])
     split = cfg["SPLIT_K"]
     counts = split_counts(x.device, num_tiles) if split > 1 else None
@@ -454,7 +506,8 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
         out_features // packing.pack_factor, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
         AWQ_ORDER=packing.fields is not None,
-        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, HAS_BIAS=bias is not None, GATED=gated,
+        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, HAS_BIAS=bias is not None,
+        GATED=gated,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
         BIASED=biased,
         FP16=x.dtype == torch.float16,

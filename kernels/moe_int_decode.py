@@ -12,8 +12,9 @@ column tiles are too few to fill the GPU (a batch-1 step: K experts times N / BL
 last program adds the slices (in slice order: the sums do not depend on which program is last), as the dense
 kernel does. The epilogue is the grouped GEMM's (`store_pair_rows`: SiLU-and-mul, routing weights).
 
-`takes` says which layers it takes: the layouts the dense stream kernel takes (no act-order, K tiles inside one
-group), at the 16-row tiles of kernels/moe.py's `moe_config`; the others keep kernels/moe_quant.py's GEMM.
+`takes` says which layers it takes: the layouts the dense stream kernel takes (no act-order; K tiles inside one
+group, or along K whole groups a tile: GGUF's experts, their mins too), at the 16-row tiles of kernels/moe.py's
+`moe_config`; the others keep kernels/moe_quant.py's GEMM.
 """
 
 from __future__ import annotations
@@ -42,28 +43,29 @@ def takes(experts, block_m: int, gated: bool) -> bool:
     n, k = experts.shape
     out_features = n // 2 if gated else n
     packing = experts.packing
-    if not STREAM or block_m != 16 or (gated and out_features % packing.pack_factor) or experts.mins is not None:
-        return False  # GGUF's mins: kernels/moe_quant.py's GEMM
+    if not STREAM or block_m != 16 or (gated and out_features % packing.pack_factor):
+        return False
     return can_stream(packing, experts.g_idx, experts.group_size or k, k, out_features, 1, 16)
 
 
 @triton.jit
 def _pair_tile(a_ptr, qw_e, qz_e, s_e, a_rows, row_mask, stride_a, stride_w, stride_z, stride_s, n0, c0, N,
                col_begin, word_begin, k_begin, k_end, group_size, BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr,
-               AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, ROW_SCALES: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
+               FP16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N]: the pairs' rows of x times the expert's W.T columns col_begin + n0 on (gate's
     from 0, up's from N), K from k_begin to k_end."""
     P: tl.constexpr = 32 // BITS
     if PACKED_ALONG_K:
         acc = _k_packed_tile(a_ptr, qw_e, qz_e, s_e, a_rows, row_mask, stride_a, stride_w, stride_z, stride_s,
-                             col_begin + n0, col_begin + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, False,
-                             UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                             col_begin + n0, col_begin + N, k_begin, k_end, group_size, BITS, ZERO_OFFSET, HAS_MINS,
+                             ROW_SCALES, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc = _n_packed_tile(a_ptr, qw_e, qz_e, s_e, a_rows, row_mask, stride_a, stride_w, stride_z, stride_s,
                              word_begin + c0, word_begin + N // P, k_begin, k_end, group_size, BITS, AWQ_ORDER,
-                             ZERO_OFFSET, False, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M,
+                             ZERO_OFFSET, HAS_MINS, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M,
                              BLOCK_N // P, BLOCK_K)
     return acc
 
@@ -74,7 +76,7 @@ def _moe_int_stream_kernel(
     part_ptr, count_ptr, N, K, num_pairs, num_tiles, group_size,
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s,
     BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_MINS: tl.constexpr, ROW_SCALES: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -97,13 +99,14 @@ def _moe_int_stream_kernel(
     k_begin = tl.program_id(1) * per_slice
     k_end = tl.minimum(K, k_begin + per_slice)
     acc = _pair_tile(a_ptr, qw_e, qz_e, s_e, a_rows, row_mask, stride_a, stride_w, stride_z, stride_s, n0, c0, N, 0,
-                     0, k_begin, k_end, group_size, BITS, PACKED_ALONG_K, AWQ_ORDER, ZERO_OFFSET, UPCAST, PRECISION,
-                     ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                     0, k_begin, k_end, group_size, BITS, PACKED_ALONG_K, AWQ_ORDER, ZERO_OFFSET, HAS_MINS,
+                     ROW_SCALES, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc_up = acc
     if GATED:
         acc_up = _pair_tile(a_ptr, qw_e, qz_e, s_e, a_rows, row_mask, stride_a, stride_w, stride_z, stride_s, n0, c0,
                             N, N, N // P, k_begin, k_end, group_size, BITS, PACKED_ALONG_K, AWQ_ORDER, ZERO_OFFSET,
-                            UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K)
+                            HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N,
+                            BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if SPLIT_K == 1:
@@ -143,7 +146,8 @@ def moe_int_stream(a: torch.Tensor, experts, out: torch.Tensor, aligned, rows_pe
     n_total, k = experts.shape
     n = n_total // 2 if gated else n_total
     packing, group_size = experts.packing, experts.group_size or k
-    cfg = stream_config(16, n, k, group_size, packing.is_packed_along_k, gated, a.dtype.itemsize, a.device)
+    cfg = stream_config(16, n, k, group_size, packing.is_packed_along_k, gated, a.dtype.itemsize, a.device,
+                        packing.pack_factor)
     num_tiles, num_n_blocks = tile_experts.shape[0], cdiv(n, cfg["BLOCK_N"])
     # the tiles that hold pairs: one for each expert a pair chose, and one more for each 16 pairs of an expert
     num_pairs = out.shape[0]
@@ -153,14 +157,16 @@ def moe_int_stream(a: torch.Tensor, experts, out: torch.Tensor, aligned, rows_pe
     if counts is None:
         split = 1
     parts = (torch.empty(split, 2, num_tiles * 16, n, dtype=torch.float32, device=a.device) if split > 1 else out)
-    biased = PAIR_UNPACK and can_pair_unpack(packing, a.dtype, False)
+    has_mins, row_scales = experts.mins is not None, group_size < cfg["BLOCK_K"]
+    zeros = experts.mins if has_mins else experts.qzeros  # the kernel's qz_ptr holds either
+    biased = PAIR_UNPACK and can_pair_unpack(packing, a.dtype, has_mins) and not row_scales
     _moe_int_stream_kernel[(num_tiles * num_n_blocks, split)](
-        a, experts.qweight, experts.qzeros, experts.scales, out, out if routing is None else routing, sorted_ids,
+        a, experts.qweight, zeros, experts.scales, out, out if routing is None else routing, sorted_ids,
         tile_experts, num_padded, parts, counts if counts is not None else sorted_ids, n, k, out.shape[0],
         num_tiles, group_size, a.stride(0), out.stride(0), experts.qweight.stride(0), experts.qweight.stride(1),
-        experts.qzeros.stride(0), experts.qzeros.stride(1), experts.scales.stride(0), experts.scales.stride(1),
+        zeros.stride(0), zeros.stride(1), experts.scales.stride(0), experts.scales.stride(1),
         BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k, AWQ_ORDER=packing.fields is not None,
-        ZERO_OFFSET=packing.zero_offset, ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
+        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(), BIASED=biased,
         FP16=a.dtype == torch.float16, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(a.device), num_warps=cfg["num_warps"],

@@ -148,7 +148,7 @@ def main_loop_length(sass: str) -> int:
 
 def compile_only(self, *args, grid, warmup, **kwargs):
     compiled = ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
-    tiles = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GATED", "BIASED") if k in kwargs}
+    tiles = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GATED", "BIASED", "ROW_SCALES") if k in kwargs}
     print(json.dumps({"kernel": self.fn.__name__, "case": CASE[0], "num_warps": compiled.metadata.num_warps,
                       **tiles, **resources(compiled)}), flush=True)
     return compiled
@@ -198,10 +198,13 @@ def fused_moe(name, tokens, hidden, inter, experts, top_k, dtype=torch.bfloat16)
                          empty(experts, hidden, inter, dtype=dtype), torch.zeros(tokens, top_k), ids)
 
 
-def int_experts(experts, n, k, group, packing, act_order=False):
-    """Empty packed experts of [n, k] each (K-first, as the int layers hold them)."""
+def int_experts(experts, n, k, group, packing, act_order=False, mins=False):
+    """Empty packed experts of [n, k] each (K-first, as the int layers hold them); mins: GGUF's, float32."""
     p = packing.pack_factor
     qweight = int32(experts, k // p, n) if packing.is_packed_along_k else int32(experts, k, n // p)
+    if mins:
+        return moe_quant.IntExperts(qweight, None, empty(experts, k // group, n, dtype=torch.float32), None, group,
+                                    packing, empty(experts, k // group, n, dtype=torch.float32))
     return moe_quant.IntExperts(qweight, int32(experts, k // group, n // p),
                                 empty(experts, k // group, n, dtype=torch.float16),
                                 int32(experts, k) if act_order else None, group, packing)
@@ -236,6 +239,9 @@ def compile_moe_quant() -> None:
     fused_moe_quant("moe gptq qwen3-30b-a3b, 1 tokens", 1, 2048, 768, 128, 8, gptq)  # streamed, K split
     awq64 = lambda n, k, parts: int_experts(64, n, k, 64, linear_int.AWQ_GEMM)  # noqa: E731
     fused_moe_quant("moe awq deepseek-v2-lite, 1 tokens", 1, 2048, 1408, 64, 6, awq64)  # streamed, K split
+    gguf = lambda n, k, parts: int_experts(128, n, k, 32, linear_int.offset_binary(4), mins=True)  # noqa: E731
+    for tokens in (1, 2048):  # GGUF Q4_K experts: streamed (groups of 32 in its K tiles), and the GEMM's tiles
+        fused_moe_quant(f"moe gguf q4_k qwen3-30b-a3b, {tokens} tokens", tokens, 2048, 768, 128, 8, gguf)
     fp8_rows = lambda n, k, parts: fp8_experts(8, n, k)  # noqa: E731
     for tokens in (1, 4096):
         fused_moe_quant(f"moe fp8 per-row mixtral, {tokens} tokens", tokens, 4096, 14336, 8, 2, fp8_rows)
@@ -371,6 +377,13 @@ def compile_int_stream() -> None:
                                          empty(*qzeros, dtype=torch.int32), empty(3, 96, dtype=torch.float32), None,
                                          128, packing, gated=gated)
     int_linear("int4 stream gguf q4_1 g128 qkv, 1 rows", 1, 4096, (512, 6144), None, 32, 6144, q4, mins=True)
+    # groups under the K tile (ROW_SCALES): GGUF's 32 (Q4_K / Q4_1, mins) and Q6_K's 16 (8 bits), GPTQ's 32
+    int_linear("int4 stream gguf q4_k g32 gate_up + silu, 1 rows", 1, 4096, (512, 2 * 14336), None, 128, 2 * 14336,
+               q4, group_size=32, mins=True, gated=True)
+    int_linear("int8 stream gguf q6_k g16 down, 1 rows", 1, 14336, (14336 // 4, 4096), (896, 4096 // 4), 896, 4096,
+               linear_int.offset_binary(8), group_size=16)
+    int_linear("int4 stream gptq g32 qkv, 16 rows", 16, 4096, (512, 6144), (128, 6144 // 8), 128, 6144, gptq4,
+               group_size=32)
     for name, k, qweight, qzeros, groups, n, packing, gated in [  # the q - z path (BIASED=False; B + q: default)
             ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq, False),
             ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8), 32, 2 * 14336, awq, True),

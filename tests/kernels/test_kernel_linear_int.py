@@ -380,7 +380,9 @@ def test_stream_kernel_groups_of_no_power_of_two(fmt, k, device, poisoned_alloca
     group = layer["group_size"] or k
     assert can_stream(layer["packing"], None, group, k, 64, 2, 16)
     for itemsize in (2, 4):
-        assert group % stream_config(2, 64, k, group, fmt.method == "gptq", False, itemsize, device)["BLOCK_K"] == 0
+        cfg = stream_config(2, 64, k, group, fmt.method == "gptq", False, itemsize, device,
+                            layer["packing"].pack_factor)
+        assert group % cfg["BLOCK_K"] == 0
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(device)
     torch.testing.assert_close(linear_int_triton(x, **layer), linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
 
@@ -407,7 +409,8 @@ def test_stream_kernel_half_precision(fmt, dtype, device, poisoned_allocations):
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stream_kernel_mins(rows, dtype, device, poisoned_allocations):
-    """GGUF Q4_1's mins (groups of 32, K tiles of 128: not streamed) and a 128-group version that is."""
+    """Mins at groups of 128: one group a K tile, a K tile's sum scaled and min * sum(x) added (groups of 32:
+    `test_stream_kernel_row_scales`)."""
     from kernels.int_decode import can_stream
 
     gen = torch.Generator().manual_seed(2)
@@ -426,6 +429,45 @@ def test_stream_kernel_mins(rows, dtype, device, poisoned_allocations):
             assert (out.float() - ref).abs().max() <= (4 if gated else 2) * 2.0 ** -8 * ref.abs().max()
 
 
+# Groups smaller than the K tile (ROW_SCALES): each GGUF type served (4 and 8 bits, zero points or mins, fp16 or float32
+# scales, Q6_K's 16), and GPTQ's groups of 32 with zero points; each case gated or not, split or not, 1 or 5 rows.
+ROW_SCALE_CASES = [(name, rows, gated, split) for i, name in enumerate(["Q4_0", "Q4_1", "Q8_0", "Q5_K", "Q6_K",
+                                                                        "gptq g32"])
+                   for rows, gated, split in [((1, 5)[i % 2], i % 3 == 0, (1, 2)[i % 2 == 0])]]
+
+
+@pytest.mark.parametrize("name, rows, gated, split", ROW_SCALE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_kernel_row_scales(name, rows, gated, split, dtype, spies, device, poisoned_allocations):
+    """Groups of 32 and 16 packed along K stream: a K tile of 16 words or more holds several groups, so each word
+    row's scales (and zero points, or mins) dequantize W before the dots, as the reference does; float32 x to
+    float32 rounding, bf16 x within bf16 units of the float32 product (W rounded to bf16, as the reference's)."""
+    from kernels._triton import dot_precision, upcast_dot_operands
+    from kernels.int_decode import can_stream, linear_int_stream, stream_config
+
+    k = 512
+    layer = (packed_layer(ic.Int4Format("gptq", 32), 96, k, device) if name == "gptq g32"
+             else gguf_layer(name, 96, k, device))
+    packing, group = layer["packing"], layer["group_size"]
+    assert group < 16 * packing.pack_factor and can_stream(packing, None, group, k, 48 if gated else 96, rows, 16)
+    cfg = stream_config(rows, 48 if gated else 96, k, group, True, gated, dtype.itemsize, torch.device(device),
+                        packing.pack_factor)
+    assert cfg["BLOCK_K"] % group == 0 and cfg["BLOCK_K"] > group and cfg["BLOCK_K"] >= 16 * packing.pack_factor
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    ref = linear_int_ref(x.float(), **layer, gated=gated)
+    out = linear_int_stream(x, layer["qweight"], layer["qzeros"] if layer.get("mins") is None else layer["mins"],
+                            layer["scales"], group, packing, None, gated, layer.get("mins") is not None,
+                            upcast_dot_operands(dtype, x.device), dot_precision(dtype), config={"SPLIT_K": split})
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+    else:
+        assert (out.float() - ref).abs().max() <= (4 if gated else 2) * 2.0 ** -8 * ref.abs().max()
+    # the launcher's choice for these rows: this kernel (its own split of K)
+    torch.testing.assert_close(linear_int_triton(x, **layer, gated=gated), out, atol=1e-3, rtol=1e-3)
+    assert spies["_int_decode_kernel"].launches == 2 and spies["_int_dequantize_kernel"].launches == 0
+
+
 def test_stream_config_splits_k_to_about_two_programs_an_sm_and_fits():
     """On the H200's 132 SMs (Llama-3-8B's and 70B's layers): split-K to about two programs an SM (at most
     MAX_SPLIT_K slices, each of >= 2 K tiles), no empty slice, and stages that fit shared memory with room to spare.
@@ -438,7 +480,7 @@ def test_stream_config_splits_k_to_about_two_programs_an_sm_and_fits():
                      (28672, 8192, True): 2, (8192, 28672, False): 8}
     for (n, k, gated), best in measured_best.items():
         for along_k in (False, True):
-            c = stream_config(1, n, k, 128, along_k, gated, 2, cpu)
+            c = stream_config(1, n, k, 128, along_k, gated, 2, cpu, 8)
             tiles, k_tiles, split = -(-n // c["BLOCK_N"]), k // c["BLOCK_K"], c["SPLIT_K"]
             per_slice = -(-k_tiles // split)
             assert 1 <= split <= MAX_SPLIT_K and per_slice >= 2 and (split - 1) * per_slice < k_tiles, (n, k, c)
@@ -487,14 +529,14 @@ ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("
     (ic.Int4Format("gptq", 128, sym=True), 16, None, "_int_decode_kernel"),
     (ic.Int4Format("awq", 128), 17, None, "_int_dequantize_kernel"),  # past MAX_ROWS
     (ACT_ORDER, 1, None, "_int_dequantize_kernel"),  # act-order: not streamed
-    (GPTQ_G32, 1, None, "_int_dequantize_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups
+    (GPTQ_G32, 1, None, "_int_decode_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups (ROW_SCALES)
     # a caller's threshold of 20: the Triton kernel's tiles below it for what does not stream
     (ic.Int4Format("awq", 128), 17, 20, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
-    (GPTQ_G32, 1, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
+    (GPTQ_G32, 17, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
     (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
 def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, device):
     """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
-    g_idx, K tiles inside a group); otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the
+    g_idx; K tiles inside a group, or along K whole groups a tile); otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the
     first row), the first kernel's decode tiles or GEMM tiles below it; each equal to the reference."""
     layer = packed_layer(fmt, 96, 256, device)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(device)

@@ -193,6 +193,32 @@ def test_gguf_experts_match_the_reference(w13_type, w2_type, shape, device, pois
     torch.testing.assert_close(out, fused_moe_quant_ref(x, w13, w2, weights, ids), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("w13_type, w2_type, num_tokens", [("Q4_1", "Q8_0", 1), ("Q5_1", "Q4_0", 3)], ids=str)
+def test_gguf_experts_stream_at_decode_sizes(w13_type, w2_type, num_tokens, device, poisoned_allocations,
+                                             monkeypatch):
+    """GGUF experts at decode sizes take kernels/moe_int_decode.py (groups of 32 inside its K tiles of 128: each
+    word row's scales and mins or zeros applied before the dots), equal to the reference and to the GEMM."""
+    from kernels import moe_int_decode
+
+    launches = []
+    real = moe_int_decode._moe_int_stream_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe_int_decode, "_moe_int_stream_kernel", Spy())
+    args = make_case(num_tokens, 256, 128, 4, 2, lambda w: gguf_experts(w, w13_type),
+                     lambda w: gguf_experts(w, w2_type), torch.float32, device)
+    out = fused_moe_quant_triton(*args)
+    assert len(launches) == 2, launches  # gate/up and down
+    torch.testing.assert_close(out, fused_moe_quant_ref(*args), atol=2e-5, rtol=2e-5)
+    monkeypatch.setattr(moe_int_decode, "STREAM", False)
+    torch.testing.assert_close(out, fused_moe_quant_triton(*args), atol=2e-5, rtol=2e-5)
+    assert len(launches) == 2
+
+
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=str)
 def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocations):
     fmt = ic.Int4Format("gptq", 32, desc_act=True)
