@@ -76,8 +76,9 @@ def _moe_int_stream_kernel(
     part_ptr, count_ptr, N, K, num_pairs, num_tiles, group_size,
     stride_a, stride_o, stride_we, stride_w, stride_ze, stride_z, stride_se, stride_s,
     BITS: tl.constexpr, PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-    HAS_MINS: tl.constexpr, ROW_SCALES: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, FP16: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_MINS: tl.constexpr, ROW_SCALES: tl.constexpr, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
+    FP16: tl.constexpr, EVEN_N: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[pair, n-block] for program_id(0) = tile * n-blocks + n-block, over the program_id(1)-th of SPLIT_K
@@ -166,7 +167,8 @@ def moe_int_stream(a: torch.Tensor, experts, out: torch.Tensor, aligned, rows_pe
         num_tiles, group_size, a.stride(0), out.stride(0), experts.qweight.stride(0), experts.qweight.stride(1),
         zeros.stride(0), zeros.stride(1), experts.scales.stride(0), experts.scales.stride(1),
         BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k, AWQ_ORDER=packing.fields is not None,
-        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=routing is not None,
+        ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, ROWS_PER_A=rows_per_a,
+        GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(), BIASED=biased,
         FP16=a.dtype == torch.float16, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(a.device), num_warps=cfg["num_warps"],

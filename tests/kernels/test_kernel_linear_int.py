@@ -536,8 +536,9 @@ ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("
     (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
 def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, device):
     """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
-    g_idx; K tiles inside a group, or along K whole groups a tile); otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the
-    first row), the first kernel's decode tiles or GEMM tiles below it; each equal to the reference."""
+    g_idx; K tiles inside a group, or along K whole groups a tile); otherwise dequantize + cuBLAS from
+    dequantize_min_rows (by default from the first row), the first kernel's decode tiles or GEMM tiles below it;
+    each equal to the reference."""
     layer = packed_layer(fmt, 96, 256, device)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(device)
     out = linear_int(x, **layer, **({} if threshold is None else {"dequantize_min_rows": threshold}))
