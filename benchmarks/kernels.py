@@ -570,7 +570,7 @@ def main(argv=None) -> int:
                         help="--only mla: heads a rank (default 16, DeepSeek-V2-Lite's; 128 is V2's at tp 1)")
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
                         help="--only int4: the packed layouts to time (AWQ, GPTQ symmetric, GPTQ act-order; group "
-                             "128)")
+                             "128; GPTQ with groups of 32, and GGUF Q4_K as served: groups of 32, scales and mins)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
                         "--only decode / prefill / linear / moe / fp8 / fp8-kv / lora / int4)")

@@ -17,7 +17,8 @@ also takes the host's launch cost out, as the engine's decode graphs do. The sum
 how many rows dequant+cuBLAS beats the GEMM tiles: kernels/linear_int.py's DEQUANTIZE_MIN_ROWS should be there
 (1: it beat the tiles at every size in the first run, h200-kernels-int4-first.txt).
 Meant to take about 2 minutes on an H200, compiles included (not yet run there); `--int-layouts awq gptq-act`
-doubles it.
+doubles it. `gptq-g32` and `gguf-q4_k` (groups of 32: GPTQ's, and a Q4_K file's as served, float32 scales and mins)
+time the stream kernel over several groups a K tile against dequant+cuBLAS, what such layers ran before.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kernels.linear_int import (
     linear_int_dequantized,
     linear_int_ref,
     linear_int_triton,
+    offset_binary,
 )
 
 INT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
@@ -49,15 +51,19 @@ GROUP_SIZE = 128
 INT_MODELS = {"8b": dict(hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, inter=14336),
               "70b": dict(hidden=8192, num_heads=64, num_kv_heads=8, head_dim=128, inter=28672)}
 SMOKE_INT_MODELS = {"toy": dict(hidden=128, num_heads=8, num_kv_heads=2, head_dim=16, inter=128)}  # K: 128s
-# layout -> (packing, zero points drawn at random (AWQ) or mid-range (GPTQ sym), act-order g_idx)
-INT_LAYOUTS = {"awq": (AWQ_GEMM, True, False), "gptq": (gptq_v1(4), False, False),
-               "gptq-act": (gptq_v1(4), False, True)}
+# layout -> (packing, zero points drawn at random (AWQ) or mid-range (GPTQ sym), act-order g_idx, group size,
+# GGUF's float32 scales and mins in place of zero points (Q4_K as an int layer holds it: checkpoints/gguf_types.py));
+# groups of 32 along K stream with a word row's scales a row of the K tile (kernels/int_decode.py ROW_SCALES)
+INT_LAYOUTS = {"awq": (AWQ_GEMM, True, False, GROUP_SIZE, False), "gptq": (gptq_v1(4), False, False, GROUP_SIZE, False),
+               "gptq-act": (gptq_v1(4), False, True, GROUP_SIZE, False),
+               "gptq-g32": (gptq_v1(4), False, False, 32, False),
+               "gguf-q4_k": (offset_binary(4), False, False, 32, True)}
 
 
 def packed_layer(out_features: int, in_features: int, layout: str, device) -> dict:
     """A random int4 layer drawn packed (no float weight): linear_int's keyword arguments."""
-    packing, random_zeros, act_order = INT_LAYOUTS[layout]
-    p, groups = packing.pack_factor, in_features // GROUP_SIZE
+    packing, random_zeros, act_order, group_size, has_mins = INT_LAYOUTS[layout]
+    p, groups = packing.pack_factor, in_features // group_size
 
     def words(*shape):
         return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device)
@@ -73,14 +79,17 @@ def packed_layer(out_features: int, in_features: int, layout: str, device) -> di
                             dtype=torch.int32, device=device)
     # scales giving W a standard deviation near in_features ** -0.5 (uniform integers: 4.6 steps)
     scales = (torch.rand(groups, out_features, device=device) + 0.5) * (in_features ** -0.5 / 4.6)
-    g_idx = (torch.randperm(in_features, device=device) // GROUP_SIZE).int() if act_order else None
-    return dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx, group_size=GROUP_SIZE,
+    g_idx = (torch.randperm(in_features, device=device) // group_size).int() if act_order else None
+    if has_mins:  # w = q * scale + min, centred as a zero point of 8 would centre it
+        return dict(qweight=qweight, qzeros=None, scales=scales, g_idx=None, group_size=group_size, packing=packing,
+                    mins=-8 * scales)
+    return dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx, group_size=group_size,
                 packing=packing)
 
 
 def packed_bytes(layer: dict) -> int:
     return sum(t.numel() * t.element_size() for t in (layer["qweight"], layer["qzeros"], layer["scales"],
-                                                     layer["g_idx"]) if t is not None)
+                                                     layer["g_idx"], layer.get("mins")) if t is not None)
 
 
 def linears(model: dict) -> dict:
@@ -213,8 +222,11 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout):
     c0 = copies[0]
     if not can_stream(c0["packing"], None, c0["group_size"], in_features, n, 1, MAX_ROWS):
         return
-    zero_terms = [_check_packed_launchable(c["qweight"], c["qzeros"], c["scales"], None, None) for c in copies]
-    base = stream_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device)
+    zero_terms = [_check_packed_launchable(c["qweight"], c["qzeros"], c["scales"], None, c.get("mins"))
+                  for c in copies]
+    has_mins = c0.get("mins") is not None
+    base = stream_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device,
+                         c0["packing"].pack_factor)
     configs = {"default": {}} | {" ".join(f"{k}={v}" for k, v in c.items()): c for c in STREAM_TUNE_CONFIGS}
     for rows in STREAM_TUNE_ROWS:
 
@@ -224,7 +236,7 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout):
             def call(i, cfg):
                 c = copies[i]
                 return linear_int_stream(x, c["qweight"], zero_terms[i], c["scales"], c["group_size"], c["packing"],
-                                         None, gated, False, upcast_dot_operands(x.dtype, device),
+                                         None, gated, has_mins, upcast_dot_operands(x.dtype, device),
                                          dot_precision(x.dtype), cfg)
 
             impls = {"bf16 cuBLAS": _chain(lambda i: linear_cublas(x, bf16[i], gated=gated), len(copies))}

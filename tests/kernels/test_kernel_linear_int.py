@@ -245,12 +245,14 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
 
     monkeypatch.setattr(bench, "time_ms", lambda fn, device: (fn(), 1.0)[1])
     runner = bench.Runner(device, check=True, use_triton=True)
-    kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act"], rows_list=[2, 20])
+    kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act", "gguf-q4_k"], rows_list=[2, 20])
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
     assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("stream", "decode tiles", "decode tiles, once")
             } <= impls
     assert not {r for r in impls if r[2] == "stream" and ("gptq-act" in r[0] or r[1] == "rows 20")}
+    # GGUF's groups of 32 (float32 scales and mins): several a K tile of the stream kernel
+    assert ("int4 gguf-q4_k toy down", "rows 2", "stream") in impls
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
                                                                      "dequant+cuBLAS")} <= impls
     bf16, gemm = (next(r for r in runner.results if r["kernel"] == "int4 awq toy o" and r["case"] == "rows 20"
