@@ -118,10 +118,11 @@ def gguf_int_layers(model: nn.Module, types: dict[str, str], dtype) -> set[str]:
 
 
 def gguf_int_experts(model: nn.Module, types: dict[int, dict[str, str]], model_type: str) -> set[str]:
-    """Rebuilds as int experts each FusedMoE whose GGUF gate and up tensors (`types`: checkpoints.gguf.expert_types)
+    """Makes int experts of each FusedMoE whose GGUF gate and up tensors (`types`: checkpoints.gguf.expert_types)
     share a type the int kernels take and whose down tensor is of such a type too (its own:
-    workers/layers/moe_quant.py); the others stay float, to be dequantized at load. Returns the checkpoint's
-    experts modules served as int blocks (checkpoints.gguf.experts_module)."""
+    workers/layers/moe_quant.py); float ones of the others, to be dequantized at load (each was built holding
+    none: FusedMoE.make_experts). Returns the checkpoint's experts modules served as int blocks
+    (checkpoints.gguf.experts_module)."""
     from checkpoints.gguf import experts_module
 
     int_modules: set[str] = set()
@@ -132,9 +133,10 @@ def gguf_int_experts(model: nn.Module, types: dict[int, dict[str, str]], model_t
         parts = types.get(layer, {})
         gate, up, down = (parts.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
         if gate == up and gate in GGUF_INT_LAYOUTS and down in GGUF_INT_LAYOUTS:
-            module.remake_int_experts({"w13": gguf_quant_config(gate), "w2": gguf_quant_config(down)})
+            module.make_experts({"w13": gguf_quant_config(gate), "w2": gguf_quant_config(down)})
             int_modules.add(experts_module(layer, model_type))
         else:
+            module.make_experts(None)
             logger.warning("quantization='gguf': layer %d's experts (gate %s, up %s, down %s) are dequantized at "
                            "load: the MoE kernels take int blocks of %s, gate and up of one type", layer, gate, up,
                            down, ", ".join(GGUF_INT_LAYOUTS))

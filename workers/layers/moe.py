@@ -15,9 +15,9 @@ up_proj/down_proj` in Qwen-MoE); `expert_param_name` maps them to (w13 / w2, sha
 Built inside `quantized_layers(config)` with an AWQ / GPTQ / pack-quantized or FP8 config, the experts are held
 quantized (workers/layers/moe_quant.py: packed integers or e4m3, stacked per projection, loaded per expert as
 stored) and computed by kernels/moe_quant.py; the router (and a shared expert's gate) stay as the checkpoint gives
-them. A GGUF file's experts (quantization="gguf") are built in the model's dtype; workers/weights.py
-`gguf_int_experts` then rebuilds those whose file types the int kernels take (`remake_int_experts`: a layer's gate
-and up of one type, its down of that or another) as int experts holding the file's blocks, and the others load
+them. A GGUF file's experts (quantization="gguf") are built as placeholders on the meta device; workers/weights.py
+`gguf_int_experts` then makes those whose file types the int kernels take (`make_experts`: a layer's gate and up of
+one type, its down of that or another) int experts holding the file's blocks, and the others float ones that load
 dequantized (checkpoints/gguf.py reads each of a stacked experts tensor's experts as its own slice).
 """
 
@@ -83,20 +83,27 @@ class FusedMoE(nn.Module):
         self.inter_per_rank = _divide(intermediate_size, self.tp_size, "moe intermediate size")
         config = current_quant_config()
         self.quant_config = config if config is not None and config.method != "gguf" else None
+        self.weights_device = device
         if self.quant_config is not None and self.quant_config.is_packed_int:
             create_int_experts(self, {"w13": self.quant_config, "w2": self.quant_config}, device)
         elif self.quant_config is not None:
             create_fp8_experts(self, self.quant_config, device)
+        elif config is not None:  # GGUF: int or float as the file's types allow (`make_experts`), none held yet
+            self._create_weights(dtype, "meta")
         else:
             self._create_weights(dtype, device)
 
-    def remake_int_experts(self, configs: dict[str, QuantConfig]) -> None:
-        """Int experts of w13's and w2's formats in place of the float ones it was built with, before loading (a
-        GGUF file's types)."""
-        device = self.w13_weight.device
+    def make_experts(self, configs: dict[str, QuantConfig] | None) -> None:
+        """A GGUF file's experts, before loading: int experts of w13's and w2's formats, or (None) float ones in
+        the model's dtype, in place of the placeholders it was built with (so a file's experts never take their
+        float size in memory first)."""
+        dtype = self.w13_weight.dtype
         del self.w13_weight, self.w2_weight
+        if configs is None:
+            self._create_weights(dtype, self.weights_device)
+            return
         self.quant_config = configs["w13"]
-        create_int_experts(self, configs, device)
+        create_int_experts(self, configs, self.weights_device)
 
     def _create_weights(self, dtype, device) -> None:
         num_experts, hidden_size = self.num_experts, self.hidden_size
