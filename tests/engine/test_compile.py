@@ -31,13 +31,13 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-# Compiling costs 20-50 s a case under CPU: make test runs Llama's and DeepSeek-V2's greedy parity, CI's slow suite
+# Compiling costs 20-50 s a case under CPU: make test runs Llama's greedy parity, CI's slow suite
 # every case
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=SLOW), pytest.param("qwen2_moe", marks=SLOW),
-                                  "deepseek_v2"])
+                                  pytest.param("deepseek_v2", marks=SLOW)])
 def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
     """Llama, Qwen3's RMSNorm over each q and k head, Qwen2-MoE's routed experts (an op) and gated shared expert,
     DeepSeek-V2's latent attention (an op that writes the latent pool and attends) and group-limited routing, under

@@ -227,8 +227,10 @@ def test_int_kernel_at_batch_sizes_past_one_tile(shape, device, poisoned_allocat
 
 
 # Each format with each K tile and each unpacking, in 4 cases rather than all 8 (each is seconds under the interpreter).
-TILE_CASES = [(ic.Int4Format("awq", 32), 16, True), (ic.Int4Format("awq", 32), 64, False),
-              (ic.Int4Format("gptq", 32, bits=8, desc_act=True), 16, False),
+# The two 16-row-K cases (15 s each on 2 cores) run in make test-slow (CI runs both suites).
+TILE_CASES = [pytest.param(ic.Int4Format("awq", 32), 16, True, marks=pytest.mark.slow),
+              (ic.Int4Format("awq", 32), 64, False),
+              pytest.param(ic.Int4Format("gptq", 32, bits=8, desc_act=True), 16, False, marks=pytest.mark.slow),
               (ic.Int4Format("gptq", 32, bits=8, desc_act=True), 64, True)]
 
 
