@@ -33,6 +33,7 @@ def test_tp2_fp8_weights_and_kv_match_the_tp2_oracle(ray_cluster, tiny_checkpoin
         llm.shutdown()
 
 
+@pytest.mark.slow  # 7-18 s of make test's 15 minutes on 2 cores: CI's slow suite runs it
 def test_tp2_fp8_experts_match_the_tp2_oracle(ray_cluster, tiny_checkpoints):
     """Mixtral's FP8 experts (W8A8) at tp 2: each rank quantizes x per token, and its own slice of the SiLU-and-mul
     output per token for down, as the tp=2 oracle's experts do. (At the tiny model's size a scale over the whole

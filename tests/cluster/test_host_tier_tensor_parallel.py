@@ -1,12 +1,15 @@
 """The host KV tier at tensor_parallel_size 2: real Ray actors over gloo (the worker-side tests are
 tests/workers/test_kv_host_tier.py)."""
 
+import pytest
+
 from cluster.actor_group import RayExecutor
 from engine.config import EngineArgs
 from tests.workers.test_kv_host_tier import prefix_reuse_tokens
 from workers.worker import InProcessExecutor
 
 
+@pytest.mark.slow  # 7-18 s of make test's 15 minutes on 2 cores: CI's slow suite runs it
 def test_tensor_parallel_ranks_move_blocks(ray_cluster, tiny_checkpoints):
     """tp 2 over gloo, real Ray actors: the group reports its host blocks, and every rank's moves keep the greedy
     tokens those of one rank."""

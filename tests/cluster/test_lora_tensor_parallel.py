@@ -16,6 +16,7 @@ from tests.lora_adapters import make_adapter
 from tests.prompts import PARITY_PROMPTS
 
 
+@pytest.mark.slow  # 7-18 s of make test's 15 minutes on 2 cores: CI's slow suite runs it
 def test_tp2_adapters_match_peft(ray_cluster, tiny_model_dir, tmp_path):
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     loras = [LoRARequest("every", 1, make_adapter(tiny_model_dir, str(tmp_path / "every"), 16, 32.0, every)),

@@ -3,6 +3,8 @@ rank, the step after a constrained step launched before the driver has that step
 the ranks once it has them. The same tokens as the in-process single rank, every output valid, streamed or not,
 under preemption and chunked prefill, with n > 1."""
 
+import pytest
+
 from pagoda import LLM, SamplingParams
 from tests.engines import llm_engine
 from tests.structured_cases import cases, check_output
@@ -19,6 +21,7 @@ def workload() -> list[tuple[str, SamplingParams]]:
     return work
 
 
+@pytest.mark.slow  # 7-18 s of make test's 15 minutes on 2 cores: CI's slow suite runs it
 def test_tp2_constrained_tokens_match_one_rank_streamed_and_not(ray_cluster, tiny_checkpoints):
     model_dir = tiny_checkpoints["llama"]
     work = workload()

@@ -4,6 +4,7 @@ transformers' logits; loaded from the GGUF file directly it gives exactly the co
 
 import os
 
+import pytest
 import torch
 
 from checkpoints.builtin import default_gguf_path
@@ -30,6 +31,7 @@ def test_default_model_answers_a_factual_question(real_llm):
     assert out.outputs[0].finish_reason == "stop"  # it ends its turn with <|im_end|>
 
 
+@pytest.mark.slow  # 7-18 s of make test's 15 minutes on 2 cores: CI's slow suite runs it
 def test_converted_checkpoint_holds_what_transformers_reads_from_the_gguf(real_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
