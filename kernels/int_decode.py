@@ -280,40 +280,16 @@ def _k_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if BIASED:  # q - z of each field: the zero point is the column's, the same for its 8 fields
             z = zero_points(zterm_words, zero_fields, ZERO_OFFSET, 4)[None, :]
-            lo, hi = byte_fields(words, z, z, 0, FP16, ASM)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 0, UPCAST, PRECISION, BLOCK_R)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 1, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, z, z, 1, FP16, ASM)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 2, UPCAST, PRECISION, BLOCK_R)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 3, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, z, z, 2, FP16, ASM)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 4, UPCAST, PRECISION, BLOCK_R)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 5, UPCAST, PRECISION, BLOCK_R)
-            lo, hi = byte_fields(words, z, z, 3, FP16, ASM)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 6, UPCAST, PRECISION, BLOCK_R)
-            part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 7, UPCAST, PRECISION, BLOCK_R)
+            for byte in tl.static_range(4):  # unrolled: a byte's two fields each
+                lo, hi = byte_fields(words, z, z, byte, FP16, ASM)
+                part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, lo, 2 * byte, UPCAST, PRECISION,
+                                         BLOCK_R)
+                part = _k_byte_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, hi, 2 * byte + 1, UPCAST,
+                                         PRECISION, BLOCK_R)
         else:
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                m_rows, 0, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                m_rows, 1, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                m_rows, 2, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
-            part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                m_rows, 3, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
-            if P == 8:
+            for j in tl.static_range(P):  # unrolled: field j of every word
                 part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                    m_rows, 4, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
-                                    BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                    m_rows, 5, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
-                                    BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                    m_rows, 6, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
-                                    BLOCK_R)
-                part = _k_field_dot(part, x_ptr, rows, row_mask, stride_x, k0, words, zterm_words, zero_fields, s_rows,
-                                    m_rows, 7, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM,
-                                    BLOCK_R)
+                                    m_rows, j, BITS, ZERO_OFFSET, HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BLOCK_R)
         if ROW_SCALES:
             acc += part
         else:

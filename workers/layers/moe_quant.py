@@ -46,7 +46,15 @@ from kernels.fp8 import FP8_DTYPE, quantize_weight, quantize_weight_blocks
 from kernels.linear_int import IntPacking
 from kernels.moe_quant import Fp8Experts, IntExperts
 from workers.layers.quantization import _blocks, static_input_scale
-from workers.layers.quantization_int import _divided, _mid_range_zeros, _random_scale, packing_of
+from workers.layers.quantization_int import (
+    _divided,
+    _mid_range_zeros,
+    _random_scale,
+    group_layout,
+    group_rows,
+    packing_of,
+    scale_dtype_of,
+)
 
 _INT_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "mins")
 
@@ -100,19 +108,12 @@ def create_int_experts(moe, configs: dict[str, QuantConfig], device) -> None:
     for proj in _projections(moe):
         config = configs[proj.name]
         packing = packing_of(config)
-        p, g = packing.pack_factor, config.group_size
+        p = packing.pack_factor
         if moe.inter_per_rank % p:
             raise ValueError(f"{config.method}: this rank's {moe.inter_per_rank} expert intermediate features do "
                              f"not fill whole int32s of {p} values (tensor_parallel_size {moe.tp_size})")
-        k_total = proj.full[1]
-        has_all_groups = g is None or config.desc_act or not proj.is_k_split
-        if g is not None and k_total % g:
-            raise ValueError(f"expert {proj.name}: in_features {k_total} is not a multiple of group_size {g}")
-        if not has_all_groups and proj.cols % g:
-            raise ValueError(f"tensor_parallel_size {moe.tp_size}: this rank's {proj.cols} expert intermediate "
-                             f"features are not whole groups of group_size {g}; use a tensor_parallel_size that "
-                             "splits them on group boundaries")
-        num_groups = (1 if g is None else k_total // g) if has_all_groups else proj.cols // g
+        has_all_groups, num_groups = group_layout(config, proj.cols, proj.full[1], proj.is_k_split, moe.tp_size,
+                                                  "expert intermediate features", f"expert {proj.name}")
         if proj.rows % p or (packing.is_packed_along_k and proj.cols % p):
             raise ValueError(f"{config.method}: expert {proj.name} [{proj.rows}, {proj.cols}] is not whole int32s "
                              f"of {p} values (tensor_parallel_size {moe.tp_size})")
@@ -127,10 +128,7 @@ def _create_int_projection(moe, proj: _Projection, device) -> None:
     config, packing, E = proj.config, proj.packing, moe.num_experts
     p, rows, cols = packing.pack_factor, proj.rows, proj.cols
     qweight_shape = (E, cols // p, rows) if packing.is_packed_along_k else (E, cols, rows // p)
-    if config.method == "gguf":
-        scale_dtype = {"float16": torch.float16, "float32": torch.float32}[config.scale_dtype]
-    else:
-        scale_dtype = torch.float32 if proj.is_n_major else torch.float16
+    scale_dtype = scale_dtype_of(config)
     shapes = {"qweight": (qweight_shape, torch.int32), "scales": ((E, proj.num_groups, rows), scale_dtype)}
     if config.has_mins:  # GGUF's w = q * scale + min: no zero points
         shapes["mins"] = ((E, proj.num_groups, rows), scale_dtype)
@@ -163,8 +161,7 @@ def _load_int(moe, proj: _Projection, name: str, param: nn.Parameter, loaded, sh
         k_rows = _divided(k_src, p, "input features") if packing.is_packed_along_k else k_src
         n_div = 1 if packing.is_packed_along_k else p
     else:  # qzeros, scales, mins: a row per group (w2's k_src: this rank's, whole groups: checked at creation)
-        g = proj.config.group_size
-        k_rows = slice(None) if proj.has_all_groups else slice(k_src.start // g, k_src.stop // g)
+        k_rows = slice(None) if proj.has_all_groups else group_rows(k_src, proj.config.group_size, moe.tp_size)
         n_div = p if name == "qzeros" else 1
     n_src, n_dst = _divided(n_src, n_div, "output features"), _divided(n_dst, n_div, "output features")
     part = loaded[n_src, k_rows].t() if proj.is_n_major else loaded[k_rows, n_src]

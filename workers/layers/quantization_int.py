@@ -45,6 +45,34 @@ def packing_of(config: QuantConfig) -> IntPacking:
     return offset_binary(config.bits)  # GPTQ v2: v1's layout, zero points as they are
 
 
+def scale_dtype_of(config: QuantConfig) -> torch.dtype:
+    """The dtype a layer (or an expert projection) keeps its scales and mins in."""
+    return {"float16": torch.float16, "float32": torch.float32}[config.scale_dtype]
+
+
+def group_layout(config: QuantConfig, cols: int, k_total: int, is_k_split: bool, tp_size: int,
+                 features: str = "input features", name: str = "") -> tuple[bool, int]:
+    """(has_all_groups, num_groups) of a layer whose rank holds `cols` of its `k_total` input features. Every group
+    stays on every rank with one group, act-order, or K not split; else a rank's K slice must be whole groups (a
+    ValueError naming tensor_parallel_size and group_size). `features` and `name` word the errors."""
+    g = config.group_size
+    has_all_groups = g is None or config.desc_act or not is_k_split
+    if g is not None and k_total % g:
+        raise ValueError(f"{name + ': ' if name else ''}in_features {k_total} is not a multiple of group_size {g}")
+    if not has_all_groups and cols % g:
+        raise ValueError(f"tensor_parallel_size {tp_size}: this rank's {cols} {features} are not whole groups of "
+                         f"group_size {g}; use a tensor_parallel_size that splits them on group boundaries")
+    return has_all_groups, (1 if g is None else k_total // g) if has_all_groups else cols // g
+
+
+def group_rows(k: slice, group_size: int, tp_size: int) -> slice:
+    """The rows of scales / zeros / mins (a row a group) that input features `k` span: whole groups."""
+    if k.start % group_size or k.stop % group_size:
+        raise ValueError(f"tensor_parallel_size {tp_size}: this rank's input features [{k.start}, {k.stop}) "
+                         f"split a group of group_size {group_size}")
+    return slice(k.start // group_size, k.stop // group_size)
+
+
 def _mid_range_zeros(shape, packing: IntPacking, device) -> torch.Tensor:
     """Packed zero points of 2^(bits - 1) (as stored, less the packing's zero_offset) in every field."""
     stored = (1 << (packing.bits - 1)) - packing.zero_offset
@@ -67,14 +95,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     layer.quant_config, layer.packing, layer.group_size = config, packing, g
     layer.is_n_major = config.method in ("pack-quantized", "gguf")  # the checkpoint's tensors are [N, ...]
     k_total = cols * layer.tp_size if is_k_split else cols
-    # every group on every rank: one group, act-order, or a layer whose K is not split
-    layer.has_all_groups = g is None or config.desc_act or not is_k_split
-    if g is not None and k_total % g:
-        raise ValueError(f"in_features {k_total} is not a multiple of group_size {g}")
-    if not layer.has_all_groups and cols % g:
-        raise ValueError(f"tensor_parallel_size {layer.tp_size}: this rank's {cols} input features are not whole "
-                         f"groups of group_size {g}; use a tensor_parallel_size that splits K on group boundaries")
-    num_groups = (1 if g is None else k_total // g) if layer.has_all_groups else cols // g
+    layer.has_all_groups, num_groups = group_layout(config, cols, k_total, is_k_split, layer.tp_size)
     packed_sizes = {"output features": rows, **({"input features": cols} if packing.is_packed_along_k else {})}
     for what, size in packed_sizes.items():  # qzeros always pack N; GPTQ's qweight packs K
         if size % p:
@@ -84,7 +105,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     loader = _loader(layer)
     layer.qweight = _param(qweight_shape, torch.int32, device, loader)
     layer.mins = None
-    scale_dtype = {"float16": torch.float16, "float32": torch.float32}[config.scale_dtype]
+    scale_dtype = scale_dtype_of(config)
     if config.has_mins:  # GGUF Q4_1 / Q5_1 / Q4_K / Q5_K: w = q * scale + min
         layer.qzeros = None
         layer.mins = _param((num_groups, rows), scale_dtype, device, loader)
@@ -153,7 +174,7 @@ def _load(layer, name: str, param: nn.Parameter, loaded, shard_id) -> None:
         k_rows = _divided(k_src, p, "input features") if packing.is_packed_along_k else k_src
         n_div = 1 if packing.is_packed_along_k else p
     else:  # qzeros, scales, mins: a row per group
-        k_rows = slice(None) if layer.has_all_groups else _groups(layer, k_src)
+        k_rows = slice(None) if layer.has_all_groups else group_rows(k_src, layer.group_size, layer.tp_size)
         n_div = p if name == "qzeros" else 1
     n_src, n_dst = _divided(shard.src_rows, n_div, "output features"), _divided(shard.dst, n_div, "output features")
     part = loaded[n_src, k_rows].t() if layer.is_n_major else loaded[k_rows, n_src]
@@ -192,11 +213,3 @@ def _divided(s: slice, d: int, what: str) -> slice:
         raise ValueError(f"this rank's {what} [{s.start}, {s.stop}) are not whole int32s of {d} packed values; "
                          "use another tensor_parallel_size")
     return slice(s.start // d, s.stop // d)
-
-
-def _groups(layer, k: slice) -> slice:
-    g = layer.group_size
-    if k.start % g or k.stop % g:
-        raise ValueError(f"tensor_parallel_size {layer.tp_size}: this rank's input features [{k.start}, {k.stop}) "
-                         f"split a group of group_size {g}")
-    return slice(k.start // g, k.stop // g)
