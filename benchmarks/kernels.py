@@ -571,6 +571,8 @@ def main(argv=None) -> int:
     parser.add_argument("--int-layouts", nargs="+", choices=list(INT_LAYOUTS), default=["awq"],
                         help="--only int4: the packed layouts to time (AWQ, GPTQ symmetric, GPTQ act-order; group "
                              "128; GPTQ with groups of 32, and GGUF Q4_K as served: groups of 32, scales and mins)")
+    parser.add_argument("--int-rows", type=int, nargs="+", default=None,
+                        help="--only int4: the row counts to time (default 1-2048: every path's crossing)")
     parser.add_argument("--tune", action="store_true",
                         help="instead, sweep the attention kernels' tile configs and split counts (GPU, a few minutes; "
                         "--only decode / prefill / linear / moe / fp8 / fp8-kv / lora / int4)")
@@ -597,7 +599,7 @@ def main(argv=None) -> int:
               "linear": bench_linear, "moe": lambda runner, cfg: bench_moe(runner, cfg, moe_cfg), "fp8": bench_fp8,
               "moe-quant": lambda runner, cfg: bench_moe_quant(runner, cfg, moe_cfg),
               "int4": lambda runner, cfg: bench_int4(runner, SMOKE_INT_MODELS if args.smoke else INT_MODELS,
-                                                     args.int_layouts),
+                                                     args.int_layouts, args.int_rows),
               "mla": lambda runner, cfg: bench_mla(runner, cfg, (SMOKE_MLA if args.smoke else GPU_MLA)
                                                    | ({"heads": args.mla_heads} if args.mla_heads else {})),
               "lora": lambda runner, cfg: bench_lora(runner, cfg, lora_cfg)}
