@@ -31,13 +31,13 @@ def _compiled(llm) -> bool:
     return isinstance(llm.engine.executor.worker.model.forward, CompiledForward)
 
 
-# Compiling costs 20-50 s a case under CPU: make test runs Llama's greedy parity, CI's slow suite
-# every case
+# Compiling costs 10-50 s a case under CPU: make test runs the compiled speculative engine (Llama's layers, plain and
+# verify steps), CI's slow suite every case
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=SLOW), pytest.param("qwen2_moe", marks=SLOW),
-                                  pytest.param("deepseek_v2", marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe", "deepseek_v2"])
 def test_compiled_greedy_tokens_equal_transformers(tiny_checkpoints, arch):
     """Llama, Qwen3's RMSNorm over each q and k head, Qwen2-MoE's routed experts (an op) and gated shared expert,
     DeepSeek-V2's latent attention (an op that writes the latent pool and attends) and group-limited routing, under

@@ -730,6 +730,7 @@ class FixedLookup:
         return drafts.repeat(rows, 1), torch.full((rows,), min(k, len(self.drafts)), dtype=torch.long)
 
 
+@pytest.mark.slow  # 13 s; make test keeps the pipelined twin, test_sampled_distributions_are_the_plain_ones
 def test_unseeded_sampled_distributions_are_the_plain_ones_with_steps_launched_ahead():
     """Unseeded sampling runs ahead (no knob of it follows the position or the history): thousands of requests over an
     8-token vocabulary with logit_bias, temperature, top-k, top-p and min-p, device drafts rejection-sampled in steps

@@ -42,6 +42,7 @@ def _assert_same(ours, theirs) -> None:
     assert "What is the capital?" in rendered
 
 
+@pytest.mark.slow  # 11 s: every tokenizer kind through a child; make test keeps the fresh-process cases
 def test_tokenizers_come_back_from_the_child_as_autotokenizer_loads_them(tiny_checkpoints, real_model_dir):
     # the tiny checkpoints share one tokenizer: qwen2's is the one whose model type AutoTokenizer maps to a class of
     # its own (Qwen2Tokenizer) other than the generic class its tokenizer_config.json names; SmolLM2's is real

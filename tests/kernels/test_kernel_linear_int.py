@@ -287,7 +287,8 @@ GGUF_TYPES = ["Q6_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"]
 
 
 # Each type at both sizes, gated on one of them in turn (each size gated and not, in 10 cases rather than 20).
-GGUF_CASES = [(qtype, rows, (i + j) % 2 == 1) for i, qtype in enumerate(GGUF_TYPES) for j, rows in enumerate((3, 40))]
+GGUF_CASES = [pytest.param(qtype, rows, (i + j) % 2 == 1, marks=[pytest.mark.slow] if rows > 16 else [])
+              for i, qtype in enumerate(GGUF_TYPES) for j, rows in enumerate((3, 40))]  # 40 rows (the GEMM): CI
 
 
 @pytest.mark.parametrize("qtype,rows,gated", GGUF_CASES, ids=str)
