@@ -158,3 +158,46 @@ def test_no_programmatic_dependent_launch_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(triton_helpers, "_PDL_OPTIONS", {})
     monkeypatch.setattr(triton_helpers, "_properties", lambda device: SimpleNamespace(major=9, minor=0))
     assert triton_helpers.pdl_options(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+
+
+def test_a_launch_whose_shared_memory_does_not_fit_retries_with_fewer_stages():
+    """Triton raises OutOfResources when a compiled kernel needs more shared memory than the device has (Triton 3.6
+    on an H100 did so for the int stream kernel's row-scale tiles). No GPU here: a stand-in kernel raises Triton's
+    own exception above 2 stages, as that launch did. The launch retries with fewer stages, remembers what fitted for
+    those constexprs (one failed try at the first launch only), and other errors, or one stage, propagate."""
+    from triton.runtime.errors import OutOfResources
+
+    from kernels._triton import launch_fitting_shared_memory
+
+    class TooBig:
+        def __init__(self, fits_at: int):
+            self.fits_at, self.tries = fits_at, []
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **constexprs):
+                self.tries.append(num_stages)
+                if num_stages > self.fits_at:
+                    raise OutOfResources(num_stages * 120_000, 232_448, "shared memory")
+                return args
+            return launch
+
+    kernel = TooBig(fits_at=2)
+    launch_fitting_shared_memory(kernel, (1,), (0,), {"BLOCK_K": 128, "num_stages": 4})
+    launch_fitting_shared_memory(kernel, (1,), (0,), {"BLOCK_K": 128, "num_stages": 4})
+    assert kernel.tries == [4, 3, 2, 2]
+    launch_fitting_shared_memory(kernel, (1,), (0,), {"BLOCK_K": 64, "num_stages": 2})  # other constexprs: own entry
+    assert kernel.tries[-1] == 2
+    with pytest.raises(OutOfResources):
+        launch_fitting_shared_memory(TooBig(fits_at=0), (1,), (0,), {"num_stages": 3})
+
+    class Other(TooBig):
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **constexprs):
+                self.tries.append(num_stages)
+                raise OutOfResources(300, 255, "registers")
+            return launch
+
+    other = Other(fits_at=0)
+    with pytest.raises(OutOfResources, match="registers"):
+        launch_fitting_shared_memory(other, (1,), (0,), {"num_stages": 3})
+    assert other.tries == [3]
