@@ -171,29 +171,6 @@ def wait_for_prior(PDL: tl.constexpr):
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
-# kernel, its constexprs -> the pipeline stages whose shared memory fitted (launch_fitting_shared_memory)
-_STAGES_THAT_FIT: dict[tuple, int] = {}
-
-
-def launch_fitting_shared_memory(kernel, grid, args: tuple, options: dict) -> None:
-    """kernel[grid](*args, **options), with fewer pipeline stages (num_stages) where the compiled kernel needs more
-    shared memory than the device gives one program. Triton sizes the buffers when it compiles and versions differ
-    (Triton 3.6 gave the int stream kernel's row-scale tiles about three times the bytes its launcher counts, so they
-    did not load on an H100): a count made beforehand can fall short. The stages that fit are remembered for the
-    kernel and its constexprs, so the retry happens once, at the first launch (warm-up, before any CUDA graph)."""
-    key = (kernel, *sorted((k, v) for k, v in options.items() if k != "num_stages"))
-    stages = _STAGES_THAT_FIT.get(key, options["num_stages"])
-    while True:
-        try:
-            kernel[grid](*args, **(options | {"num_stages": stages}))
-            return
-        except triton.runtime.errors.OutOfResources as e:
-            if stages <= 1 or "shared memory" not in str(e):
-                raise
-            stages -= 1
-            _STAGES_THAT_FIT[key] = stages
-
-
 # Split-K kernels' arrival counts: int32 zeros, one per tile, that each tile's last program resets to 0 (so a CUDA
 # graph replays the same counts). One array per device and owner: kernels that may run side by side on two streams
 # (workers/side_stream.py: the LoRA shrink beside a layer's int4 / FP8 matmul) count in different ones.

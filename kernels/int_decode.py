@@ -56,7 +56,6 @@ import torch
 from kernels._triton import (
     cdiv,
     is_interpreting,
-    launch_fitting_shared_memory,
     num_sms,
     pdl_options,
     shared_memory_per_block,
@@ -478,15 +477,19 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
         split = 1
     parts = (torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x.device)
              if split > 1 else out)
-    launch_fitting_shared_memory(_int_decode_kernel, (num_tiles, split), (
+    _int_decode_kernel[(num_tiles, split)](
         x, qweight, zero_term, scales, bias if bias is not None else scales, out, parts,
         counts if counts is not None else qweight, num_rows, out_features, k, group_size,
         x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,
-        out_features // packing.pack_factor), dict(
-        BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k, AWQ_ORDER=packing.fields is not None,
+        out_features // packing.pack_factor, BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k,
+        AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, HAS_BIAS=bias is not None,
-        GATED=gated, UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(), BIASED=biased,
-        FP16=x.dtype == torch.float16, EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        GATED=gated,
+        UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(),
+        BIASED=biased,
+        FP16=x.dtype == torch.float16,
+        EVEN_N=out_features % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(x.device), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return out

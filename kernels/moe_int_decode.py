@@ -21,16 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (
-    cdiv,
-    is_interpreting,
-    launch_fitting_shared_memory,
-    pdl_options,
-    split_counts,
-    tl,
-    triton,
-    wait_for_prior,
-)
+from kernels._triton import cdiv, is_interpreting, pdl_options, split_counts, tl, triton, wait_for_prior
 from kernels.int_decode import (
     PAIR_UNPACK,
     _k_packed_tile,
@@ -170,15 +161,16 @@ def moe_int_stream(a: torch.Tensor, experts, out: torch.Tensor, aligned, rows_pe
     has_mins, row_scales = experts.mins is not None, group_size < cfg["BLOCK_K"]
     zeros = experts.mins if has_mins else experts.qzeros  # the kernel's qz_ptr holds either
     biased = PAIR_UNPACK and can_pair_unpack(packing, a.dtype, has_mins) and not row_scales
-    launch_fitting_shared_memory(_moe_int_stream_kernel, (num_tiles * num_n_blocks, split), (
+    _moe_int_stream_kernel[(num_tiles * num_n_blocks, split)](
         a, experts.qweight, zeros, experts.scales, out, out if routing is None else routing, sorted_ids,
         tile_experts, num_padded, parts, counts if counts is not None else sorted_ids, n, k, out.shape[0],
         num_tiles, group_size, a.stride(0), out.stride(0), experts.qweight.stride(0), experts.qweight.stride(1),
-        zeros.stride(0), zeros.stride(1), experts.scales.stride(0), experts.scales.stride(1)), dict(
+        zeros.stride(0), zeros.stride(1), experts.scales.stride(0), experts.scales.stride(1),
         BITS=packing.bits, PACKED_ALONG_K=packing.is_packed_along_k, AWQ_ORDER=packing.fields is not None,
         ZERO_OFFSET=packing.zero_offset, HAS_MINS=has_mins, ROW_SCALES=row_scales, ROWS_PER_A=rows_per_a,
         GATED=gated, WEIGHTED=routing is not None,
         UPCAST=upcast, PRECISION=precision, ASM=not is_interpreting(), BIASED=biased,
         FP16=a.dtype == torch.float16, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT_K=split, BLOCK_M=16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **pdl_options(a.device), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"]))
+        num_stages=cfg["num_stages"],
+    )
