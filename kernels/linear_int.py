@@ -170,13 +170,19 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
                bias: torch.Tensor | None = None, gated: bool = False, mins=None,
                dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
     """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to MAX_ROWS rows of a layout it takes
-    (`can_stream`); otherwise `linear_int_dequantized` from `dequantize_min_rows` rows, the Triton kernel's tiles
+    (`can_stream`) well (not groups under its K tile with zero points); otherwise `linear_int_dequantized` from `dequantize_min_rows` rows, the Triton kernel's tiles
     below (decode tiles up to MAX_ROWS, GEMM tiles above); elsewhere the reference."""
     if not use_triton(x):
         return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     n = qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor
-    if not can_stream(packing, g_idx, group_size or x.shape[1], x.shape[1], n // 2 if gated else n, x.shape[0],
-                      MAX_ROWS) and x.shape[0] >= dequantize_min_rows:
+    group = group_size or x.shape[1]
+    # Groups under the stream's K tile with zero points (GPTQ's 32, GGUF's Q4_0 / Q5_0 / Q8_0 / Q6_K) stream no
+    # faster than dequantize + cuBLAS: on an H100 (2026-12-07, benchmarks/results/h100-kernels-int4-row-scales*.json)
+    # GPTQ g32's stream read 0.25-0.33 TB/s, 1.0-1.2x dequantize + cuBLAS's time. With mins (Q4_K, Q4_1, ...) it
+    # reads 0.8-1.3 TB/s, a third of dequantize + cuBLAS's time.
+    slow_stream = packing.is_packed_along_k and group < 16 * packing.pack_factor and mins is None
+    if (slow_stream or not can_stream(packing, g_idx, group, x.shape[1], n // 2 if gated else n, x.shape[0],
+                                      MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
 

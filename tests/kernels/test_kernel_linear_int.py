@@ -532,17 +532,20 @@ ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("
     (ic.Int4Format("gptq", 128, sym=True), 16, None, "_int_decode_kernel"),
     (ic.Int4Format("awq", 128), 17, None, "_int_dequantize_kernel"),  # past MAX_ROWS
     (ACT_ORDER, 1, None, "_int_dequantize_kernel"),  # act-order: not streamed
-    (GPTQ_G32, 1, None, "_int_decode_kernel"),  # a K tile of 16 words spans 128 rows: 4 groups (ROW_SCALES)
+    # groups under the stream's K tile (ROW_SCALES): with mins streamed; with zero points dequantized (an H100
+    # measured their stream no faster: kernels/linear_int.py)
+    ("Q4_1", 1, None, "_int_decode_kernel"), (GPTQ_G32, 1, None, "_int_dequantize_kernel"),
+    ("Q4_0", 1, None, "_int_dequantize_kernel"),
     # a caller's threshold of 20: the Triton kernel's tiles below it for what does not stream
     (ic.Int4Format("awq", 128), 17, 20, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
     (GPTQ_G32, 17, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
     (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
 def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, device):
     """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
-    g_idx; K tiles inside a group, or along K whole groups a tile); otherwise dequantize + cuBLAS from
+    g_idx; K tiles inside a group, or along K whole groups a tile, with mins); otherwise dequantize + cuBLAS from
     dequantize_min_rows (by default from the first row), the first kernel's decode tiles or GEMM tiles below it;
     each equal to the reference."""
-    layer = packed_layer(fmt, 96, 256, device)
+    layer = gguf_layer(fmt, 96, 256, device) if isinstance(fmt, str) else packed_layer(fmt, 96, 256, device)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(device)
     out = linear_int(x, **layer, **({} if threshold is None else {"dequantize_min_rows": threshold}))
     assert {name: spy.launches for name, spy in spies.items()} == {
