@@ -170,8 +170,9 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
                bias: torch.Tensor | None = None, gated: bool = False, mins=None,
                dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
     """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to MAX_ROWS rows of a layout it takes
-    (`can_stream`) well (not groups under its K tile with zero points); otherwise `linear_int_dequantized` from `dequantize_min_rows` rows, the Triton kernel's tiles
-    below (decode tiles up to MAX_ROWS, GEMM tiles above); elsewhere the reference."""
+    (`can_stream`) well (not groups under its K tile with zero points); otherwise `linear_int_dequantized` from
+    `dequantize_min_rows` rows, the Triton kernel's tiles below (decode tiles up to MAX_ROWS, GEMM tiles above);
+    elsewhere the reference."""
     if not use_triton(x):
         return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     n = qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor
