@@ -124,10 +124,12 @@ def judged_by(judge: Judge):
 def fuzz_config() -> SchemathesisConfig:
     """400 and 429 stay statuses positive_data_acceptance takes (judged_by tells the right 400s from the wrong);
     every stream is read to its end: schemathesis reads 20 events of one by default, then closes the connection
-    and checks what it read, which has no [DONE] (a 10-prompt completion failed sse_events_conform so)."""
+    and checks what it read, which has no [DONE] (a 10-prompt completion failed sse_events_conform so). Reports
+    are not sanitized: schemathesis hides fields whose names hold "token" (max_tokens) as if they were secrets, and a
+    failure must show the request as sent (the test's API key is no secret)."""
     return SchemathesisConfig.from_dict({
         "checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", "400", "429"]}},
-        "max-stream-events": MAX_STREAM_EVENTS})
+        "max-stream-events": MAX_STREAM_EVENTS, "output": {"sanitization": {"enabled": False}}})
 
 
 @schemathesis.check
