@@ -403,6 +403,12 @@ def can_stream(packing, g_idx, group_size: int, in_features: int, out_features: 
     return packing.bits == 4 and group_size % 32 == 0 and out_features % 8 == 0
 
 
+def has_row_scales(packed_along_k: bool, group_size: int, pack_factor: int) -> bool:
+    """Whether a K tile of 16 words or more holds several of a streamed layer's groups (`ROW_SCALES`: each word
+    row's scales applied before the dots); `can_stream` must hold."""
+    return packed_along_k and group_size < 16 * pack_factor
+
+
 def can_pair_unpack(packing, x_dtype: torch.dtype, has_mins: bool) -> bool:
     """Whether the B + q unpacking (`int_tiles.byte_fields`) can take this layer: 4-bit fields with zero points
     (not GGUF's mins), bf16 or fp16 x."""
@@ -427,7 +433,7 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
         block_n, block_k = 64, 128 if packed_along_k else 32
     else:
         block_n, block_k = (128, 128) if packed_along_k else (256, 128)
-    if packed_along_k and group_size % (16 * pack_factor):  # several groups a K tile (ROW_SCALES)
+    if has_row_scales(packed_along_k, group_size, pack_factor):
         while in_features % block_k:  # K whole tiles (can_stream: of 16 words)
             block_k //= 2
     else:

@@ -70,7 +70,7 @@ from kernels._triton import (
     use_triton,
     wait_for_prior,
 )
-from kernels.int_decode import can_stream, linear_int_stream
+from kernels.int_decode import can_stream, has_row_scales, linear_int_stream
 from kernels.int_tiles import weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
@@ -181,7 +181,7 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
     # faster than dequantize + cuBLAS: on an H100 (2026-12-07, benchmarks/results/h100-kernels-int4-row-scales*.json)
     # GPTQ g32's stream read 0.25-0.33 TB/s, 1.0-1.2x dequantize + cuBLAS's time. With mins (Q4_K, Q4_1, ...) it
     # reads 0.8-1.3 TB/s, a third of dequantize + cuBLAS's time.
-    slow_stream = packing.is_packed_along_k and group < 16 * packing.pack_factor and mins is None
+    slow_stream = has_row_scales(packing.is_packed_along_k, group, packing.pack_factor) and mins is None
     if (slow_stream or not can_stream(packing, g_idx, group, x.shape[1], n // 2 if gated else n, x.shape[0],
                                       MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
