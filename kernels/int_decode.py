@@ -43,8 +43,9 @@ itself is dequantized before the dots, (q - z) * scale or q * scale + min, round
 rounds it: one more FMA a value (two with mins) and the scale loads. Not yet timed on a GPU; what it replaced at
 decode sizes is dequantize + cuBLAS, which reads and writes W in x's dtype each step.
 
-`linear_int_triton` takes this kernel for up to MAX_ROWS rows when the layout allows (no g_idx; a K tile inside one
-group, or whole groups a K tile along K), the first kernel otherwise.
+`linear_int_triton` takes this kernel for up to linear_int.STREAM_MAX_ROWS rows (past 16 in row tiles of 16, each
+unpacking the words again) when the layout allows (no g_idx; a K tile inside one group, or whole groups a K tile
+along K), the first kernel otherwise.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import torch
 from kernels._triton import (
     cdiv,
     is_interpreting,
+    next_power_of_2,
     num_sms,
     pdl_options,
     shared_memory_per_block,
@@ -67,7 +69,11 @@ from kernels._triton import (
 from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z, zero_points
 from kernels.linear import store_output, store_split_k_slice
 
-MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, 16, N] workspace, read back from L2)
+# Rows a program (past 16: several row tiles a column tile, K split over them all). 16: on an H100 tiles of 32 and
+# 64 rows (4 or 8 warps) took 1.0-7x its time at 32 and 64 rows on each of Llama-3-8B's and 70B's AWQ linears
+# (benchmarks/results/h100-kernels-tune-int4-row-tiles-split.json; kernels/linear_int.py's STREAM_MAX_ROWS)
+ROW_TILE = 16
+MAX_SPLIT_K = 16  # slices of K at most (a float32 [SPLIT_K, 2, row tiles x 16, N] workspace, read back from L2)
 # The B + q unpacking (`BIASED`, where `can_pair_unpack`) is the default: on an H100 (2026-12-05,
 # benchmarks/results/h100-kernels-tune-int4-pair.json) it was faster than the q - z path on each of Llama-3-8B's and
 # 70B's AWQ linears at 1 row (5-18%), and 8B AWQ decode at batch 1 took 3.59 ms/token against 3.97
@@ -313,14 +319,19 @@ def _int_decode_kernel(
     PDL: tl.constexpr,
 ):
     """out [M, N] = x @ W.T (gated: silu(gate) * up of columns n and up_col + n; up_word = up_col / P) for the tile
-    of output features program_id(0) * BLOCK_N on, over the program_id(1)-th of SPLIT_K slices of K (K and the
-    slices whole K tiles)."""
+    of output features column_tile * BLOCK_N on and the rows row_tile * BLOCK_M on, over the program_id(1)-th of
+    SPLIT_K slices of K (K and the slices whole K tiles). program_id(0) = column_tile * row tiles + row_tile: a
+    column tile's row tiles are neighbours, so they run together and read its packed words from the L2 once
+    fetched; split K counts each (column tile, row tile) apart."""
     tl.static_assert(not (BIASED and HAS_MINS), "the B + q path has zero points, not mins")
     tl.static_assert(not (BIASED and ROW_SCALES), "the B + q path scales a K tile's sum")
     wait_for_prior(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    n0 = tl.program_id(0) // row_tiles * BLOCK_N
+    row0 = tl.program_id(0) % row_tiles * BLOCK_M
+    x_ptr += row0 * stride_x  # the K loop indexes the tile's rows from 0, as with one row tile
     rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < M
+    row_mask = rows < M - row0
     per_slice = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
     k_begin = tl.program_id(1) * per_slice
     k_end = tl.minimum(K, k_begin + per_slice)
@@ -336,7 +347,7 @@ def _int_decode_kernel(
                                     HAS_MINS, ROW_SCALES, UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M,
                                     BLOCK_N, BLOCK_K)
     else:
-        c0 = tl.program_id(0) * (BLOCK_N // P)  # a product, not n0 // P: its divisibility gives 16-byte loads
+        c0 = tl.program_id(0) // row_tiles * (BLOCK_N // P)  # a product, not n0 // P: 16-byte loads
         acc = _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s,
                              c0, N // P, k_begin, k_end, group_size, BITS, AWQ_ORDER, ZERO_OFFSET, HAS_MINS,
                              UPCAST, PRECISION, ASM, BIASED, FP16, EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
@@ -348,32 +359,34 @@ def _int_decode_kernel(
                                     EVEN_N, BLOCK_M, BLOCK_N // P, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    rows += row0
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS,
                      GATED)
     else:
         tile = rows[:, None] * N + offs_n[None, :]
         mask = row_mask[:, None] & n_mask[None, :]
-        if store_split_k_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, BLOCK_M * N, GATED, SPLIT_K):
-            _sum_slices(part_ptr, out_ptr, bias_ptr, M, N, offs_n, n_mask, stride_o, up_col, BLOCK_M * N, HAS_BIAS,
-                        GATED, SPLIT_K)
+        slot = row_tiles * BLOCK_M * N  # a slice's half of the workspace: [SPLIT_K, 2, row tiles x BLOCK_M, N]
+        if store_split_k_slice(acc, acc_up, part_ptr, count_ptr, tile, mask, slot, GATED, SPLIT_K):
+            _sum_slices(part_ptr, out_ptr, bias_ptr, row0, tl.minimum(row0 + BLOCK_M, M), N, offs_n, n_mask,
+                        stride_o, up_col, slot, HAS_BIAS, GATED, SPLIT_K)
 
 
 @triton.jit
-def _sum_slices(part_ptr, out_ptr, bias_ptr, M, N, offs_n, n_mask, stride_o, up_col, slot, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, SPLIT_K: tl.constexpr):
+def _sum_slices(part_ptr, out_ptr, bias_ptr, row_begin, row_end, N, offs_n, n_mask, stride_o, up_col, slot,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
     """Split K's last program: the tile's SPLIT_K slices added up (in slice order: the same sums whichever program
-    is last) and stored, a row at a time, the M real rows only. A row's slices are independent loads from L2
-    (unrolled: all in flight at once), one round trip a row. The loop it replaced (2026-12-06) added the padded
-    16-row tile a slice at a time, not unrolled (unrolled, SPLIT_K such tiles were live at once: spills), so it
-    waited for a round trip a slice; on an H100 this made Llama-3-8B's o 11.9 -> 8.5 us at 1 row and its AWQ decode
-    3.60 -> 3.22 ms/token (benchmarks/results/h100-kernels-tune-int4-sum-rows.json,
+    is last) and stored, a row at a time, the tile's real rows (row_begin to row_end) only. A row's slices are
+    independent loads from L2 (unrolled: all in flight at once), one round trip a row. The loop it replaced
+    (2026-12-06) added the padded 16-row tile a slice at a time, not unrolled (unrolled, SPLIT_K such tiles were
+    live at once: spills), so it waited for a round trip a slice; on an H100 this made Llama-3-8B's o 11.9 -> 8.5
+    us at 1 row and its AWQ decode 3.60 -> 3.22 ms/token (benchmarks/results/h100-kernels-tune-int4-sum-rows.json,
     h100-latency-llama3-8b-awq-sum-rows-{before,after}.json)."""
-    for m in range(0, M):
+    for m in range(row_begin, row_end):
         acc, acc_up = row_of_slices(part_ptr + m * N + offs_n, n_mask, slot, GATED, SPLIT_K)
         row = tl.full([1], m, tl.int32)
-        store_output(acc[None, :], acc_up[None, :], out_ptr, bias_ptr, row, row < M, offs_n, n_mask, stride_o,
-                     up_col, HAS_BIAS, GATED)
+        store_output(acc[None, :], acc_up[None, :], out_ptr, bias_ptr, row, row < row_end, offs_n, n_mask,
+                     stride_o, up_col, HAS_BIAS, GATED)
 
 
 @triton.jit
@@ -417,12 +430,14 @@ def can_pair_unpack(packing, x_dtype: torch.dtype, has_mins: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def stream_config(num_rows: int, out_features: int, in_features: int, group_size: int, packed_along_k: bool,
-                  gated: bool, x_itemsize: int, device: torch.device, pack_factor: int) -> dict:
+                  gated: bool, x_itemsize: int, device: torch.device, pack_factor: int,
+                  row_tile: int | None = None) -> dict:
     """Launch settings: BLOCK_N output features (256 packed along N: 32 words a K row, 8 per warp; 128 along K),
     K tiles of up to 128 inside one group (whole groups of 32 / 64 along N; along K, 16 words a field's dot), 4
     stages of cp.async (3 tiles of 16 KB in flight a program), and split-K until the column tiles times the slices
     cover the SMs (slices of at least 4 K tiles). A float32 x (the GPU oracle tests'; its dot in float32) takes 64
-    columns, K tiles of 32 along N.
+    columns, K tiles of 32 along N. Past 16 rows: tiles of `row_tile` (ROW_TILE) rows, the split counting every
+    (column tile, row tile).
 
     The split: about two programs an SM (2 x SMs // column tiles, at most MAX_SPLIT_K, slices of at least 2 K
     tiles), then as few slices as give the same slice length (none empty). On the H200 this was the best or within
@@ -439,14 +454,16 @@ def stream_config(num_rows: int, out_features: int, in_features: int, group_size
     else:
         while group_size % block_k:  # the largest power of two dividing the group (can_stream: >= 32, >= 16 words)
             block_k //= 2
-    split = split_k(cdiv(out_features, block_n), in_features // block_k, device)
-    stages = 4
-    row_bytes = 16 * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
+    block_m = 16 if num_rows <= 16 else min(row_tile or ROW_TILE, next_power_of_2(num_rows))
+    split = split_k(cdiv(out_features, block_n) * cdiv(num_rows, block_m), in_features // block_k, device)
+    stages = 3 if x_itemsize == 4 else 4  # float32 x (the GPU oracle tests'): 4 spilled its gated tiles along K
+    row_bytes = block_m * x_itemsize + block_n // 2 * (2 if gated else 1)  # x's tile and the packed words, a K row
     while stages > 2 and stages * block_k * row_bytes > shared_memory_per_block(device) // 2:
         stages -= 1
-    # several groups a K tile, gated: gate's and up's scale (and min) tiles live beside their words (4 warps spilled)
-    warps = 8 if gated and group_size < block_k else 4
-    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
+    # several groups a K tile, gated: gate's and up's scale (and min) tiles live beside their words (4 warps
+    # spilled); 64 rows: eight [64, 32] float32 accumulators, 128 registers a thread over 4 warps
+    warps = 8 if (gated and group_size < block_k) or block_m >= 64 else 4
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
             "num_stages": stages}
 
 
@@ -467,7 +484,6 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
     cfg = stream_config(num_rows, out_features, k, group_size, packing.is_packed_along_k, gated, x.dtype.itemsize,
                         x.device, packing.pack_factor) | (config or {})
     row_scales = group_size < cfg["BLOCK_K"]
-    assert num_rows <= cfg["BLOCK_M"], (num_rows, cfg)
     assert (cfg["BLOCK_K"] % group_size == 0 and packing.is_packed_along_k if row_scales
             else group_size % cfg["BLOCK_K"] == 0), (group_size, cfg)
     assert max(qweight.numel(), x.numel(), out.numel()) < 2**31, "int32 offsets"
@@ -476,14 +492,14 @@ def linear_int_stream(x, qweight, zero_term, scales, group_size: int, packing, b
     if biased and not can_biased:
         raise ValueError(f"BIASED needs 4-bit fields with zero points, a K tile inside one group and bf16 / fp16 x, "
                          f"not {packing}, groups of {group_size} and {x.dtype}")
-    num_tiles = cdiv(out_features, cfg["BLOCK_N"])
+    num_tiles, row_tiles = cdiv(out_features, cfg["BLOCK_N"]), cdiv(num_rows, cfg["BLOCK_M"])
     split = cfg["SPLIT_K"]
-    counts = split_counts(x.device, num_tiles) if split > 1 else None
+    counts = split_counts(x.device, num_tiles * row_tiles) if split > 1 else None
     if counts is None:
         split = 1
-    parts = (torch.empty(split, 2, cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x.device)
+    parts = (torch.empty(split, 2, row_tiles * cfg["BLOCK_M"], out_features, dtype=torch.float32, device=x.device)
              if split > 1 else out)
-    _int_decode_kernel[(num_tiles, split)](
+    _int_decode_kernel[(num_tiles * row_tiles, split)](
         x, qweight, zero_term, scales, bias if bias is not None else scales, out, parts,
         counts if counts is not None else qweight, num_rows, out_features, k, group_size,
         x.stride(0), qweight.stride(0), zero_term.stride(0), scales.stride(0), out.stride(0), out_features,

@@ -38,7 +38,7 @@ A tile inside one group (no g_idx, BLOCK_K dividing group_size) reads one row of
 
 `linear_int_dequantized` instead writes W once into a scratch of x's dtype (`_int_dequantize_kernel`, the
 reference's values exactly) and hands it to cuBLAS. `linear_int` takes it for every call the streaming decode kernel
-(kernels/int_decode.py: up to MAX_ROWS rows of the layouts it takes) does not, from DEQUANTIZE_MIN_ROWS rows: on
+(kernels/int_decode.py: up to STREAM_MAX_ROWS rows of the layouts it takes) does not, from DEQUANTIZE_MIN_ROWS rows: on
 the H200 (`python -m benchmarks.kernels --only int4`, benchmarks/results/h200-kernels-int4-first.txt) it was faster
 than this kernel's tiles at every size measured, on each of Llama-3-8B's and 70B's linears: 7-28x the decode tiles
 at 1-16 rows, 1.1-4.5x the GEMM tiles at 32-2048 rows. The tiles stay for callers that ask for them
@@ -78,6 +78,14 @@ from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 # instead of the Triton kernel's tiles: from the first, as the H200 measured (the docstring). A `linear_int`
 # argument: callers may choose (vLLM's AWQ takes cuBLAS from 256 rows).
 DEQUANTIZE_MIN_ROWS = 1
+# Rows the streaming kernel takes in `linear_int` and `linear_int_triton` (past MAX_ROWS in row tiles of 16, K
+# split over all of them: kernels/int_decode.py). On an H100 (2026-12-07, `python -m benchmarks.kernels --only int4
+# --tune --int-rows 32 64`, benchmarks/results/h100-kernels-tune-int4-row-tiles-split.json) they took 0.21-0.49x
+# dequantize + cuBLAS's time on each of Llama-3-8B's and 70B's AWQ linears at 32 rows and 0.40-0.76x at 64 (0.55-2.0x
+# bf16 cuBLAS's), and 8B AWQ decode went from 14.6 / 14.9 to 5.3 / 7.9 ms a step at batch 32 / 64 (h100-latency-llama3-
+# 8b-awq-rows-{off,tile16-all}.json). Each row tile unpacks the words again, so the time grows with the rows: past
+# 64 (not measured between 64 and 256, where dequantize + cuBLAS was the faster) the dequantizing path.
+STREAM_MAX_ROWS = 64
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
@@ -169,7 +177,7 @@ def linear_int_ref(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: 
 def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                bias: torch.Tensor | None = None, gated: bool = False, mins=None,
                dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
-    """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to MAX_ROWS rows of a layout it takes
+    """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to STREAM_MAX_ROWS rows of a layout it takes
     (`can_stream`) well (not groups under its K tile with zero points); otherwise `linear_int_dequantized` from
     `dequantize_min_rows` rows, the Triton kernel's tiles below (decode tiles up to MAX_ROWS, GEMM tiles above);
     elsewhere the reference."""
@@ -183,7 +191,7 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
     # reads 0.8-1.3 TB/s, a third of dequantize + cuBLAS's time.
     slow_stream = has_row_scales(packing.is_packed_along_k, group, packing.pack_factor) and mins is None
     if (slow_stream or not can_stream(packing, g_idx, group, x.shape[1], n // 2 if gated else n, x.shape[0],
-                                      MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
+                                      STREAM_MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
 
@@ -331,7 +339,7 @@ def float32_tiles(cfg: dict, gated: bool) -> dict:
 
 def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None, packing: IntPacking,
                       bias=None, gated: bool = False, config: dict | None = None, mins=None) -> torch.Tensor:
-    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Up to MAX_ROWS rows of a
+    """Triton launcher of `linear_int` (any number of rows); `mins` in place of qzeros. Up to STREAM_MAX_ROWS rows of a
     layout `int_decode.can_stream` takes, without `config`: the streaming kernel (kernels/int_decode.py). Else
     `_int_linear_kernel`, its settings `config` over `decode_config` (up to MAX_ROWS rows) or `gemm_config`."""
     k, n = _check_int_inputs(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
@@ -339,7 +347,7 @@ def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None,
     check_last_dim_contiguous("x", x)
     num_rows, out_features = x.shape[0], n // 2 if gated else n
     if (config is None and num_rows > 0 and out_features > 0
-            and can_stream(packing, g_idx, group_size or k, k, out_features, num_rows, MAX_ROWS)):
+            and can_stream(packing, g_idx, group_size or k, k, out_features, num_rows, STREAM_MAX_ROWS)):
         return linear_int_stream(x, qweight, zero_term, scales, group_size or k, packing, bias, gated,
                                  mins is not None, upcast_dot_operands(x.dtype, x.device), dot_precision(x.dtype))
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)

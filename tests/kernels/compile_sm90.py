@@ -345,13 +345,19 @@ def compile_mla() -> None:
 
 
 def int_linear(name, rows, x_features, qweight_shape, qzeros_shape, groups, out_features, packing, group_size=128,
-               act_order=False, mins=False, gated=False):
+               act_order=False, mins=False, gated=False, gemm=False):
+    """linear_int_triton's launch for these rows; `gemm`: its GEMM tiles (gemm_config), where up to STREAM_MAX_ROWS
+    rows it would stream."""
     CASE[0] = name
     zeros = None if mins else empty(*qzeros_shape, dtype=torch.int32)
-    linear_int.linear_int_triton(empty(rows, x_features), empty(*qweight_shape, dtype=torch.int32), zeros,
+    x = empty(rows, x_features)
+    config = (linear_int.gemm_config(rows, out_features // (2 if gated else 1), gated, x.dtype, x.device) if gemm
+              else None)
+    linear_int.linear_int_triton(x, empty(*qweight_shape, dtype=torch.int32), zeros,
                                  empty(groups, out_features, dtype=torch.float16),
                                  empty(x_features, dtype=torch.int32) if act_order else None, group_size, packing,
-                                 gated=gated, mins=empty(groups, out_features, dtype=torch.float16) if mins else None)
+                                 gated=gated, mins=empty(groups, out_features, dtype=torch.float16) if mins else None,
+                                 config=config)
 
 
 def compile_int_stream() -> None:
@@ -410,18 +416,18 @@ def compile_int_gemm() -> None:
     awq, gptq4, gptq8 = linear_int.AWQ_GEMM, linear_int.gptq_v1(4), linear_int.gptq_v1(8)
     for rows in (32, 64, 256, 2048):  # each row tile of GEMM_ROW_TILES, and 2048 (the benchmark's largest)
         int_linear(f"int4 gemm awq qkv, {rows} rows", rows, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32, 6144,
-                   awq)
+                   awq, gemm=True)
         int_linear(f"int4 gemm gptq act-order gate_up + silu, {rows} rows", rows, 4096, (512, 2 * 14336),
                    (32, 2 * 14336 // 8), 32, 2 * 14336, gptq4, act_order=True, gated=True)
         int_linear(f"int4 gemm gptq down, {rows} rows", rows, 14336, (14336 // 8, 4096), (112, 4096 // 8), 112,
-                   4096, gptq4)
+                   4096, gptq4, gemm=True)
     int_linear("int4 gemm awq qkv, 200 rows", 200, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32, 6144, awq)
     int_linear("int4 gemm awq 70b gate_up + silu, 2048 rows", 2048, 8192, (8192, 2 * 28672 // 8),
                (64, 2 * 28672 // 8), 64, 2 * 28672, awq, gated=True)
     int_linear("int8 gemm gptq group 32 o, 128 rows", 128, 4096, (1024, 4096), (128, 4096 // 4), 128, 4096, gptq8,
                group_size=32)
     int_linear("int4 gemm gguf q4_1 (mins) qkv, 64 rows", 64, 4096, (512, 6144), None, 128, 6144,
-               linear_int.offset_binary(4), group_size=32, mins=True)
+               linear_int.offset_binary(4), group_size=32, mins=True, gemm=True)
     for name, qweight, qzeros, groups, n, packing, act_order, mins in [
             ("awq qkv", (4096, 6144 // 8), (32, 6144 // 8), 32, 6144, awq, False, False),
             ("gptq act-order gate_up", (512, 2 * 14336), (32, 2 * 14336 // 8), 32, 2 * 14336, gptq4, True, False),

@@ -250,7 +250,8 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
     assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("stream", "decode tiles", "decode tiles, once")
             } <= impls
-    assert not {r for r in impls if r[2] == "stream" and ("gptq-act" in r[0] or r[1] == "rows 20")}
+    assert not {r for r in impls if r[2] == "stream" and "gptq-act" in r[0]}  # act-order: never streamed
+    assert ("int4 awq toy o", "rows 20", "stream") in impls  # past MAX_ROWS: row tiles
     # GGUF's groups of 32 (float32 scales and mins): several a K tile of the stream kernel
     assert ("int4 gguf-q4_k toy down", "rows 2", "stream") in impls
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
@@ -471,6 +472,58 @@ def test_stream_kernel_row_scales(name, rows, gated, split, dtype, spies, device
     assert spies["_int_decode_kernel"].launches == 2 and spies["_int_dequantize_kernel"].launches == 0
 
 
+@pytest.mark.parametrize("fmt, gated, biased", [(ic.Int4Format("awq", 128), True, True),
+                                                 (ic.Int4Format("awq", 64), False, False),
+                                                 (ic.Int4Format("gptq", 128), True, False),
+                                                 ("Q4_1", False, False)], ids=str)
+def test_stream_kernel_row_tiles(fmt, gated, biased, device, poisoned_allocations):
+    """Past a row tile (40 rows in tiles of 16: the last one partial) each program takes one column tile's rows of
+    one row tile and a slice of K (each (column tile, row tile) counted apart, its slices summed by its last
+    program): equal to one-tile launches row for row, and within bf16 units of the float32 product
+    (test_stream_kernel_matches_ref bounds the arithmetic itself)."""
+    from kernels._triton import dot_precision, upcast_dot_operands
+    from kernels.int_decode import linear_int_stream
+
+    k, rows = 256, 40
+    layer = gguf_layer(fmt, 96, k, device) if fmt == "Q4_1" else packed_layer(fmt, 96, k, device)
+    mins = layer.get("mins")
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(torch.bfloat16).to(device)
+
+    def stream(x, split):
+        return linear_int_stream(x, layer["qweight"], layer["qzeros"] if mins is None else mins, layer["scales"],
+                                 layer["group_size"], layer["packing"], None, gated, mins is not None,
+                                 upcast_dot_operands(x.dtype, x.device), dot_precision(x.dtype),
+                                 config={"BLOCK_M": 16, "SPLIT_K": split} | ({} if mins is not None
+                                                                              else {"BIASED": biased}))
+
+    out = stream(x, 2)
+    ref = linear_int_ref(x.float(), **layer, gated=gated)  # gated: gate, silu, up and their product rounded
+    assert (out.float() - ref).abs().max() <= (6 if gated else 2) * 2.0 ** -8 * ref.abs().max()
+    for first in (0, 16, 32):  # each row tile as a one-tile launch computes it
+        assert torch.equal(out[first:first + 16], stream(x[first:first + 16].contiguous(), 2))
+    assert torch.equal(stream(x, 1)[:16], stream(x[:16].contiguous(), 1))  # K unsplit alike
+
+
+def test_stream_config_row_tiles():
+    """Past 16 rows: row tiles of ROW_TILE (16) rows, or of a benchmark's row_tile (the next power of two up to
+    it; 8 warps from 64 rows, eight [64, 32] float32 accumulators), K split over all the tiles, stages within
+    shared memory."""
+    from kernels._triton import shared_memory_per_block
+    from kernels.int_decode import ROW_TILE, stream_config
+
+    cpu = torch.device("cpu")
+    assert ROW_TILE == 16 and stream_config(40, 4096, 4096, 128, False, True, 2, cpu, 8)["BLOCK_M"] == 16
+    for rows, block_m in [(17, 32), (32, 32), (33, 64), (64, 64), (256, 64)]:
+        c = stream_config(rows, 4096, 4096, 128, False, True, 2, cpu, 8, row_tile=64)
+        assert c["BLOCK_M"] == block_m and c["num_warps"] == (8 if block_m >= 64 else 4)
+        assert c["num_stages"] * c["BLOCK_K"] * (block_m * 2 + c["BLOCK_N"]) <= shared_memory_per_block(cpu) // 2
+    # 8B's o (16 column tiles) at 64 rows: 4 row tiles, K in 4 slices (about two programs an SM of the H200's 132);
+    # at 256 rows 256 tiles, unsplit
+    assert stream_config(64, 4096, 4096, 128, False, False, 2, cpu, 8)["SPLIT_K"] == 4
+    assert stream_config(256, 4096, 4096, 128, False, False, 2, cpu, 8)["SPLIT_K"] == 1
+
+
 def test_stream_config_splits_k_to_about_two_programs_an_sm_and_fits():
     """On the H200's 132 SMs (Llama-3-8B's and 70B's layers): split-K to about two programs an SM (at most
     MAX_SPLIT_K slices, each of >= 2 K tiles), no empty slice, and stages that fit shared memory with room to spare.
@@ -530,21 +583,24 @@ ACT_ORDER, GPTQ_G32 = ic.Int4Format("gptq", 128, desc_act=True), ic.Int4Format("
     (ic.Int4Format("awq", 128), 1, None, "_int_decode_kernel"), (ic.Int4Format("awq", 128), 16, None,
                                                                  "_int_decode_kernel"),
     (ic.Int4Format("gptq", 128, sym=True), 16, None, "_int_decode_kernel"),
-    (ic.Int4Format("awq", 128), 17, None, "_int_dequantize_kernel"),  # past MAX_ROWS
+    (ic.Int4Format("awq", 128), 40, None, "_int_decode_kernel"),  # past MAX_ROWS: row tiles of 16
+    (ic.Int4Format("awq", 128), 64, None, "_int_decode_kernel"),
+    (ic.Int4Format("awq", 128), 65, None, "_int_dequantize_kernel"),  # past STREAM_MAX_ROWS
     (ACT_ORDER, 1, None, "_int_dequantize_kernel"),  # act-order: not streamed
     # groups under the stream's K tile (ROW_SCALES): with mins streamed; with zero points dequantized (an H100
     # measured their stream no faster: kernels/linear_int.py)
     ("Q4_1", 1, None, "_int_decode_kernel"), (GPTQ_G32, 1, None, "_int_dequantize_kernel"),
     ("Q4_0", 1, None, "_int_dequantize_kernel"),
-    # a caller's threshold of 20: the Triton kernel's tiles below it for what does not stream
-    (ic.Int4Format("awq", 128), 17, 20, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
-    (GPTQ_G32, 17, 20, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 20, 20, "_int_dequantize_kernel"),
+    # a caller's threshold of 20 (70 past the stream's 64 rows): the Triton kernel's tiles below it for what does
+    # not stream
+    (ic.Int4Format("awq", 128), 65, 70, "_int_linear_kernel"), (ACT_ORDER, 1, 20, "_int_linear_kernel"),
+    (GPTQ_G32, 65, 70, "_int_linear_kernel"), (ic.Int4Format("awq", 128), 70, 70, "_int_dequantize_kernel"),
     (ic.Int4Format("awq", 128), 1, 20, "_int_decode_kernel")], ids=str)
 def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, device):
-    """linear_int's choice on a GPU: the streaming kernel for up to MAX_ROWS (16) rows of a layout it takes (no
-    g_idx; K tiles inside a group, or along K whole groups a tile, with mins); otherwise dequantize + cuBLAS from
-    dequantize_min_rows (by default from the first row), the first kernel's decode tiles or GEMM tiles below it;
-    each equal to the reference."""
+    """linear_int's choice on a GPU: the streaming kernel for up to STREAM_MAX_ROWS (64) rows (past 16 in row
+    tiles) of a layout it takes (no g_idx; K tiles inside a group, or along K whole groups a tile, with mins);
+    otherwise dequantize + cuBLAS from dequantize_min_rows (by default from the first row), the first kernel's
+    decode tiles or GEMM tiles below it; each equal to the reference."""
     layer = gguf_layer(fmt, 96, 256, device) if isinstance(fmt, str) else packed_layer(fmt, 96, 256, device)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(device)
     out = linear_int(x, **layer, **({} if threshold is None else {"dequantize_min_rows": threshold}))
@@ -589,12 +645,12 @@ def _within_bf16_rounding(out, ref, what):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b") for lay in ("awq", "gptq", "gptq-act")])
 def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
-    """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows: AWQ and GPTQ g128 streamed
-    (split-K where the column tiles are fewer than the SMs), GPTQ act-order dequantized for cuBLAS; against the
-    reference."""
+    """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows, and in row tiles at 40 and 64:
+    AWQ and GPTQ g128 streamed (split-K where the tiles are fewer than the SMs), GPTQ act-order dequantized for
+    cuBLAS; against the reference."""
     stream = spies["_int_decode_kernel"]
     for op, (layer, k, gated) in _gpu_layers(model, layout).items():
-        for rows in (1, 7, 16):
+        for rows in (1, 7, 16, 40, 64):
             x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
             before = stream.launches
             out = linear_int(x, **layer, gated=gated)
