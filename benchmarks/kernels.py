@@ -610,7 +610,8 @@ def main(argv=None) -> int:
                   "moe": lambda runner, cfg: bench_tune_moe(runner, cfg, moe_cfg), "fp8": bench_tune_fp8,
                   "fp8-kv": bench_tune_fp8_kv_decode,
                   "lora": lambda runner, cfg: bench_tune_lora(runner, cfg, lora_cfg),
-                  "int4": lambda runner, cfg: bench_tune_int4(runner, INT_MODELS, args.int_layouts)}
+                  "int4": lambda runner, cfg: bench_tune_int4(runner, INT_MODELS, args.int_layouts,
+                                                          args.int_rows)}
     start = time.perf_counter()
     for group, bench in groups.items():
         if (not args.only and group not in OPT_IN_GROUPS) or group in (args.only or ()):

@@ -2,8 +2,8 @@
 on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows.
 
     bf16 cuBLAS      torch.matmul (F.linear) on the bf16 weight, then silu_and_mul for gate_up: the baseline
-    stream           up to MAX_ROWS rows, layouts without act-order: the streaming decode kernel
-                     (kernels/int_decode.py), what `linear_int` runs for these rows
+    stream           up to STREAM_MAX_ROWS rows, layouts without act-order: the streaming decode kernel
+                     (kernels/int_decode.py; past MAX_ROWS in row tiles), what `linear_int` runs for these rows
     decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows); and
                      up to MAX_ROWS "decode tiles, once": the same loading each packed word once (UNPACK_ONCE)
     gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order)
@@ -32,6 +32,7 @@ from kernels.int_decode import can_stream, linear_int_stream, stream_config
 from kernels.linear import MAX_ROWS, linear_cublas
 from kernels.linear_int import (
     AWQ_GEMM,
+    STREAM_MAX_ROWS,
     _check_packed_launchable,
     decode_config,
     dequantize_ref,
@@ -109,7 +110,7 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
     if rows <= DECODE_TILES_UP_TO:
         impls["decode tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=decode_config(rows))
     c = copies[0]
-    if can_stream(c["packing"], c["g_idx"], c["group_size"], x.shape[1], n, rows, MAX_ROWS):
+    if can_stream(c["packing"], c["g_idx"], c["group_size"], x.shape[1], n, rows, STREAM_MAX_ROWS):
         impls["stream"] = lambda i: linear_int_triton(x, **copies[i], gated=gated)  # no config: it streams
     if rows <= MAX_ROWS:  # the decode tiles loading each packed word once, as the GEMM tiles do
         once = decode_config(rows) | {"UNPACK_ONCE": True}
@@ -214,20 +215,26 @@ STREAM_TUNE_CONFIGS = [dict(SPLIT_K=split, num_stages=st) for split in STREAM_TU
     dict(num_warps=8), dict(BLOCK_K=64, num_stages=6), dict(num_stages=3), dict(BIASED=False),
     dict(BIASED=False, num_stages=3)]
 STREAM_TUNE_ROWS = [1]
+# Past MAX_ROWS (--int-rows 32 64 ...): the stream in row tiles of 16-64 rows (`stream_config`'s row_tile, its split
+# of K over all the tiles) and 4 / 8 warps, beside dequant+cuBLAS (what `linear_int` runs past STREAM_MAX_ROWS). The
+# first sweep (h100-kernels-tune-int4-row-tiles-unsplit.json: tiles of 32-128, K unsplit past one tile) lost to
+# dequant+cuBLAS at 256 rows everywhere and at 64 rows on small layers.
+ROW_TILE_TUNE_CONFIGS = [(16, {}), (16, dict(num_warps=8)), (32, {}), (32, dict(num_warps=8)), (64, {}),
+                         (64, dict(num_warps=4))]
 
 
-def bench_tune_int4(runner, models: dict, layouts: list[str]):
+def bench_tune_int4(runner, models: dict, layouts: list[str], rows_list: list[int] | None = None):
     """The stream kernel's launch settings (STREAM_TUNE_CONFIGS over `int_decode.stream_config`'s) on each layer
-    (rows: one compile serves 1-16, M is not specialized). The default should be the best row or near it; bf16
-    cuBLAS and the default are the first two."""
+    (rows: one compile serves 1-16, M is not specialized; past MAX_ROWS, ROW_TILE_TUNE_CONFIGS beside
+    dequant+cuBLAS). The default should be the best row or near it; bf16 cuBLAS and the default are the first two."""
     for layout in layouts:
         for model_name, model in models.items():
             for op, (out_features, in_features, gated) in linears(model).items():
                 _tune_layer(runner, f"tune {layout} {model_name} {op.split('+')[0]}", out_features, in_features,
-                            gated, layout)
+                            gated, layout, rows_list or STREAM_TUNE_ROWS)
 
 
-def _tune_layer(runner, name, out_features, in_features, gated, layout):
+def _tune_layer(runner, name, out_features, in_features, gated, layout, rows_list):
     device = runner.device
     copies = [packed_layer(out_features, in_features, layout, device)]
     while len(copies) < 8 and len(copies) * packed_bytes(copies[0]) < COLD_CHAIN_BYTES:
@@ -240,12 +247,18 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout):
     zero_terms = [_check_packed_launchable(c["qweight"], c["qzeros"], c["scales"], None, c.get("mins"))
                   for c in copies]
     has_mins = c0.get("mins") is not None
-    base = stream_config(1, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device,
-                         c0["packing"].pack_factor)
-    configs = {"default": {}} | {" ".join(f"{k}={v}" for k, v in c.items()): c for c in STREAM_TUNE_CONFIGS}
-    for rows in STREAM_TUNE_ROWS:
+    for rows in rows_list:
+        base = stream_config(rows, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2, device,
+                             c0["packing"].pack_factor)
+        configs = {"default": {}}
+        if rows <= MAX_ROWS:
+            configs |= {" ".join(f"{k}={v}" for k, v in c.items()): c for c in STREAM_TUNE_CONFIGS}
+        for row_tile, overrides in ([] if rows <= MAX_ROWS else ROW_TILE_TUNE_CONFIGS):
+            cfg = stream_config(rows, n, in_features, c0["group_size"], c0["packing"].is_packed_along_k, gated, 2,
+                                device, c0["packing"].pack_factor, row_tile) | overrides
+            configs[" ".join(f"{k}={v}" for k, v in cfg.items() if k in ("BLOCK_M", "SPLIT_K", "num_warps"))] = cfg
 
-        def build(rows=rows):
+        def build(rows=rows, configs=configs, base=base):
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
 
             def call(i, cfg):
@@ -255,6 +268,9 @@ def _tune_layer(runner, name, out_features, in_features, gated, layout):
                                          dot_precision(x.dtype), cfg)
 
             impls = {"bf16 cuBLAS": _chain(lambda i: linear_cublas(x, bf16[i], gated=gated), len(copies))}
+            if rows > MAX_ROWS:  # what linear_int ran past 16 rows before the row tiles, and runs past 64
+                impls["dequant+cuBLAS"] = _chain(lambda i: linear_int_dequantized(x, **copies[i], gated=gated),
+                                                 len(copies))
             impls.update({label: _chain(functools.partial(call, cfg=cfg), len(copies))
                           for label, cfg in configs.items()})
 
