@@ -34,6 +34,7 @@ from kernels.linear_int import (
     AWQ_GEMM,
     STREAM_MAX_ROWS,
     _check_packed_launchable,
+    along_n,
     decode_config,
     dequantize_ref,
     dequantize_triton,
@@ -54,11 +55,15 @@ INT_MODELS = {"8b": dict(hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128
 SMOKE_INT_MODELS = {"toy": dict(hidden=128, num_heads=8, num_kv_heads=2, head_dim=16, inter=128)}  # K: 128s
 # layout -> (packing, zero points drawn at random (AWQ) or mid-range (GPTQ sym), act-order g_idx, group size,
 # GGUF's float32 scales and mins in place of zero points (Q4_K as an int layer holds it: checkpoints/gguf_types.py));
-# groups of 32 along K stream with a word row's scales a row of the K tile (kernels/int_decode.py ROW_SCALES)
+# groups of 32 along K stream with a word row's scales a row of the K tile (kernels/int_decode.py ROW_SCALES).
+# "gptq" and "gptq-g32" are timed as a served layer holds them, repacked along N in AWQ's order at load
+# (`ALONG_N_AT_LOAD`: workers/layers/quantization_int.py finish_int_weights); "-k": as the checkpoint packs them
 INT_LAYOUTS = {"awq": (AWQ_GEMM, True, False, GROUP_SIZE, False), "gptq": (gptq_v1(4), False, False, GROUP_SIZE, False),
+               "gptq-k": (gptq_v1(4), False, False, GROUP_SIZE, False),
                "gptq-act": (gptq_v1(4), False, True, GROUP_SIZE, False),
-               "gptq-g32": (gptq_v1(4), False, False, 32, False),
+               "gptq-g32": (gptq_v1(4), False, False, 32, False), "gptq-g32-k": (gptq_v1(4), False, False, 32, False),
                "gguf-q4_k": (offset_binary(4), False, False, 32, True)}
+ALONG_N_AT_LOAD = {"gptq", "gptq-g32"}
 
 
 def packed_layer(out_features: int, in_features: int, layout: str, device) -> dict:
@@ -84,6 +89,8 @@ def packed_layer(out_features: int, in_features: int, layout: str, device) -> di
     if has_mins:  # w = q * scale + min, centred as a zero point of 8 would centre it
         return dict(qweight=qweight, qzeros=None, scales=scales, g_idx=None, group_size=group_size, packing=packing,
                     mins=-8 * scales)
+    if layout in ALONG_N_AT_LOAD:
+        qweight, qzeros, packing = along_n(qweight, qzeros, packing)
     return dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx, group_size=group_size,
                 packing=packing)
 

@@ -143,6 +143,28 @@ def unpack_zeros(qzeros: torch.Tensor, packing: IntPacking) -> torch.Tensor:
     return unpack_int32(qzeros, packing.bits, False, packing.fields) + packing.zero_offset
 
 
+def pack_along_n(values: torch.Tensor, fields: tuple[int, ...] = AWQ_FIELDS) -> torch.Tensor:
+    """Unsigned 4-bit integers [R, N] (N a multiple of 8) -> int32 [R, N / 8], value j of each 8 in field
+    fields[j] (AWQ's order by default): `unpack_int32`'s inverse."""
+    rows, cols = values.shape
+    shifts = 4 * torch.tensor(fields, dtype=torch.int64, device=values.device)
+    words = (values.to(torch.int64).reshape(rows, cols // 8, 8) << shifts).sum(-1)  # < 2^32
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits as int32
+
+
+def along_n(qweight: torch.Tensor, qzeros: torch.Tensor, packing: IntPacking,
+            rows_at_once: int = 512) -> tuple[torch.Tensor, torch.Tensor, IntPacking]:
+    """A 4-bit layer packed along K (GPTQ's, compressed-tensors' layout) as the same integers packed along N in
+    AWQ's order: (qweight [K, N / 8], qzeros [G, N / 8], packing), zero points stored as before (v1's zero - 1 and
+    its zero_offset kept). The weights are the same exactly. `rows_at_once` word rows are unpacked at a time."""
+    assert packing.bits == 4 and packing.is_packed_along_k and packing.fields is None, packing
+    out = torch.empty(qweight.shape[0] * 8, qweight.shape[1] // 8, dtype=torch.int32, device=qweight.device)
+    for r in range(0, qweight.shape[0], rows_at_once):
+        out[8 * r:8 * (r + rows_at_once)] = pack_along_n(unpack_weight(qweight[r:r + rows_at_once], packing))
+    zeros = pack_along_n(unpack_int32(qzeros, 4, False))
+    return out, zeros, IntPacking(bits=4, is_packed_along_k=False, fields=AWQ_FIELDS, zero_offset=packing.zero_offset)
+
+
 def group_index(num_in_features: int, group_size: int | None, device) -> torch.Tensor:
     """Each input feature's group when there is no g_idx: k // group_size (None: one group)."""
     k = torch.arange(num_in_features, dtype=torch.int32, device=device)

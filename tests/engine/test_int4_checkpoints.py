@@ -111,9 +111,25 @@ def test_unpacking_gives_back_the_integers(int4, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_tokens_and_logprobs_equal_the_dequantized_model(int4, fmt):
+    """Also the layout a layer holds after loading: a 4-bit GPTQ layer without act-order packed along N in AWQ's
+    order (workers/layers/quantization_int.py `finish_int_weights`), its zero points as stored (v1's offset kept);
+    act-order and 8-bit layers as the checkpoint packs them."""
     dst, oracle, _ = int4(fmt)
-    outs = generate(dst, inspect=assert_holds_packed_weights)
+
+    def inspect(llm):
+        assert_holds_packed_weights(llm)
+        along_n = fmt.method == "awq" or (fmt.bits == 4 and not fmt.desc_act)
+        for layer in _linears(llm):
+            assert layer.packing.is_packed_along_k != along_n, (fmt.name, layer.packing)
+            assert layer.packing.zero_offset == (1 if fmt.method == "gptq" and not fmt.is_gptq_v2 else 0)
+
+    outs = generate(dst, inspect=inspect)
     assert_same(generate(oracle), outs)
+
+
+def _linears(llm) -> list:
+    layer = llm.engine.executor.worker.model.model.layers[0]
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def assert_holds_packed_weights(llm) -> None:

@@ -390,6 +390,13 @@ def compile_int_stream() -> None:
                linear_int.offset_binary(8), group_size=16)
     int_linear("int4 stream gptq g32 qkv, 16 rows", 16, 4096, (512, 6144), (128, 6144 // 8), 128, 6144, gptq4,
                group_size=32)
+    # GPTQ v1 as a served layer holds it (repacked along N in AWQ's order, v1's zero offset kept), and a group of 32
+    # along N (K tiles of 32: GPTQ g32 served so, AWQ g32)
+    v1_along_n = linear_int.IntPacking(bits=4, is_packed_along_k=False, fields=linear_int.AWQ_FIELDS, zero_offset=1)
+    int_linear("int4 stream v1 zeros along n gate_up + silu, 1 rows", 1, 4096, (4096, 2 * 14336 // 8),
+               (32, 2 * 14336 // 8), 32, 2 * 14336, v1_along_n, gated=True)
+    int_linear("int4 stream v1 zeros along n g32 qkv, 1 rows", 1, 4096, (4096, 6144 // 8), (128, 6144 // 8), 128,
+               6144, v1_along_n, group_size=32)
     for name, k, qweight, qzeros, groups, n, packing, gated in [  # the q - z path (BIASED=False; B + q: default)
             ("awq down", 14336, (14336, 4096 // 8), (112, 4096 // 8), 112, 4096, awq, False),
             ("awq gate_up + silu", 4096, (4096, 2 * 14336 // 8), (32, 2 * 14336 // 8), 32, 2 * 14336, awq, True),

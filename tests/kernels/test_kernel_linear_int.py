@@ -76,6 +76,32 @@ def test_bad_inputs(device):
         linear_int_triton(torch.randn(2, 128, device=device), **{**layer, "qweight": layer["qweight"].float()})
 
 
+@pytest.mark.parametrize("packing", [gptq_v1(4), offset_binary(4)], ids=["gptq-v1", "offset-binary"])
+def test_along_n_holds_the_same_weights(packing, device, poisoned_allocations):
+    """A 4-bit layer packed along K repacked along N in AWQ's order (what an int linear holds after loading):
+    random words (every field value, v1's stored 15 a zero of 16 included) dequantize to the same weight bit for
+    bit, a chunk of word rows at a time as at once, and both layouts' kernels give the same output."""
+    from kernels.linear_int import AWQ_FIELDS, along_n, dequantize_ref, pack_along_n, unpack_int32
+
+    gen = torch.Generator().manual_seed(5)
+    k, n, group = 256, 96, 32
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32).to(device)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), generator=gen, dtype=torch.int32).to(device)
+    scales = (torch.rand(k // group, n, generator=gen) / 64).half().to(device)
+    qw, qz, along = along_n(qweight, qzeros, packing, rows_at_once=3)
+    assert (along.is_packed_along_k, along.fields, along.zero_offset) == (False, AWQ_FIELDS, packing.zero_offset)
+    assert qw.shape == (k, n // 8) and qz.shape == qzeros.shape
+    assert torch.equal(dequantize_ref(qw, qz, scales, None, group, along, torch.float32),
+                       dequantize_ref(qweight, qzeros, scales, None, group, packing, torch.float32))
+    assert torch.equal(along_n(qweight, qzeros, packing)[0], qw)
+    assert torch.equal(pack_along_n(unpack_int32(qw, 4, False, AWQ_FIELDS)), qw)  # unpack_int32's inverse
+    x = torch.randn(5, k, generator=gen).to(torch.bfloat16).to(device)
+    ref = linear_int_ref(x.float(), qweight, qzeros, scales, None, group, packing)
+    for out in (linear_int_triton(x, qw, qz, scales, None, group, along),  # the stream kernel, each layout
+                linear_int_triton(x, qweight, qzeros, scales, None, group, packing)):
+        assert (out.float() - ref).abs().max() <= 2 * 2.0 ** -8 * ref.abs().max()
+
+
 def test_cpu_dispatch_takes_the_reference():
     """Off the GPU the public function is the reference (the interpreter is for these tests only)."""
     layer = packed_layer(ic.Int4Format("awq", 32), 32, 64, "cpu")
@@ -245,9 +271,14 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
 
     monkeypatch.setattr(bench, "time_ms", lambda fn, device: (fn(), 1.0)[1])
     runner = bench.Runner(device, check=True, use_triton=True)
-    kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq-act", "gguf-q4_k"], rows_list=[2, 20])
+    kernels_int.bench_int4(runner, kernels_int.SMOKE_INT_MODELS, ["awq", "gptq", "gptq-act", "gguf-q4_k"],
+                           rows_list=[2, 20])
     assert not runner.failures, runner.failures
     impls = {(r["kernel"], r["case"], r["impl"]) for r in runner.results}
+    # GPTQ without act-order as a served layer holds it: along N (its checkpoint's layout: "gptq-k")
+    assert not kernels_int.packed_layer(128, 128, "gptq", device)["packing"].is_packed_along_k
+    assert kernels_int.packed_layer(128, 128, "gptq-k", device)["packing"].is_packed_along_k
+    assert ("int4 gptq toy qkv", "rows 2", "stream") in impls
     assert {("int4 awq toy gate_up", "rows 2", impl) for impl in ("stream", "decode tiles", "decode tiles, once")
             } <= impls
     assert not {r for r in impls if r[2] == "stream" and "gptq-act" in r[0]}  # act-order: never streamed

@@ -29,7 +29,7 @@ from kernels.linear import linear
 from kernels.linear_fp8 import linear_fp8
 from kernels.linear_int import dequantize_ref
 from workers.layers.quantization import Shard, create_fp8_weights, current_quant_config, quantized_layers
-from workers.layers.quantization_int import create_int_weights, linear_int
+from workers.layers.quantization_int import create_int_weights, finish_int_weights, linear_int
 from workers.parallel import all_reduce, get_tp_rank, get_tp_size, linear_all_reduce
 
 
@@ -92,6 +92,9 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         shard = self.shard(shard_id)
         copy_loaded(param.data[shard.dst], loaded[shard.src_rows] if param.dim() == 1 else shard.index(loaded))
+
+    def finish_loading(self) -> None:
+        finish_weight(self)
 
     @property
     def takes_quantized_rows(self) -> bool:
@@ -221,6 +224,9 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         copy_loaded(param.data, self.shard(shard_id).index(loaded))
 
+    def finish_loading(self) -> None:
+        finish_weight(self)
+
     @property
     def takes_quantized_rows(self) -> bool:
         return takes_quantized_rows(self)
@@ -278,6 +284,13 @@ def takes_quantized_rows(layer: nn.Module) -> bool:
     config = layer.quant_config
     return (config is not None and not config.is_packed_int and layer.block_size is None
             and layer.input_scale is None and layer.lora is None)  # adapters read the input in the model dtype
+
+
+def finish_weight(layer: nn.Module) -> None:
+    """What a Column- or RowParallelLinear makes of its loaded weight (workers/weights.py calls it once every
+    tensor has loaded): int layers' layout for the kernels (`finish_int_weights`)."""
+    if layer.quant_config is not None and layer.quant_config.is_packed_int:
+        finish_int_weights(layer)
 
 
 def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device, is_k_split: bool) -> None:

@@ -17,6 +17,9 @@ and copies it transposed (`is_n_major`); workers/weights.py renames the tensors 
 points (a mid-range buffer) or with `mins` [G_rank, N_rank] in place of qzeros (w = q * scale + min), groups of
 32 or 16 (checkpoints/gguf_types.py).
 
+Once loaded, a 4-bit layer packed along K without act-order (GPTQ, compressed-tensors int4) is repacked along N in
+AWQ's order, the same weights exactly (`finish_int_weights`); `layer.packing` says which layout a layer holds.
+
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
 and the groups of it, which must start and end on group boundaries (else a ValueError naming
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.linear_int import AWQ_GEMM, IntPacking, gptq_v1, group_index, offset_binary
+from kernels.linear_int import AWQ_GEMM, IntPacking, along_n, gptq_v1, group_index, offset_binary
 from kernels.linear_int import linear_int as linear_int_kernel
 
 
@@ -145,6 +148,28 @@ def _random_init(layer, param: nn.Parameter, first_k: int, std: float, generator
 
 def _random_scale(std: float, bits: int) -> float:
     return std / (((1 << bits) ** 2 - 1) / 12) ** 0.5  # a uniform integer's standard deviation
+
+
+def finish_int_weights(layer: nn.Module) -> None:
+    """Once the weights have loaded (workers/weights.py): a 4-bit layer packed along K, without act-order, with
+    zero points (GPTQ, compressed-tensors int4) is repacked along N in AWQ's order, the same weights exactly
+    (`kernels.linear_int.along_n`): the layout whose decode kernel reads x's tile whole. Packed along K, each
+    field's dot in kernels/int_decode.py takes x's columns 8r + j, which the sm_90 SASS gathers with 2-byte loads
+    staged through shared memory, 16-20 barriers a K tile where AWQ's layout has 2 (and groups of 32 streamed at
+    0.25-0.33 TB/s on an H100, AWQ's 128 at 1.0-2.0). GGUF's blocks keep their layout (and the dispatch measured
+    for them), as do a layer whose output features (a fused part's) are not whole int32s of 8, act-order layers and
+    8-bit ones."""
+    config, packing = layer.quant_config, layer.packing
+    parts = getattr(layer, "sizes_per_rank", None) or [layer.qweight.shape[1]]
+    if (packing.bits != 4 or not packing.is_packed_along_k or config.desc_act or layer.mins is not None
+            or config.method == "gguf" or any(n % 8 for n in parts)):
+        return
+    qweight, qzeros, layer.packing = along_n(layer.qweight.data, layer.qzeros.data, packing)
+    layer.qweight = nn.Parameter(qweight, requires_grad=False)
+    if isinstance(layer.qzeros, nn.Parameter):
+        layer.qzeros = nn.Parameter(qzeros, requires_grad=False)
+    else:  # the mid-range buffer of a checkpoint without zero points
+        layer.qzeros = qzeros
 
 
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
