@@ -107,8 +107,19 @@ def assert_packed_experts(llm) -> None:
 
 @pytest.mark.parametrize("arch, fmt", CASES, ids=lambda c: c if isinstance(c, str) else c.name)
 def test_logprobs_and_tokens_equal_transformers_on_the_dequantized_weights(moe_int4, arch, fmt):
+    """Also the layout the experts hold once loaded: 4 bits without act-order (GPTQ, pack-quantized) repacked along N
+    in AWQ's order, as the dense layers are (workers/layers/moe_quant.py `finish_int_experts`); the rest as stored."""
     dst, oracle = moe_int4(arch, fmt)
-    outs = generate(dst, inspect=assert_packed_experts)
+
+    def inspect(llm):
+        assert_packed_experts(llm)
+        along_n = fmt.method == "awq" or (fmt.bits == 4 and not fmt.desc_act)
+        model = llm.engine.executor.worker.model
+        experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+        for proj in (p for e in experts for p in e.projections.values()):
+            assert proj.packing.is_packed_along_k != along_n, (fmt.name, proj.name, proj.packing)
+
+    outs = generate(dst, inspect=inspect)
     model = hf_model(oracle)
     for out in outs:
         assert_matches_hf(model, out, num_top=2, atol=1e-4)

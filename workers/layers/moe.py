@@ -34,7 +34,7 @@ from kernels import ops
 from kernels.moe import fused_moe, topk_route
 from kernels.moe_quant import fused_moe_quant
 from workers.layers.linear import _divide, _param, copy_loaded, default_weight_loader, loaded_shape
-from workers.layers.moe_quant import create_fp8_experts, create_int_experts, quantized_experts
+from workers.layers.moe_quant import create_fp8_experts, create_int_experts, finish_int_experts, quantized_experts
 from workers.layers.quantization import current_quant_config
 from workers.parallel import get_tp_rank, get_tp_size
 
@@ -104,6 +104,11 @@ class FusedMoE(nn.Module):
             return
         self.quant_config = configs["w13"]
         create_int_experts(self, configs, self.weights_device)
+
+    def finish_loading(self) -> None:
+        """Once every expert has loaded (workers/weights.py): int experts' layout for the kernels."""
+        if self.quant_config is not None and self.quant_config.is_packed_int:
+            finish_int_experts(self)
 
     def _create_weights(self, dtype, device) -> None:
         num_experts, hidden_size = self.num_experts, self.hidden_size

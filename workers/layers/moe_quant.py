@@ -35,6 +35,7 @@ k // group_size, and the kernel computes that instead of reading it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from torch import nn
 
 from engine.quantization import QuantConfig
 from kernels.fp8 import FP8_DTYPE, quantize_weight, quantize_weight_blocks
-from kernels.linear_int import IntPacking
+from kernels.linear_int import IntPacking, along_n
 from kernels.moe_quant import Fp8Experts, IntExperts
 from workers.layers.quantization import _blocks, static_input_scale
 from workers.layers.quantization_int import (
@@ -52,6 +53,7 @@ from workers.layers.quantization_int import (
     _random_scale,
     group_layout,
     group_rows,
+    held_along_n,
     packing_of,
     scale_dtype_of,
 )
@@ -148,6 +150,25 @@ def _create_int_projection(moe, proj: _Projection, device) -> None:
     for name in ("g_idx", "mins", "qzeros"):
         if name not in shapes:
             setattr(moe, f"{proj.name}_{name}", None)
+
+
+@torch.no_grad()
+def finish_int_experts(moe) -> None:
+    """Once the experts have loaded: each projection a dense layer of its format would hold along N
+    (`held_along_n`: GPTQ's and compressed-tensors' 4 bits without act-order) repacked so, expert by expert
+    (`kernels.linear_int.along_n`: the same weights exactly), for the same decode kernel's reasons."""
+    for name, proj in list(moe.projections.items()):
+        if not held_along_n(proj.config, proj.packing):
+            continue
+        qweight, qzeros = getattr(moe, f"{name}_qweight"), getattr(moe, f"{name}_qzeros")
+        words = torch.empty(moe.num_experts, proj.cols, proj.rows // 8, dtype=torch.int32, device=qweight.device)
+        zeros = torch.empty_like(qzeros)
+        for e in range(moe.num_experts):
+            words[e], zeros[e], packing = along_n(qweight.data[e], qzeros.data[e], proj.packing)
+        setattr(moe, f"{name}_qweight", nn.Parameter(words, requires_grad=False))
+        setattr(moe, f"{name}_qzeros", nn.Parameter(zeros, requires_grad=False) if isinstance(qzeros, nn.Parameter)
+                else zeros)
+        moe.projections[name] = dataclasses.replace(proj, packing=packing)
 
 
 def _load_int(moe, proj: _Projection, name: str, param: nn.Parameter, loaded, shard_id) -> None:

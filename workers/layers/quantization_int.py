@@ -150,6 +150,13 @@ def _random_scale(std: float, bits: int) -> float:
     return std / (((1 << bits) ** 2 - 1) / 12) ** 0.5  # a uniform integer's standard deviation
 
 
+def held_along_n(config: QuantConfig, packing: IntPacking) -> bool:
+    """Whether a layer (or an expert projection) of this format packed so is repacked along N once loaded (see
+    `finish_int_weights`): 4 bits along K, no act-order, zero points, not GGUF's blocks."""
+    return (packing.bits == 4 and packing.is_packed_along_k and not config.desc_act and not config.has_mins
+            and config.method != "gguf")
+
+
 def finish_int_weights(layer: nn.Module) -> None:
     """Once the weights have loaded (workers/weights.py): a 4-bit layer packed along K, without act-order, with
     zero points (GPTQ, compressed-tensors int4) is repacked along N in AWQ's order, the same weights exactly
@@ -161,8 +168,7 @@ def finish_int_weights(layer: nn.Module) -> None:
     8-bit ones."""
     config, packing = layer.quant_config, layer.packing
     parts = getattr(layer, "sizes_per_rank", None) or [layer.qweight.shape[1]]
-    if (packing.bits != 4 or not packing.is_packed_along_k or config.desc_act or layer.mins is not None
-            or config.method == "gguf" or any(n % 8 for n in parts)):
+    if not held_along_n(config, packing) or any(n % 8 for n in parts):
         return
     qweight, qzeros, layer.packing = along_n(layer.qweight.data, layer.qzeros.data, packing)
     layer.qweight = nn.Parameter(qweight, requires_grad=False)
