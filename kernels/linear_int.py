@@ -143,12 +143,15 @@ def unpack_zeros(qzeros: torch.Tensor, packing: IntPacking) -> torch.Tensor:
     return unpack_int32(qzeros, packing.bits, False, packing.fields) + packing.zero_offset
 
 
-def pack_along_n(values: torch.Tensor, fields: tuple[int, ...] = AWQ_FIELDS) -> torch.Tensor:
-    """Unsigned 4-bit integers [R, N] (N a multiple of 8) -> int32 [R, N / 8], value j of each 8 in field
-    fields[j] (AWQ's order by default): `unpack_int32`'s inverse."""
-    rows, cols = values.shape
-    shifts = 4 * torch.tensor(fields, dtype=torch.int64, device=values.device)
-    words = (values.to(torch.int64).reshape(rows, cols // 8, 8) << shifts).sum(-1)  # < 2^32
+def pack_int32(values: torch.Tensor, bits: int, along_rows: bool,
+               fields: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`unpack_int32`'s inverse: unsigned integers (< 2^bits) [R * p, C] (along_rows) or [R, C * p] -> int32
+    [R, C], value j of each p in field fields[j] (None: field j)."""
+    p = 32 // bits
+    shifts = bits * torch.tensor(fields if fields is not None else range(p), dtype=torch.int64, device=values.device)
+    v = values.to(torch.int64)
+    v = v.reshape(-1, p, v.shape[1]).transpose(1, 2) if along_rows else v.reshape(v.shape[0], -1, p)  # [R, C, p]
+    words = (v << shifts).sum(-1)  # < 2^32
     return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits as int32
 
 
@@ -160,9 +163,32 @@ def along_n(qweight: torch.Tensor, qzeros: torch.Tensor, packing: IntPacking,
     assert packing.bits == 4 and packing.is_packed_along_k and packing.fields is None, packing
     out = torch.empty(qweight.shape[0] * 8, qweight.shape[1] // 8, dtype=torch.int32, device=qweight.device)
     for r in range(0, qweight.shape[0], rows_at_once):
-        out[8 * r:8 * (r + rows_at_once)] = pack_along_n(unpack_weight(qweight[r:r + rows_at_once], packing))
-    zeros = pack_along_n(unpack_int32(qzeros, 4, False))
+        out[8 * r:8 * (r + rows_at_once)] = pack_int32(unpack_weight(qweight[r:r + rows_at_once], packing), 4, False,
+                                                       AWQ_FIELDS)
+    zeros = pack_int32(unpack_int32(qzeros, 4, False), 4, False, AWQ_FIELDS)
     return out, zeros, IntPacking(bits=4, is_packed_along_k=False, fields=AWQ_FIELDS, zero_offset=packing.zero_offset)
+
+
+def sorted_by_group(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                    group_size: int, packing: IntPacking, columns_at_once: int = 4096):
+    """An act-order layer packed along K (g_idx in any order) as a layer without one: its input features sorted by
+    group, (perm, qweight, qzeros, scales), where x[:, perm] @ the new W.T equals x @ W.T (the same weights, their
+    K in perm's order) and feature k of the new layer is in group k // group_size. None where the sorted features
+    are not whole groups (a row-parallel rank holding part of some groups)."""
+    assert packing.is_packed_along_k, packing
+    g = g_idx.long()
+    perm = torch.argsort(g, stable=True)
+    ordered = g[perm]
+    if ordered.numel() % group_size:
+        return None
+    groups = ordered[::group_size]
+    if not torch.equal(ordered, groups.repeat_interleave(group_size)):
+        return None
+    words = torch.empty_like(qweight)
+    for c in range(0, qweight.shape[1], columns_at_once):
+        q = unpack_weight(qweight[:, c:c + columns_at_once], packing)[perm]
+        words[:, c:c + columns_at_once] = pack_int32(q, packing.bits, True, packing.fields)
+    return perm, words, qzeros[groups], scales[groups]
 
 
 def group_index(num_in_features: int, group_size: int | None, device) -> torch.Tensor:

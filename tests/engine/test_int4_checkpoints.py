@@ -111,17 +111,28 @@ def test_unpacking_gives_back_the_integers(int4, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_tokens_and_logprobs_equal_the_dequantized_model(int4, fmt):
-    """Also the layout a layer holds after loading: a 4-bit GPTQ layer without act-order packed along N in AWQ's
-    order (workers/layers/quantization_int.py `finish_int_weights`), its zero points as stored (v1's offset kept);
-    act-order and 8-bit layers as the checkpoint packs them."""
+    """Also what a layer holds after loading (workers/layers/quantization_int.py `finish_int_weights`): act-order
+    layers' input features sorted by group (x's columns permuted a call), 4-bit GPTQ layers packed along N in AWQ's
+    order with their zero points as stored (v1's offset kept), 8-bit ones along K as the checkpoint packs them."""
     dst, oracle, _ = int4(fmt)
 
     def inspect(llm):
         assert_holds_packed_weights(llm)
-        along_n = fmt.method == "awq" or (fmt.bits == 4 and not fmt.desc_act)
         for layer in _linears(llm):
-            assert layer.packing.is_packed_along_k != along_n, (fmt.name, layer.packing)
+            assert layer.packing.is_packed_along_k != (fmt.bits == 4), (fmt.name, layer.packing)
             assert layer.packing.zero_offset == (1 if fmt.method == "gptq" and not fmt.is_gptq_v2 else 0)
+            # act-order sorted by group: x's columns permuted, no g_idx read
+            assert (layer.input_perm is not None) == fmt.desc_act and not (fmt.desc_act and layer.g_idx is not None)
+        if fmt.desc_act:  # read back as a matrix (MLA's kv_b_proj is): the checkpoint's column order
+            from safetensors.torch import load_file
+
+            from workers.layers.linear import dequantize_in_place
+
+            qkv = _linears(llm)[0]
+            dequantize_in_place(qkv, torch.float32)
+            tensors = load_file(f"{oracle}/model.safetensors")
+            assert torch.equal(qkv.weight, torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"]
+                                                      for p in "qkv"]))
 
     outs = generate(dst, inspect=inspect)
     assert_same(generate(oracle), outs)
@@ -211,7 +222,9 @@ def test_gptq_v2_read_from_quantize_config(int4, tmp_path):
 
 def _assert_v2(llm) -> None:
     layer = llm.engine.executor.worker.model.model.layers[0].mlp.down_proj
-    assert layer.quant_config.checkpoint_format == "gptq_v2" and layer.packing == offset_binary(4)
+    # v2's zero points as stored (no v1 offset); held along N once sorted by group (finish_int_weights)
+    assert layer.quant_config.checkpoint_format == "gptq_v2" and layer.packing.zero_offset == 0
+    assert not layer.packing.is_packed_along_k and layer.input_perm is not None
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])

@@ -122,7 +122,14 @@ def test_logprobs_and_tokens_equal_transformers_on_the_dequantized_weights(moe_i
     outs = generate(dst, inspect=inspect)
     model = hf_model(oracle)
     for out in outs:
-        assert_matches_hf(model, out, num_top=2, atol=1e-4)
+        assert_matches_hf(model, out, num_top=2, atol=act_order_atol(fmt))
+
+
+def act_order_atol(fmt: ic.Int4Format) -> float:
+    """Logprob tolerance against transformers: an act-order layer sorted by group sums K in group order, transformers
+    in the checkpoint's, so float32 rounds differently (each as near the exact product: 4e-7 of it on a 512 x 512
+    layer); through the tiny MoE models that moved logprobs by up to 1.4e-4, against 1.6e-5 unsorted."""
+    return 3e-4 if fmt.desc_act else 1e-4
 
 
 def test_the_oracle_differs_from_the_float_model(moe_int4):

@@ -81,7 +81,7 @@ def test_along_n_holds_the_same_weights(packing, device, poisoned_allocations):
     """A 4-bit layer packed along K repacked along N in AWQ's order (what an int linear holds after loading):
     random words (every field value, v1's stored 15 a zero of 16 included) dequantize to the same weight bit for
     bit, a chunk of word rows at a time as at once, and both layouts' kernels give the same output."""
-    from kernels.linear_int import AWQ_FIELDS, along_n, dequantize_ref, pack_along_n, unpack_int32
+    from kernels.linear_int import AWQ_FIELDS, along_n, dequantize_ref, pack_int32, unpack_int32
 
     gen = torch.Generator().manual_seed(5)
     k, n, group = 256, 96, 32
@@ -94,12 +94,37 @@ def test_along_n_holds_the_same_weights(packing, device, poisoned_allocations):
     assert torch.equal(dequantize_ref(qw, qz, scales, None, group, along, torch.float32),
                        dequantize_ref(qweight, qzeros, scales, None, group, packing, torch.float32))
     assert torch.equal(along_n(qweight, qzeros, packing)[0], qw)
-    assert torch.equal(pack_along_n(unpack_int32(qw, 4, False, AWQ_FIELDS)), qw)  # unpack_int32's inverse
+    assert torch.equal(pack_int32(unpack_int32(qw, 4, False, AWQ_FIELDS), 4, False, AWQ_FIELDS), qw)
+    assert torch.equal(pack_int32(unpack_int32(qweight, 4, True), 4, True), qweight)  # unpack_int32's inverse
     x = torch.randn(5, k, generator=gen).to(torch.bfloat16).to(device)
     ref = linear_int_ref(x.float(), qweight, qzeros, scales, None, group, packing)
     for out in (linear_int_triton(x, qw, qz, scales, None, group, along),  # the stream kernel, each layout
                 linear_int_triton(x, qweight, qzeros, scales, None, group, packing)):
         assert (out.float() - ref).abs().max() <= 2 * 2.0 ** -8 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", [ic.Int4Format("gptq", 32, desc_act=True),
+                                 ic.Int4Format("gptq", 64, bits=8, desc_act=True)], ids=lambda f: f.name)
+def test_sorted_by_group_is_the_same_layer_on_permuted_inputs(fmt, device):
+    """An act-order layer with its input features sorted by group (what an int linear holds after loading): its
+    weight is the original's columns in perm's order bit for bit, each feature k in group k // group_size, so x's
+    permuted columns times it give x times the original; a K slice holding part of some groups (a row-parallel
+    rank's) is left alone (None)."""
+    from kernels.linear_int import dequantize_ref, sorted_by_group
+
+    layer = packed_layer(fmt, 96, 256, device)
+    assert layer["g_idx"] is not None
+    perm, qweight, qzeros, scales = sorted_by_group(layer["qweight"], layer["qzeros"], layer["scales"],
+                                                    layer["g_idx"], fmt.group_size, layer["packing"],
+                                                    columns_at_once=40)
+    w = dequantize_ref(**layer, dtype=torch.float32)
+    w_sorted = dequantize_ref(qweight, qzeros, scales, None, fmt.group_size, layer["packing"], torch.float32)
+    assert torch.equal(w_sorted, w[:, perm])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    torch.testing.assert_close(linear_int_ref(x[:, perm], qweight, qzeros, scales, None, fmt.group_size,
+                                              layer["packing"]), linear_int_ref(x, **layer), atol=1e-5, rtol=1e-5)
+    assert sorted_by_group(layer["qweight"][: 64 // layer["packing"].pack_factor], layer["qzeros"],
+                           layer["scales"], layer["g_idx"][:64], fmt.group_size, layer["packing"]) is None
 
 
 def test_cpu_dispatch_takes_the_reference():

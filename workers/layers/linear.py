@@ -265,6 +265,8 @@ def matmul(layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor
     compiling = torch.compiler.is_compiling()
     if layer.quant_config is not None and layer.quant_config.is_packed_int:
         assert not quantize_output, "only an FP8 layer quantizes its output"
+        if layer.input_perm is not None:  # act-order sorted at load: W's input features in this order
+            x = x[:, layer.input_perm]
         if compiling:
             return ops.linear_int(x, layer.qweight, layer.qzeros, layer.scales,
                                   layer.g_idx if layer.quant_config.desc_act else None, layer.group_size,
@@ -305,7 +307,8 @@ def _make_weight(layer: nn.Module, rows: int, cols: int, dtype, device, is_k_spl
         layer.weight = _param((rows, cols), dtype, device, layer.weight_loader)
 
 
-_WEIGHT_TENSORS = ("weight", "qweight", "qzeros", "scales", "g_idx", "mins", "weight_scale", "input_scale")
+_WEIGHT_TENSORS = ("weight", "qweight", "qzeros", "scales", "g_idx", "mins", "input_perm", "weight_scale",
+                   "input_scale")
 
 
 def remake_weight(layer: nn.Module, config: QuantConfig | None, dtype) -> None:
@@ -330,6 +333,8 @@ def dequantize_in_place(layer: nn.Module, dtype) -> None:
     if config.is_packed_int:
         w = dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx if config.desc_act else None,
                            layer.group_size, layer.packing, torch.float32, layer.mins)
+        if layer.input_perm is not None:  # W's input features back in the checkpoint's order
+            w = torch.empty_like(w).index_copy_(1, layer.input_perm, w)
     else:
         w = dequantize_weight(layer.weight, layer.weight_scale, layer.block_size)
     remake_weight(layer, None, dtype)

@@ -155,10 +155,11 @@ def _create_int_projection(moe, proj: _Projection, device) -> None:
 @torch.no_grad()
 def finish_int_experts(moe) -> None:
     """Once the experts have loaded: each projection a dense layer of its format would hold along N
-    (`held_along_n`: GPTQ's and compressed-tensors' 4 bits without act-order) repacked so, expert by expert
+    (`held_along_n`: GPTQ's and compressed-tensors' 4 bits without act-order; act-order experts are not sorted, as
+    each expert's order differs and the fused kernel reads x's rows unpermuted) repacked so, expert by expert
     (`kernels.linear_int.along_n`: the same weights exactly), for the same decode kernel's reasons."""
     for name, proj in list(moe.projections.items()):
-        if not held_along_n(proj.config, proj.packing):
+        if not held_along_n(proj.config, proj.packing, proj.config.desc_act):
             continue
         qweight, qzeros = getattr(moe, f"{name}_qweight"), getattr(moe, f"{name}_qzeros")
         words = torch.empty(moe.num_experts, proj.cols, proj.rows // 8, dtype=torch.int32, device=qweight.device)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from engine.quantization import QuantConfig
-from kernels.linear_int import AWQ_GEMM, IntPacking, along_n, gptq_v1, group_index, offset_binary
+from kernels.linear_int import AWQ_GEMM, IntPacking, along_n, gptq_v1, group_index, offset_binary, sorted_by_group
 from kernels.linear_int import linear_int as linear_int_kernel
 
 
@@ -120,6 +120,7 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     has_g_idx = config.method == "gptq" or config.desc_act
     layer.g_idx = _param((cols,), torch.int32, device, loader) if has_g_idx else None
     layer.weight = None  # no float weight anywhere
+    layer.input_perm = None  # x's columns in the order of W's sorted input features (act-order: finish_int_weights)
     layer.block_size = layer.input_scale = None
     first_k = layer.tp_rank * cols if is_k_split and layer.has_all_groups else 0
     for param in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.mins):
@@ -150,32 +151,54 @@ def _random_scale(std: float, bits: int) -> float:
     return std / (((1 << bits) ** 2 - 1) / 12) ** 0.5  # a uniform integer's standard deviation
 
 
-def held_along_n(config: QuantConfig, packing: IntPacking) -> bool:
+def held_along_n(config: QuantConfig, packing: IntPacking, act_order: bool) -> bool:
     """Whether a layer (or an expert projection) of this format packed so is repacked along N once loaded (see
-    `finish_int_weights`): 4 bits along K, no act-order, zero points, not GGUF's blocks."""
-    return (packing.bits == 4 and packing.is_packed_along_k and not config.desc_act and not config.has_mins
+    `finish_int_weights`): 4 bits along K, no act-order (`act_order`: a g_idx still in use), zero points, not GGUF's
+    blocks."""
+    return (packing.bits == 4 and packing.is_packed_along_k and not act_order and not config.has_mins
             and config.method != "gguf")
 
 
 def finish_int_weights(layer: nn.Module) -> None:
-    """Once the weights have loaded (workers/weights.py): a 4-bit layer packed along K, without act-order, with
-    zero points (GPTQ, compressed-tensors int4) is repacked along N in AWQ's order, the same weights exactly
-    (`kernels.linear_int.along_n`): the layout whose decode kernel reads x's tile whole. Packed along K, each
-    field's dot in kernels/int_decode.py takes x's columns 8r + j, which the sm_90 SASS gathers with 2-byte loads
-    staged through shared memory, 16-20 barriers a K tile where AWQ's layout has 2 (and groups of 32 streamed at
-    0.25-0.33 TB/s on an H100, AWQ's 128 at 1.0-2.0). GGUF's blocks keep their layout (and the dispatch measured
-    for them), as do a layer whose output features (a fused part's) are not whole int32s of 8, act-order layers and
-    8-bit ones."""
-    config, packing = layer.quant_config, layer.packing
+    """Once the weights have loaded (workers/weights.py), two exact rewrites of what the layer holds:
+
+    - act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): the input features sorted by group
+      (`kernels.linear_int.sorted_by_group`), so the layer reads a K tile's zeros and scales as one row and x's
+      columns are permuted once a call (`layer.input_perm`, in `linear.matmul`) instead of W's every call: the
+      kernels that take no g_idx (the streaming one) take it. Not where a rank holds part of some groups (a
+      row-parallel layer at tp > 1, whose K slice is any features) or one group spans K.
+    - 4 bits packed along K without act-order, with zero points (GPTQ, compressed-tensors int4): repacked along N in
+      AWQ's order (`kernels.linear_int.along_n`), the layout whose decode kernel reads x's tile whole. Packed along
+      K, each field's dot in kernels/int_decode.py takes x's columns 8r + j, which the sm_90 SASS gathers with
+      2-byte loads staged through shared memory, 16-20 barriers a K tile where AWQ's layout has 2 (groups of 32
+      streamed at 0.25-0.33 TB/s on an H100, AWQ's 128 at 1.0-2.0). GGUF's blocks keep their layout (and the
+      dispatch measured for them), as do 8-bit layers and a layer whose output features (a fused part's) are not
+      whole int32s of 8."""
+    config = layer.quant_config
+    if config.desc_act and layer.g_idx is not None and layer.group_size is not None:
+        ordered = sorted_by_group(layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data,
+                                  layer.group_size, layer.packing)
+        if ordered is not None:
+            layer.input_perm, qweight, qzeros, scales = ordered
+            layer.qweight, layer.scales = _frozen(qweight), _frozen(scales)
+            _set_zeros(layer, qzeros)
+            layer.g_idx = None
     parts = getattr(layer, "sizes_per_rank", None) or [layer.qweight.shape[1]]
-    if not held_along_n(config, packing) or any(n % 8 for n in parts):
+    act_order = config.desc_act and layer.g_idx is not None
+    if not held_along_n(config, layer.packing, act_order) or any(n % 8 for n in parts):
         return
-    qweight, qzeros, layer.packing = along_n(layer.qweight.data, layer.qzeros.data, packing)
-    layer.qweight = nn.Parameter(qweight, requires_grad=False)
-    if isinstance(layer.qzeros, nn.Parameter):
-        layer.qzeros = nn.Parameter(qzeros, requires_grad=False)
-    else:  # the mid-range buffer of a checkpoint without zero points
-        layer.qzeros = qzeros
+    qweight, qzeros, layer.packing = along_n(layer.qweight.data, layer.qzeros.data, layer.packing)
+    layer.qweight = _frozen(qweight)
+    _set_zeros(layer, qzeros)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _set_zeros(layer: nn.Module, qzeros: torch.Tensor) -> None:
+    """qzeros replaced: a parameter, or the mid-range buffer of a checkpoint without zero points."""
+    layer.qzeros = _frozen(qzeros) if isinstance(layer.qzeros, nn.Parameter) else qzeros
 
 
 def linear_int(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
