@@ -120,7 +120,9 @@ def create_int_weights(layer: nn.Module, rows: int, cols: int, device, config: Q
     has_g_idx = config.method == "gptq" or config.desc_act
     layer.g_idx = _param((cols,), torch.int32, device, loader) if has_g_idx else None
     layer.weight = None  # no float weight anywhere
-    layer.input_perm = None  # x's columns in the order of W's sorted input features (act-order: finish_int_weights)
+    # x's columns in the order of W's input features once sorted (act-order: finish_int_weights); a buffer, so it
+    # moves with the layer
+    layer.register_buffer("input_perm", None, persistent=False)
     layer.block_size = layer.input_scale = None
     first_k = layer.tp_rank * cols if is_k_split and layer.has_all_groups else 0
     for param in (layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.mins):
