@@ -101,6 +101,15 @@ def test_along_n_holds_the_same_weights(packing, device, poisoned_allocations):
     for out in (linear_int_triton(x, qw, qz, scales, None, group, along),  # the stream kernel, each layout
                 linear_int_triton(x, qweight, qzeros, scales, None, group, packing)):
         assert (out.float() - ref).abs().max() <= 2 * 2.0 ** -8 * ref.abs().max()
+    # past the stream's rows: the dequantizing kernel (bit for bit) and the GEMM tiles
+    from kernels.linear_int import dequantize_triton
+
+    assert torch.equal(dequantize_triton(qw, qz, scales, None, group, along, torch.float16),  # (the interpreter
+                       dequantize_ref(qweight, qzeros, scales, None, group, packing, torch.float16))  # truncates bf16)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16).to(device)
+    ref = linear_int_ref(x.float(), qweight, qzeros, scales, None, group, packing)
+    assert (linear_int_triton(x, qw, qz, scales, None, group, along).float() - ref).abs().max() <= \
+        2 * 2.0 ** -8 * ref.abs().max()
 
 
 @pytest.mark.parametrize("fmt", [ic.Int4Format("gptq", 32, desc_act=True),
