@@ -181,7 +181,9 @@ def finish_int_weights(layer: nn.Module) -> None:
         ordered = sorted_by_group(layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data,
                                   layer.group_size, layer.packing)
         if ordered is not None:
-            layer.input_perm, qweight, qzeros, scales = ordered
+            perm, qweight, qzeros, scales = ordered
+            in_order = torch.equal(perm, torch.arange(perm.numel(), device=perm.device))
+            layer.input_perm = None if in_order else perm  # (a g_idx already in order: no gather)
             layer.qweight, layer.scales = _frozen(qweight), _frozen(scales)
             _set_zeros(layer, qzeros)
             layer.g_idx = None
