@@ -708,11 +708,12 @@ def _within_bf16_rounding(out, ref, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b") for lay in ("awq", "gptq", "gptq-act")])
+@pytest.mark.parametrize("model, layout", [(m, lay) for m in ("8b", "70b")
+                                           for lay in ("awq", "gptq", "gptq-k", "gptq-act")])
 def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
     """qkv, o, gate_up + silu and down of Llama-3-8B / 70B at 1, 7 and 16 rows, and in row tiles at 40 and 64:
-    AWQ and GPTQ g128 streamed (split-K where the tiles are fewer than the SMs), GPTQ act-order dequantized for
-    cuBLAS; against the reference."""
+    AWQ and GPTQ g128 streamed (GPTQ as served, along N, and as its checkpoint packs it, along K; split-K where the
+    tiles are fewer than the SMs), GPTQ act-order with its g_idx dequantized for cuBLAS; against the reference."""
     stream = spies["_int_decode_kernel"]
     for op, (layer, k, gated) in _gpu_layers(model, layout).items():
         for rows in (1, 7, 16, 40, 64):
@@ -724,7 +725,7 @@ def test_gpu_decode_rows_real_layers(model, layout, cuda, spies):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["awq", "gptq"])
+@pytest.mark.parametrize("layout", ["awq", "gptq", "gptq-k"])
 def test_gpu_pair_unpacking_real_layers(layout, cuda):
     """The B + q unpacking in 16-bit pairs (inline PTX: a thread's two neighbouring words, their zero points as one
     register of two bf16 values) on Llama-3-8B's layers at 1 and 16 rows: the reference's values, and the q - z
