@@ -156,10 +156,11 @@ def pack_int32(values: torch.Tensor, bits: int, along_rows: bool,
 
 
 def along_n(qweight: torch.Tensor, qzeros: torch.Tensor, packing: IntPacking,
-            rows_at_once: int = 512) -> tuple[torch.Tensor, torch.Tensor, IntPacking]:
+            rows_at_once: int = 64) -> tuple[torch.Tensor, torch.Tensor, IntPacking]:
     """A 4-bit layer packed along K (GPTQ's, compressed-tensors' layout) as the same integers packed along N in
     AWQ's order: (qweight [K, N / 8], qzeros [G, N / 8], packing), zero points stored as before (v1's zero - 1 and
-    its zero_offset kept). The weights are the same exactly. `rows_at_once` word rows are unpacked at a time."""
+    its zero_offset kept). The weights are the same exactly. `rows_at_once` word rows are unpacked at a time (a few
+    hundred MB of int64 temporaries for a 70B layer's 57,344 columns)."""
     assert packing.bits == 4 and packing.is_packed_along_k and packing.fields is None, packing
     out = torch.empty(qweight.shape[0] * 8, qweight.shape[1] // 8, dtype=torch.int32, device=qweight.device)
     for r in range(0, qweight.shape[0], rows_at_once):
@@ -170,7 +171,7 @@ def along_n(qweight: torch.Tensor, qzeros: torch.Tensor, packing: IntPacking,
 
 
 def sorted_by_group(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-                    group_size: int, packing: IntPacking, columns_at_once: int = 4096):
+                    group_size: int, packing: IntPacking, columns_at_once: int = 1024):
     """An act-order layer packed along K (g_idx in any order) as a layer without one: its input features sorted by
     group, (perm, qweight, qzeros, scales), where x[:, perm] @ the new W.T equals x @ W.T (the same weights, their
     K in perm's order) and feature k of the new layer is in group k // group_size. None where the sorted features

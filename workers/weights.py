@@ -88,9 +88,11 @@ def load_model(hf_config: dict, model_dir: str | None, dtype: torch.dtype, devic
         model.load_weights(checkpoint_names(weights, quant_config))
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
-    for module in model.modules():  # what a layer makes of its loaded weights (MLA: kv_b_proj dequantized)
-        if hasattr(module, "finish_loading"):
+    for module in model.modules():  # what a layer makes of its loaded weights (MLA: kv_b_proj dequantized; int
+        if hasattr(module, "finish_loading"):  # layers repacked)
             module.finish_loading()
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # their temporaries back: the KV profile counts what the allocator holds as in use
     return model.eval()
 
 
