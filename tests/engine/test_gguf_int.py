@@ -14,7 +14,7 @@ import torch
 
 from checkpoints.gguf_types import INT_LAYOUTS
 from engine.quantization import resolve_quantization
-from kernels.linear_int import dequantize_ref, offset_binary
+from kernels.linear_int import AWQ_FIELDS, IntPacking, dequantize_ref, offset_binary
 from tests.engine.test_int4_checkpoints import SHAPE, assert_same, generate, int4_factory
 from tests.gguf_files import write_gguf
 from tests.gguf_kquants import QUANTIZERS as K_QUANTS
@@ -47,11 +47,19 @@ def ggufs(tmp_path_factory):
     return gguf_factory(tmp_path_factory)
 
 
+def held_packing(layout) -> IntPacking:
+    """The packing a layer of this GGUF type holds once loaded: 4-bit fields with zero points (Q4_0) along N in AWQ's
+    order (workers/layers/quantization_int.py `finish_int_weights`), the rest along K as repacked from the file."""
+    if layout.bits == 4 and not layout.has_mins:
+        return IntPacking(bits=4, is_packed_along_k=False, fields=AWQ_FIELDS, zero_offset=0)
+    return offset_binary(layout.bits)
+
+
 def assert_layout(linear, qtype: str) -> None:
     """`linear` holds `qtype`'s blocks as checkpoints/gguf_types.py says."""
     layout = INT_LAYOUTS[qtype]
     assert linear.weight is None and linear.qweight.dtype == torch.int32, qtype
-    assert linear.packing == offset_binary(layout.bits) and linear.group_size == layout.group_size, qtype
+    assert linear.packing == held_packing(layout) and linear.group_size == layout.group_size, qtype
     assert (linear.mins is not None) == layout.has_mins and (linear.qzeros is None) == layout.has_mins, qtype
     assert linear.scales.dtype == getattr(torch, layout.scale_dtype), qtype
 
@@ -83,7 +91,7 @@ def assert_expert_layout(experts, w13_type: str | None, w2_type: str | None) -> 
     for proj, qtype in (("w13", w13_type), ("w2", w2_type)):
         layout, held = INT_LAYOUTS[qtype], experts.projections[proj]
         assert getattr(experts, f"{proj}_qweight").dtype == torch.int32, (proj, qtype)
-        assert held.packing == offset_binary(layout.bits) and held.config.group_size == layout.group_size, qtype
+        assert held.packing == held_packing(layout) and held.config.group_size == layout.group_size, qtype
         assert (getattr(experts, f"{proj}_mins") is not None) == layout.has_mins, (proj, qtype)
         assert getattr(experts, f"{proj}_scales").dtype == getattr(torch, layout.scale_dtype), (proj, qtype)
 

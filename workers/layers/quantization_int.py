@@ -17,8 +17,9 @@ and copies it transposed (`is_n_major`); workers/weights.py renames the tensors 
 points (a mid-range buffer) or with `mins` [G_rank, N_rank] in place of qzeros (w = q * scale + min), groups of
 32 or 16 (checkpoints/gguf_types.py).
 
-Once loaded, a 4-bit layer packed along K without act-order (GPTQ, compressed-tensors int4) is repacked along N in
-AWQ's order, the same weights exactly (`finish_int_weights`); `layer.packing` says which layout a layer holds.
+Once loaded, a 4-bit layer packed along K with zero points (GPTQ, compressed-tensors int4, GGUF's Q4_0) is repacked
+along N in AWQ's order, an act-order one first sorted by group, the same weights exactly (`finish_int_weights`);
+`layer.packing` says which layout a layer holds.
 
 A column-parallel layer takes its N slice (whole int32s of AWQ's packed columns: N_rank a multiple of 8), fused
 q/k/v and gate/up each part into its rows, as the unquantized loaders do. A row-parallel layer takes its K slice
@@ -155,10 +156,9 @@ def _random_scale(std: float, bits: int) -> float:
 
 def held_along_n(config: QuantConfig, packing: IntPacking, act_order: bool) -> bool:
     """Whether a layer (or an expert projection) of this format packed so is repacked along N once loaded (see
-    `finish_int_weights`): 4 bits along K, no act-order (`act_order`: a g_idx still in use), zero points, not GGUF's
-    blocks."""
-    return (packing.bits == 4 and packing.is_packed_along_k and not act_order and not config.has_mins
-            and config.method != "gguf")
+    `finish_int_weights`): 4 bits along K with zero points (GGUF's minimums stream along K), no act-order
+    (`act_order`: a g_idx still in use)."""
+    return packing.bits == 4 and packing.is_packed_along_k and not act_order and not config.has_mins
 
 
 def finish_int_weights(layer: nn.Module) -> None:
@@ -169,13 +169,13 @@ def finish_int_weights(layer: nn.Module) -> None:
       columns are permuted once a call (`layer.input_perm`, in `linear.matmul`) instead of W's every call: the
       kernels that take no g_idx (the streaming one) take it. Not where a rank holds part of some groups (a
       row-parallel layer at tp > 1, whose K slice is any features) or one group spans K.
-    - 4 bits packed along K without act-order, with zero points (GPTQ, compressed-tensors int4): repacked along N in
-      AWQ's order (`kernels.linear_int.along_n`), the layout whose decode kernel reads x's tile whole. Packed along
-      K, each field's dot in kernels/int_decode.py takes x's columns 8r + j, which the sm_90 SASS gathers with
-      2-byte loads staged through shared memory, 16-20 barriers a K tile where AWQ's layout has 2 (groups of 32
-      streamed at 0.25-0.33 TB/s on an H100, AWQ's 128 at 1.0-2.0). GGUF's blocks keep their layout (and the
-      dispatch measured for them), as do 8-bit layers and a layer whose output features (a fused part's) are not
-      whole int32s of 8."""
+    - 4 bits packed along K without act-order, with zero points (GPTQ, compressed-tensors int4, GGUF's Q4_0):
+      repacked along N in AWQ's order (`kernels.linear_int.along_n`), the layout whose decode kernel reads x's tile
+      whole. Packed along K, each field's dot in kernels/int_decode.py takes x's columns 8r + j, which the sm_90
+      SASS gathers with 2-byte loads staged through shared memory, 16-20 barriers a K tile where AWQ's layout has 2
+      (GPTQ's groups of 32 streamed at 0.25-0.33 TB/s on an H100, AWQ's 128 at 1.0-2.0). GGUF's types with
+      minimums (streamed along K at 0.8-1.3 TB/s there), 8-bit layers and a layer whose output features (a fused
+      part's) are not whole int32s of 8 keep their layout."""
     config = layer.quant_config
     if config.desc_act and layer.g_idx is not None and layer.group_size is not None:
         ordered = sorted_by_group(layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data,
