@@ -2,13 +2,15 @@
 # Runs the README's benchmark table on one GPU machine (about 12 minutes on an H200, 22 with FP8), writing JSON into
 # OUT_DIR.
 #   benchmarks/reproduce.sh [OUT_DIR]          PRESET=llama-3-8b, PYTHON=python3, TP=2 (skipped on one GPU),
-#                                              FP8=1 (0: skip the FP8 rows; 70B only with 100 GB of GPU memory)
+#                                              FP8=1 (0: skip the FP8 rows; 70B only with 100 GB of GPU memory),
+#                                              INT4=1 (0: skip the int4 rows: AWQ and GPTQ as served; not yet timed)
 set -uo pipefail
 OUT=${1:-bench-results}
 PRESET=${PRESET:-llama-3-8b}
 PY=${PYTHON:-python3}
 TP=${TP:-2}
 FP8=${FP8:-1}
+INT4=${INT4:-1}
 mkdir -p "$OUT"
 VOCAB=$($PY -c "import json; from checkpoints.presets import preset_dir; \
 print(json.load(open(preset_dir('$PRESET') + '/config.json'))['vocab_size'])")
@@ -51,5 +53,17 @@ if [ "$FP8" = 1 ]; then
     step "70b fp8 throughput" $PY -m deploy.cli bench throughput --preset llama-3-70b $fp8 --no-prefix-caching \
       --num-prompts 1024 --input-len 128 --output-len 128 --output-json "$OUT/throughput-70b-fp8.json"
   fi
+fi
+if [ "$INT4" = 1 ]; then  # README, Int4 checkpoints: the kernels per layout, then the preset end to end
+  step "int4 kernels" $PY -m benchmarks.kernels --only int4 --int-layouts awq gptq gptq-k gptq-g32 gptq-g32-k \
+    gguf-q4_k --int-rows 1 16 64 256 --cuda-graph --check --output-json "$OUT/kernels-int4.json"
+  for q in awq gptq; do
+    step "$q latency" $PY -m deploy.cli bench latency --preset "$PRESET" --quantization $q \
+      --batch-sizes 1 16 32 64 256 --prompt-lens 128 --output-json "$OUT/latency-$q.json"
+  done
+  step "awq throughput" $PY -m deploy.cli bench throughput --preset "$PRESET" --quantization awq --no-prefix-caching \
+    --output-json "$OUT/throughput-awq.json"
+  step "70b awq latency" $PY -m deploy.cli bench latency --preset llama-3-70b --quantization awq --batch-sizes 1 64 \
+    --prompt-lens 128 --output-json "$OUT/latency-70b-awq.json"
 fi
 ls -l "$OUT"
