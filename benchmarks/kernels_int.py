@@ -59,11 +59,11 @@ SMOKE_INT_MODELS = {"toy": dict(hidden=128, num_heads=8, num_kv_heads=2, head_di
 # "gptq" and "gptq-g32" are timed as a served layer holds them, repacked along N in AWQ's order at load
 # (`ALONG_N_AT_LOAD`: workers/layers/quantization_int.py finish_int_weights); "-k": as the checkpoint packs them
 INT_LAYOUTS = {"awq": (AWQ_GEMM, True, False, GROUP_SIZE, False), "gptq": (gptq_v1(4), False, False, GROUP_SIZE, False),
-               "gptq-k": (gptq_v1(4), False, False, GROUP_SIZE, False),
                "gptq-act": (gptq_v1(4), False, True, GROUP_SIZE, False),
-               "gptq-g32": (gptq_v1(4), False, False, 32, False), "gptq-g32-k": (gptq_v1(4), False, False, 32, False),
+               "gptq-g32": (gptq_v1(4), False, False, 32, False),
                "gguf-q4_k": (offset_binary(4), False, False, 32, True)}
 ALONG_N_AT_LOAD = {"gptq", "gptq-g32"}
+INT_LAYOUTS |= {f"{name}-k": INT_LAYOUTS[name] for name in sorted(ALONG_N_AT_LOAD)}
 
 
 def packed_layer(out_features: int, in_features: int, layout: str, device) -> dict:
