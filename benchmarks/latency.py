@@ -365,6 +365,8 @@ def run_engine(args, model_dir: str, load_format: str, overrides: dict) -> tuple
     engine.check_integrity()
     run = {"quantization": config.model.quantization, "lora": label, "speculative": spec is not None,
            "compilation_level": config.compilation.level, "num_kv_blocks": engine.executor.num_kv_blocks,
+           "decode_step_ms": None if engine.executor.decode_step_s is None else 1e3 * engine.executor.decode_step_s,
+           "run_ahead": None if engine.spec is None else engine.spec.run_ahead.pinned,  # True / False pinned, None auto
            "workers": workers, "startup_s": {k: round(v, 2) for k, v in engine.startup.phases.items()}}
     engine.shutdown()
     del engine

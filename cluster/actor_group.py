@@ -111,8 +111,10 @@ class WorkerActor:
         self.worker.load_model()
         return self.worker.determine_num_blocks(), self.worker.determine_num_host_blocks(), self.worker.block_bytes
 
-    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> float | None:
+        """The pools, the graphs and the warm-up; returns the rank's batch-1 decode step (Worker.decode_step_s)."""
         self.worker.init_kv_cache(num_blocks, num_host_blocks)
+        return self.worker.decode_step_s
 
     def startup_phases(self) -> dict[str, float]:
         return dict(self.worker.startup.phases)
@@ -337,7 +339,7 @@ class RayExecutor(Executor):
 
     def _init_workers(self) -> tuple[int, int]:
         """Rendezvous, load every shard, then the smallest KV pool (and host tier) any rank can hold, on every
-        rank. Returns (device blocks, host blocks); sets kv_block_bytes."""
+        rank. Returns (device blocks, host blocks); sets kv_block_bytes and decode_step_s."""
         timeout_s = envs.get("PAGODA_WORKER_INIT_TIMEOUT_S")
         init_method = ray.get(self.actors[0].get_init_method.remote(), timeout=timeout_s)
         answers = _get_all([a.init_worker.remote(init_method) for a in self.actors], timeout_s)
@@ -347,7 +349,8 @@ class RayExecutor(Executor):
         if len(set(per_rank)) > 1:
             logger.info("KV blocks per rank (device, host) %s: using %d and %d on every rank", per_rank, num_blocks,
                         num_host_blocks)
-        _get_all([a.init_kv_cache.remote(num_blocks, num_host_blocks) for a in self.actors], timeout_s)
+        self.decode_step_s = _get_all([a.init_kv_cache.remote(num_blocks, num_host_blocks) for a in self.actors],
+                                      timeout_s)[0]  # the driver rank's (the ranks replay their graphs together)
         self._startup_phases = ray.get(self.actors[0].startup_phases.remote(), timeout=timeout_s)
         return num_blocks, num_host_blocks
 

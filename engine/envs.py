@@ -46,11 +46,13 @@ _VARS = [
            "0: no programmatic dependent launch of the Triton kernels on Hopper (each kernel waits for the last)"),
     EnvVar("PAGODA_KERNELS", str, "",
            "`ref`: the torch reference of every kernel, also on a GPU, and no CUDA graphs (debugging)"),
-    EnvVar("PAGODA_SPEC_RUN_AHEAD", str, "0",
+    EnvVar("PAGODA_SPEC_RUN_AHEAD", str, "device",
            "n-gram speculation: 0 pipelines verify steps (drafts from the driver, each verify step read back "
            "first); 1 launches each ahead of the one in flight (device drafts); `auto` runs whichever measures "
-           "faster (engine/spec_decode.py RunAheadChoice). 0 is the default: on an H200 SmolLM2's copy workload "
-           "ran 1.43-2.05x pipelined, 0.69-1.04x under auto and 0.53x always ahead at batch 32"),
+           "faster while serving (engine/spec_decode.py RunAheadChoice); `device`, the default, launches ahead when "
+           "the device's batch-1 decode step, timed at start-up, takes 1.5 ms or more (a device-bound model: "
+           "Llama-3-8B's verify step cost 1.04 plain steps ahead, 1.12 pipelined), else pipelines (a host-bound "
+           "one: SmolLM2's copy workload ran 1.4-2.1x pipelined, 0.5-1.0x ahead on an H200)"),
     EnvVar("PAGODA_GRAMMAR_THREADS", int, 0,
            "threads that fill a step's grammar bitmask from 16 constrained rows on (0: half the cores, at most 8)"),
     EnvVar("PAGODA_GRAMMAR_COMPILE_TIMEOUT_S", float, 60.0,

@@ -327,8 +327,8 @@ class RunAheadChoice:
         return self._switch()
 
     @classmethod
-    def from_env(cls) -> RunAheadChoice:
-        return cls(run_ahead_setting())
+    def from_env(cls, decode_step_s: float | None = None) -> RunAheadChoice:
+        return cls(run_ahead_setting(decode_step_s))
 
     def _switch(self, trial: bool = False) -> bool:
         self.ahead = not self.ahead
@@ -338,14 +338,34 @@ class RunAheadChoice:
         return True
 
 
-def run_ahead_setting() -> bool | None:
-    """PAGODA_SPEC_RUN_AHEAD: False for 0, the default (never: the workers then keep no token histories for the
-    lookup), True for 1 (always ahead), None for auto (measured: RunAheadChoice)."""
+# The device's batch-1 decode step (its CUDA graph replayed at start-up: workers/cuda_graphs.py `time_decode`) from
+# which verify steps run ahead by default (PAGODA_SPEC_RUN_AHEAD unset or `device`). Launching ahead hides the host's
+# step under the device's but costs the host more launches: a host-bound model's verify step took 1.7-1.9 ms of the
+# host ahead against 1.1-1.4 pipelined on the H200 (the tiny model, forced drafts), so ahead pays once the device's
+# own step is longer than that; Llama-3-8B's (4.3 ms) verify step cost 1.04-1.05 plain steps ahead against 1.12
+# pipelined (H200 and H100), SmolLM2-135M's copy workload (a device step well under 1 ms) ran 1.5-2.1x pipelined
+# against 0.5-1.0x ahead (README, Speculative decoding).
+RUN_AHEAD_MIN_DEVICE_STEP_S = 1.5e-3
+
+
+def run_ahead_setting(decode_step_s: float | None = None) -> bool | None:
+    """PAGODA_SPEC_RUN_AHEAD: True for 1 (always ahead), False for 0 (never: the workers then keep no token histories
+    for the lookup), None for auto (measured while serving: RunAheadChoice); unset or `device` (the default), by the
+    device's batch-1 decode step `decode_step_s` (seconds; None where unmeasured, as on a CPU or without CUDA
+    graphs: pipelined): ahead from RUN_AHEAD_MIN_DEVICE_STEP_S."""
     value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
+    if value == "device":
+        return decode_step_s is not None and decode_step_s >= RUN_AHEAD_MIN_DEVICE_STEP_S
     pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
     if pinned is None and value != "auto":
-        logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not auto, 1 or 0: using auto", value)
+        logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not device, auto, 1 or 0: using auto", value)
     return pinned
+
+
+def may_run_ahead() -> bool:
+    """Whether verify steps may run ahead under PAGODA_SPEC_RUN_AHEAD (all but 0), so that the workers keep the
+    n-gram lookup's token histories (a worker knows nothing of the engine's measured choice)."""
+    return run_ahead_setting(RUN_AHEAD_MIN_DEVICE_STEP_S) is not False
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -394,7 +414,7 @@ class SpecDecoder:
         self.recent: deque[tuple[int, int]] = deque(maxlen=self.ACCEPTANCE_STEPS)  # (draft positions, accepted)
         self.num_steps_off = 0  # steps that had decoding requests and no drafts by this decision
         self.num_steps_ahead = 0  # steps with drafts launched before the step in flight was read (device drafts)
-        self.run_ahead = RunAheadChoice.from_env()
+        self.run_ahead = RunAheadChoice.from_env(executor.decode_step_s if executor is not None else None)
         self.propose_s: float | None = None  # the proposer's time a step that asked it (recent average)
         self.propose_total_s = 0.0  # the proposer's time over all steps (benchmarks take differences)
         self.token_arrays = TokenArrays()  # the n-gram lookup's view of each request's tokens

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import time
 
 import torch
@@ -107,6 +108,26 @@ class CudaGraphRunner:
             self.pool = graph.pool()
         torch.cuda.synchronize()
         return graph, hidden
+
+    @torch.inference_mode()
+    def time_decode(self, replays: int = 10) -> float:
+        """Seconds a decode step of one sequence takes on the device: the median of `replays` replays of the smallest
+        decode graph, each alone (CUDA events), its rows padding (as a padded step's extra rows: nothing real is
+        read or written). What n-gram speculation's default way of launching verify steps goes by
+        (engine/spec_decode.py RUN_AHEAD_MIN_DEVICE_STEP_S)."""
+        batch = self.buckets[0]
+        self.buffers.pad_decode(0, batch)
+        self.buffers.copy_to_device(batch, batch, self.buffers.max_blocks_per_seq)
+        graph, _ = self.graphs[batch]
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
 
     def replay(self, num_seqs: int, feed=None) -> torch.Tensor:
         """Runs the decode step whose inputs are already in the host buffers' first num_seqs rows; `feed` then

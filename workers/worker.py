@@ -17,7 +17,7 @@ from engine import envs
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.executor import Executor, ExecutorError, StepHandle
 from engine.outputs import DraftAsk, GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.spec_decode import run_ahead_setting
+from engine.spec_decode import may_run_ahead
 from engine.startup import StartupTimes
 from kernels._triton import KernelSettings, references_forced
 from kernels._triton import configure as configure_kernels
@@ -63,6 +63,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the target
         self.draft: DraftRunner | None = None
+        self.decode_step_s: float | None = None  # a batch-1 decode graph's replay, timed at start-up (CUDA graphs)
         self.startup = StartupTimes()
         configure_kernels(kernel_settings())
 
@@ -118,7 +119,7 @@ class Worker:
         device (kernels/ngram.py); None without it, or with PAGODA_SPEC_RUN_AHEAD=0 (the driver proposes
         every draft, and the runner keeps no token histories for the lookup)."""
         spec = self.config.speculative
-        if spec is None or spec.method != "ngram" or run_ahead_setting() is False:
+        if spec is None or spec.method != "ngram" or not may_run_ahead():
             return None
         return spec.prompt_lookup_min, spec.prompt_lookup_max
 
@@ -203,6 +204,8 @@ class Worker:
                         warm_up_rejection(self.model.vocab_size, self.device, self.draft_model is not None)
                 warm_up_run_ahead(self.device, self.runner.history is not None, self.ngram_lookup,
                                   spec.num_speculative_tokens if spec else 0)
+                if self.runner.graphs is not None:  # every rank replays (a tp step's all-reduces)
+                    self.decode_step_s = self.runner.graphs.time_decode()
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -314,6 +317,7 @@ class InProcessExecutor(Executor):
         self.num_host_kv_blocks = self.worker.determine_num_host_blocks()
         self.worker.init_kv_cache(self.num_kv_blocks, self.num_host_kv_blocks)
         self.kv_block_bytes = self.worker.block_bytes
+        self.decode_step_s = self.worker.decode_step_s
 
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return StepHandle(_as_executor_error(self.worker.runner.execute_model_async, scheduler_output, True))

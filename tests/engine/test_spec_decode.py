@@ -1031,10 +1031,12 @@ def test_run_ahead_choice_backs_off_trials_that_keep_losing():
     assert ways[-1] is True and sum(ways[-150:]) > 140 and choice.probe_every <= 2 * RunAheadChoice.PROBE_EVERY
 
 
-@pytest.mark.parametrize("value, pinned", [("1", True), ("0", False), ("auto", None), ("bogus", None), (None, False)])
+@pytest.mark.parametrize("value, pinned", [("1", True), ("0", False), ("auto", None), ("bogus", None), (None, False),
+                                           ("device", False)])
 def test_run_ahead_choice_from_the_environment(monkeypatch, value, pinned):
-    """Unset (None; tests/conftest.py sets 1 for the others), verify steps are pipelined: on an H200 SmolLM2's copy
-    workload ran faster so than under auto or always ahead (README, Speculative decoding)."""
+    """Unset or `device` (tests/conftest.py sets 1 for the others) with no measured decode step (a CPU, no CUDA
+    graphs), verify steps are pipelined: on an H200 SmolLM2's copy workload ran faster so than under auto or always
+    ahead (README, Speculative decoding)."""
     from engine.spec_decode import RunAheadChoice
 
     if value is None:
@@ -1045,6 +1047,35 @@ def test_run_ahead_choice_from_the_environment(monkeypatch, value, pinned):
     assert choice.pinned is pinned and choice.ahead is (pinned is not False)
     _drive(choice, {True: 9.0, False: 1.0}, 50)  # pinned: nothing measured moves it
     assert choice.ahead is (pinned is not False) if pinned is not None else choice.ahead is False
+
+
+@pytest.mark.parametrize("value", [None, "device"])
+def test_run_ahead_by_the_device_step(monkeypatch, value):
+    """The default: verify steps run ahead when the device's batch-1 decode step (timed at start-up) is at least
+    RUN_AHEAD_MIN_DEVICE_STEP_S (a device-bound model), pipelined below it (host-bound), pinned either way; the
+    workers keep the lookup's histories whatever the device (they cannot know the engine's choice), not under 0."""
+    from engine.spec_decode import RUN_AHEAD_MIN_DEVICE_STEP_S, RunAheadChoice, may_run_ahead
+
+    if value is None:
+        monkeypatch.delenv("PAGODA_SPEC_RUN_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", value)
+    assert may_run_ahead()
+    for step_s, ahead in [(4.3e-3, True), (RUN_AHEAD_MIN_DEVICE_STEP_S, True), (0.4e-3, False), (None, False)]:
+        choice = RunAheadChoice.from_env(step_s)
+        assert choice.pinned is ahead and choice.ahead is ahead, step_s
+        _drive(choice, {True: 9.0, False: 1.0} if ahead else {True: 1.0, False: 9.0}, 50)
+        assert choice.ahead is ahead and choice.num_switches == 0
+    # the engine's: the executor's measurement (rank 0's graph replay), through the speculative decoder
+    from types import SimpleNamespace
+
+    from engine.spec_decode import SpecDecoder
+
+    for step_s, ahead in [(4.3e-3, True), (0.4e-3, False), (None, False)]:
+        spec = SpecDecoder(SpeculativeConfig("ngram", 4, 1, 3), SimpleNamespace(decode_step_s=step_s))
+        assert spec.can_run_ahead is ahead and spec.drafts_on_device is ahead
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "0")
+    assert not may_run_ahead() and RunAheadChoice.from_env(4.3e-3).pinned is False
 
 
 def test_engine_times_verify_steps_each_way_and_follows_the_choice(monkeypatch):

@@ -114,3 +114,28 @@ def test_gpu_constrained_rows_run_ahead_with_device_drafts(tiny_checkpoints):
     assert eager_replays == 0 and replays > 0
     _assert_same(plain, eager, 1e-4)
     _assert_same(plain, graphed, 1e-4)
+
+
+def test_gpu_run_ahead_default_by_the_measured_decode_step(tiny_checkpoints, monkeypatch):
+    """PAGODA_SPEC_RUN_AHEAD's default (`device`): the executor times a batch-1 decode graph at start-up (a tiny
+    model's: well under RUN_AHEAD_MIN_DEVICE_STEP_S, so pipelined; a threshold under it: ahead), and the engine's
+    speculative decoder is pinned to that way; eagerly there is nothing timed (pipelined)."""
+    from engine.spec_decode import RUN_AHEAD_MIN_DEVICE_STEP_S
+
+    monkeypatch.setenv("PAGODA_SPEC_RUN_AHEAD", "device")
+    for eager in (False, True):
+        llm = LLM(model=tiny_checkpoints["llama"], device="cuda", block_size=16, num_kv_blocks=512,
+                  enforce_eager=eager, speculative_config=NGRAM)
+        step_s = llm.engine.executor.decode_step_s
+        assert (step_s is None) is eager
+        assert eager or 0.0 < step_s < RUN_AHEAD_MIN_DEVICE_STEP_S
+        assert llm.engine.spec.run_ahead.pinned is False and not llm.engine.spec.can_run_ahead
+        llm.shutdown()
+    monkeypatch.setattr("engine.spec_decode.RUN_AHEAD_MIN_DEVICE_STEP_S", step_s / 10)
+    llm = LLM(model=tiny_checkpoints["llama"], device="cuda", block_size=16, num_kv_blocks=512,
+              speculative_config=NGRAM)
+    assert llm.engine.spec.run_ahead.pinned is True and llm.engine.spec.can_run_ahead
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(outs, PARAMS))
+    llm.engine.check_integrity()
+    llm.shutdown()
