@@ -14,6 +14,7 @@ import time
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
     ("lora", r"_lora_"),
+    ("int_linear", r"_int_(decode|linear|dequantize)|moe_int"),  # before attention: "_int_decode_kernel"
     ("fp8_linear", r"_fp8_linear"),
     ("fp8_quantize", r"quantize_per_token"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitKreduce"),
