@@ -30,6 +30,12 @@ _DEEPSEEK_V2 = {**_COMMON, "architectures": ["DeepseekV2ForCausalLM"], "model_ty
                 "bos_token_id": 100000, "eos_token_id": 100001}
 
 PRESETS = {
+    # the built-in model's shape (135M parameters: a host-bound step on a GPU), its tied embeddings
+    "smollm2-135m": {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+                     "eos_token_id": 2},
     "llama-3-8b": {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                    "num_attention_heads": 32},
     # Llama 3.1's long context: 128k positions through its "llama3" RoPE scaling (histories of 8-16k tokens and more)

@@ -10,7 +10,7 @@ from workers.models.args import ModelArgs
 
 PARAMETERS = {"llama-3-8b": 8.03e9, "llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9, "llama-3-70b": 70.6e9,
               "mixtral-8x7b": 46.7e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v2-lite": 15.7e9,
-              "deepseek-v2": 235.7e9}
+              "deepseek-v2": 235.7e9, "smollm2-135m": 134.5e6}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
