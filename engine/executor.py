@@ -38,7 +38,8 @@ class Executor(ABC):
     num_host_kv_blocks: int = 0  # the host tier's blocks on every rank (CacheConfig.swap_space_gib); 0: none
     kv_block_bytes: int = 0  # one KV block's bytes, all ranks together (what moving a block between tiers moves)
     # rank 0's batch-1 decode step on the device, timed at start-up (its CUDA graph replayed), in seconds; None where
-    # not measured (a CPU, no CUDA graphs): what PAGODA_SPEC_RUN_AHEAD's default decides by (engine/spec_decode.py)
+    # not measured (a CPU, no CUDA graphs, no n-gram speculation): what PAGODA_SPEC_RUN_AHEAD's default decides by
+    # (engine/spec_decode.py)
     decode_step_s: float | None = None
     supports_overlap: bool = False  # launch returns before the step's tokens are on the host
     # launch may leave a step's constrained rows unsampled until the driver supplies their grammar bitmask (sample);

@@ -204,8 +204,8 @@ class Worker:
                         warm_up_rejection(self.model.vocab_size, self.device, self.draft_model is not None)
                 warm_up_run_ahead(self.device, self.runner.history is not None, self.ngram_lookup,
                                   spec.num_speculative_tokens if spec else 0)
-                if self.runner.graphs is not None:  # every rank replays (a tp step's all-reduces)
-                    self.decode_step_s = self.runner.graphs.time_decode()
+                if self.runner.graphs is not None and self.ngram_lookup is not None:  # what n-gram speculation's
+                    self.decode_step_s = self.runner.graphs.time_decode()  # way goes by; every rank (all-reduces)
 
     @property
     def use_cuda_graphs(self) -> bool:
