@@ -353,10 +353,10 @@ def run_ahead_setting(decode_step_s: float | None = None) -> bool | None:
     for the lookup), None for auto (measured while serving: RunAheadChoice); unset or `device` (the default), by the
     device's batch-1 decode step `decode_step_s` (seconds; None where unmeasured, as on a CPU or without CUDA
     graphs: pipelined): ahead from RUN_AHEAD_MIN_DEVICE_STEP_S."""
-    value = str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
+    value = _run_ahead_value()
     if value == "device":
         return decode_step_s is not None and decode_step_s >= RUN_AHEAD_MIN_DEVICE_STEP_S
-    pinned = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(value)
+    pinned = _PINNED.get(value)
     if pinned is None and value != "auto":
         logger.warning("PAGODA_SPEC_RUN_AHEAD=%r is not device, auto, 1 or 0: using auto", value)
     return pinned
@@ -365,7 +365,14 @@ def run_ahead_setting(decode_step_s: float | None = None) -> bool | None:
 def may_run_ahead() -> bool:
     """Whether verify steps may run ahead under PAGODA_SPEC_RUN_AHEAD (all but 0), so that the workers keep the
     n-gram lookup's token histories (a worker knows nothing of the engine's measured choice)."""
-    return run_ahead_setting(RUN_AHEAD_MIN_DEVICE_STEP_S) is not False
+    return _PINNED.get(_run_ahead_value()) is not False
+
+
+_PINNED = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _run_ahead_value() -> str:
+    return str(envs.get("PAGODA_SPEC_RUN_AHEAD")).strip().lower()
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
