@@ -64,14 +64,36 @@ def _count(value) -> int | None:
     return None
 
 
-def within_budget(case: Case) -> Case:
+class Judge:
+    """Validates a request body against the whole served document."""
+
+    def __init__(self, document: dict):
+        self.document = document
+        self.validators = {}
+
+    def is_valid(self, case: Case, body=None) -> bool | None:
+        """The case's body (or `body` in its place) by the document; None: nothing in a body to judge (a GET)."""
+        body = case.body if body is None else body
+        operation = self.document["paths"][case.path][case.method.lower()]
+        if "requestBody" not in operation or not isinstance(body, (dict, list)):
+            return None
+        if case.path not in self.validators:
+            schema = operation["requestBody"]["content"]["application/json"]["schema"]
+            self.validators[case.path] = jsonschema.Draft202012Validator(
+                {**schema, "components": self.document["components"]})
+        return self.validators[case.path].is_valid(body)
+
+
+def within_budget(case: Case, judge: Judge) -> Case:
     """The case with max_tokens, max_completion_tokens and min_tokens lowered (never raised) so that its choices
     generate at most TOKENS_PER_CASE tokens; a case of several choices that gives no limit, whose default would
     pass the budget, gets one. The judge judges the body as sent, and min_tokens is lowered with max_tokens, so a
-    pair in order stays in order."""
-    body = case.body
-    if case.path not in GENERATING or not isinstance(body, dict):
+    pair in order stays in order. A case the document calls invalid that lowering would make valid is left as
+    generated: the server refuses it without generating, and schemathesis expects that refusal (a negative case
+    whose min_tokens was mutated past its maximum, lowered to the budget, was accepted and failed ST201)."""
+    if case.path not in GENERATING or not isinstance(case.body, dict):
         return case
+    body = copy.deepcopy(case.body)
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
     choices = prompts * max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1)
@@ -83,26 +105,10 @@ def within_budget(case: Case) -> Case:
     if all(body.get(field) is None for field in ("max_tokens", "max_completion_tokens")) and \
             choices * default > TOKENS_PER_CASE:
         body[limit] = cap
+    if judge.is_valid(case) is False and judge.is_valid(case, body):
+        return case
+    case.body = body
     return case
-
-
-class Judge:
-    """Validates a request body against the whole served document."""
-
-    def __init__(self, document: dict):
-        self.document = document
-        self.validators = {}
-
-    def is_valid(self, case: Case) -> bool | None:
-        """None: nothing in a body to judge (a GET)."""
-        operation = self.document["paths"][case.path][case.method.lower()]
-        if "requestBody" not in operation or not isinstance(case.body, (dict, list)):
-            return None
-        if case.path not in self.validators:
-            schema = operation["requestBody"]["content"]["application/json"]["schema"]
-            self.validators[case.path] = jsonschema.Draft202012Validator(
-                {**schema, "components": self.document["components"]})
-        return self.validators[case.path].is_valid(case.body)
 
 
 def judged_by(judge: Judge):
@@ -160,7 +166,8 @@ def test_the_api_conforms_to_its_schema(serve_url):
     from schemathesis.generation import GenerationMode
 
     document = httpx.get(f"{serve_url}/openapi.json").json()
-    judged = judged_by(Judge(document))
+    judge = Judge(document)
+    judged = judged_by(judge)
     schema = schemathesis.openapi.from_dict(generation_document(document), config=fuzz_config())
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} == set(ROUTES)
@@ -168,7 +175,8 @@ def test_the_api_conforms_to_its_schema(serve_url):
     for operation in operations:
         has_input = ROUTES[operation.path][1] is not None or operation.path in INPUTS_IN_PARAMETERS
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_input else (GenerationMode.POSITIVE,):
-            @given(case=operation.as_strategy(generation_mode=mode).map(within_budget))
+            @given(case=operation.as_strategy(generation_mode=mode).map(
+                lambda case: within_budget(case, judge)))
             @settings(max_examples=EXAMPLES_PER_OPERATION // 2, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             def run(case):
@@ -239,17 +247,45 @@ def test_a_generated_case_asks_for_at_most_the_budget():
     with min_tokens still at most max_tokens; small cases, GETs and values that are not counts are left as they are."""
     from types import SimpleNamespace
 
-    big = SimpleNamespace(path="/v1/completions", body={"prompt": ["", "", "a", "b", "c"], "n": 18.0,
-                                                        "max_tokens": 900, "min_tokens": 800, "stream": True})
-    body = within_budget(big).body
+    judge = Judge(_COUNTS_DOCUMENT)
+    big = SimpleNamespace(path="/v1/completions", method="POST", body={
+        "prompt": ["", "", "a", "b", "c"], "n": 18.0, "max_tokens": 900, "min_tokens": 800, "stream": True})
+    body = within_budget(big, judge).body
     assert body["max_tokens"] == body["min_tokens"] == TOKENS_PER_CASE // 90
     assert body["n"] == 18.0 and body["max_tokens"] * 90 <= TOKENS_PER_CASE
-    chat = SimpleNamespace(path="/v1/chat/completions", body={"messages": [], "n": 8})
-    assert within_budget(chat).body["max_completion_tokens"] == TOKENS_PER_CASE // 8
-    many = SimpleNamespace(path="/v1/completions", body={"prompt": [[1, 2]] * 32, "n": 4})  # 16 tokens each
-    assert within_budget(many).body["max_tokens"] == TOKENS_PER_CASE // 128
+    chat = SimpleNamespace(path="/v1/chat/completions", method="POST", body={"messages": [], "n": 8})
+    assert within_budget(chat, judge).body["max_completion_tokens"] == TOKENS_PER_CASE // 8
+    many = SimpleNamespace(path="/v1/completions", method="POST", body={"prompt": [[1, 2]] * 32, "n": 4})
+    assert within_budget(many, judge).body["max_tokens"] == TOKENS_PER_CASE // 128  # 16 tokens each
     for path, body in [("/v1/completions", {"prompt": [1, 2, 3], "n": 2, "max_tokens": 500}),
                        ("/v1/completions", {"prompt": "x", "max_tokens": "many", "min_tokens": True}),
                        ("/v1/chat/completions", {"messages": [], "max_tokens": 1000}),
                        ("/v1/tokenize", {"prompt": "x" * 5000}), ("/v1/models", None)]:
-        assert within_budget(SimpleNamespace(path=path, body=copy.deepcopy(body))).body == body
+        case = SimpleNamespace(path=path, method="POST" if body else "GET", body=copy.deepcopy(body))
+        assert within_budget(case, judge).body == body
+
+
+def test_a_negative_case_is_not_lowered_into_a_valid_one():
+    """CI's failing case: schemathesis mutated a chat request's min_tokens past its maximum (n 10); lowered to the
+    budget it became valid, the server served it, and ST201 failed. Left as generated, it stays invalid; a case
+    invalid for another reason is still lowered (the server refuses it either way, but it generates nothing)."""
+    from types import SimpleNamespace
+
+    judge = Judge(_COUNTS_DOCUMENT)
+    mutated = {"messages": [], "n": 10, "min_tokens": 2**31, "max_completion_tokens": 102}
+    case = SimpleNamespace(path="/v1/chat/completions", method="POST", body=copy.deepcopy(mutated))
+    assert judge.is_valid(case) is False
+    assert within_budget(case, judge).body == mutated
+    other = {"messages": "not a list", "n": 10, "max_completion_tokens": 900}
+    case = SimpleNamespace(path="/v1/chat/completions", method="POST", body=copy.deepcopy(other))
+    assert within_budget(case, judge).body == other | {"max_completion_tokens": TOKENS_PER_CASE // 10}
+
+
+_COUNT = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+_COUNTS_DOCUMENT = {  # the served document's counts, as pydantic writes them (the whole one needs a server)
+    "components": {"schemas": {"Request": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1, "maximum": 128}, "min_tokens": _COUNT, "max_tokens": _COUNT,
+        "max_completion_tokens": _COUNT, "messages": {"type": "array"}}}}},
+    "paths": {path: {"post": {"requestBody": {"content": {"application/json": {"schema": {
+        "$ref": "#/components/schemas/Request"}}}}}, "get": {}}
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/models")}}
