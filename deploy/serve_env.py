@@ -1,6 +1,7 @@
 """The environment a Ray cluster that `pagoda serve` starts needs from its start (Serve reads it when its
 processes start): the ingress mode, HAProxy's ports and files, what binds where, and the message size between
-deployments. `cluster_env` sets it for as long as the cluster runs and removes HAProxy's files after.
+deployments. `cluster_env` sets it for as long as the cluster runs (holding HAProxy's ports meanwhile) and removes
+HAProxy's files after.
 
 Ray Serve's throughput-optimized mode: HAProxy (C) holds the HTTP port in place of Serve's Python proxy, each
 ingress replica serves HTTP itself (ports 30000+, HAProxy balances them), deployments call each other over gRPC,
@@ -70,6 +71,7 @@ NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeo
 # Ray's own switch for one-machine clusters (named for the systems where that is the default); no other node can
 # join such a cluster. Ray's processes read it when they start; the driver, when Ray is imported (cluster_env).
 LOCAL_ONLY_RAY = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+RAY_WORKER_PORTS = (10002, 19999)  # where Ray's worker processes listen (`ray start`'s defaults)
 
 
 @contextlib.contextmanager
@@ -78,6 +80,7 @@ def cluster_env(mode: str, host: str = "127.0.0.1", local_only: bool = False) ->
     loopback, see LOCAL_ONLY_RAY), in os.environ while the block runs; after it, however it ends, the earlier values
     are back and HAProxy's private directory is gone."""
     env = ingress_env(mode, host=host) | (dict([LOCAL_ONLY_RAY]) if local_only else {})
+    holders = hold_ports([int(env[name]) for name in HAPROXY_PORT_VARS if name in env])
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     ray_constants = None
@@ -98,6 +101,28 @@ def cluster_env(mode: str, host: str = "127.0.0.1", local_only: bool = False) ->
                 os.environ[name] = value
         if haproxy_dir(env):
             shutil.rmtree(haproxy_dir(env), ignore_errors=True)
+        for holder in holders:
+            holder.close()
+
+
+def hold_ports(ports: list[int]) -> list[socket.socket]:
+    """A socket bound to each port (every interface, SO_REUSEADDR, never listening), for as long as the cluster
+    runs: HAProxy binds its stats and metrics ports again at each reload and whenever Serve starts it anew (a test
+    session restarts Serve many times), and in between another process could take them (a second `pagoda serve`'s
+    free_port draw, which binds without SO_REUSEADDR and so now fails on a held port). HAProxy, which binds with
+    SO_REUSEADDR, binds and listens beside a socket that does not listen. A port that cannot be held (the caller's
+    choice, taken) is left to HAProxy to report."""
+    holders = []
+    for port in ports:
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind(("0.0.0.0", port))
+        except OSError:
+            holder.close()
+            continue
+        holders.append(holder)
+    return holders
 
 
 def is_all_interfaces(host: str) -> bool:
@@ -224,10 +249,14 @@ def free_port() -> int:
     """A random port that is free now, from below the machine's ephemeral range: the kernel never gives one of those
     to an outgoing connection (Ray's processes open many while the cluster starts, and one took a fallback proxy's
     port from `make serve` here), and two clusters that start at the same moment are unlikely to draw the same one;
-    `pagoda serve` retries if another took it meanwhile."""
-    low = ephemeral_ports()[0]
+    `pagoda serve` retries if another took it meanwhile. Never one of the ranges that Ray and Serve hand out without
+    asking whether the port is free (`claimed_ranges`): HAProxy binds its stats and metrics ports again at each
+    reload, and a metrics port drawn from Serve's ingress range (30000-30999) was taken meanwhile by an ingress
+    replica (of its own cluster or another on the machine, each allocating from 30000), so every later deployment
+    update of that cluster failed ("cannot bind socket ... Address already in use")."""
+    candidates = free_port_candidates()
     for _ in range(100):
-        port = random.randint(low - 12000, low - 1) if low > 13024 else random.randint(40000, 60000)
+        port = random.choice(candidates)
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))
@@ -235,6 +264,30 @@ def free_port() -> int:
                 continue
             return port
     raise OSError("no free port found")
+
+
+def free_port_candidates() -> range | list[int]:
+    """The ports free_port draws from: the 12,000 below the ephemeral range (40000-60000 where that leaves too few)
+    less `claimed_ranges`."""
+    low = ephemeral_ports()[0]
+    pool = range(low - 12000, low) if low > 13024 else range(40000, 60001)
+    claimed = claimed_ranges()
+    return [port for port in pool if not any(first <= port <= last for first, last in claimed)]
+
+
+def claimed_ranges() -> list[tuple[int, int]]:
+    """Port ranges (inclusive) that every Ray cluster on the machine takes from without asking whether a port is
+    free: Serve's direct-ingress replicas' HTTP and gRPC ports (each cluster's controller allocates them in order
+    from the range's start; Serve's variables, read here as Serve reads them) and Ray's worker ports (`ray start`'s
+    --min-worker-port and --max-worker-port defaults)."""
+    def env_int(name: str, default: int) -> int:
+        value = os.environ.get(name, "")
+        return int(value) if value.isdigit() else default
+
+    serve = [(env_int(f"RAY_SERVE_DIRECT_INGRESS_MIN_{kind}_PORT", first),
+              env_int(f"RAY_SERVE_DIRECT_INGRESS_MAX_{kind}_PORT", last))
+             for kind, first, last in (("HTTP", 30000, 31000), ("GRPC", 40000, 41000))]
+    return [*serve, RAY_WORKER_PORTS]
 
 
 def ephemeral_ports() -> tuple[int, int]:

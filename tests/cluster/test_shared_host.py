@@ -95,3 +95,28 @@ def test_each_cluster_environment_has_fallback_ports_of_its_own(monkeypatch, tmp
     assert not [p for p in ports if low <= p <= high]  # none an outgoing connection may take before Serve binds it
     for env in (one, two, serve_env.ingress_env("proxy")):
         assert env["SERVE_SOCKET_REUSE_PORT_ENABLED"] == "0"  # a taken port fails, never shares
+
+
+def test_ports_chosen_for_a_cluster_are_none_that_ray_or_serve_hand_out(monkeypatch):
+    """HAProxy binds its stats and metrics ports again at each reload: a metrics port drawn from Serve's ingress
+    range (30000-30999, which every cluster's controller allocates from its start without asking whether a port is
+    free) was taken by an ingress replica while `make serve` ran beside the test suite, and every later deployment
+    update failed. The ports drawn keep out of Serve's ingress ranges and Ray's worker ports, whatever the machine's
+    ephemeral range, and Serve's own variables move the ranges they name."""
+    from deploy import serve_env
+
+    for low in (32768, 49152, 1024):  # Linux's default, the IANA range some machines use, one with little below
+        monkeypatch.setattr(serve_env, "ephemeral_ports", lambda low=low: (low, 65535))
+        candidates = serve_env.free_port_candidates()
+        assert len(candidates) > 5000
+        assert not [p for p in candidates if 30000 <= p <= 31000 or 40000 <= p <= 41000 or 10002 <= p <= 19999]
+        assert all(p < low for p in candidates) or low <= 13024
+    monkeypatch.setattr(serve_env, "ephemeral_ports", lambda: (32768, 60999))
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "25000")
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "26000")
+    candidates = serve_env.free_port_candidates()
+    assert 25500 not in candidates and 30500 in candidates
+    for name in serve_env.HAPROXY_PORT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    ports = [serve_env.free_port() for _ in range(50)]
+    assert not [p for p in ports if 25000 <= p <= 26000 or 10002 <= p <= 19999 or p >= 32768]

@@ -158,3 +158,59 @@ def test_a_private_directory_names_its_owner(monkeypatch):
             assert f.read() == serve_env._process_identity(os.getpid())
         assert os.stat(directory).st_mode & 0o777 == 0o700
     assert not os.path.exists(directory)
+
+
+def test_the_cluster_holds_haproxy_ports_that_haproxy_still_binds_and_reloads_on(tmp_path, monkeypatch):
+    """HAProxy binds its stats and metrics ports again at each reload and each time Serve starts it; in between, a
+    second `pagoda serve` on the host drew one (its free_port finds it free) and the first cluster's HAProxy failed
+    every later reload ("cannot bind socket (Address already in use)"). While cluster_env's block runs the ports are
+    held: a plain bind (free_port's) fails on them, before HAProxy starts and after it stops, and the real HAProxy
+    (as Serve runs it: -dR, reloads with -sf) binds, serves and reloads beside the holder. After the block they are
+    free."""
+    import socket
+    import time
+    import urllib.request
+
+    from tests.ports import free_port
+
+    def plain_bind_fails(port: str) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(port)))
+            except OSError:
+                return True
+            return False
+
+    def metrics_answer(port: str) -> int:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status
+            except OSError:
+                assert time.monotonic() < deadline, "HAProxy did not serve its metrics"
+                time.sleep(0.1)
+
+    for name in (*serve_env.HAPROXY_PORT_VARS, serve_env.HAPROXY_BINARY_VAR, haproxy_bind.WRAPPER_VAR):
+        monkeypatch.delenv(name, raising=False)
+    with serve_env.cluster_env("direct") as env:
+        binary = env[haproxy_bind.BINARY_VAR]
+        stats, metrics = env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(haproxy_bind.bind_to_host(_config(stats, metrics, free_port()), "127.0.0.1",
+                                                    [stats, metrics]))
+        assert plain_bind_fails(stats) and plain_bind_fails(metrics)  # before HAProxy starts
+        first = subprocess.Popen([binary, "-db", "-dR", "-f", str(config)], stderr=subprocess.DEVNULL)
+        second = None
+        try:
+            assert metrics_answer(metrics) == 200
+            second = subprocess.Popen([binary, "-db", "-dR", "-f", str(config), "-sf", str(first.pid)],
+                                      stderr=subprocess.DEVNULL)
+            assert first.wait(timeout=30) == 0  # handed over to the reloaded one
+            assert second.poll() is None and metrics_answer(metrics) == 200
+        finally:
+            for process in (first, second):  # ours, started here
+                if process is not None and process.poll() is None:
+                    process.terminate()
+                    process.wait(timeout=30)
+        assert plain_bind_fails(stats) and plain_bind_fails(metrics)  # HAProxy stopped, as between Serve restarts
+    assert not plain_bind_fails(stats) and not plain_bind_fails(metrics)
