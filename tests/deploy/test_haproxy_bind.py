@@ -6,6 +6,8 @@ requests must not be spliced (a client that leaves is otherwise not passed on)."
 import os
 import subprocess
 
+import pytest
+
 from deploy import haproxy_bind, serve_env
 
 
@@ -160,7 +162,8 @@ def test_a_private_directory_names_its_owner(monkeypatch):
     assert not os.path.exists(directory)
 
 
-def test_the_cluster_holds_haproxy_ports_that_haproxy_still_binds_and_reloads_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("host", ["127.0.0.1", None])  # bound to the host, or as Serve's template (every interface)
+def test_the_cluster_holds_haproxy_ports_that_haproxy_still_binds_and_reloads_on(tmp_path, monkeypatch, host):
     """HAProxy binds its stats and metrics ports again at each reload and each time Serve starts it; in between, a
     second `pagoda serve` on the host drew one (its free_port finds it free) and the first cluster's HAProxy failed
     every later reload ("cannot bind socket (Address already in use)"). While cluster_env's block runs the ports are
@@ -196,8 +199,8 @@ def test_the_cluster_holds_haproxy_ports_that_haproxy_still_binds_and_reloads_on
         binary = env[haproxy_bind.BINARY_VAR]
         stats, metrics = env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]
         config = tmp_path / "haproxy.cfg"
-        config.write_text(haproxy_bind.bind_to_host(_config(stats, metrics, free_port()), "127.0.0.1",
-                                                    [stats, metrics]))
+        text = _config(stats, metrics, free_port())
+        config.write_text(haproxy_bind.bind_to_host(text, host, [stats, metrics]) if host else text)
         assert plain_bind_fails(stats) and plain_bind_fails(metrics)  # before HAProxy starts
         first = subprocess.Popen([binary, "-db", "-dR", "-f", str(config)], stderr=subprocess.DEVNULL)
         second = None
