@@ -1,5 +1,6 @@
 """Shared fixtures: tiny checkpoints built once per session, one torch thread (the CI machine has 2 cores)."""
 
+import contextlib
 import os
 
 import pytest
@@ -60,13 +61,32 @@ def tiny_tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
+@contextlib.contextmanager
+def own_ray_temp_dir():
+    """RAY_TMPDIR set to a new directory for the block (short: Ray's socket paths live under it), removed after:
+    the session's cluster keeps its sessions, logs and `ray_current_cluster` out of the machine's shared /tmp/ray,
+    where other clusters beside it (another test run, a `pagoda serve`, somebody else's) keep theirs."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="pgray", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = directory
+    try:
+        yield directory
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole test session (logical CPUs: the machine has only 2 cores). Not in make
     test's parallel phase (pytest-xdist: a cluster a worker, beside the other's work): a file there that needs one
     belongs in the Makefile's Ray phase."""
-    import contextlib
-
     import ray
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -81,6 +101,7 @@ def ray_cluster():
             # processes read this environment when they start. test_serve_cli covers the Python proxy too. At the
             # end, HAProxy's private directory goes. Not local-only: the fake-cluster tests `ray start` more nodes.
             cluster.enter_context(cluster_env("direct"))
+            cluster.enter_context(own_ray_temp_dir())
             ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PAGODA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}})
         yield ray

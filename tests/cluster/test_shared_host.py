@@ -120,3 +120,23 @@ def test_ports_chosen_for_a_cluster_are_none_that_ray_or_serve_hand_out(monkeypa
         monkeypatch.delenv(name, raising=False)
     ports = [serve_env.free_port() for _ in range(50)]
     assert not [p for p in ports if 25000 <= p <= 26000 or 10002 <= p <= 19999 or p >= 32768]
+
+
+def test_the_session_cluster_keeps_its_files_out_of_the_machine_s_shared_ray_dir(ray_cluster):
+    """Other clusters on the machine keep their sessions, logs and `ray_current_cluster` in /tmp/ray: the test
+    session's cluster has its own temp dir (conftest's own_ray_temp_dir), and its workers run under it."""
+    import os
+
+    from ray._private.worker import global_worker
+
+    own = os.environ["RAY_TMPDIR"]
+    session = global_worker.node.get_session_dir_path()
+    assert os.path.realpath(session).startswith(os.path.realpath(own) + os.sep)
+
+    @ray_cluster.remote(num_cpus=0)
+    def logs_of_a_worker() -> str:
+        from ray._private.worker import global_worker as worker  # the task's own, not the driver's pickled
+
+        return os.path.realpath(worker.node.get_logs_dir_path())
+
+    assert ray_cluster.get(logs_of_a_worker.remote()).startswith(os.path.realpath(own) + os.sep)
