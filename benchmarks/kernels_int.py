@@ -6,7 +6,9 @@ on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows
                      (kernels/int_decode.py; past MAX_ROWS in row tiles), what `linear_int` runs for these rows
     decode tiles     the Triton kernel with `decode_config` (one row tile; up to DECODE_TILES_UP_TO rows); and
                      up to MAX_ROWS "decode tiles, once": the same loading each packed word once (UNPACK_ONCE)
-    gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order)
+    gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order), W dequantized in
+                     float32 and rounded to x's dtype; past MAX_ROWS, where `pair_tiles` allows (4-bit AWQ order,
+                     a K tile in one group), "gemm tiles, pairs": its PAIRS path with `pair_gemm_config`
     dequant+cuBLAS   `linear_int_dequantized`: W dequantized by one kernel into a bf16 scratch, then cuBLAS
 
 Each row gives the time of one layer's call, GB/s of the weight bytes that path reads (the packed int32s, scales
@@ -44,6 +46,8 @@ from kernels.linear_int import (
     linear_int_ref,
     linear_int_triton,
     offset_binary,
+    pair_gemm_config,
+    pair_tiles,
 )
 
 INT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
@@ -122,8 +126,12 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
     if rows <= MAX_ROWS:  # the decode tiles loading each packed word once, as the GEMM tiles do
         once = decode_config(rows) | {"UNPACK_ONCE": True}
         impls["decode tiles, once"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=once)
-    gemm = gemm_config(rows, n, gated, x.dtype, x.device)
+    gemm = gemm_config(rows, n, gated, x.dtype, x.device) | {"PAIRS": False}  # the float path, as first measured
     impls["gemm tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=gemm)
+    pairs = pair_gemm_config(rows, n, gated, c["group_size"] or x.shape[1], x.device)
+    if rows > MAX_ROWS and pair_tiles(c["packing"], c["g_idx"], c["group_size"] or x.shape[1], pairs["BLOCK_K"],
+                                      pairs["BLOCK_N"], x.dtype, c.get("mins"), True):
+        impls["gemm tiles, pairs"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=pairs)
     impls["dequant+cuBLAS"] = lambda i: linear_int_dequantized(x, **copies[i], gated=gated)
     return impls
 

@@ -193,3 +193,70 @@ def byte_fields(words, zero_low, zero_high, BYTE: tl.constexpr, FP16: tl.constex
         low = (((words >> (8 * BYTE)) & 15) - zero_low).to(tl.float32)
         high = (((words >> (8 * BYTE + 4)) & 15) - zero_high).to(tl.float32)
     return low, high
+
+
+# The GEMM tiles' 4-bit path (kernels/linear_int.py `_int_linear_kernel`, PAIRS): AWQ's nibble order puts columns
+# 2i and 2i + 1 of a word in nibbles i and i + 4, so one lop3 with 0x000F000F (the word shifted by 4i) ORs both into
+# the mantissas of a pair of B's (B = 128 in bf16, 1024 in fp16): B + q of two neighbouring columns, in order, in one
+# register. Eight columns from 3 shifts and 4 lop3s, B + z off in 4 pair subtractions (q - z, exact): a word becomes
+# 16 contiguous bytes of the [K, N] tile, as the tensor cores' shared-memory operand takes it.
+
+
+@triton.jit
+def awq_zero_pairs(zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
+    """(B + z) of columns (0, 1), (2, 3), (4, 5), (6, 7) of each zero word, as int32 bit patterns of 16-bit pairs
+    (z + ZERO_OFFSET: the integer add reaches the mantissas, which hold up to 127 in bf16)."""
+    magic: tl.constexpr = 0x64006400 if FP16 else 0x43004300
+    offset: tl.constexpr = ZERO_OFFSET * 0x00010001
+    z01, z23, z45, z67 = tl.inline_asm_elementwise(
+        "{ .reg .b32 t; lop3.b32 $0, $4, 0x000F000F, $5, 0xEA; "
+        "shr.u32 t, $4, 4; lop3.b32 $1, t, 0x000F000F, $5, 0xEA; "
+        "shr.u32 t, $4, 8; lop3.b32 $2, t, 0x000F000F, $5, 0xEA; "
+        "shr.u32 t, $4, 12; lop3.b32 $3, t, 0x000F000F, $5, 0xEA; }",
+        "=r,=r,=r,=r,r,r", [zero_words, tl.full(zero_words.shape, magic, tl.int32)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return z01 + offset, z23 + offset, z45 + offset, z67 + offset
+
+
+@triton.jit
+def awq_columns_tile(words, zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] in fp16 (FP16) or bf16: q - z of the 4-bit words [BLOCK_K, BLOCK_N / 8] packed along N in
+    AWQ's order, zero_words [BLOCK_N / 8] their group's zero points (+ ZERO_OFFSET), exactly. On a GPU (ASM) by
+    the pairs above; the interpreter takes plain integer operators."""
+    dtype = tl.float16 if FP16 else tl.bfloat16
+    if ASM:
+        z01, z23, z45, z67 = awq_zero_pairs(zero_words, ZERO_OFFSET, FP16)
+        magic = tl.full(words.shape, 0x64006400 if FP16 else 0x43004300, tl.int32)
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, a, b, c, d; "
+            "lop3.b32 a, $8, 0x000F000F, $13, 0xEA; "
+            "shr.u32 t, $8, 4; lop3.b32 b, t, 0x000F000F, $13, 0xEA; "
+            "shr.u32 t, $8, 8; lop3.b32 c, t, 0x000F000F, $13, 0xEA; "
+            "shr.u32 t, $8, 12; lop3.b32 d, t, 0x000F000F, $13, 0xEA; "
+            + ("sub.f16x2 a, a, $9; sub.f16x2 b, b, $10; sub.f16x2 c, c, $11; sub.f16x2 d, d, $12; " if FP16 else
+               "sub.bf16x2 a, a, $9; sub.bf16x2 b, b, $10; sub.bf16x2 c, c, $11; sub.bf16x2 d, d, $12; ")
+            + "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; mov.b32 {$4, $5}, c; mov.b32 {$6, $7}, d; }",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r",
+            [words, tl.broadcast_to(z01[None, :], words.shape), tl.broadcast_to(z23[None, :], words.shape),
+             tl.broadcast_to(z45[None, :], words.shape), tl.broadcast_to(z67[None, :], words.shape), magic],
+            dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=1)
+    else:
+        c0 = _minus_zero(words, zero_words, 0, ZERO_OFFSET).to(dtype)
+        c1 = _minus_zero(words, zero_words, 1, ZERO_OFFSET).to(dtype)
+        c2 = _minus_zero(words, zero_words, 2, ZERO_OFFSET).to(dtype)
+        c3 = _minus_zero(words, zero_words, 3, ZERO_OFFSET).to(dtype)
+        c4 = _minus_zero(words, zero_words, 4, ZERO_OFFSET).to(dtype)
+        c5 = _minus_zero(words, zero_words, 5, ZERO_OFFSET).to(dtype)
+        c6 = _minus_zero(words, zero_words, 6, ZERO_OFFSET).to(dtype)
+        c7 = _minus_zero(words, zero_words, 7, ZERO_OFFSET).to(dtype)
+    # [BLOCK_K, BLOCK_N / 8, 2, 2, 2], the last three dims the column's bits 2, 1, 0: column 8c + j in order
+    tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(tile, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _minus_zero(words, zero_words, J: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """float32 q - z of column 8c + J (AWQ's nibble order)."""
+    shift: tl.constexpr = ((J % 2) * 4 + J // 2) * 4
+    return (((words >> shift) & 15) - (((zero_words >> shift) & 15) + ZERO_OFFSET)[None, :]).to(tl.float32)

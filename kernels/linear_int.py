@@ -71,7 +71,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.int_decode import can_stream, has_row_scales, linear_int_stream
-from kernels.int_tiles import weight_tile
+from kernels.int_tiles import awq_columns_tile, weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
 # From this many rows on, a call the streaming kernel does not take dequantizes W into a scratch and runs cuBLAS
@@ -86,6 +86,11 @@ DEQUANTIZE_MIN_ROWS = 1
 # 8b-awq-rows-{off,tile16-all}.json). Each row tile unpacks the words again, so the time grows with the rows: past
 # 64 (not measured between 64 and 256, where dequantize + cuBLAS was the faster) the dequantizing path.
 STREAM_MAX_ROWS = 64
+# The GEMM tiles' 4-bit AWQ-order path (`pair_tiles`): 16-byte tiles of q - z unpacked from each word, the scale on
+# the dot (sm_90 SASS, 8B's qkv at 256 rows, compiled here: 1.4-1.6 warp instructions a thousand multiply-adds in
+# the K loop at 128-256 x 64-128 x 128 tiles, against 2.2-4.0 for the float path). Not yet timed on a GPU, where
+# dequantize + cuBLAS serves these rows (DEQUANTIZE_MIN_ROWS).
+PAIR_GEMM = True
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
@@ -263,7 +268,11 @@ def _int_linear_kernel(
     HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, UNPACK_ONCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr = False, FP16: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
+    """PAIRS (4-bit AWQ order along N, zero points, a K tile in one group, 16-bit x; `pair_tiles`): each word
+    unpacked into 8 columns of q - z by `int_tiles.awq_columns_tile`, exact, and the group's scale applied to the
+    tile's dot; otherwise `weight_tile`'s (q - z) * scale rounded to x's dtype, as the reference."""
     wait_for_prior(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -278,24 +287,85 @@ def _int_linear_kernel(
         k_mask = ks < K
         xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                      other=0.0)
-        w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_qw,
-                        stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                        ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N)
-        w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
-        if UPCAST:
-            xv = xv.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(xv, w, input_precision=PRECISION)
-        if GATED:
-            w_up = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, up_col + n0, up_col + offs_n, n_mask,
-                               up_col + N, K, stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, BITS,
-                               PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
-                               BLOCK_N)
-            w_up = w_up.to(x_ptr.dtype.element_ty)
+        if PAIRS:
+            acc += _pair_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, k0, ks, k_mask, n0, n_mask, N, stride_qw, stride_qz,
+                                  stride_s, group_size, ZERO_OFFSET, UPCAST, PRECISION, FP16, ASM, BLOCK_K, BLOCK_N)
+            if GATED:
+                acc_up += _pair_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, k0, ks, k_mask, up_col + n0, n_mask, up_col + N,
+                                         stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, UPCAST, PRECISION,
+                                         FP16, ASM, BLOCK_K, BLOCK_N)
+        else:
+            w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_qw,
+                            stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
+                            ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N)
+            w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
             if UPCAST:
-                w_up = w_up.to(tl.float32)
-            acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+                xv = xv.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(xv, w, input_precision=PRECISION)
+            if GATED:
+                w_up = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, up_col + n0, up_col + offs_n, n_mask,
+                                   up_col + N, K, stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, BITS,
+                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
+                                   BLOCK_N)
+                w_up = w_up.to(x_ptr.dtype.element_ty)
+                if UPCAST:
+                    w_up = w_up.to(tl.float32)
+                acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
     store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _pair_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, k0, ks, k_mask, n0, n_mask, n_end, stride_qw, stride_qz, stride_s,
+                   group_size, ZERO_OFFSET: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """x's tile times the [BLOCK_K, BLOCK_N] tile of W.T at columns n0 + arange(BLOCK_N) (below n_end, a multiple
+    of 8, as n0), float32: x against q - z (exact), times the group's scales."""
+    pcol = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    pcol_mask = pcol < n_end // 8
+    words = tl.load(qw_ptr + ks[:, None] * stride_qw + pcol[None, :], mask=k_mask[:, None] & pcol_mask[None, :],
+                    other=0)
+    group = k0 // group_size
+    zero_words = tl.load(qz_ptr + group * stride_qz + pcol, mask=pcol_mask, other=0)
+    w = awq_columns_tile(words, zero_words, ZERO_OFFSET, FP16, ASM, BLOCK_K, BLOCK_N)
+    if UPCAST:
+        xv = xv.to(tl.float32)
+        w = w.to(tl.float32)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    scale = tl.load(s_ptr + group * stride_s + cols, mask=n_mask, other=0.0).to(tl.float32)
+    return tl.dot(xv, w, input_precision=PRECISION) * scale[None, :]
+
+
+def pair_tiles(packing: IntPacking, g_idx, group_size: int, block_k: int, block_n: int, dtype: torch.dtype, mins,
+               unpack_once: bool) -> bool:
+    """Whether `_int_linear_kernel` takes its PAIRS path: 4 bits along N in AWQ's order with zero points (AWQ, and
+    GPTQ / pack-quantized as held along N), no g_idx, each K tile in one group, whole words, 16-bit x
+    (whose dtype holds q - z exactly; float32 x keeps the reference's rounding), and column tiles of 64 or more
+    (Triton 3.9 failed to compile 64 x 32 x 128 tiles of it for sm_90, "Illegal shared layout"; 32 columns make
+    4-word rows, a poor shared-memory operand anyway)."""
+    return (PAIR_GEMM and packing.bits == 4 and not packing.is_packed_along_k and packing.fields == AWQ_FIELDS
+            and mins is None and g_idx is None and group_size % block_k == 0 and block_n >= 64 and unpack_once
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def pair_gemm_config(num_rows: int, out_features: int, gated: bool, group_size: int, device: torch.device) -> dict:
+    """Launch settings for the PAIRS path: row tiles of 64 or 128 (wgmma's), K tiles of a group up to 128 (the
+    scale's multiply-adds, one a tile's output a K tile, are fewer a product the longer the tile), 128 or 64
+    columns (gated 64) while they give every SM a program, 8 warps from 128 x 128, and as many stages (2-4) as
+    shared memory holds. From the sm_90 SASS of 8B's qkv at 256 rows: 1.4-1.6 warp instructions a thousand
+    products at 128 x 64-128 x 128 (2.7 at gemm_config's 128 x 64 x 64). Not yet timed on a GPU."""
+    block_m = 64 if num_rows <= 64 else 128
+    block_k = 128 if group_size % 128 == 0 else 64
+    tiles_m = cdiv(num_rows, block_m)
+    block_n = 128 if not gated and tiles_m * cdiv(out_features, 128) >= num_sms(device) else 64
+    halves = 2 if gated else 1
+    limit = shared_memory_per_block(device)
+    stages = 4
+    while stages > 2 and stages * (block_m * block_k * 2 + halves * block_k * block_n // 2) > limit:
+        stages -= 1
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+            "num_warps": 8 if block_m * block_n * halves >= 128 * 128 else 4, "num_stages": stages,
+            "UNPACK_ONCE": True, "PAIRS": True}
 
 
 def _packed_shape(qweight, qzeros, scales, g_idx, group_size, packing: IntPacking, mins) -> tuple[int, int]:
@@ -419,6 +489,9 @@ def linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size: int | None,
         HAS_BIAS=bias is not None, GATED=gated,
         UPCAST=upcast_dot_operands(x.dtype, x.device), PRECISION=dot_precision(x.dtype), UNPACK_ONCE=unpack_once,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        PAIRS=cfg.get("PAIRS", True) and pair_tiles(packing, g_idx, group_size or k, cfg["BLOCK_K"], cfg["BLOCK_N"],
+                                                     x.dtype, mins, unpack_once),
+        FP16=x.dtype == torch.float16, ASM=not is_interpreting(),
         **pdl_options(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

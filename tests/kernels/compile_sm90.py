@@ -345,14 +345,15 @@ def compile_mla() -> None:
 
 
 def int_linear(name, rows, x_features, qweight_shape, qzeros_shape, groups, out_features, packing, group_size=128,
-               act_order=False, mins=False, gated=False, gemm=False):
+               act_order=False, mins=False, gated=False, gemm=False, pairs=False):
     """linear_int_triton's launch for these rows; `gemm`: its GEMM tiles (gemm_config), where up to STREAM_MAX_ROWS
-    rows it would stream."""
+    rows it would stream; `pairs`: their PAIRS path (pair_gemm_config)."""
     CASE[0] = name
     zeros = None if mins else empty(*qzeros_shape, dtype=torch.int32)
     x = empty(rows, x_features)
-    config = (linear_int.gemm_config(rows, out_features // (2 if gated else 1), gated, x.dtype, x.device) if gemm
-              else None)
+    n = out_features // (2 if gated else 1)
+    config = (linear_int.pair_gemm_config(rows, n, gated, group_size, x.device) if pairs
+              else linear_int.gemm_config(rows, n, gated, x.dtype, x.device) if gemm else None)
     linear_int.linear_int_triton(x, empty(*qweight_shape, dtype=torch.int32), zeros,
                                  empty(groups, out_features, dtype=torch.float16),
                                  empty(x_features, dtype=torch.int32) if act_order else None, group_size, packing,
@@ -429,6 +430,14 @@ def compile_int_gemm() -> None:
         int_linear(f"int4 gemm gptq down, {rows} rows", rows, 14336, (14336 // 8, 4096), (112, 4096 // 8), 112,
                    4096, gptq4, gemm=True)
     int_linear("int4 gemm awq qkv, 200 rows", 200, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32, 6144, awq)
+    # the PAIRS path at its own tiles: 8B's AWQ linears (GPTQ held along N is the same layout, its zero offset aside)
+    for rows in (128, 256, 2048):
+        int_linear(f"int4 gemm pairs awq qkv, {rows} rows", rows, 4096, (4096, 6144 // 8), (32, 6144 // 8), 32,
+                   6144, awq, pairs=True)
+        int_linear(f"int4 gemm pairs awq gate_up + silu, {rows} rows", rows, 4096, (4096, 2 * 14336 // 8),
+                   (32, 2 * 14336 // 8), 32, 2 * 14336, awq, gated=True, pairs=True)
+        int_linear(f"int4 gemm pairs awq down, {rows} rows", rows, 14336, (14336, 4096 // 8), (112, 4096 // 8), 112,
+                   4096, awq, pairs=True)
     int_linear("int4 gemm awq 70b gate_up + silu, 2048 rows", 2048, 8192, (8192, 2 * 28672 // 8),
                (64, 2 * 28672 // 8), 64, 2 * 28672, awq, gated=True)
     int_linear("int8 gemm gptq group 32 o, 128 rows", 128, 4096, (1024, 4096), (128, 4096 // 4), 128, 4096, gptq8,

@@ -211,6 +211,59 @@ def test_gemm_matches_ref(fmt, rows, gated, bias, device, poisoned_allocations):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packing", [AWQ_GEMM, gptq_v1(4)], ids=["awq", "gptq-v1-along-n"])
+@pytest.mark.parametrize("gated, bias", [(False, True), (True, False)])
+def test_gemm_pair_tiles(packing, gated, bias, dtype, device, poisoned_allocations):
+    """The GEMM tiles' 4-bit pairs path (16-bit x, AWQ's order along N: AWQ, and GPTQ v1 as held along N with its
+    zero offset): random words (every field value, v1's stored 15 a zero of 16 included), the exact-weight product
+    within the output's rounding, at the default tiles and at small ones (partial column tiles, groups of 2 row
+    tiles); the float path (PAIRS off) as before, within W's rounding."""
+    from kernels.linear_int import along_n, pair_gemm_config, pair_tiles
+
+    gen = torch.Generator().manual_seed(6)
+    k, n, group = 384, 2 * 96 if gated else 96, 128
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int32)  # noqa: E731
+    if packing.is_packed_along_k:
+        qweight, qzeros, packing = along_n(words(k // 8, n), words(k // group, n // 8), packing)
+    else:
+        qweight, qzeros = words(k, n // 8), words(k // group, n // 8)
+    layer = dict(qweight=qweight.to(device), qzeros=qzeros.to(device), g_idx=None, group_size=group,
+                 scales=(torch.rand(k // group, n, generator=gen) / 64).half().to(device), packing=packing)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    for rows in (17, 130):
+        x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+        exact = linear_int_ref(x.float(), **layer, bias=None if b is None else b.float())
+        if gated:  # the epilogue rounds gate, silu(gate), up and the product to x's dtype, as silu_and_mul does
+            half = exact.to(dtype)
+            exact = (torch.nn.functional.silu(half[:, :96]) * half[:, 96:]).float()
+        small = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_stages=2)  # mma.sync, 2 K tiles a group
+        for config in (pair_gemm_config(rows, n // (2 if gated else 1), gated, group, x.device), small):
+            assert pair_tiles(packing, None, group, config["BLOCK_K"], config["BLOCK_N"], dtype, None, True)
+            out = linear_int_triton(x, **layer, bias=b, gated=gated, config=config | {"PAIRS": True}).float()
+            assert out.shape == exact.shape == (rows, 96)
+            # one rounding to 16 bits (up to 2 ulp of the largest value); the gated epilogue's four, each a
+            # truncation under the interpreter against the expectation's rounding to nearest, up to 2 ulp each
+            assert (out - exact).abs().max() <= (8 if gated else 2) * ulp * exact.abs().max(), (rows, config)
+            atol, rtol = TOL[dtype]  # the float path: W rounded to x's dtype (truncated under the interpreter)
+            rounded = linear_int_triton(x, **layer, bias=b, gated=gated, config=config | {"PAIRS": False}).float()
+            torch.testing.assert_close(rounded, linear_int_ref(x, **layer, bias=b, gated=gated).float(),
+                                       atol=atol * 8, rtol=rtol)
+            assert not torch.equal(out, rounded)  # two paths ran: the pairs' W is exact, the float path's rounded
+    # what keeps the float path: float32 x, a K tile over groups, g_idx, mins, 8 bits, along K, split words, 32
+    # columns a tile
+    assert not pair_tiles(packing, None, group, 64, 64, torch.float32, None, True)
+    assert not pair_tiles(packing, None, 32, 64, 64, dtype, None, True)
+    assert not pair_tiles(packing, torch.zeros(k, dtype=torch.int32), group, 64, 64, dtype, None, True)
+    assert not pair_tiles(packing, None, group, 64, 64, dtype, layer["scales"], True)
+    assert not pair_tiles(gptq_v1(4), None, group, 64, 64, dtype, None, True)
+    assert not pair_tiles(offset_binary(8), None, group, 64, 64, dtype, None, True)
+    assert not pair_tiles(packing, None, group, 64, 64, dtype, None, False)
+    assert not pair_tiles(packing, None, group, 64, 32, dtype, None, True)
+    assert pair_tiles(packing, None, group, 64, 64, dtype, None, True)
+
+
 def test_gemm_awq_up_half_off_a_word(device, poisoned_allocations):
     """A gated AWQ weight whose up half starts inside an int32 (2 x 20 columns): the GEMM tiles fall back to loading
     a word per value, and still match."""
@@ -317,6 +370,10 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
             } <= impls
     assert not {r for r in impls if r[2] == "stream" and "gptq-act" in r[0]}  # act-order: never streamed
     assert ("int4 awq toy o", "rows 20", "stream") in impls  # past MAX_ROWS: row tiles
+    # past MAX_ROWS the GEMM tiles' pairs path beside their float path, for AWQ and GPTQ as held; not act-order
+    assert {("int4 awq toy qkv", "rows 20", "gemm tiles, pairs"), ("int4 gptq toy down", "rows 20",
+                                                                   "gemm tiles, pairs")} <= impls
+    assert not {r for r in impls if r[2] == "gemm tiles, pairs" and ("gptq-act" in r[0] or "gguf" in r[0])}
     # GGUF's groups of 32 (float32 scales and mins): several a K tile of the stream kernel
     assert ("int4 gguf-q4_k toy down", "rows 2", "stream") in impls
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
