@@ -351,9 +351,10 @@ def pair_tiles(packing: IntPacking, g_idx, group_size: int, block_k: int, block_
 def pair_gemm_config(num_rows: int, out_features: int, gated: bool, group_size: int, device: torch.device) -> dict:
     """Launch settings for the PAIRS path: row tiles of 64 or 128 (wgmma's), K tiles of a group up to 128 (the
     scale's multiply-adds, one a tile's output a K tile, are fewer a product the longer the tile), 128 or 64
-    columns (gated 64) while they give every SM a program, 8 warps from 128 x 128, and as many stages (2-4) as
-    shared memory holds. From the sm_90 SASS of 8B's qkv at 256 rows: 1.4-1.6 warp instructions a thousand
-    products at 128 x 64-128 x 128 (2.7 at gemm_config's 128 x 64 x 64). Not yet timed on a GPU."""
+    columns (gated 64) while they give every SM a program, 8 warps from 128 columns (a gated tile's two halves
+    count: a gated 64 x 64 at 4 spilled, a plain 128 x 64 at 8 took 1.5x the instructions), and as many stages
+    (2-4) as shared memory holds. In the sm_90 SASS of 8B's linears at 128-2048 rows: 1.8-2.0 warp instructions a
+    thousand products (the float path: 2.7-5.4). Not yet timed on a GPU."""
     block_m = 64 if num_rows <= 64 else 128
     block_k = 128 if group_size % 128 == 0 else 64
     tiles_m = cdiv(num_rows, block_m)
@@ -364,7 +365,7 @@ def pair_gemm_config(num_rows: int, out_features: int, gated: bool, group_size: 
     while stages > 2 and stages * (block_m * block_k * 2 + halves * block_k * block_n // 2) > limit:
         stages -= 1
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "num_warps": 8 if block_m * block_n * halves >= 128 * 128 else 4, "num_stages": stages,
+            "num_warps": 8 if block_n * halves >= 128 else 4, "num_stages": stages,
             "UNPACK_ONCE": True, "PAIRS": True}
 
 
