@@ -108,6 +108,23 @@ def weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, 
                        ZERO_OFFSET, BITS, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS)
 
 
+@triton.jit
+def rounded_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, n_end, K, stride_qw,
+                     stride_qz, stride_s, group_size, ZERO_OFFSET: tl.constexpr, BITS: tl.constexpr,
+                     PACKED_ALONG_K: tl.constexpr, AWQ_ORDER: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                     ONE_GROUP: tl.constexpr, HAS_MINS: tl.constexpr, UNPACK_ONCE: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 [rows, BLOCK_N]: x's tile xv times `weight_tile`'s W.T rounded to xv's dtype, as the reference
+    rounds it (UPCAST: both operands float32 for the dot, the interpreter's)."""
+    w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, cols, n_mask, n_end, K, stride_qw, stride_qz,
+                    stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                    HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N).to(xv.dtype)
+    if UPCAST:
+        xv = xv.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(xv, w, input_precision=PRECISION)
+
+
 # The streaming decode kernel's arithmetic (kernels/int_decode.py): no integer-to-float conversion, no per-element
 # shift. A field of BITS bits that sits at bit SH < 16 of a word (the upper 16 bits shifted down once a word) is
 # OR-ed into the mantissa of 2^23, giving the float 2^23 + q * 2^SH exactly; then one FMA, exact too,

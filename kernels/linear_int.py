@@ -71,7 +71,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.int_decode import can_stream, has_row_scales, linear_int_stream
-from kernels.int_tiles import awq_columns_tile, weight_tile
+from kernels.int_tiles import awq_columns_tile, rounded_tile_dot, weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
 # From this many rows on, a call the streaming kernel does not take dequantizes W into a scratch and runs cuBLAS
@@ -294,24 +294,16 @@ def _int_linear_kernel(
                 acc_up += _pair_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, k0, ks, k_mask, up_col + n0, n_mask, up_col + N,
                                          stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, UPCAST, PRECISION,
                                          FP16, ASM, BLOCK_K, BLOCK_N)
-        else:
-            w = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_qw,
-                            stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                            ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N)
-            w = w.to(x_ptr.dtype.element_ty)  # W rounded to x's dtype, as the reference rounds it
-            if UPCAST:
-                xv = xv.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(xv, w, input_precision=PRECISION)
+        else:  # W rounded to x's dtype, as the reference rounds it
+            acc += rounded_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, n0, offs_n, n_mask, N, K,
+                                    stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K,
+                                    AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, UPCAST, PRECISION,
+                                    BLOCK_K, BLOCK_N)
             if GATED:
-                w_up = weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, up_col + n0, up_col + offs_n, n_mask,
-                                   up_col + N, K, stride_qw, stride_qz, stride_s, group_size, ZERO_OFFSET, BITS,
-                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
-                                   BLOCK_N)
-                w_up = w_up.to(x_ptr.dtype.element_ty)
-                if UPCAST:
-                    w_up = w_up.to(tl.float32)
-                acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+                acc_up += rounded_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, g_ptr, k0, ks, k_mask, up_col + n0,
+                                           up_col + offs_n, n_mask, up_col + N, K, stride_qw, stride_qz, stride_s,
+                                           group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
+                                           ONE_GROUP, HAS_MINS, UNPACK_ONCE, UPCAST, PRECISION, BLOCK_K, BLOCK_N)
     store_output(acc, acc_up, out_ptr, bias_ptr, rows, row_mask, offs_n, n_mask, stride_o, up_col, HAS_BIAS, GATED)
 
 

@@ -13,9 +13,10 @@ alignment, SiLU-and-mul and combine) over int or FP8 experts.
                  gate rows need not fill whole blocks)
 
 Int experts (W4A16 / W8A16): each [BLOCK_K, BLOCK_N] weight tile is dequantized in registers (kernels/int_tiles.py's
-`weight_tile`, float32, rounded to x's dtype) before its tl.dot with x's tile; `fused_moe_quant_ref` is
-`kernels.moe.fused_moe_ref` over the dequantized weights (W[e] = kernels.linear_int.dequantize_ref(expert e) in
-x's dtype), so both compute what an unquantized model holding the dequantized weights computes.
+`rounded_tile_dot`: `weight_tile`, float32, rounded to x's dtype) before its tl.dot with x's tile;
+`fused_moe_quant_ref` is `kernels.moe.fused_moe_ref` over the dequantized weights (W[e] =
+kernels.linear_int.dequantize_ref(expert e) in x's dtype), so both compute what an unquantized model holding the
+dequantized weights computes.
 
 FP8 experts (W8A8, as the FP8 linear layers: kernels/linear_fp8.py): each GEMM's input is quantized per token
 (kernels/fp8.py's power-of-two scales: x once per token, the SiLU-and-mul output h once per (token, expert) pair,
@@ -60,7 +61,7 @@ from kernels._triton import (
     wait_for_prior,
 )
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, dequantize_weight
-from kernels.int_tiles import weight_tile
+from kernels.int_tiles import rounded_tile_dot
 from kernels.linear_fp8 import _fp8_dot
 from kernels.linear_int import IntPacking, dequantize_ref
 from kernels.moe import (
@@ -283,7 +284,6 @@ def _moe_quant_gemm_kernel(
         scale_rows, up_scale_rows = offs_n // SCALE_BLOCK_N, up_scale_row + offs_n // SCALE_BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype = a_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_mask = ks < K
@@ -295,22 +295,15 @@ def _moe_quant_gemm_kernel(
             if GATED:
                 acc_up += _fp8_block_dot(xv, w_e, s_e, ks, k_mask, up_row + offs_n, up_scale_rows, n_mask, k0,
                                          stride_w, stride_s, PER_ROW, SCALE_BLOCK_K, PRECISE, PROMOTE_K)
-        else:
-            w = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_w, stride_z,
-                            stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX,
-                            ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K, BLOCK_N).to(dtype)  # rounded as the ref rounds
-            if UPCAST:
-                xv = xv.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(xv, w, input_precision=PRECISION)
+        else:  # W rounded to x's dtype, as the reference rounds it
+            acc += rounded_tile_dot(xv, w_e, z_e, s_e, g_e, k0, ks, k_mask, n0, offs_n, n_mask, N, K, stride_w,
+                                    stride_z, stride_s, group_size, ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER,
+                                    HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, UPCAST, PRECISION, BLOCK_K, BLOCK_N)
             if GATED:
-                w_up = weight_tile(w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n, n_mask,
-                                   up_row + N, K, stride_w, stride_z, stride_s, group_size, ZERO_OFFSET, BITS,
-                                   PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP, HAS_MINS, UNPACK_ONCE, BLOCK_K,
-                                   BLOCK_N).to(dtype)
-                if UPCAST:
-                    w_up = w_up.to(tl.float32)
-                acc_up += tl.dot(xv, w_up, input_precision=PRECISION)
+                acc_up += rounded_tile_dot(xv, w_e, z_e, s_e, g_e, k0, ks, k_mask, up_row + n0, up_row + offs_n,
+                                           n_mask, up_row + N, K, stride_w, stride_z, stride_s, group_size,
+                                           ZERO_OFFSET, BITS, PACKED_ALONG_K, AWQ_ORDER, HAS_G_IDX, ONE_GROUP,
+                                           HAS_MINS, UNPACK_ONCE, UPCAST, PRECISION, BLOCK_K, BLOCK_N)
     if IS_FP8:  # the token's scale, and the weight row's
         x_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)[:, None]
         acc = acc * x_scale
