@@ -266,7 +266,7 @@ def free_port() -> int:
     raise OSError("no free port found")
 
 
-def free_port_candidates() -> range | list[int]:
+def free_port_candidates() -> list[int]:
     """The ports free_port draws from: the 12,000 below the ephemeral range (40000-60000 where that leaves too few)
     less `claimed_ranges`."""
     low = ephemeral_ports()[0]

@@ -87,9 +87,9 @@ DEQUANTIZE_MIN_ROWS = 1
 # 64 (not measured between 64 and 256, where dequantize + cuBLAS was the faster) the dequantizing path.
 STREAM_MAX_ROWS = 64
 # The GEMM tiles' 4-bit AWQ-order path (`pair_tiles`): 16-byte tiles of q - z unpacked from each word, the scale on
-# the dot (sm_90 SASS, 8B's qkv at 256 rows, compiled here: 1.4-1.6 warp instructions a thousand multiply-adds in
-# the K loop at 128-256 x 64-128 x 128 tiles, against 2.2-4.0 for the float path). Not yet timed on a GPU, where
-# dequantize + cuBLAS serves these rows (DEQUANTIZE_MIN_ROWS).
+# the dot (sm_90 SASS of 8B's AWQ linears at 128-2048 rows, compiled here: 1.83-2.02 warp instructions a thousand
+# multiply-adds in the K loop at `pair_gemm_config`'s tiles, against 2.7-5.4 for the float path). Not yet timed on a
+# GPU, where dequantize + cuBLAS serves these rows (DEQUANTIZE_MIN_ROWS).
 PAIR_GEMM = True
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
