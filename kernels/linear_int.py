@@ -91,6 +91,10 @@ STREAM_MAX_ROWS = 64
 # multiply-adds in the K loop at `pair_gemm_config`'s tiles, against 2.7-5.4 for the float path). Not yet timed on a
 # GPU, where dequantize + cuBLAS serves these rows (DEQUANTIZE_MIN_ROWS).
 PAIR_GEMM = True
+# Past STREAM_MAX_ROWS up to this many rows, `linear_int` runs the PAIRS tiles (`pair_gemm_config`) where `pair_tiles`
+# takes the layer, instead of dequantize + cuBLAS. 0 (none) until a GPU times them faster; read at each call, so a
+# benchmark process may set it.
+PAIR_GEMM_MAX_ROWS = 0
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 
@@ -233,8 +237,8 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
                dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS) -> torch.Tensor:
     """`linear_int_ref`'s result. On a GPU: the streaming kernel for up to STREAM_MAX_ROWS rows of a layout it takes
     (`can_stream`) well (not groups under its K tile with zero points); otherwise `linear_int_dequantized` from
-    `dequantize_min_rows` rows, the Triton kernel's tiles below (decode tiles up to MAX_ROWS, GEMM tiles above);
-    elsewhere the reference."""
+    `dequantize_min_rows` rows, the Triton kernel's tiles below (decode tiles up to MAX_ROWS, GEMM tiles above),
+    except the PAIRS tiles up to PAIR_GEMM_MAX_ROWS rows where they take the layer; elsewhere the reference."""
     if not use_triton(x):
         return linear_int_ref(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     n = qweight.shape[1] if packing.is_packed_along_k else qweight.shape[1] * packing.pack_factor
@@ -244,6 +248,11 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
     # GPTQ g32's stream read 0.25-0.33 TB/s, 1.0-1.2x dequantize + cuBLAS's time. With mins (Q4_K, Q4_1, ...) it
     # reads 0.8-1.3 TB/s, a third of dequantize + cuBLAS's time.
     slow_stream = has_row_scales(packing.is_packed_along_k, group, packing.pack_factor) and mins is None
+    if STREAM_MAX_ROWS < x.shape[0] <= PAIR_GEMM_MAX_ROWS:
+        out_features = n // 2 if gated else n
+        pairs = pair_gemm_config(x.shape[0], out_features, gated, group, x.device)
+        if pair_tiles(packing, g_idx, group, pairs["BLOCK_K"], pairs["BLOCK_N"], x.dtype, mins, out_features % 8 == 0):
+            return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, pairs, mins)
     if (slow_stream or not can_stream(packing, g_idx, group, x.shape[1], n // 2 if gated else n, x.shape[0],
                                       STREAM_MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)

@@ -731,6 +731,25 @@ def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, devic
     torch.testing.assert_close(out, linear_int_ref(x, **layer), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows, dtype, kernel", [
+    (70, torch.bfloat16, "_int_linear_kernel"), (81, torch.bfloat16, "_int_dequantize_kernel"),
+    (70, torch.float32, "_int_dequantize_kernel"), (64, torch.bfloat16, "_int_decode_kernel")], ids=str)
+def test_dispatch_takes_the_pair_tiles_up_to_their_rows(rows, dtype, kernel, spies, device, monkeypatch):
+    """With PAIR_GEMM_MAX_ROWS set (80 here; 0, none, by default), an AWQ layer with 16-bit x past the stream's 64
+    rows and up to it runs the PAIRS GEMM tiles (`pair_tiles`); past it, or with float32 x, dequantize + cuBLAS;
+    up to 64 rows the stream. Each within the output's rounding of the exact-weight product."""
+    import kernels.linear_int as linear_int_module
+
+    monkeypatch.setattr(linear_int_module, "PAIR_GEMM_MAX_ROWS", 80)
+    layer = packed_layer(ic.Int4Format("awq", 128), 128, 256, device)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+    out = linear_int(x, **layer)
+    assert {name: spy.launches for name, spy in spies.items()} == {name: int(name == kernel) for name in spies}
+    exact = linear_int_ref(x.float(), **layer)
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert (out.float() - exact).abs().max() <= 2 * ulp * exact.abs().max()
+
+
 def test_stream_kernel_reuses_its_split_counts(spies, device):
     """Split-K's per-tile counts are reset by each tile's last program: a second launch (as a CUDA graph replays
     the first) adds its slices up again, with new x."""
