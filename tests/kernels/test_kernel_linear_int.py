@@ -818,6 +818,24 @@ def test_gpu_pair_unpacking_real_layers(layout, cuda):
             _within_bf16_rounding(outs[1], outs[0], (op, rows, "q - z path"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_gpu_pair_tiles_real_layers(layout, cuda, spies, monkeypatch):
+    """The PAIRS GEMM tiles (inline PTX) through linear_int's dispatch with PAIR_GEMM_MAX_ROWS set, on Llama-3-8B's
+    AWQ and GPTQ (held along N) layers at 65, 200 and 512 rows: the reference's values within bf16 rounding."""
+    import kernels.linear_int as linear_int_module
+
+    monkeypatch.setattr(linear_int_module, "PAIR_GEMM_MAX_ROWS", 512)
+    tiles = spies["_int_linear_kernel"]
+    for op, (layer, k, gated) in _gpu_layers("8b", layout).items():
+        for rows in (65, 200, 512):
+            x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
+            before = tiles.launches
+            out = linear_int(x, **layer, gated=gated)
+            assert tiles.launches - before == 1, (op, rows)
+            _within_bf16_rounding(out, linear_int_ref(x, **layer, gated=gated), (op, rows))
+
+
 def test_pair_unpacking_refuses_what_it_cannot_take(device):
     from kernels.int_decode import linear_int_stream
 
