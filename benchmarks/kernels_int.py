@@ -8,7 +8,8 @@ on Llama-3-8B's and 70B's linears (qkv, o, gate_up + silu, down), at 1-2048 rows
                      up to MAX_ROWS "decode tiles, once": the same loading each packed word once (UNPACK_ONCE)
     gemm tiles       the Triton kernel with `gemm_config` (row tiles of 32-128 in grouped order), W dequantized in
                      float32 and rounded to x's dtype; past MAX_ROWS, where `pair_tiles` allows (4-bit AWQ order,
-                     a K tile in one group), "gemm tiles, pairs": its PAIRS path with `pair_gemm_config`
+                     a K tile in one group), "gemm tiles, pairs": its PAIRS path with `pair_gemm_config` (and,
+                     not gated, "gemm tiles, pairs, 2 stages": the same tiles, two programs an SM)
     dequant+cuBLAS   `linear_int_dequantized`: W dequantized by one kernel into a bf16 scratch, then cuBLAS
 
 Each row gives the time of one layer's call, GB/s of the weight bytes that path reads (the packed int32s, scales
@@ -132,6 +133,9 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
     if rows > MAX_ROWS and pair_tiles(c["packing"], c["g_idx"], c["group_size"] or x.shape[1], pairs["BLOCK_K"],
                                       pairs["BLOCK_N"], x.dtype, c.get("mins"), True):
         impls["gemm tiles, pairs"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=pairs)
+        if not gated:  # 2 stages: two programs an SM (sm_90, 128 x 64 x 128: 226 registers, 86 KB; no spills)
+            two = pairs | {"num_stages": 2}
+            impls["gemm tiles, pairs, 2 stages"] = lambda i: linear_int_triton(x, **copies[i], config=two)
     impls["dequant+cuBLAS"] = lambda i: linear_int_dequantized(x, **copies[i], gated=gated)
     return impls
 

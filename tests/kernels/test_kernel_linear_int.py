@@ -374,6 +374,8 @@ def test_int4_benchmark_cases_run_under_the_interpreter(device, monkeypatch):
     assert {("int4 awq toy qkv", "rows 20", "gemm tiles, pairs"), ("int4 gptq toy down", "rows 20",
                                                                    "gemm tiles, pairs")} <= impls
     assert not {r for r in impls if r[2] == "gemm tiles, pairs" and ("gptq-act" in r[0] or "gguf" in r[0])}
+    assert ("int4 awq toy qkv", "rows 20", "gemm tiles, pairs, 2 stages") in impls  # not gated only
+    assert not {r for r in impls if r[2] == "gemm tiles, pairs, 2 stages" and "gate_up" in r[0]}
     # GGUF's groups of 32 (float32 scales and mins): several a K tile of the stream kernel
     assert ("int4 gguf-q4_k toy down", "rows 2", "stream") in impls
     assert {("int4 gptq-act toy down", "rows 20", impl) for impl in ("bf16 cuBLAS", "decode tiles", "gemm tiles",
