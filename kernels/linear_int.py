@@ -42,7 +42,8 @@ reference's values exactly) and hands it to cuBLAS. `linear_int` takes it for ev
 the H200 (`python -m benchmarks.kernels --only int4`, benchmarks/results/h200-kernels-int4-first.txt) it was faster
 than this kernel's tiles at every size measured, on each of Llama-3-8B's and 70B's linears: 7-28x the decode tiles
 at 1-16 rows, 1.1-4.5x the GEMM tiles at 32-2048 rows. The tiles stay for callers that ask for them
-(`dequantize_min_rows`, `linear_int_triton`'s config) and as the base of a faster int GEMM.
+(`dequantize_min_rows`, `linear_int_triton`'s config), and their PAIRS path (4-bit AWQ order, exact q - z in 16-bit
+pairs: `pair_tiles`) serves STREAM_MAX_ROWS + 1 to PAIR_GEMM_MAX_ROWS rows, where an H100 timed it faster.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ from kernels.int_decode import can_stream, has_row_scales, linear_int_stream
 from kernels.int_tiles import awq_columns_tile, rounded_tile_dot, weight_tile
 from kernels.linear import MAX_ROWS, linear, linear_cublas, store_output
 
-# From this many rows on, a call the streaming kernel does not take dequantizes W into a scratch and runs cuBLAS
-# instead of the Triton kernel's tiles: from the first, as the H200 measured (the docstring). A `linear_int`
-# argument: callers may choose (vLLM's AWQ takes cuBLAS from 256 rows).
+# From this many rows on, a call neither the streaming kernel nor the PAIRS tiles take dequantizes W into a scratch
+# and runs cuBLAS instead of the Triton kernel's tiles: from the first, as the H200 measured (the docstring). A
+# `linear_int` argument: callers may choose (vLLM's AWQ takes cuBLAS from 256 rows).
 DEQUANTIZE_MIN_ROWS = 1
 # Rows the streaming kernel takes in `linear_int` and `linear_int_triton` (past MAX_ROWS in row tiles of 16, K
 # split over all of them: kernels/int_decode.py). On an H100 (2026-12-07, `python -m benchmarks.kernels --only int4
@@ -88,13 +89,16 @@ DEQUANTIZE_MIN_ROWS = 1
 STREAM_MAX_ROWS = 64
 # The GEMM tiles' 4-bit AWQ-order path (`pair_tiles`): 16-byte tiles of q - z unpacked from each word, the scale on
 # the dot (sm_90 SASS of 8B's AWQ linears at 128-2048 rows, compiled here: 1.83-2.02 warp instructions a thousand
-# multiply-adds in the K loop at `pair_gemm_config`'s tiles, against 2.7-5.4 for the float path). Not yet timed on a
-# GPU, where dequantize + cuBLAS serves these rows (DEQUANTIZE_MIN_ROWS).
+# multiply-adds in the K loop at `pair_gemm_config`'s tiles, against 2.7-5.4 for the float path).
 PAIR_GEMM = True
 # Past STREAM_MAX_ROWS up to this many rows, `linear_int` runs the PAIRS tiles (`pair_gemm_config`) where `pair_tiles`
-# takes the layer, instead of dequantize + cuBLAS. 0 (none) until a GPU times them faster; read at each call, so a
-# benchmark process may set it.
-PAIR_GEMM_MAX_ROWS = 0
+# takes the layer, instead of dequantize + cuBLAS; read at each call (a benchmark process may set it). On an H100
+# (2026-12-07, benchmarks/results/h100-kernels-int4-awq-pairs.json) at 128 rows they took 0.64-0.87x dequantize +
+# cuBLAS's time on 8B's qkv and gate_up and 70B's o, gate_up and down, 1.06x on 70B's qkv, 1.24x on 8B's o and down
+# (64 programs: half the SMs): 0.89x over 8B's four, 0.71x over 70B's; at 256 rows 1.09-1.53x on all eight. 8B AWQ
+# decode at batch 128 took 14.12 ms a step against 15.84 (h100-latency-llama3-8b-awq-pairs-{128,off}.json). Not
+# measured between 64 and 128 rows or 128 and 256, nor on an H200.
+PAIR_GEMM_MAX_ROWS = 128
 GEMM_ROW_TILES = (32, 64, 128)  # gemm_config's BLOCK_M: the smallest that holds the rows, else the largest
 AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 sits in nibble AWQ_FIELDS[j]: packed in order 0 2 4 6 1 3 5 7
 

@@ -737,7 +737,7 @@ def test_dispatch_streams_decode_rows(fmt, rows, threshold, kernel, spies, devic
     (70, torch.bfloat16, "_int_linear_kernel"), (81, torch.bfloat16, "_int_dequantize_kernel"),
     (70, torch.float32, "_int_dequantize_kernel"), (64, torch.bfloat16, "_int_decode_kernel")], ids=str)
 def test_dispatch_takes_the_pair_tiles_up_to_their_rows(rows, dtype, kernel, spies, device, monkeypatch):
-    """With PAIR_GEMM_MAX_ROWS set (80 here; 0, none, by default), an AWQ layer with 16-bit x past the stream's 64
+    """With PAIR_GEMM_MAX_ROWS set (80 here; 128 by default), an AWQ layer with 16-bit x past the stream's 64
     rows and up to it runs the PAIRS GEMM tiles (`pair_tiles`); past it, or with float32 x, dequantize + cuBLAS;
     up to 64 rows the stream. Each within the output's rounding of the exact-weight product."""
     import kernels.linear_int as linear_int_module
