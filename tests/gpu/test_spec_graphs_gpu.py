@@ -132,7 +132,6 @@ def test_gpu_run_ahead_default_by_the_measured_decode_step(tiny_checkpoints, mon
         assert eager or 0.0 < step_s < RUN_AHEAD_MIN_DEVICE_STEP_S
         assert llm.engine.spec.run_ahead.pinned is False and not llm.engine.spec.can_run_ahead
         llm.shutdown()
-    # (an H100 ran the loop above, 2026-12-07; this line then divided the eager run's None)
     monkeypatch.setattr("engine.spec_decode.RUN_AHEAD_MIN_DEVICE_STEP_S", steps[False] / 10)
     llm = LLM(model=tiny_checkpoints["llama"], device="cuda", block_size=16, num_kv_blocks=512,
               speculative_config=NGRAM)
