@@ -43,12 +43,11 @@ from kernels.linear_int import (
     dequantize_triton,
     gemm_config,
     gptq_v1,
+    layer_pair_config,
     linear_int_dequantized,
     linear_int_ref,
     linear_int_triton,
     offset_binary,
-    pair_gemm_config,
-    pair_tiles,
 )
 
 INT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
@@ -129,9 +128,9 @@ def _impls(rows: int, copies: list[dict], bf16: list[torch.Tensor], x: torch.Ten
         impls["decode tiles, once"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=once)
     gemm = gemm_config(rows, n, gated, x.dtype, x.device) | {"PAIRS": False}  # the float path, as first measured
     impls["gemm tiles"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=gemm)
-    pairs = pair_gemm_config(rows, n, gated, c["group_size"] or x.shape[1], x.device)
-    if rows > MAX_ROWS and pair_tiles(c["packing"], c["g_idx"], c["group_size"] or x.shape[1], pairs["BLOCK_K"],
-                                      pairs["BLOCK_N"], x.dtype, c.get("mins"), True):
+    pairs = layer_pair_config(rows, n, gated, c["group_size"] or x.shape[1], c["packing"], c["g_idx"], x.dtype,
+                              c.get("mins"), x.device)
+    if rows > MAX_ROWS and pairs is not None:
         impls["gemm tiles, pairs"] = lambda i: linear_int_triton(x, **copies[i], gated=gated, config=pairs)
         if not gated:  # 2 stages: two programs an SM (sm_90, 128 x 64 x 128: 226 registers, 86 KB; no spills)
             two = pairs | {"num_stages": 2}

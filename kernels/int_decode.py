@@ -66,7 +66,7 @@ from kernels._triton import (
     triton,
     wait_for_prior,
 )
-from kernels.int_tiles import byte_fields, field_magic, field_zero_term, minus_z, zero_points
+from kernels.int_tiles import byte_fields, field_magic, field_zero_term, interleave8, minus_z, zero_points
 from kernels.linear import store_output, store_split_k_slice
 
 # Rows a program (past 16: several row tiles a column tile, K split over them all). 16: on an H100 tiles of 32 and
@@ -128,13 +128,6 @@ def _n_scales(s_row, c, c_mask, F: tl.constexpr, AWQ_ORDER: tl.constexpr):
 
 
 @triton.jit
-def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """[M, C] x 8 -> [M, 8 C], column 8c + j from a_j (tl.join adds its new dimension last: innermost)."""
-    r = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
-    return tl.reshape(r, (a0.shape[0], 8 * a0.shape[1]))
-
-
-@triton.jit
 def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, stride_qw, stride_qz, stride_s, c0, NC,
                    k_begin, k_end, group_size, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr,
                    ZERO_OFFSET: tl.constexpr, HAS_MINS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -193,8 +186,8 @@ def _n_packed_tile(x_ptr, qw_ptr, qz_ptr, s_ptr, rows, row_mask, stride_x, strid
             a7 += _n_field_dot(xv, words, zero_words, s_row, m_row, xsum, c, c_mask, 7, BITS, AWQ_ORDER, ZERO_OFFSET,
                                HAS_MINS, UPCAST, PRECISION, ASM)
     if BIASED and AWQ_ORDER:  # output j is field (j % 2) * 4 + j // 2
-        return _interleave8(a0, a4, a1, a5, a2, a6, a3, a7)
-    return _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+        return interleave8(a0, a4, a1, a5, a2, a6, a3, a7)
+    return interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
 
 
 @triton.jit

@@ -236,8 +236,7 @@ def awq_zero_pairs(zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
-def awq_columns_tile(words, zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def awq_columns_tile(words, zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_K, BLOCK_N] in fp16 (FP16) or bf16: q - z of the 4-bit words [BLOCK_K, BLOCK_N / 8] packed along N in
     AWQ's order, zero_words [BLOCK_N / 8] their group's zero points (+ ZERO_OFFSET), exactly. On a GPU (ASM) by
     the pairs above; the interpreter takes plain integer operators."""
@@ -267,13 +266,18 @@ def awq_columns_tile(words, zero_words, ZERO_OFFSET: tl.constexpr, FP16: tl.cons
         c5 = _minus_zero(words, zero_words, 5, ZERO_OFFSET).to(dtype)
         c6 = _minus_zero(words, zero_words, 6, ZERO_OFFSET).to(dtype)
         c7 = _minus_zero(words, zero_words, 7, ZERO_OFFSET).to(dtype)
-    # [BLOCK_K, BLOCK_N / 8, 2, 2, 2], the last three dims the column's bits 2, 1, 0: column 8c + j in order
-    tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    return tl.reshape(tile, (BLOCK_K, BLOCK_N))
+    return interleave8(c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit
+def interleave8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """[M, C] x 8 -> [M, 8 C], column 8c + j from a_j (tl.join adds its new dimension last: innermost)."""
+    r = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+    return tl.reshape(r, (a0.shape[0], 8 * a0.shape[1]))
 
 
 @triton.jit
 def _minus_zero(words, zero_words, J: tl.constexpr, ZERO_OFFSET: tl.constexpr):
-    """float32 q - z of column 8c + J (AWQ's nibble order)."""
-    shift: tl.constexpr = ((J % 2) * 4 + J // 2) * 4
-    return (((words >> shift) & 15) - (((zero_words >> shift) & 15) + ZERO_OFFSET)[None, :]).to(tl.float32)
+    """float32 q - z of column 8c + J (AWQ's nibble order: field (J % 2) * 4 + J // 2)."""
+    F: tl.constexpr = (J % 2) * 4 + J // 2
+    return (((words >> (4 * F)) & 15) - zero_points(zero_words, F, ZERO_OFFSET, 4)[None, :]).to(tl.float32)

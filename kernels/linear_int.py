@@ -252,13 +252,13 @@ def linear_int(x: torch.Tensor, qweight, qzeros, scales, g_idx, group_size: int 
     # GPTQ g32's stream read 0.25-0.33 TB/s, 1.0-1.2x dequantize + cuBLAS's time. With mins (Q4_K, Q4_1, ...) it
     # reads 0.8-1.3 TB/s, a third of dequantize + cuBLAS's time.
     slow_stream = has_row_scales(packing.is_packed_along_k, group, packing.pack_factor) and mins is None
-    if STREAM_MAX_ROWS < x.shape[0] <= PAIR_GEMM_MAX_ROWS:
-        out_features = n // 2 if gated else n
-        pairs = pair_gemm_config(x.shape[0], out_features, gated, group, x.device)
-        if pair_tiles(packing, g_idx, group, pairs["BLOCK_K"], pairs["BLOCK_N"], x.dtype, mins, out_features % 8 == 0):
-            return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, pairs, mins)
-    if (slow_stream or not can_stream(packing, g_idx, group, x.shape[1], n // 2 if gated else n, x.shape[0],
-                                      STREAM_MAX_ROWS)) and x.shape[0] >= dequantize_min_rows:
+    out_features = n // 2 if gated else n
+    pairs = (layer_pair_config(x.shape[0], out_features, gated, group, packing, g_idx, x.dtype, mins, x.device)
+             if STREAM_MAX_ROWS < x.shape[0] <= PAIR_GEMM_MAX_ROWS else None)
+    if pairs is not None:
+        return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, pairs, mins)
+    if ((slow_stream or not can_stream(packing, g_idx, group, x.shape[1], out_features, x.shape[0], STREAM_MAX_ROWS))
+            and x.shape[0] >= dequantize_min_rows):
         return linear_int_dequantized(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins)
     return linear_int_triton(x, qweight, qzeros, scales, g_idx, group_size, packing, bias, gated, mins=mins)
 
@@ -332,7 +332,7 @@ def _pair_tile_dot(xv, qw_ptr, qz_ptr, s_ptr, k0, ks, k_mask, n0, n_mask, n_end,
                     other=0)
     group = k0 // group_size
     zero_words = tl.load(qz_ptr + group * stride_qz + pcol, mask=pcol_mask, other=0)
-    w = awq_columns_tile(words, zero_words, ZERO_OFFSET, FP16, ASM, BLOCK_K, BLOCK_N)
+    w = awq_columns_tile(words, zero_words, ZERO_OFFSET, FP16, ASM)
     if UPCAST:
         xv = xv.to(tl.float32)
         w = w.to(tl.float32)
@@ -359,7 +359,7 @@ def pair_gemm_config(num_rows: int, out_features: int, gated: bool, group_size: 
     columns (gated 64) while they give every SM a program, 8 warps from 128 columns (a gated tile's two halves
     count: a gated 64 x 64 at 4 spilled, a plain 128 x 64 at 8 took 1.5x the instructions), and as many stages
     (2-4) as shared memory holds. In the sm_90 SASS of 8B's linears at 128-2048 rows: 1.8-2.0 warp instructions a
-    thousand products (the float path: 2.7-5.4). Not yet timed on a GPU."""
+    thousand products (the float path: 2.7-5.4); timed on an H100 (PAIR_GEMM_MAX_ROWS)."""
     block_m = 64 if num_rows <= 64 else 128
     block_k = 128 if group_size % 128 == 0 else 64
     tiles_m = cdiv(num_rows, block_m)
@@ -372,6 +372,16 @@ def pair_gemm_config(num_rows: int, out_features: int, gated: bool, group_size: 
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
             "num_warps": 8 if block_n * halves >= 128 else 4, "num_stages": stages,
             "UNPACK_ONCE": True, "PAIRS": True}
+
+
+def layer_pair_config(num_rows: int, out_features: int, gated: bool, group_size: int, packing: IntPacking, g_idx,
+                      dtype: torch.dtype, mins, device: torch.device) -> dict | None:
+    """`pair_gemm_config`'s settings for this layer where `pair_tiles` takes it at them (whole words a column tile:
+    out_features a multiple of 8), else None."""
+    cfg = pair_gemm_config(num_rows, out_features, gated, group_size, device)
+    takes = pair_tiles(packing, g_idx, group_size, cfg["BLOCK_K"], cfg["BLOCK_N"], dtype, mins,
+                       out_features % packing.pack_factor == 0)
+    return cfg if takes else None
 
 
 def _packed_shape(qweight, qzeros, scales, g_idx, group_size, packing: IntPacking, mins) -> tuple[int, int]:
